@@ -1,0 +1,117 @@
+"""What a policy needs to know about models and instances, and the cost seam.
+
+`ModelProfile` and `InstanceSpec` are the scheduler's compact view of a fleet;
+`CostModel` is the Protocol a policy uses to predict step and switch times
+(sims.costmodel implements it from a roofline; the live pool may pass the same
+or one fitted to measured times).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from scheduler.fleet import GB, Fleet
+
+Role = Literal["mixed", "prefill", "decode"]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelProfile:
+    name: str
+    tp: int
+    weight_bytes: float  # whole model, all TP shards together
+    kv_bytes_per_token: int  # all shards together
+    max_context: int
+    ttft_slo_s: float
+    tpot_slo_s: float
+    rate_rps: float = 0.0  # traffic hint, 0 when unknown
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceSpec:
+    """One schedulable instance: `tp` GPUs that run one model shard-set at a time."""
+
+    instance_id: str
+    tp: int
+    memory_bytes: float  # usable device memory over its tp GPUs
+    role: Role = "mixed"
+
+
+class CostModel(Protocol):
+    def prefill_s(self, model: str, num_tokens: int, num_requests: int = 1) -> float:
+        """Time to prefill `num_tokens` prompt tokens over `num_requests` prompts."""
+        ...
+
+    def decode_step_s(self, model: str, batch_size: int, context_tokens: int) -> float:
+        """Time of one decode step for `batch_size` requests holding `context_tokens` in total."""
+        ...
+
+    def switch_s(self, model: str) -> float:
+        """Time to bring `model`'s weights from the host cache onto an instance."""
+        ...
+
+    def kv_move_s(self, model: str, num_tokens: int) -> float:
+        """Time to move `num_tokens` tokens of KV between host and device."""
+        ...
+
+
+def model_profiles(fleet: Fleet) -> dict[str, ModelProfile]:
+    """The scheduler's view of every model in the fleet."""
+    out: dict[str, ModelProfile] = {}
+    for entry in fleet.models:
+        slo = fleet.slo(entry)
+        out[entry.name] = ModelProfile(
+            name=entry.name, tp=entry.tp, weight_bytes=entry.arch.weight_bytes,
+            kv_bytes_per_token=entry.arch.kv_bytes_per_token, max_context=entry.arch.max_context,
+            ttft_slo_s=slo.ttft_s, tpot_slo_s=slo.tpot_s,
+            rate_rps=entry.traffic.rate_rps if entry.traffic else 0.0,
+        )
+    return out
+
+
+def make_instances(
+    fleet: Fleet, num_gpus: int | None = None, *, split: bool = False,
+    prefill_fraction: float | None = None, gpus_by_tp: dict[int, int] | None = None,
+) -> list[InstanceSpec]:
+    """Cut the pool's GPUs into instances, one TP class per distinct model TP.
+
+    GPUs go to TP classes in proportion to their models' traffic (weights
+    when no traffic is given), at least one instance per class. With `split`
+    each class is divided into prefill and decode instances (token-level).
+    """
+    total = num_gpus or fleet.pool.num_gpus
+    per_gpu = fleet.gpu().memory_gb * GB * fleet.pool.gpu_memory_utilization
+    if gpus_by_tp is None:
+        gpus_by_tp = _gpus_per_tp_class(fleet, total, minimum=2 if split else 1)
+    fraction = fleet.pool.prefill_fraction if prefill_fraction is None else prefill_fraction
+    out: list[InstanceSpec] = []
+    for tp, gpus in sorted(gpus_by_tp.items()):
+        count = gpus // tp
+        roles: list[Role] = ["mixed"] * count
+        if split:
+            num_prefill = min(max(1, round(count * fraction)), count - 1) if count > 1 else 0
+            roles = ["prefill"] * num_prefill + ["decode"] * (count - num_prefill)
+        for index, role in enumerate(roles):
+            out.append(InstanceSpec(f"tp{tp}-{index}", tp, per_gpu * tp, role))
+    return out
+
+
+def _gpus_per_tp_class(fleet: Fleet, total: int, minimum: int) -> dict[int, int]:
+    weight: dict[int, float] = {}
+    for entry in fleet.models:
+        share = entry.traffic.rate_rps if entry.traffic else 0.0
+        weight[entry.tp] = weight.get(entry.tp, 0.0) + share * entry.tp + 1e-9 * entry.arch.weight_bytes / GB
+    need = {tp: tp * minimum for tp in weight}
+    if sum(need.values()) > total:
+        raise ValueError(f"{total} GPUs cannot hold {minimum} instance(s) of each TP class {sorted(need)} (need {sum(need.values())})")
+    spare = total - sum(need.values())
+    norm = sum(weight.values())
+    out = dict(need)
+    for tp in sorted(weight, key=lambda t: -weight[t]):
+        extra = math.floor(spare * weight[tp] / norm / tp) * tp
+        out[tp] += extra
+    smallest = min(weight)  # what rounding left goes to the smallest TP class
+    out[smallest] += (total - sum(out.values())) // smallest * smallest
+    return out

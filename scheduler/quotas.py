@@ -1,0 +1,45 @@
+"""Aegaeon's decode time quotas: how long each batch of a round may decode.
+
+With d_i the predicted step time of batch i, n_i = TPOT_SLO / d_i the tokens it
+may produce per SLO period, and c0 the switching overhead of one round:
+
+    alpha = max(c0 / (min_i n_i * Q_max) + sum_j 1/n_j, 0.5)
+    q_i   = c0 / (n_i * (alpha - sum_j 1/n_j))
+
+Every batch then spends alpha * TPOT_SLO per token on average over a round;
+alpha <= 1 means the pace SLO holds. (Aegaeon, SOSP'25, section 4; its artifact.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def decode_quotas(step_times_s: Sequence[float], tpot_slo_s: float, switch_time_s: float,
+                  max_quota_s: float = 4.0) -> list[float]:
+    """Time quota (seconds) per batch of one round, in the order given.
+
+    With no switching overhead (c0 = 0) the formula degenerates; any turn
+    length then keeps the pace, so the slowest batch gets `max_quota_s` and
+    the others proportionally less (the c0 > 0 branch's limit when the
+    Q_max term dominates).
+    """
+    if not step_times_s:
+        return []
+    if tpot_slo_s <= 0 or max_quota_s <= 0 or switch_time_s < 0 or min(step_times_s) <= 0:
+        raise ValueError(f"need positive step times, TPOT SLO and max quota and c0 >= 0; got "
+                         f"d={list(step_times_s)}, tpot={tpot_slo_s}, c0={switch_time_s}, q_max={max_quota_s}")
+    n = [tpot_slo_s / d for d in step_times_s]
+    n_min = min(n)
+    if switch_time_s == 0:
+        return [max_quota_s * n_min / n_i for n_i in n]
+    inverse_sum = sum(1.0 / n_i for n_i in n)
+    alpha = max(switch_time_s / (n_min * max_quota_s) + inverse_sum, 0.5)
+    return [switch_time_s / (n_i * (alpha - inverse_sum)) for n_i in n]
+
+
+def round_alpha(step_times_s: Sequence[float], tpot_slo_s: float, switch_time_s: float,
+                max_quota_s: float = 4.0) -> float:
+    """The round's pace factor alpha (mean time per token / TPOT SLO)."""
+    n = [tpot_slo_s / d for d in step_times_s]
+    return max(switch_time_s / (min(n) * max_quota_s) + sum(1.0 / n_i for n_i in n), 0.5)
