@@ -1,0 +1,50 @@
+"""modelpool's scheduler: pure policy that decides and never acts.
+
+`Scheduler.submit(request, now)`, `on_event(event, now)` and `schedule(now) ->
+Plan` are the whole contract; the simulator and the live pool drive the same
+objects, differing only in their clock and in the executor that carries a Plan
+out. This package does no I/O, reads no clock and imports only the standard
+library, pydantic and numpy.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+from scheduler.clock import Clock, ManualClock
+from scheduler.costs import CostModel, InstanceSpec, ModelProfile, make_instances, model_profiles
+from scheduler.plan import (Action, Cancelled, Decode, Event, InstanceAdded, InstanceLost, KvMoved, Plan, Prefetch,
+                            Prefill, StepDone, Stop, SwapIn, SwapOut, Switch, SwitchDone)
+from scheduler.policies import POLICIES
+from scheduler.quotas import decode_quotas
+from scheduler.request import TERMINAL, IllegalTransition, Request, RequestStatus, transition
+
+
+class Scheduler(Protocol):
+    name: str
+
+    def submit(self, request: Request, now: float) -> None: ...
+
+    def on_event(self, event: Event, now: float) -> None: ...
+
+    def schedule(self, now: float) -> Plan: ...
+
+
+def make_scheduler(policy: str, models: Mapping[str, ModelProfile], instances: Sequence[InstanceSpec],
+                   costs: CostModel, *, rng: random.Random | None = None, **options: Any) -> Scheduler:
+    """Build the named policy (`dedicated`, `request-level`, `spatial`, `token-level`)."""
+    try:
+        cls = POLICIES[policy]
+    except KeyError:
+        raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}") from None
+    return cls(models, instances, costs, rng=rng, **options)
+
+
+__all__ = [
+    "Action", "Cancelled", "Clock", "CostModel", "Decode", "Event", "IllegalTransition", "InstanceAdded",
+    "InstanceLost", "InstanceSpec", "KvMoved", "ManualClock", "ModelProfile", "POLICIES", "Plan", "Prefetch",
+    "Prefill", "Request", "RequestStatus", "Scheduler", "StepDone", "Stop", "SwapIn", "SwapOut", "Switch",
+    "SwitchDone", "TERMINAL", "decode_quotas", "make_instances", "make_scheduler", "model_profiles", "transition",
+]

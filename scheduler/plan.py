@@ -17,10 +17,12 @@ Ids = tuple[str, ...]
 # ---- actions (imperative) ----------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class Switch:
-    """Make `model` the instance's active model (weights in, previous out)."""
+    """Make `model` the instance's active model: weights in, the previous ones
+    out (or kept beside it with `evict=False`, for co-location)."""
 
     model: str
     reason: str
+    evict: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,317 @@
+"""What every policy shares: the request table, instance state, KV accounting
+and the bookkeeping of events against the actions that caused them.
+
+KV accounting is *planned*: a Prefill or SwapIn reserves device KV when it is
+planned, a SwapOut releases it when planned (it runs before anything planned
+after it on the same instance), finishing or moving KV to host after a
+prefill releases it when reported. So `kv_used_bytes <= kv_capacity_bytes`
+holds at every moment, counting what is already promised.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from scheduler.costs import CostModel, InstanceSpec, ModelProfile
+from scheduler.plan import (Action, Cancelled, Decode, Event, InstanceAdded, InstanceLost, KvMoved, Plan, Prefill,
+                            Stop, StepDone, SwapIn, SwapOut, Switch, SwitchDone)
+from scheduler.request import TERMINAL, Request, RequestStatus, transition
+
+S = RequestStatus
+_EVENTFUL = (Switch, Prefill, Decode, SwapOut, SwapIn)  # actions the executor answers with an event
+
+
+@dataclass(slots=True, eq=False)
+class InstanceState:
+    spec: InstanceSpec
+    kv_capacity_bytes: float
+    active: str | None = None  # model whose weights are current
+    resident: set[str] = field(default_factory=set)  # all models with weights on the device
+    prefetched: str | None = None
+    inflight: deque[Action] = field(default_factory=deque)  # eventful actions not yet reported
+    kv_used_bytes: float = 0.0
+    on_device: set[str] = field(default_factory=set)  # requests whose KV is (or will be) on the device
+    stopping: bool = False
+    lost: bool = False
+    last_used_at: float = float("-inf")
+
+    @property
+    def instance_id(self) -> str:
+        return self.spec.instance_id
+
+    @property
+    def idle(self) -> bool:
+        return not self.inflight and not self.lost
+
+    @property
+    def decoding(self) -> bool:
+        return bool(self.inflight) and isinstance(self.inflight[-1], Decode)
+
+    @property
+    def kv_free_bytes(self) -> float:
+        return self.kv_capacity_bytes - self.kv_used_bytes
+
+
+class PolicyBase:
+    """Shared machinery; subclasses implement `_plan(now)` (and a few hooks)."""
+
+    name = "base"
+
+    def __init__(self, models: Mapping[str, ModelProfile], instances: Sequence[InstanceSpec], costs: CostModel, *,
+                 max_batch_size: int = 256, max_prefill_tokens: int = 8192, rng: random.Random | None = None) -> None:
+        self.models = dict(models)
+        self.costs = costs
+        self.max_batch_size = max_batch_size
+        self.max_prefill_tokens = max_prefill_tokens
+        self.rng = rng or random.Random(0)
+        self.requests: dict[str, Request] = {}
+        self.queues: dict[str, deque[str]] = {name: deque() for name in self.models}  # QUEUED, not yet placed
+        self.instances: dict[str, InstanceState] = {}
+        self._failed: list[tuple[str, str]] = []
+        for spec in instances:
+            self.instances[spec.instance_id] = InstanceState(spec, self._kv_capacity(spec))
+
+    # ---- the contract ------------------------------------------------------------
+    def submit(self, request: Request, now: float) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} submitted twice")
+        self.requests[request.request_id] = request
+        why = self._refuse(request)
+        if why:
+            self._fail(request, why)
+            return
+        request.kv_reserved_bytes = 0.0
+        self.queues[request.model].append(request.request_id)
+
+    def on_event(self, event: Event, now: float) -> None:
+        if isinstance(event, Cancelled):
+            self._cancel(event, now)
+            return
+        if isinstance(event, InstanceLost):
+            self._lose(self.instances[event.instance_id], event.reason or "instance lost", now)
+            return
+        if isinstance(event, InstanceAdded):
+            self._add_instance(event.instance_id)
+            return
+        inst = self.instances[event.instance_id]
+        if inst.lost:
+            return  # a late report from an instance already written off
+        action = inst.inflight.popleft()
+        if isinstance(event, StepDone):
+            if not isinstance(action, (Prefill, Decode)):
+                raise RuntimeError(f"{inst.instance_id}: StepDone answers {type(action).__name__}")
+            inst.last_used_at = now
+            self._step_done(inst, event, action, now)
+            if isinstance(action, Decode):
+                inst.stopping = False
+        elif isinstance(event, SwitchDone):
+            inst.active = event.model
+            if inst.prefetched == event.model:
+                inst.prefetched = None
+        elif isinstance(event, KvMoved):
+            for rid in event.request_ids:
+                req = self.requests[rid]
+                if req.done:
+                    continue
+                if event.to == "host" and req.status is S.RUNNING:
+                    transition(req, S.SWAPPED)
+                elif event.to == "device" and req.status is S.SWAPPED:
+                    transition(req, S.RUNNING)
+        self._after_event(inst, event, now)
+
+    def schedule(self, now: float) -> Plan:
+        actions = self._plan(now)
+        plan_actions: dict[str, tuple[Action, ...]] = {}
+        for iid, acts in actions.items():
+            if not acts:
+                continue
+            inst = self.instances[iid]
+            for act in acts:
+                if isinstance(act, _EVENTFUL):
+                    inst.inflight.append(act)
+                elif isinstance(act, Stop):
+                    inst.stopping = True
+            plan_actions[iid] = tuple(acts)
+        failed, self._failed = tuple(self._failed), []
+        return Plan(at=now, actions=plan_actions, failed=failed)
+
+    # ---- hooks for subclasses ----------------------------------------------------------
+    def _plan(self, now: float) -> dict[str, list[Action]]:
+        raise NotImplementedError
+
+    def _kv_capacity(self, spec: InstanceSpec) -> float:
+        """Device KV bytes left on an instance once its model weights are in."""
+        biggest = max((m.weight_bytes for m in self.models.values() if m.tp == spec.tp), default=0.0)
+        return spec.memory_bytes - biggest
+
+    def _after_event(self, inst: InstanceState, event: Event, now: float) -> None:
+        """Called after the shared handling of an instance's event."""
+
+    def _forget(self, request: Request) -> None:
+        """Drop a request that ended or was re-queued from policy-specific structures."""
+
+    def _add_instance(self, instance_id: str) -> None:
+        inst = self.instances[instance_id]
+        inst.lost, inst.inflight, inst.active, inst.prefetched = False, deque(), None, None
+        inst.resident.clear(), inst.on_device.clear()
+        inst.kv_used_bytes, inst.stopping = 0.0, False
+
+    # ---- shared pieces -------------------------------------------------------------
+    def kv_need_bytes(self, request: Request) -> float:
+        model = self.models[request.model]
+        return model.kv_bytes_per_token * min(request.prompt_tokens + request.max_output_tokens, model.max_context)
+
+    def _refuse(self, request: Request) -> str:
+        model = self.models.get(request.model)
+        if model is None:
+            return f"unknown model {request.model!r}"
+        if request.prompt_tokens < 1 or request.max_output_tokens < 1:
+            return f"prompt_tokens ({request.prompt_tokens}) and max_output_tokens ({request.max_output_tokens}) must be >= 1"
+        if request.prompt_tokens + request.max_output_tokens > model.max_context:
+            return (f"prompt ({request.prompt_tokens}) + max output ({request.max_output_tokens}) tokens exceed "
+                    f"{request.model}'s context of {model.max_context}")
+        if self.kv_need_bytes(request) > self.kv_room(request.model):
+            return f"request needs {self.kv_need_bytes(request) / 1e9:.2f} GB of KV; no instance of {request.model} has that much"
+        return ""
+
+    def kv_room(self, model: str) -> float:
+        """The most device KV any instance could ever give one request of `model`."""
+        tp = self.models[model].tp
+        return max((i.kv_capacity_bytes for i in self.instances.values() if i.spec.tp == tp), default=0.0)
+
+    def _fail(self, request: Request, why: str) -> None:
+        self._release(request)
+        transition(request, S.FAILED, why)
+        self._forget(request)
+        self._failed.append((request.request_id, why))
+
+    def _reserve(self, inst: InstanceState, request: Request) -> None:
+        need = self.kv_need_bytes(request)
+        inst.kv_used_bytes += need
+        inst.on_device.add(request.request_id)
+        request.kv_reserved_bytes = need
+        request.instance_id = inst.instance_id
+
+    def _release(self, request: Request) -> None:
+        """Give back the device KV a request holds (if any)."""
+        if request.kv_reserved_bytes and request.instance_id is not None:
+            inst = self.instances[request.instance_id]
+            inst.kv_used_bytes -= request.kv_reserved_bytes
+            inst.on_device.discard(request.request_id)
+            if not inst.on_device:
+                inst.kv_used_bytes = 0.0  # no drift from float sums
+        request.kv_reserved_bytes = 0.0
+
+    def _step_done(self, inst: InstanceState, event: StepDone, action: Prefill | Decode, now: float) -> None:
+        finished = set(event.finished_ids)
+        to_host = isinstance(action, Prefill) and action.kv_to_host
+        for rid in event.request_ids:
+            req = self.requests[rid]
+            if req.done:
+                continue
+            req.num_output_tokens += event.num_steps
+            if rid in finished or req.remaining_tokens <= 0:
+                self._release(req)
+                transition(req, S.FINISHED)
+                self._forget(req)
+            elif req.status is S.PREFILLING:
+                if to_host:
+                    self._release(req)
+                    transition(req, S.SWAPPED)
+                else:
+                    transition(req, S.RUNNING)
+
+    def _cancel(self, event: Cancelled, now: float) -> None:
+        req = self.requests.get(event.request_id)
+        if req is None or req.done:
+            return
+        if req.status is S.QUEUED:
+            self._drop_from_queue(req)
+        self._release(req)
+        transition(req, S.CANCELLED, event.reason)
+        self._forget(req)
+
+    def _drop_from_queue(self, req: Request) -> None:
+        try:
+            self.queues[req.model].remove(req.request_id)
+        except ValueError:
+            pass  # placed with an instance already; the policy's _forget drops it there
+
+    def _lose(self, inst: InstanceState, why: str, now: float) -> None:
+        inst.lost = True
+        inst.inflight.clear()
+        inst.active, inst.prefetched, inst.stopping = None, None, False
+        inst.resident.clear()
+        victims = [r for r in self.requests.values() if r.instance_id == inst.instance_id and not r.done]
+        for req in sorted(victims, key=lambda r: r.arrival_at, reverse=True):
+            self._release(req)
+            self._forget(req)
+            req.instance_id = None
+            if req.status is not S.QUEUED:
+                transition(req, S.QUEUED, why)
+            self.queues[req.model].appendleft(req.request_id)  # oldest ends up first
+        inst.on_device.clear()
+        inst.kv_used_bytes = 0.0
+
+    def live(self, ids: Iterable[str]) -> list[str]:
+        return [rid for rid in ids if self.requests[rid].status not in TERMINAL]
+
+    def take_prefill_batch(self, inst: InstanceState, queue: deque[str], running: int = 0) -> list[Request]:
+        """Pop queued requests FCFS that fit the instance's KV, the batch cap and the token budget."""
+        batch: list[Request] = []
+        tokens = 0
+        while queue and running + len(batch) < self.max_batch_size:
+            req = self.requests[queue[0]]
+            need_tokens = req.context_tokens
+            if batch and tokens + need_tokens > self.max_prefill_tokens:
+                break
+            if self.kv_need_bytes(req) > inst.kv_free_bytes:
+                break
+            queue.popleft()
+            self._reserve(inst, req)
+            transition(req, S.PREFILLING)
+            tokens += need_tokens
+            batch.append(req)
+        return batch
+
+    def decode_steps(self, ids: Sequence[str]) -> int:
+        """Steps until the first request of a batch reaches its token limit."""
+        return max(1, min(self.requests[rid].remaining_tokens for rid in ids))
+
+    def running_on(self, inst: InstanceState) -> list[str]:
+        return sorted((rid for rid in inst.on_device if self.requests[rid].status is S.RUNNING),
+                      key=lambda rid: (self.requests[rid].arrival_at, rid))
+
+    # ---- continuous batching on one instance (dedicated, request-level, spatial) -----
+    def continuous_step(self, inst: InstanceState, models: Sequence[str]) -> list[Action]:
+        """vLLM-style iteration: admit queued prompts that fit (prefill first), else decode all running."""
+        running = self.running_on(inst)
+        actions: list[Action] = []
+        admitted = 0
+        for model in sorted(models, key=self._head_arrival):
+            batch = self.take_prefill_batch(inst, self.queues[model], len(running) + admitted)
+            if batch:
+                admitted += len(batch)
+                actions.append(Prefill(tuple(r.request_id for r in batch), reason=f"admit {len(batch)} queued {model}"))
+        if actions or not running:
+            return actions
+        return [Decode(tuple(running), self.decode_steps(running), reason=f"continue batch of {len(running)}")]
+
+    def _head_arrival(self, model: str) -> tuple[float, str]:
+        queue = self.queues[model]
+        return (self.requests[queue[0]].arrival_at, model) if queue else (float("inf"), model)
+
+    def stop_to_admit(self, model: str, candidates: Iterable[InstanceState]) -> InstanceState | None:
+        """A decoding instance to interrupt so that `model`'s head request can be admitted."""
+        queue = self.queues[model]
+        if not queue:
+            return None
+        need = self.kv_need_bytes(self.requests[queue[0]])
+        for inst in candidates:
+            if (inst.decoding and not inst.stopping and need <= inst.kv_free_bytes
+                    and len(inst.on_device) < self.max_batch_size):
+                return inst
+        return None
