@@ -201,7 +201,7 @@ class Fleet(_Frozen):
 
     @model_validator(mode="after")
     def _check_whole(self) -> Fleet:
-        problems = fleet_problems(self)
+        problems = fleet_problems(self.pool, self.gpus, list(enumerate(self.models)))
         if problems:
             raise FleetProblem(problems)
         return self
@@ -222,25 +222,29 @@ class Fleet(_Frozen):
         raise KeyError(name)
 
 
-def fleet_problems(fleet: Fleet) -> list[tuple[tuple[str | int, ...], str]]:
-    """Checks that need more than one field: GPU known, names unique, TP fits."""
+def fleet_problems(pool: PoolSpec, gpus: dict[str, GpuSpec],
+                   models: list[tuple[int, ModelEntry]]) -> list[tuple[tuple[str | int, ...], str]]:
+    """Checks that need more than one field: GPU known, names unique, TP fits.
+
+    `models` pairs each entry with its index in the file, so a caller can run
+    the checks over the entries that passed field validation.
+    """
     problems: list[tuple[tuple[str | int, ...], str]] = []
-    gpu_key = fleet.pool.gpu.lower()
-    if gpu_key not in fleet.gpus and gpu_key not in GPUS:
-        known = ", ".join(sorted(set(GPUS) | set(fleet.gpus)))
-        problems.append((("pool", "gpu"), f"unknown GPU {fleet.pool.gpu!r}; known: {known}"))
+    gpu_key = pool.gpu.lower()
+    catalogue = {**GPUS, **gpus}
+    if gpu_key not in catalogue:
+        problems.append((("pool", "gpu"), f"unknown GPU {pool.gpu!r}; known: {', '.join(sorted(catalogue))}"))
         return problems
-    gpu = fleet.gpu()
-    usable = gpu.memory_gb * GB * fleet.pool.gpu_memory_utilization
+    usable = catalogue[gpu_key].memory_gb * GB * pool.gpu_memory_utilization
     seen: dict[str, int] = {}
-    for index, entry in enumerate(fleet.models):
+    for index, entry in models:
         if entry.name in seen:
             problems.append((("models", index, "name"), f"duplicate model name {entry.name!r} (first at models[{seen[entry.name]}])"))
         seen.setdefault(entry.name, index)
-        if entry.tp > fleet.pool.gpus_per_node:
-            problems.append((("models", index, "tp"), f"tp {entry.tp} exceeds pool.gpus_per_node {fleet.pool.gpus_per_node}"))
-        if entry.tp > fleet.pool.num_gpus:
-            problems.append((("models", index, "tp"), f"tp {entry.tp} exceeds pool.num_gpus {fleet.pool.num_gpus}"))
+        if entry.tp > pool.gpus_per_node:
+            problems.append((("models", index, "tp"), f"tp {entry.tp} exceeds pool.gpus_per_node {pool.gpus_per_node}"))
+        elif entry.tp > pool.num_gpus:
+            problems.append((("models", index, "tp"), f"tp {entry.tp} exceeds pool.num_gpus {pool.num_gpus}"))
         per_gpu = entry.arch.weight_bytes / entry.tp
         if per_gpu > 0.9 * usable:
             need = math.ceil(entry.arch.weight_bytes / (0.9 * usable))

@@ -177,7 +177,7 @@ class TokenLevelPolicy(PolicyBase):
 
     def _decode_step(self, inst: InstanceState) -> list[Action]:
         state = self.decoders[inst.instance_id]
-        if state.turn >= 0 and state.steps_left > 0 and not state.new_round:
+        if 0 <= state.turn < len(state.batches) and state.steps_left > 0 and not state.new_round:
             batch = state.batches[state.turn]
             live = [rid for rid in batch.ids if self.requests[rid].status is S.RUNNING
                     and self.requests[rid].instance_id == inst.instance_id]
@@ -198,7 +198,7 @@ class TokenLevelPolicy(PolicyBase):
         return []
 
     def _new_round(self, inst: InstanceState, state: DecodeState) -> None:
-        state.new_round, state.turn = False, 0
+        state.new_round, state.turn, state.steps_left = False, 0, 0
         cap = inst.kv_capacity_bytes
         batches: list[Batch] = []
         open_batch: dict[str, Batch] = {}

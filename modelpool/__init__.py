@@ -1,0 +1,1 @@
+"""modelpool: the composition root - CLI and fleet-file loading over scheduler, sims and pool."""

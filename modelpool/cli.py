@@ -1,0 +1,61 @@
+"""The `modelpool` command line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from modelpool.config import FleetFileError, load_fleet
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Serve many LLMs from one GPU pool; simulate and plan its capacity.")
+err = Console(stderr=True)
+out = Console()
+
+FLEET = typer.Option(Path("models.yaml"), "--fleet", "-f", help="Fleet file (models.yaml).")
+
+
+@app.command()
+def validate(path: Path = typer.Argument(Path("models.yaml"), help="Fleet file to check.")) -> None:
+    """Check a fleet file; print every problem with file:line:column and field."""
+    try:
+        fleet = load_fleet(path)
+    except FleetFileError as exc:
+        for problem in exc.problems:
+            typer.echo(str(problem), err=True)
+        typer.echo(f"{len(exc.problems)} problem(s) in {path}", err=True)
+        raise typer.Exit(1) from None
+    gpu = fleet.gpu()
+    table = Table(title=f"{path}: {len(fleet.models)} models on {fleet.pool.num_gpus} x {fleet.pool.gpu}")
+    for column in ("model", "arch", "params", "tp", "weights GB/GPU", "KV KB/token", "TTFT/TPOT SLO", "rate req/s"):
+        table.add_column(column)
+    for entry in fleet.models:
+        slo = fleet.slo(entry)
+        table.add_row(entry.name, entry.arch_name or entry.arch.family, f"{entry.arch.params / 1e9:.1f}B", str(entry.tp),
+                      f"{entry.arch.weight_bytes / entry.tp / 1e9:.1f}", f"{entry.arch.kv_bytes_per_token / 1024:.0f}",
+                      f"{slo.ttft_s:g} s / {slo.tpot_s * 1000:g} ms",
+                      f"{entry.traffic.rate_rps:.4f}" if entry.traffic else "-")
+    out.print(table)
+    out.print(f"OK: {path} is valid ({gpu.memory_gb:g} GB per {fleet.pool.gpu.upper()}).")
+
+
+@app.command()
+def schema() -> None:
+    """Print the JSON Schema of models.yaml (for editors: yaml-language-server)."""
+    from scheduler.fleet import Fleet
+
+    doc = Fleet.model_json_schema()
+    doc["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    doc["title"] = "modelpool fleet (models.yaml)"
+    # `arch` may also be a catalogue key or a folder path; the loader resolves those to objects
+    models = doc["$defs"]["ModelEntry"]["properties"]
+    models["arch"] = {"anyOf": [{"type": "string"}, {"$ref": "#/$defs/Arch"}], "description": models["arch"]["description"]}
+    typer.echo(json.dumps(doc, indent=2))
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,154 @@
+"""Each policy on small hand-built scenarios: assert on the Plans it returns."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler import (Decode, KvMoved, Prefetch, Prefill, StepDone, Stop, SwapIn, SwapOut, Switch, SwitchDone,
+                       make_scheduler)
+from tests.factories import LinearCosts, make_instances, make_models, make_request
+
+
+def ops(plan, iid):
+    return [type(a).__name__ for a in plan.actions.get(iid, ())]
+
+
+def test_dedicated_loads_its_model_once_then_batches_continuously() -> None:
+    sched = make_scheduler("dedicated", make_models(2), make_instances(2), LinearCosts())
+    plan = sched.schedule(0.0)
+    assert plan.actions == {"i0": (Switch("m0", reason="load the instance's own model"),),
+                            "i1": (Switch("m1", reason="load the instance's own model"),)}
+    sched.on_event(SwitchDone("i0", "m0"), 0.5)
+    sched.on_event(SwitchDone("i1", "m1"), 0.5)
+    for k in range(3):
+        sched.submit(make_request(f"r{k}", "m0", 0.6), 0.6)
+    plan = sched.schedule(0.6)
+    (prefill,) = plan.actions["i0"]
+    assert isinstance(prefill, Prefill) and prefill.request_ids == ("r0", "r1", "r2")
+    assert "i1" not in plan.actions  # m1's instance never serves m0
+    sched.on_event(StepDone("i0", "prefill", ("r0", "r1", "r2"), 1), 0.7)
+    (decode,) = sched.schedule(0.7).actions["i0"]
+    assert isinstance(decode, Decode) and decode.request_ids == ("r0", "r1", "r2") and decode.max_steps == 19
+    # a new m0 request while i0 decodes: stop at the next token boundary to admit it
+    sched.submit(make_request("r3", "m0", 0.8), 0.8)
+    assert isinstance(sched.schedule(0.8).actions["i0"][0], Stop)
+    sched.on_event(StepDone("i0", "decode", ("r0", "r1", "r2"), 5), 0.85)
+    (prefill,) = sched.schedule(0.85).actions["i0"]
+    assert prefill.request_ids == ("r3",)
+
+
+def test_dedicated_gives_spare_instances_to_the_busiest_model() -> None:
+    sched = make_scheduler("dedicated", make_models(2, rates=[5.0, 0.1]), make_instances(3), LinearCosts())
+    assert sorted(sched.owner.values()) == ["m0", "m0", "m1"]
+
+
+def test_dedicated_refuses_a_pool_too_small() -> None:
+    with pytest.raises(ValueError, match="needs 3 TP1 instances"):
+        make_scheduler("dedicated", make_models(3), make_instances(2), LinearCosts())
+
+
+def test_request_level_switches_a_free_instance_and_never_evicts_a_busy_model() -> None:
+    sched = make_scheduler("request-level", make_models(3), make_instances(1), LinearCosts())
+    sched.submit(make_request("a", "m0", 0.0), 0.0)
+    plan = sched.schedule(0.0)
+    assert ops(plan, "i0") == ["Switch", "Prefill"] and plan.actions["i0"][0].model == "m0"
+    sched.on_event(SwitchDone("i0", "m0"), 0.5)
+    sched.on_event(StepDone("i0", "prefill", ("a",), 1), 0.6)
+    sched.submit(make_request("b", "m1", 0.6), 0.6)
+    plan = sched.schedule(0.6)
+    assert ops(plan, "i0") == ["Decode"]  # m1 waits: m0 still has a running request
+    sched.on_event(StepDone("i0", "decode", ("a",), 19, ("a",)), 1.0)
+    plan = sched.schedule(1.0)
+    assert ops(plan, "i0") == ["Switch", "Prefill"] and plan.actions["i0"][0].model == "m1"
+    assert "evict LRU idle m0" in plan.actions["i0"][0].reason
+
+
+def test_spatial_colocates_models_that_fit_and_decodes_them_together() -> None:
+    models = make_models(3, weight_gb=20.0)
+    sched = make_scheduler("spatial", models, make_instances(1, memory_gb=80.0), LinearCosts())
+    assert sched.placement == {"i0": ["m0", "m1", "m2"]}
+    plan = sched.schedule(0.0)
+    assert [a.evict for a in plan.actions["i0"]] == [False, False, False]
+    for m in ("m0", "m1", "m2"):
+        sched.on_event(SwitchDone("i0", m), 0.5)
+    sched.submit(make_request("a", "m0", 1.0), 1.0)
+    sched.submit(make_request("b", "m2", 1.0), 1.0)
+    plan = sched.schedule(1.0)
+    assert ops(plan, "i0") == ["Prefill", "Prefill"]
+    sched.on_event(StepDone("i0", "prefill", ("a",), 1), 1.1)
+    sched.on_event(StepDone("i0", "prefill", ("b",), 1), 1.2)
+    (decode,) = sched.schedule(1.2).actions["i0"]
+    assert set(decode.request_ids) == {"a", "b"}  # one step advances both models
+
+
+def test_spatial_refuses_a_model_that_fits_nowhere() -> None:
+    models = make_models(3, weight_gb=35.0)
+    sched = make_scheduler("spatial", models, make_instances(1, memory_gb=80.0), LinearCosts())
+    sched.submit(make_request("a", "m2", 0.0), 0.0)
+    plan = sched.schedule(0.0)
+    assert plan.failed and plan.failed[0][0] == "a" and "no instance with memory" in plan.failed[0][1]
+
+
+def _token_level(**options):
+    models = make_models(3)
+    instances = make_instances(2, roles=["prefill", "decode"])
+    return make_scheduler("token-level", models, instances, LinearCosts(), **options)
+
+
+def test_token_level_groups_fcfs_prefills_switches_and_prefetches() -> None:
+    sched = _token_level()
+    sched.submit(make_request("a", "m0", 0.0), 0.0)
+    sched.submit(make_request("b", "m1", 0.1), 0.1)
+    sched.submit(make_request("c", "m0", 0.2), 0.2)
+    plan = sched.schedule(0.2)
+    acts = plan.actions["i0"]
+    assert [type(a) for a in acts] == [Switch, Prefill, Prefetch]
+    assert acts[0].model == "m0" and acts[1].request_ids == ("a", "c") and acts[1].kv_to_host
+    assert acts[2].model == "m1"  # the next group's model, fetched while m0 prefills
+    assert [g.model for g in sched.groups["i0"]] == ["m1"]
+
+
+def test_token_level_decode_rounds_swap_kv_and_switch_per_turn() -> None:
+    sched = _token_level()
+    for rid, model in (("a", "m0"), ("b", "m1")):
+        sched.submit(make_request(rid, model, 0.0, max_output_tokens=500), 0.0)
+    plan = sched.schedule(0.0)
+    sched.on_event(SwitchDone("i0", "m0"), 0.5)
+    sched.on_event(StepDone("i0", "prefill", ("a",), 1), 0.6)
+    assert sched.requests["a"].instance_id == "i1"
+    plan = sched.schedule(0.6)
+    assert ops(plan, "i1") == ["Switch", "SwapIn", "Decode"]  # a sole batch: open-ended turn
+    assert plan.actions["i1"][2].max_steps == 499
+    # b arrives on the decoder while a's open-ended turn runs: stop it, start a two-batch round
+    sched.on_event(SwitchDone("i0", "m1"), 1.0)
+    sched.on_event(StepDone("i0", "prefill", ("b",), 1), 1.1)
+    assert ops(sched.schedule(1.1), "i1") == ["Stop"]
+    sched.on_event(SwitchDone("i1", "m0"), 1.1)
+    sched.on_event(KvMoved("i1", ("a",), "device"), 1.1)
+    sched.on_event(StepDone("i1", "decode", ("a",), 3), 1.2)
+    plan = sched.schedule(1.2)
+    acts = plan.actions["i1"]
+    assert [type(a) for a in acts] == [Decode, Prefetch]  # the new round starts with a (FCFS) on device
+    assert acts[0].request_ids == ("a",) and acts[0].max_steps < 496 and "quota" in acts[0].reason
+    sched.on_event(StepDone("i1", "decode", ("a",), acts[0].max_steps), 2.0)
+    acts = sched.schedule(2.0).actions["i1"]
+    assert [type(a) for a in acts] == [SwapOut, Switch, SwapIn, Decode, Prefetch]
+    assert acts[0].request_ids == ("a",) and acts[1].model == "m1" and acts[2].request_ids == ("b",)
+
+
+def test_token_level_needs_prefill_and_decode_instances() -> None:
+    with pytest.raises(ValueError, match="needs prefill and decode instances"):
+        make_scheduler("token-level", make_models(1), make_instances(1, roles=["decode"]), LinearCosts())
+
+
+def test_unknown_model_and_oversized_requests_fail_cleanly() -> None:
+    sched = make_scheduler("dedicated", make_models(1), make_instances(1), LinearCosts())
+    sched.submit(make_request("x", "nope"), 0.0)
+    sched.submit(make_request("y", "m0", prompt_tokens=40000), 0.0)
+    failed = dict(sched.schedule(0.0).failed)
+    assert "unknown model 'nope'" in failed["x"] and "exceed" in failed["y"]
+
+
+def test_unknown_policy_is_named() -> None:
+    with pytest.raises(ValueError, match="unknown policy 'fifo'"):
+        make_scheduler("fifo", make_models(1), make_instances(1), LinearCosts())
