@@ -1,0 +1,293 @@
+"""Roofline cost model: predicted prefill, decode-step, switch and KV-move times.
+
+Per (model, GPU) a step takes the larger of its compute time and its memory
+time, each at an efficiency a calibration profile measured (sims.profiles),
+plus overheads. Implements scheduler.costs.CostModel. Assumptions:
+
+- A step streams every weight it touches once from HBM (weights do not fit
+  in L2). An untied input-embedding table is gathered (a few rows), not
+  streamed; the lm_head (tied or not) is streamed.
+- FLOPs: 2 per parameter per token in the GEMMs; logits only for the last
+  token of each prompt (as serving engines do); attention 4 * heads * head_dim
+  per (query, key) pair per layer (QK^T and PV), causal prefill counts half the
+  pairs. The prompts of one prefill are taken as equal length (num_tokens /
+  num_requests; the least attention work for that total).
+- MoE: a step of B tokens streams the expected number of distinct experts,
+  E * (1 - (1 - k/E)^B) per layer (uniform, independent routing); FLOPs use
+  active parameters.
+- Tensor parallel: weights, FLOPs and KV split evenly over tp GPUs (KV heads
+  replicate when tp > num_kv_heads, as in vLLM); each layer adds 2 ring
+  all-reduces of tokens * hidden activations over NVLink, not overlapped.
+- Without CUDA graphs the GPU runs behind the host: a step lasts at least
+  num_layers * launch_s_per_layer.
+- Switch: each GPU copies its own shard from pinned host memory over its own
+  PCIe link, all in parallel. Norms, rotary, sampling, activation traffic are
+  left to the fitted fixed terms.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from scheduler.fleet import GPUS, Arch, Fleet, GpuSpec
+from sims.profiles import CalibrationProfile, ProfileTerms, load_profile
+
+Bound = Literal["memory", "compute", "launch"]
+Line = tuple[float, float]  # (a, b): the value at step s is a + b * s
+
+
+def expected_experts_touched(num_experts: int, experts_per_token: int, num_tokens: float) -> float:
+    """Expected distinct experts per layer that `num_tokens` tokens route to (uniform top-k)."""
+    if num_experts == 0 or num_tokens <= 0:
+        return 0.0
+    return num_experts * (1.0 - math.pow(1.0 - experts_per_token / num_experts, num_tokens))
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConstants:
+    """Per-GPU costs of one model on one GPU type: everything a step needs but its shape."""
+
+    tp: int
+    num_layers: int
+    num_experts: int
+    experts_per_token: int
+    weight_bytes: float  # whole model, all shards
+    kv_bytes_per_token_gpu: float  # per GPU (replicated KV heads counted)
+    stream_static_s: float  # read the always-touched weights once (per GPU)
+    stream_expert_s: float  # read one expert in every layer (per GPU)
+    kv_read_s_per_token: float
+    kv_write_s_per_token: float
+    gemm_s_per_token: float  # all GEMMs but the lm_head, at eff_compute
+    lm_head_s_per_row: float
+    attn_s_per_pair: float  # one (query, key) pair over all layers
+    allreduce_fixed_s: float  # latency of a step's all-reduces (0 at tp 1)
+    allreduce_s_per_token: float
+    prefill_overhead_s: float
+    decode_fixed_s: float
+    prefill_floor_s: float  # host launch floor (0 with CUDA graphs)
+    decode_floor_s: float
+    switch_s: float
+    h2d_s_per_byte: float
+
+
+def model_constants(arch: Arch, tp: int, gpu: GpuSpec, terms: ProfileTerms) -> ModelConstants:
+    """Precompute the per-step costs of `arch` at tensor-parallel size `tp` on `gpu`."""
+    if tp < 1:
+        raise ValueError(f"tp must be >= 1, got {tp}")
+    dtype = arch.dtype_bytes
+    hbm, flops = gpu.hbm_tb_s * 1e12, gpu.bf16_tflops * 1e12
+    lm_head = arch.vocab_size * arch.hidden_size
+    input_table = 0 if arch.tie_embeddings else lm_head
+    all_experts = arch.num_experts * arch.num_layers * arch.expert_params
+    kv_shard = math.ceil(arch.num_kv_heads / tp) / arch.num_kv_heads  # share of KV bytes on one GPU
+    kv_gpu = arch.kv_bytes_per_token * kv_shard
+    allreduce_bytes = 2.0 * (tp - 1) / tp * arch.hidden_size * dtype  # per token, per all-reduce
+    layers = arch.num_layers
+    return ModelConstants(
+        tp=tp, num_layers=layers, num_experts=arch.num_experts, experts_per_token=arch.experts_per_token,
+        weight_bytes=arch.weight_bytes, kv_bytes_per_token_gpu=kv_gpu,
+        stream_static_s=(arch.params - all_experts - input_table) * dtype / tp / (hbm * terms.eff_mem),
+        stream_expert_s=layers * arch.expert_params * dtype / tp / (hbm * terms.eff_mem),
+        kv_read_s_per_token=kv_gpu / (hbm * terms.eff_kv),
+        kv_write_s_per_token=kv_gpu / (hbm * terms.eff_mem),
+        gemm_s_per_token=2.0 * (arch.active_params - input_table - lm_head) / tp / (flops * terms.eff_compute),
+        lm_head_s_per_row=2.0 * lm_head / tp / (flops * terms.eff_compute),
+        attn_s_per_pair=4.0 * layers * arch.num_heads * arch.dim / tp / (flops * terms.eff_compute),
+        allreduce_fixed_s=2 * layers * terms.allreduce_latency_s if tp > 1 else 0.0,
+        allreduce_s_per_token=2 * layers * allreduce_bytes / (gpu.nvlink_gb_s * 1e9 * terms.eff_nvlink),
+        prefill_overhead_s=terms.prefill_fixed_s + layers * terms.prefill_layer_s,
+        decode_fixed_s=terms.decode_fixed_s,
+        prefill_floor_s=0.0 if terms.prefill_cuda_graphs else layers * terms.launch_s_per_layer,
+        decode_floor_s=0.0 if terms.decode_cuda_graphs else layers * terms.launch_s_per_layer,
+        switch_s=arch.weight_bytes / tp / (gpu.h2d_gb_s * 1e9 * terms.eff_pcie) + terms.switch_fixed_s,
+        h2d_s_per_byte=1.0 / (gpu.h2d_gb_s * 1e9 * terms.eff_pcie),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _DecodeShape:
+    """One model at one batch size: step time = max(a_i + b_i * context) + fixed_s."""
+
+    memory: Line
+    compute: Line
+    floor_s: float
+    fixed_s: float
+
+
+class RooflineCostModel:
+    """Roofline step, switch and KV-move times for every model of a fleet on one GPU type.
+
+    Times are in seconds. `context_tokens` counts the KV tokens of the whole batch.
+    Per-model constants are built once; decode shapes are cached per (model, batch).
+    """
+
+    def __init__(self, fleet: Fleet, gpu: str | None = None, profile: CalibrationProfile | None = None) -> None:
+        gpu_name = (gpu or fleet.pool.gpu).lower()
+        models = {entry.name: (entry.arch, entry.tp) for entry in fleet.models}
+        self._setup(models, gpu_name, fleet.gpu(gpu_name), profile)
+
+    @classmethod
+    def for_models(cls, models: Mapping[str, tuple[Arch, int]], gpu: str | GpuSpec,
+                   profile: CalibrationProfile | None = None, gpu_name: str = "") -> RooflineCostModel:
+        """A cost model without a fleet: `models` maps names to (arch, tp); `gpu` a catalogue key or a spec."""
+        self = cls.__new__(cls)
+        spec = GPUS[gpu.lower()] if isinstance(gpu, str) else gpu
+        self._setup(models, (gpu if isinstance(gpu, str) else gpu_name).lower(), spec, profile)
+        return self
+
+    def _setup(self, models: Mapping[str, tuple[Arch, int]], gpu_name: str, gpu: GpuSpec,
+               profile: CalibrationProfile | None) -> None:
+        self.profile = profile or _default_profile()
+        self.gpu_name, self.gpu = gpu_name, gpu
+        self.terms = self.profile.terms_for(gpu_name)
+        self._models = {name: model_constants(arch, tp, gpu, self.terms) for name, (arch, tp) in models.items()}
+        self._shapes: dict[tuple[str, int], _DecodeShape] = {}
+
+    def constants(self, model: str) -> ModelConstants:
+        return self._models[model]
+
+    # ---- CostModel -------------------------------------------------------------------------------
+    def prefill_s(self, model: str, num_tokens: int, num_requests: int = 1) -> float:
+        """max(compute, memory) + all-reduces + overheads, at least the launch floor without graphs."""
+        if num_tokens <= 0:
+            return 0.0
+        c = self._models[model]
+        requests = max(1, min(num_requests, num_tokens))
+        compute = (num_tokens * c.gemm_s_per_token + requests * c.lm_head_s_per_row
+                   + c.attn_s_per_pair * num_tokens * num_tokens / (2.0 * requests))
+        experts = expected_experts_touched(c.num_experts, c.experts_per_token, num_tokens)
+        memory = c.stream_static_s + experts * c.stream_expert_s + num_tokens * c.kv_write_s_per_token
+        gpu = max(compute, memory) + c.allreduce_fixed_s + num_tokens * c.allreduce_s_per_token + c.prefill_overhead_s
+        return max(gpu, c.prefill_floor_s)
+
+    def decode_step_s(self, model: str, batch_size: int, context_tokens: int) -> float:
+        if batch_size <= 0:
+            return 0.0
+        shape = self._shapes.get((model, batch_size)) or self._decode_shape(model, batch_size)
+        (mem_a, mem_b), (flop_a, flop_b) = shape.memory, shape.compute
+        return max(mem_a + mem_b * context_tokens, flop_a + flop_b * context_tokens, shape.floor_s) + shape.fixed_s
+
+    def switch_s(self, model: str) -> float:
+        return self._models[model].switch_s
+
+    def kv_move_s(self, model: str, num_tokens: int) -> float:
+        c = self._models[model]
+        return num_tokens * c.kv_bytes_per_token_gpu * c.h2d_s_per_byte
+
+    # ---- turns: many steps at once ---------------------------------------------------------------
+    def decode_turn_s(self, model: str, batch_size: int, context_tokens: int, num_steps: int) -> float:
+        """Time of `num_steps` decode steps, each adding one token per request (context grows by
+        `batch_size` a step). Closed form: the sum of a convex piecewise-linear series."""
+        if num_steps <= 0 or batch_size <= 0:
+            return 0.0
+        lines, fixed_s = self._turn_lines(model, batch_size, context_tokens)
+        top = _top(lines, 0)
+        if top == _top(lines, num_steps - 1):  # one line tops both ends, hence (lines are linear) all steps
+            a, b = lines[top]
+            return num_steps * (a + fixed_s + b * (num_steps - 1) / 2.0)
+        return sum(_segment_sum(a + fixed_s, b, start, end) for start, end, a, b in _envelope(lines, num_steps))
+
+    def steps_within_s(self, model: str, batch_size: int, context_tokens: int, seconds: float) -> int:
+        """The most whole steps whose decode_turn_s fits in `seconds` (inverts decode_turn_s)."""
+        if batch_size <= 0 or not seconds > 0:
+            return 0
+        if not math.isfinite(seconds):
+            raise ValueError(f"seconds must be finite, got {seconds}")
+        lines, fixed_s = self._turn_lines(model, batch_size, context_tokens)
+        # steps never get cheaper (slopes >= 0), so the first step's time bounds the count
+        horizon = math.ceil(seconds / (max(a for a, _ in lines) + fixed_s)) + 1
+        left, steps = seconds, horizon
+        for start, end, a, b in _envelope(lines, horizon):
+            cost = _segment_sum(a + fixed_s, b, start, end)
+            if cost <= left:
+                left -= cost
+                continue
+            steps = start + _max_terms(a + fixed_s + b * start, b, left)
+            break
+        # the closed forms may disagree in the last ulp: settle on decode_turn_s itself
+        while self.decode_turn_s(model, batch_size, context_tokens, steps + 1) <= seconds:
+            steps += 1
+        while steps > 0 and self.decode_turn_s(model, batch_size, context_tokens, steps) > seconds:
+            steps -= 1
+        return steps
+
+    def decode_bound(self, model: str, batch_size: int, context_tokens: int) -> Bound:
+        """Which term sets the step time: HBM traffic, FLOPs or the host launch floor."""
+        shape = self._shapes.get((model, batch_size)) or self._decode_shape(model, batch_size)
+        memory = shape.memory[0] + shape.memory[1] * context_tokens
+        compute = shape.compute[0] + shape.compute[1] * context_tokens
+        if shape.floor_s > max(memory, compute):
+            return "launch"
+        return "compute" if compute > memory else "memory"
+
+    # ---- internals -------------------------------------------------------------------------------
+    def _decode_shape(self, model: str, batch_size: int) -> _DecodeShape:
+        c = self._models[model]
+        experts = expected_experts_touched(c.num_experts, c.experts_per_token, batch_size)
+        overhead = c.allreduce_fixed_s + batch_size * c.allreduce_s_per_token
+        memory_a = c.stream_static_s + experts * c.stream_expert_s + batch_size * c.kv_write_s_per_token
+        compute_a = batch_size * (c.gemm_s_per_token + c.lm_head_s_per_row)
+        shape = _DecodeShape(memory=(memory_a + overhead, c.kv_read_s_per_token),
+                             compute=(compute_a + overhead, c.attn_s_per_pair),
+                             floor_s=c.decode_floor_s, fixed_s=c.decode_fixed_s)
+        self._shapes[(model, batch_size)] = shape
+        return shape
+
+    def _turn_lines(self, model: str, batch_size: int, context_tokens: int) -> tuple[tuple[Line, ...], float]:
+        """The step-time lines in the step index s of a turn (context = context_tokens + batch * s)."""
+        shape = self._shapes.get((model, batch_size)) or self._decode_shape(model, batch_size)
+        (mem_a, mem_b), (flop_a, flop_b) = shape.memory, shape.compute
+        lines = ((mem_a + mem_b * context_tokens, mem_b * batch_size),
+                 (flop_a + flop_b * context_tokens, flop_b * batch_size), (shape.floor_s, 0.0))
+        return lines, shape.fixed_s
+
+
+@functools.cache
+def _default_profile() -> CalibrationProfile:
+    return load_profile("default")
+
+
+def _top(lines: tuple[Line, ...], step: int) -> int:
+    """Index of the line on top at `step` (ties go to the steeper line, which stays on top after)."""
+    best, best_key = 0, (lines[0][0] + lines[0][1] * step, lines[0][1])
+    for index in range(1, len(lines)):
+        a, b = lines[index]
+        key = (a + b * step, b)
+        if key > best_key:
+            best, best_key = index, key
+    return best
+
+
+def _envelope(lines: tuple[Line, ...], num_steps: int) -> list[tuple[int, int, float, float]]:
+    """The upper envelope of `lines` over integer steps [0, num_steps) as (start, end, a, b)
+    segments. The envelope is convex, so a segment ends where a steeper line first overtakes;
+    lines are few (3), so this is O(1)."""
+    segments: list[tuple[int, int, float, float]] = []
+    step = 0
+    while step < num_steps:
+        a, b = lines[_top(lines, step)]
+        crossings = [math.ceil((a - a_j) / (b_j - b)) for a_j, b_j in lines if b_j > b]
+        end = min(num_steps, max(step + 1, min(crossings))) if crossings else num_steps
+        segments.append((step, end, a, b))
+        step = end
+    return segments
+
+
+def _segment_sum(a: float, b: float, start: int, end: int) -> float:
+    """The sum of a + b * s over s in [start, end)."""
+    return (end - start) * (a + b * (start + end - 1) / 2.0)
+
+
+def _max_terms(first: float, slope: float, budget: float) -> int:
+    """Largest m >= 0 with sum_{i<m} (first + slope * i) <= budget (first > 0, slope >= 0)."""
+    if first <= 0:
+        raise ValueError(f"step time must be positive, got {first}")
+    if budget <= 0:
+        return 0
+    # slope/2 m^2 + (first - slope/2) m - budget = 0; this form of the root avoids cancellation
+    p = first - slope / 2.0
+    return max(0, math.floor(2.0 * budget / (p + math.sqrt(p * p + 2.0 * slope * budget))))

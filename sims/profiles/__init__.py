@@ -1,0 +1,117 @@
+"""Calibration profiles: the measured efficiencies and overheads the roofline uses.
+
+A profile is JSON shipped as package data (`h200-cudagraph.json`, ...) or any
+file on disk. Every number carries its provenance: "measured" on the GPUs it
+names (and where), or "estimated". On a GPU the measurement did not cover, a
+"measured" number is an extrapolation and reports as "estimated".
+`sims.profiles.fit` regenerates the shipped files from ANCHORS.md's figures.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Fraction = Annotated[float, Field(gt=0, le=1)]
+Seconds = Annotated[float, Field(ge=0)]
+Status = Literal["measured", "estimated"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ProfileTerms(_Frozen):
+    """The calibrated terms of the roofline for one GPU type (see sims.costmodel)."""
+
+    eff_compute: Fraction = Field(description="Achieved share of the datasheet BF16 FLOP rate in prefill GEMMs and attention.")
+    eff_mem: Fraction = Field(description="Achieved share of datasheet HBM bandwidth when a decode step streams the weights.")
+    eff_kv: Fraction = Field(description="Achieved share of datasheet HBM bandwidth when decode attention reads the KV cache.")
+    eff_pcie: Fraction = Field(description="Achieved share of nominal host-to-device bandwidth copying from pinned host memory.")
+    eff_nvlink: Fraction = Field(description="Ring all-reduce bus bandwidth as a share of the GPU's nvlink_gb_s figure.")
+    prefill_fixed_s: Seconds = Field(description="Per prefill step overhead not proportional to layers, FLOPs or bytes.")
+    prefill_layer_s: Seconds = Field(description="Per layer overhead of a prefill step (small kernels, gaps between kernels).")
+    decode_fixed_s: Seconds = Field(description="Per decode step overhead (graph launch, sampling, synchronisation).")
+    launch_s_per_layer: Seconds = Field(description="Host time to launch one layer's kernels eagerly; without CUDA graphs a step "
+                                                    "takes at least num_layers times this (the GPU runs behind the host).")
+    decode_cuda_graphs: bool = Field(description="Decode steps replay CUDA graphs, so the host launch floor does not apply.")
+    prefill_cuda_graphs: bool = Field(description="Prefill steps replay CUDA graphs, so the host launch floor does not apply.")
+    switch_fixed_s: Seconds = Field(description="Per switch overhead on top of copying the weight shard (allocation, bookkeeping).")
+    allreduce_latency_s: Seconds = Field(description="Latency of one small tensor-parallel all-reduce over NVLink.")
+
+
+TERM_NAMES: tuple[str, ...] = tuple(ProfileTerms.model_fields)
+
+
+class Provenance(_Frozen):
+    """Where one number of a profile comes from."""
+
+    status: Status = Field(description="'measured' (fitted to measurements on `gpus`) or 'estimated'.")
+    source: str = Field(min_length=1, description="The measurement (e.g. the ANCHORS.md line) or the reasoning behind the estimate.")
+    gpus: tuple[str, ...] = Field(default=(), description="GPU types the measurement was taken on; elsewhere the number is an extrapolation.")
+
+
+class CalibrationProfile(_Frozen):
+    """Roofline terms, per-GPU overrides and the provenance of every number."""
+
+    name: str = Field(min_length=1, description="Profile name (the file stem of a shipped profile).")
+    description: str = Field(default="", description="What the profile is for and how it was made.")
+    terms: ProfileTerms = Field(description="Terms used on every GPU without an override.")
+    gpu_overrides: dict[str, dict[str, float | bool]] = Field(
+        default_factory=dict, description="Per GPU type (lower-case catalogue name): terms that replace `terms` on that GPU.")
+    provenance: dict[str, Provenance] = Field(
+        description="For every term, and for every override as '<gpu>.<term>', where the number comes from.")
+
+    @model_validator(mode="after")
+    def _check(self) -> CalibrationProfile:
+        for gpu, override in self.gpu_overrides.items():
+            unknown = sorted(set(override) - set(TERM_NAMES))
+            if unknown:
+                raise ValueError(f"gpu_overrides.{gpu}: unknown term(s) {unknown}; known: {', '.join(TERM_NAMES)}")
+            if gpu != gpu.lower():
+                raise ValueError(f"gpu_overrides: GPU key {gpu!r} must be lower-case")
+            try:
+                ProfileTerms.model_validate(self.terms.model_dump() | override)
+            except ValueError as exc:
+                raise ValueError(f"gpu_overrides.{gpu}: {exc}") from None
+        needed = set(TERM_NAMES) | {f"{gpu}.{term}" for gpu, override in self.gpu_overrides.items() for term in override}
+        missing, extra = sorted(needed - set(self.provenance)), sorted(set(self.provenance) - needed)
+        if missing or extra:
+            raise ValueError(f"provenance: missing {missing}, unexpected {extra}")
+        return self
+
+    def terms_for(self, gpu: str) -> ProfileTerms:
+        """The terms on GPU type `gpu` (its override applied)."""
+        override = self.gpu_overrides.get(gpu.lower())
+        return ProfileTerms.model_validate(self.terms.model_dump() | override) if override else self.terms
+
+    def status(self, term: str, gpu: str) -> Status:
+        """'measured' only when `term` was measured on `gpu` itself; anything else is an estimate there."""
+        key = f"{gpu.lower()}.{term}"
+        entry = self.provenance[key] if key in self.provenance else self.provenance[term]
+        return "measured" if entry.status == "measured" and gpu.lower() in entry.gpus else "estimated"
+
+
+SHIPPED = ("default", "h200-cudagraph", "h200-eager")
+
+
+def load_profile(name_or_path: str | Path) -> CalibrationProfile:
+    """A shipped profile by name (see SHIPPED) or a JSON file by path."""
+    text = str(name_or_path)
+    if text in SHIPPED:
+        return _shipped(text)
+    path = Path(text)
+    if not path.is_file():
+        raise FileNotFoundError(f"no calibration profile {text!r}: not a shipped profile ({', '.join(SHIPPED)}) nor a file")
+    return CalibrationProfile.model_validate_json(path.read_text())
+
+
+@functools.cache
+def _shipped(name: str) -> CalibrationProfile:
+    data = resources.files(__name__).joinpath(f"{name}.json").read_text()
+    return CalibrationProfile.model_validate(json.loads(data))
