@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from scheduler.fleet import Fleet, FleetProblem, GpuSpec, ModelEntry, PoolSpec, fleet_problems
 
@@ -179,7 +179,7 @@ def _problems_from(exc: ValidationError, data: dict[str, Any], lines: dict[Loc, 
 def _known_keys_hint(loc: Loc) -> str:
     from scheduler.fleet import Arch, ModelEntry, PoolSpec, Slo, Traffic
 
-    parents: dict[str, type] = {"pool": PoolSpec, "arch": Arch, "slo": Slo, "default_slo": Slo, "traffic": Traffic}
+    parents: dict[str, type[BaseModel]] = {"pool": PoolSpec, "arch": Arch, "slo": Slo, "default_slo": Slo, "traffic": Traffic}
     parent = next((str(p) for p in reversed(loc[:-1]) if isinstance(p, str)), None)
     cls = parents.get(parent or "") or (ModelEntry if len(loc) == 3 and loc[0] == "models" else Fleet if len(loc) == 1 else None)
     return f"; allowed: {', '.join(cls.model_fields)}" if cls else ""

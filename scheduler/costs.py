@@ -92,7 +92,7 @@ def make_instances(
         roles: list[Role] = ["mixed"] * count
         if split:
             num_prefill = min(max(1, round(count * fraction)), count - 1) if count > 1 else 0
-            roles = ["prefill"] * num_prefill + ["decode"] * (count - num_prefill)
+            roles = ["prefill"] * num_prefill + ["decode"] * (count - num_prefill)  # type: ignore[assignment]
         for index, role in enumerate(roles):
             out.append(InstanceSpec(f"tp{tp}-{index}", tp, per_gpu * tp, role))
     return out

@@ -121,7 +121,7 @@ class Arch(_Frozen):
         return 2 * self.num_layers * self.num_kv_heads * self.dim * self.dtype_bytes
 
 
-GPUS: dict[str, GpuSpec] = {name: GpuSpec(**figures) for name, figures in _GPU_FIGURES.items()}
+GPUS: dict[str, GpuSpec] = {name: GpuSpec.model_validate(figures) for name, figures in _GPU_FIGURES.items()}
 
 
 class Slo(_Frozen):

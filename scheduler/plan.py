@@ -98,7 +98,7 @@ class Plan:
 
 def action_to_dict(action: Action) -> dict[str, object]:
     out: dict[str, object] = {"op": type(action).__name__}
-    for name in action.__slots__:  # type: ignore[union-attr]
+    for name in action.__slots__:
         value = getattr(action, name)
         out[name] = list(value) if isinstance(value, tuple) else value
     return out

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import IO, Protocol
 
@@ -96,12 +96,17 @@ class Simulator:
             self._push(at, FAULT, InstanceLost(instance_id, "injected fault"))
 
     # ---- the loop ------------------------------------------------------------------
-    def run(self, until: float = math.inf) -> dict[str, RequestRecord]:
+    def run(self, until: float = math.inf, progress: Callable[[float], None] | None = None) -> dict[str, RequestRecord]:
+        """Advance to `until` (or the end); `progress(now)` is called every few thousand instants."""
+        ticks = 0
         while True:
             t = self._next_time()
             if t is None or t > until:
                 break
             self.now = t
+            ticks += 1
+            if progress is not None and not ticks & 4095:
+                progress(t)
             while self._next_arrival is not None and self._next_arrival.arrival_at <= t:
                 self._arrive(self._next_arrival, t)
                 self._next_arrival = next(self._arrivals, None)

@@ -156,7 +156,8 @@ class PolicyBase:
     def _add_instance(self, instance_id: str) -> None:
         inst = self.instances[instance_id]
         inst.lost, inst.inflight, inst.active, inst.prefetched = False, deque(), None, None
-        inst.resident.clear(), inst.on_device.clear()
+        inst.resident.clear()
+        inst.on_device.clear()
         inst.kv_used_bytes, inst.stopping = 0.0, False
 
     # ---- shared pieces -------------------------------------------------------------

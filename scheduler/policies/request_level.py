@@ -40,18 +40,18 @@ class RequestLevelPolicy(PolicyBase):
                 continue
             if any(i.idle for i in holders.get(model, ())):
                 continue  # a holder is free but the head does not fit yet; wait for its KV
-            inst = self._free_instance(model, out)
-            if inst is None:
+            free = self._free_instance(model, out)
+            if free is None:
                 continue
+            inst = free
             if inst.active is not None:
                 holders[inst.active].remove(inst)
             holders.setdefault(model, []).append(inst)
             inst.kv_capacity_bytes = inst.spec.memory_bytes - self.models[model].weight_bytes
             why = "empty instance" if inst.active is None else f"evict LRU idle {inst.active}"
             inst.active = model  # planned; SwitchDone confirms
-            acts: list[Action] = [Switch(model, reason=f"load {model} for queued requests ({why})")]
-            acts += [a for a in self.continuous_step(inst, (model,)) if isinstance(a, Prefill)]
-            out[inst.instance_id] = acts
+            switch: list[Action] = [Switch(model, reason=f"load {model} for queued requests ({why})")]
+            out[inst.instance_id] = switch + [a for a in self.continuous_step(inst, (model,)) if isinstance(a, Prefill)]
         return out
 
     def kv_room(self, model: str) -> float:

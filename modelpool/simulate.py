@@ -1,0 +1,101 @@
+"""`modelpool simulate`: replay a workload through one policy on a virtual clock."""
+
+from __future__ import annotations
+
+import csv
+import json
+import time
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from modelpool.config import FleetFileError, load_fleet
+
+console = Console()
+
+
+def simulate_command(
+    fleet_path: Path = typer.Option(Path("models.yaml"), "--fleet", "-f", help="Fleet file."),
+    trace: str = typer.Option("fleet", "--trace", "-t", help="Trace spec (see `sims.traces`); `fleet` = Poisson at each model's traffic hint with ShareGPT lengths."),
+    policy: str = typer.Option("token-level", "--policy", "-p", help="dedicated | request-level | spatial | token-level"),
+    gpus: int | None = typer.Option(None, "--gpus", help="GPUs in the pool (default: the fleet's pool.num_gpus)."),
+    duration: float = typer.Option(600.0, "--duration", help="Seconds of workload for `fleet` and synthetic traces."),
+    seed: int = typer.Option(0, "--seed", help="Seed for generated workloads."),
+    out: Path | None = typer.Option(None, "--out", help="Folder for metrics.json and requests.csv."),
+    plan_log: Path | None = typer.Option(None, "--plan-log", help="Write every Plan as JSONL here."),
+    skip_bad_rows: bool = typer.Option(False, "--skip-bad-rows", help="Skip (and count) malformed trace rows."),
+) -> None:
+    """Simulate a policy on a fleet and a trace; print latency and SLO figures."""
+    from sims.metrics import request_rows
+    from sims.run import fleet_workload_spec, simulate
+    from sims.workload import TraceError
+
+    try:
+        fleet = load_fleet(fleet_path)
+    except FleetFileError as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(1) from None
+    spec = fleet_workload_spec(fleet, duration) if trace == "fleet" else trace
+    names = [m.name for m in fleet.models]
+    try:
+        from sims.traces import load_workload
+
+        workload = load_workload(spec, names, seed=seed, skip_bad_rows=skip_bad_rows)
+    except TraceError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    log = plan_log.open("w") if plan_log else None
+    started = time.perf_counter()
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed:.0f}/{task.total:.0f} s simulated"),
+                  TimeElapsedColumn(), console=console, transient=True) as bar:
+        task = bar.add_task(f"{policy} on {len(workload)} requests", total=workload.duration_s)
+        try:
+            result = simulate(fleet, workload, policy, num_gpus=gpus, plan_log=log,
+                              progress=lambda now: bar.update(task, completed=min(now, workload.duration_s)))
+        except ValueError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(1) from None
+        finally:
+            if log:
+                log.close()
+    wall = time.perf_counter() - started
+    metrics = {**result.metrics, "policy": policy, "num_gpus": result.num_gpus, "trace": spec,
+               "num_requests": len(workload), "wall_s": round(wall, 3), "notes": result.notes + list(workload.notes)}
+    console.print(_summary_table(metrics))
+    console.print(f"{len(workload)} requests, {workload.duration_s:.0f} s of traffic simulated in {wall:.1f} s")
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "metrics.json").write_text(json.dumps(metrics, indent=2, default=float))
+        rows = request_rows(result.records.values(), {m.name: (fleet.slo(m).ttft_s, fleet.slo(m).tpot_s) for m in fleet.models})
+        with (out / "requests.csv").open("w", newline="") as handle:
+            if rows:
+                writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+                writer.writeheader()
+                writer.writerows(rows)
+        console.print(f"wrote {out / 'metrics.json'} and {out / 'requests.csv'}")
+
+
+def _summary_table(m: dict) -> Table:
+    table = Table(title=f"{m['policy']} on {m['num_gpus']} GPUs - {m['trace'][:60]}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    rows = [
+        ("completed / failed", f"{m['completed']} / {m['failed']}"),
+        ("SLO attainment, per request (TTFT and mean TPOT)", f"{m['slo_attainment']:.2%}"),
+        ("SLO attainment, Aegaeon (token deadlines)", f"{m['aegaeon_slo_attainment']:.2%}"),
+        ("TTFT p50 / p90 / p99 ms", f"{m['p50_ttft_ms']:.0f} / {m['p90_ttft_ms']:.0f} / {m['p99_ttft_ms']:.0f}"),
+        ("TPOT p50 / p90 / p99 ms", f"{m['p50_tpot_ms']:.1f} / {m['p90_tpot_ms']:.1f} / {m['p99_tpot_ms']:.1f}"),
+        ("ITL p99 ms", f"{m['p99_itl_ms']:.1f}"),
+        ("aggregate output tokens/s (whole pool)", f"{m['output_throughput']:.1f}"),
+        ("per-user output tokens/s (mean stream)", f"{m['per_user_output_tokens_per_s']:.1f}"),
+        ("request goodput req/s", f"{m['request_goodput']:.3f}"),
+        ("GPU busy share", f"{m.get('gpu_busy_share', 0.0):.1%}"),
+        ("model switches (per GPU per minute)", f"{m.get('num_switches', 0)} ({m.get('switches_per_gpu_per_minute', 0.0):.2f})"),
+        ("KV moved GB", f"{m.get('kv_bytes_moved', 0) / 1e9:.1f}"),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    return table

@@ -1,0 +1,77 @@
+"""One simulation: a fleet, a workload, a policy and a GPU count in; records and metrics out.
+
+This is where the fleet becomes the scheduler's view (profiles, instances),
+the workload becomes `Request`s, and the cost model is shared by the
+scheduler (to predict step times) and the executor (to time them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from scheduler import InstanceSpec, Request, make_instances, make_scheduler, model_profiles
+from scheduler.fleet import Fleet
+from sims.costmodel import RooflineCostModel
+from sims.metrics import summarize
+from sims.simulator import RequestRecord, Simulator
+from sims.workload import Workload
+
+
+@dataclass
+class SimResult:
+    policy: str
+    num_gpus: int
+    instances: list[InstanceSpec]
+    records: dict[str, RequestRecord]
+    metrics: dict[str, Any]
+    num_truncated: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def fleet_workload_spec(fleet: Fleet, duration_s: float = 600.0, lengths: str = "sharegpt") -> str:
+    """The default workload: Poisson arrivals at each model's traffic hint, ShareGPT lengths."""
+    rates = ":".join(f"{(m.traffic.rate_rps if m.traffic else 0.0):.6g}" for m in fleet.models)
+    return f"poisson;rate={rates};lengths={lengths};duration={duration_s:g}"
+
+
+def build_instances(fleet: Fleet, policy: str, num_gpus: int | None = None,
+                    prefill_fraction: float | None = None, gpus_by_tp: dict[int, int] | None = None) -> list[InstanceSpec]:
+    return make_instances(fleet, num_gpus, split=policy == "token-level", prefill_fraction=prefill_fraction,
+                          gpus_by_tp=gpus_by_tp)
+
+
+def requests_from(workload: Workload, fleet: Fleet, counter: list[int]) -> Iterator[Request]:
+    """Trace rows as scheduler requests; prompts that overflow a model's context are truncated (counted)."""
+    context = {m.name: m.arch.max_context for m in fleet.models}
+    for row in workload.requests():
+        prompt, output = row.input_tokens, row.output_tokens
+        limit = context.get(row.model)
+        if limit is not None and prompt + output > limit:
+            counter[0] += 1
+            output = min(output, limit // 2)
+            prompt = max(1, limit - output)
+        yield Request(row.request_id, row.model, row.arrival_at, prompt, output)
+
+
+def simulate(fleet: Fleet, workload: Workload, policy: str, *, num_gpus: int | None = None,
+             prefill_fraction: float | None = None, gpus_by_tp: dict[int, int] | None = None,
+             costs: RooflineCostModel | None = None, plan_log: IO[str] | None = None,
+             progress: Callable[[float], None] | None = None, **options: Any) -> SimResult:
+    costs = costs or RooflineCostModel(fleet)
+    profiles = model_profiles(fleet)
+    instances = build_instances(fleet, policy, num_gpus, prefill_fraction, gpus_by_tp)
+    scheduler = make_scheduler(policy, profiles, instances, costs, max_batch_size=fleet.pool.max_batch_size,
+                               max_prefill_tokens=fleet.pool.max_prefill_tokens, **options)
+    truncated = [0]
+    sim = Simulator(scheduler, costs, requests_from(workload, fleet, truncated),
+                    kv_bytes_per_token={name: p.kv_bytes_per_token for name, p in profiles.items()})
+    records = sim.run(progress=progress)
+    gpus = sum(spec.tp for spec in instances)
+    duration = max(workload.duration_s, max((r.finished_at or 0.0) for r in records.values()) if records else 0.0)
+    metrics = summarize(records.values(), {n: (p.ttft_slo_s, p.tpot_slo_s) for n, p in profiles.items()},
+                        duration_s=workload.duration_s, devices=sim.devices, num_gpus=gpus,
+                        gpus_per_instance={s.instance_id: s.tp for s in instances}, makespan_s=duration)
+    notes = [f"{truncated[0]} prompt(s) truncated to the model's context window"] if truncated[0] else []
+    return SimResult(policy, gpus, instances, records, metrics, truncated[0], notes)
