@@ -1,0 +1,1 @@
+"""Discrete-event simulator: virtual clock, cost model, traces, metrics, capacity search and reports."""
