@@ -73,18 +73,19 @@ def model_profiles(fleet: Fleet) -> dict[str, ModelProfile]:
 
 def make_instances(
     fleet: Fleet, num_gpus: int | None = None, *, split: bool = False,
-    prefill_fraction: float | None = None, gpus_by_tp: dict[int, int] | None = None,
+    prefill_fraction: float | None = None, gpus_by_tp: dict[int, int] | None = None, per_model: bool = False,
 ) -> list[InstanceSpec]:
     """Cut the pool's GPUs into instances, one TP class per distinct model TP.
 
     GPUs go to TP classes in proportion to their models' traffic (weights
     when no traffic is given), at least one instance per class. With `split`
-    each class is divided into prefill and decode instances (token-level).
+    each class is divided into prefill and decode instances (token-level);
+    with `per_model` every model gets at least one instance (dedicated).
     """
     total = num_gpus or fleet.pool.num_gpus
     per_gpu = fleet.gpu().memory_gb * GB * fleet.pool.gpu_memory_utilization
     if gpus_by_tp is None:
-        gpus_by_tp = _gpus_per_tp_class(fleet, total, minimum=2 if split else 1)
+        gpus_by_tp = _gpus_per_tp_class(fleet, total, minimum=2 if split else 1, per_model=per_model)
     fraction = fleet.pool.prefill_fraction if prefill_fraction is None else prefill_fraction
     out: list[InstanceSpec] = []
     for tp, gpus in sorted(gpus_by_tp.items()):
@@ -98,14 +99,17 @@ def make_instances(
     return out
 
 
-def _gpus_per_tp_class(fleet: Fleet, total: int, minimum: int) -> dict[int, int]:
+def _gpus_per_tp_class(fleet: Fleet, total: int, minimum: int, per_model: bool = False) -> dict[int, int]:
     weight: dict[int, float] = {}
+    models: dict[int, int] = {}
     for entry in fleet.models:
         share = entry.traffic.rate_rps if entry.traffic else 0.0
         weight[entry.tp] = weight.get(entry.tp, 0.0) + share * entry.tp + 1e-9 * entry.arch.weight_bytes / GB
-    need = {tp: tp * minimum for tp in weight}
+        models[entry.tp] = models.get(entry.tp, 0) + 1
+    need = {tp: tp * max(minimum, models[tp] if per_model else 0) for tp in weight}
     if sum(need.values()) > total:
-        raise ValueError(f"{total} GPUs cannot hold {minimum} instance(s) of each TP class {sorted(need)} (need {sum(need.values())})")
+        what = "one instance per model" if per_model else f"{minimum} instance(s) of each TP class {sorted(need)}"
+        raise ValueError(f"{total} GPUs cannot hold {what} (need {sum(need.values())})")
     spare = total - sum(need.values())
     norm = sum(weight.values())
     out = dict(need)

@@ -39,7 +39,7 @@ def fleet_workload_spec(fleet: Fleet, duration_s: float = 600.0, lengths: str = 
 def build_instances(fleet: Fleet, policy: str, num_gpus: int | None = None,
                     prefill_fraction: float | None = None, gpus_by_tp: dict[int, int] | None = None) -> list[InstanceSpec]:
     return make_instances(fleet, num_gpus, split=policy == "token-level", prefill_fraction=prefill_fraction,
-                          gpus_by_tp=gpus_by_tp)
+                          gpus_by_tp=gpus_by_tp, per_model=policy == "dedicated")
 
 
 def requests_from(workload: Workload, fleet: Fleet, counter: list[int]) -> Iterator[Request]:

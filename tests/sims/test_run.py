@@ -1,0 +1,63 @@
+"""`modelpool simulate` end to end: the shipped fleet under every policy, and its CLI."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+from typer.testing import CliRunner
+
+from modelpool.cli import app
+from modelpool.config import load_fleet
+from sims.run import fleet_workload_spec, simulate
+from sims.traces import load_workload
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    return load_fleet(ROOT / "models.yaml")
+
+
+@pytest.mark.parametrize("policy,gpus", [("dedicated", 64), ("request-level", 32), ("spatial", 32), ("token-level", 32)])
+def test_every_policy_serves_the_shipped_fleet(fleet, policy: str, gpus: int) -> None:
+    workload = load_workload(fleet_workload_spec(fleet, 120), [m.name for m in fleet.models], seed=1)
+    result = simulate(fleet, workload, policy, num_gpus=gpus)
+    m = result.metrics
+    assert m["completed"] + m["failed"] == len(workload) and m["failed"] == 0
+    assert result.num_gpus <= gpus
+    assert 0 < m["p50_ttft_ms"] <= m["p99_ttft_ms"] and 0 < m["p50_tpot_ms"]
+    assert 0.0 <= m["aegaeon_slo_attainment"] <= 1.0 and 0.0 <= m["slo_attainment"] <= 1.0
+    assert m["output_throughput"] > m["per_user_output_tokens_per_s"]  # the pool's rate vs one stream's
+    assert 0 < m["gpu_busy_share"] <= 1.0
+    if policy == "dedicated":
+        assert m["num_switches"] == len(result.instances)  # each instance loads its model once
+    if policy == "spatial":
+        assert m["kv_bytes_moved"] == 0
+
+
+def test_dedicated_needs_one_instance_per_model(fleet) -> None:
+    workload = load_workload(fleet_workload_spec(fleet, 10), [m.name for m in fleet.models], seed=1)
+    with pytest.raises(ValueError, match="one instance per model"):
+        simulate(fleet, workload, "dedicated", num_gpus=16)
+
+
+def test_simulate_cli_writes_metrics_and_requests(tmp_path: pathlib.Path) -> None:
+    out = tmp_path / "out"
+    res = CliRunner().invoke(app, ["simulate", "--fleet", str(ROOT / "models.yaml"), "--duration", "30",
+                                   "--gpus", "24", "--out", str(out), "--plan-log", str(tmp_path / "plans.jsonl")])
+    assert res.exit_code == 0, res.output
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["policy"] == "token-level" and metrics["num_gpus"] <= 24
+    assert {"mean_ttft_ms", "p99_tpot_ms", "request_goodput", "output_throughput"} <= set(metrics)
+    lines = (out / "requests.csv").read_text().splitlines()
+    assert len(lines) == metrics["num_requests"] + 1
+    assert all(json.loads(line)["actions"] or json.loads(line)["failed"]
+               for line in (tmp_path / "plans.jsonl").read_text().splitlines())
+
+
+def test_simulate_cli_names_a_bad_trace(tmp_path: pathlib.Path) -> None:
+    res = CliRunner().invoke(app, ["simulate", "--fleet", str(ROOT / "models.yaml"), "--trace", "nosuch"])
+    assert res.exit_code == 1 and "unknown trace 'nosuch'" in res.output
