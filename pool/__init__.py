@@ -1,0 +1,1 @@
+"""modelpool live system: engines, actors, gateway."""
