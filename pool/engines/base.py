@@ -1,0 +1,148 @@
+"""The engine seam: the values an engine takes and returns, and the `Engine` Protocol.
+
+The scheduler's actions map onto these calls one to one: Switch -> `activate`,
+Prefetch -> `prefetch`, Prefill -> `prefill`, Decode -> `decode_step` (once per
+step), SwapOut -> `save_kv`, SwapIn -> `restore_kv`; a finished or cancelled
+request ends with `release`. An engine never decides anything itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick tokens and when to stop (OpenAI/vLLM semantics)."""
+
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus mass kept; 1 = off
+    top_k: int = 0  # 0 = off
+    seed: int | None = None  # per-request generator; same seed -> same tokens
+    max_tokens: int = 16  # counts tokens already produced (GenRequest.output_token_ids) too
+    stop: Sequence[str] = ()  # stop strings; the returned text never contains them
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0  # HF semantics over prompt + output; 1 = off
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        checks = [
+            (self.temperature >= 0, "temperature", self.temperature),
+            (0 < self.top_p <= 1, "top_p", self.top_p),
+            (self.top_k >= 0, "top_k", self.top_k),
+            (self.max_tokens >= 1, "max_tokens", self.max_tokens),
+            (self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty),
+            (all(self.stop), "stop", self.stop),
+        ]
+        for ok, name, value in checks:
+            if not ok:
+                raise ValueError(f"SamplingParams.{name} = {value!r} is out of range")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class GenRequest:
+    """One request as an engine sees it: token ids in, token ids out."""
+
+    request_id: str
+    model: str
+    prompt_token_ids: Sequence[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    # Tokens already produced (and already streamed): a request whose KV was
+    # lost resumes from prompt + these, and only later tokens are returned.
+    output_token_ids: Sequence[int] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class TokenOut:
+    """One new token of one request; `text` is the delta to stream."""
+
+    request_id: str
+    token_id: int
+    text: str
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """What an engine holds and has moved; sizes in bytes."""
+
+    device: str
+    device_buffer_bytes: int = 0
+    kv_device_bytes: int = 0  # the KV region
+    kv_device_used_bytes: int = 0
+    kv_host_bytes: int = 0  # host KV slabs allocated (kept for reuse)
+    kv_host_used_bytes: int = 0
+    host_weight_bytes: int = 0  # this engine's weight cache
+    loaded_models: tuple[str, ...] = ()
+    active_model: str | None = None
+    prefetched_model: str | None = None  # device-resident in the spare slot
+    num_requests: int = 0
+    bytes_h2d: int = 0
+    bytes_d2h: int = 0
+    num_switches: int = 0
+    switch_s: float = 0.0  # total seconds spent in activate()
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Engine(Protocol):
+    """A swap-capable token engine for one instance (one device)."""
+
+    def load(self, model: str, path: Path) -> None:
+        """Read `model`'s weights into the host weight cache (idempotent)."""
+        ...
+
+    def models(self) -> list[str]: ...
+
+    def tokenizer(self, model: str) -> Any: ...
+
+    def activate(self, model: str) -> float:
+        """Make `model` the device-resident current model; return the seconds it took."""
+        ...
+
+    def prefetch(self, model: str) -> None:
+        """Start copying `model`'s weights to the device without blocking compute."""
+        ...
+
+    def deactivate(self, model: str) -> None: ...
+
+    def prefill(self, requests: Sequence[GenRequest]) -> list[TokenOut]:
+        """Admit the requests, run prompt + already-produced tokens, return each one's next token."""
+        ...
+
+    def decode_step(self, request_ids: Sequence[str]) -> list[TokenOut]:
+        """One token for each request (all of the active model, KV on the device)."""
+        ...
+
+    def save_kv(self, request_ids: Sequence[str]) -> None:
+        """Move the requests' KV from the device to host memory."""
+        ...
+
+    def restore_kv(self, request_ids: Sequence[str]) -> None:
+        """Move the requests' KV from host memory back to the device."""
+        ...
+
+    def release(self, request_ids: Sequence[str]) -> None:
+        """Forget the requests and free their KV wherever it is (unknown ids are ignored)."""
+        ...
+
+    def stats(self) -> EngineStats: ...
+
+
+class EngineError(RuntimeError):
+    """A call the engine cannot carry out in its current state (a caller bug or a full device)."""
+
+
+class OutOfKvMemory(EngineError):
+    """Not enough free KV blocks for the call; nothing was changed."""

@@ -1,0 +1,185 @@
+"""The one device buffer and its bump allocator, plus CUDA stream/event helpers.
+
+An engine takes all its device memory once, up front (Aegaeon's layout:
+KV region | model slot | model slot), so switching models never calls the
+caching allocator and never fragments. On CPU the "device" buffer is a plain
+tensor and every stream or event helper degrades to synchronous no-ops, so
+the same code paths run in tests.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+ALIGN_BYTES = 256
+REGISTER_MIN_BYTES = 256 << 20
+
+
+def align_up(nbytes: int, align: int = ALIGN_BYTES) -> int:
+    return (nbytes + align - 1) // align * align
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """Bytes [offset, offset + nbytes) of a buffer."""
+
+    name: str
+    offset: int
+    nbytes: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
+
+    def overlaps(self, other: Region) -> bool:
+        return self.offset < other.end and other.offset < self.end
+
+
+class BumpAllocator:
+    """Hands out aligned, non-overlapping regions from the front of a fixed capacity."""
+
+    def __init__(self, capacity_bytes: int, align: int = ALIGN_BYTES) -> None:
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes = {capacity_bytes} must be >= 0")
+        self.capacity_bytes = capacity_bytes
+        self.align = align
+        self._top = 0
+        self._regions: list[Region] = []
+
+    def alloc(self, name: str, nbytes: int) -> Region:
+        if nbytes < 0:
+            raise ValueError(f"region {name!r}: nbytes = {nbytes} must be >= 0")
+        offset = align_up(self._top, self.align)
+        if offset + nbytes > self.capacity_bytes:
+            raise MemoryError(
+                f"region {name!r} of {nbytes} bytes does not fit: {self.capacity_bytes - offset} of "
+                f"{self.capacity_bytes} bytes left"
+            )
+        region = Region(name, offset, nbytes)
+        self._top = offset + nbytes
+        self._regions.append(region)
+        return region
+
+    def mark(self) -> int:
+        return len(self._regions)
+
+    def reset(self, mark: int = 0) -> None:
+        """Forget every region allocated after `mark()` returned `mark` (all of them by default)."""
+        del self._regions[mark:]
+        self._top = self._regions[-1].end if self._regions else 0
+
+    @property
+    def regions(self) -> tuple[Region, ...]:
+        return tuple(self._regions)
+
+    @property
+    def used_bytes(self) -> int:
+        return self._top
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity_bytes - self._top
+
+
+class DeviceBuffer:
+    """One byte tensor on the device, carved into named regions."""
+
+    def __init__(self, layout: dict[str, int], device: torch.device) -> None:
+        self.allocator = BumpAllocator(sum(align_up(n) for n in layout.values()))
+        self.regions = {name: self.allocator.alloc(name, nbytes) for name, nbytes in layout.items()}
+        self.storage = torch.empty(self.allocator.capacity_bytes, dtype=torch.uint8, device=device)
+        if device.type == "cpu":
+            self.storage.zero_()  # fault the pages in now, not inside the first switch
+
+    def region(self, name: str) -> torch.Tensor:
+        r = self.regions[name]
+        return self.storage[r.offset : r.end]
+
+    @property
+    def nbytes(self) -> int:
+        return self.allocator.capacity_bytes
+
+
+def pinned_empty(nbytes: int, pin: bool, owner: object | None = None) -> torch.Tensor:
+    """A host byte buffer, page-locked when `pin`.
+
+    Large buffers are page-locked with cudaHostRegister: torch's pinned
+    allocator rounds every size up to a power of two (a 27.5 GiB model would
+    hold 32 GiB). The registration ends when `owner` (else the tensor) is
+    collected; torch's pinned allocator is the fallback.
+    """
+    if not pin:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    if nbytes >= REGISTER_MIN_BYTES:
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        try:
+            cudart = torch.cuda.cudart()
+            if int(cudart.cudaHostRegister(buffer.data_ptr(), nbytes, 0)) == 0:
+                weakref.finalize(owner if owner is not None else buffer, cudart.cudaHostUnregister, buffer.data_ptr())
+                return buffer
+        except (AttributeError, RuntimeError):
+            pass
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+# ---- streams and events ----------------------------------------------------------
+class Streams:
+    """Compute, weight-prefetch, swap-in and swap-out streams; all None on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.compute: Any = torch.cuda.current_stream(device)
+            self.weights: Any = torch.cuda.Stream(device)
+            self.swap_in: Any = torch.cuda.Stream(device)
+            self.swap_out: Any = torch.cuda.Stream(device)
+        else:
+            self.compute = self.weights = self.swap_in = self.swap_out = None
+
+    def on(self, stream: Any) -> Any:
+        """Context manager running work on `stream` (no-op on CPU)."""
+        return torch.cuda.stream(stream) if stream is not None else _NULL
+
+    def after_compute(self, stream: Any) -> None:
+        """`stream` waits for all compute queued so far (memory it reuses may still be read)."""
+        if stream is not None:
+            stream.wait_stream(self.compute)
+
+    def record(self, stream: Any) -> Any:
+        if stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def compute_waits(self, event: Any) -> None:
+        if event is not None:
+            self.compute.wait_event(event)
+
+    def synchronize(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+class _NullContext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_NULL = _NullContext()
+
+
+def event_done(event: Any) -> bool:
+    return event is None or bool(event.query())
+
+
+def wait_event(event: Any) -> None:
+    if event is not None:
+        event.synchronize()

@@ -1,0 +1,206 @@
+"""The Llama-family forward pass (Llama, Mistral, Qwen2, Qwen3) over weight views and paged KV.
+
+Functional rather than transformers' nn.Modules: the weights are views into
+whichever device slot holds the model, and the KV lives in the engine's
+slabs, so there is nothing for a module to own. The arithmetic follows
+transformers' modeling code step for step (RMSNorm in float32, rope from
+transformers' own frequencies, SDPA with the same scale), which is what the
+token-for-token tests against `model.generate` check.
+
+Tokens of all requests of a step are flattened into one `[N, hidden]` batch
+for every projection and MLP; only attention is per request (prefill) or
+padded with a mask (decode).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pool.engines.weights import ModelSpec
+
+
+@dataclass(slots=True)
+class _Layer:
+    ln1: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    ln2: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+_ROWS = ("token_ids", "positions", "write_row", "write_offset", "lengths")
+
+
+@dataclass(slots=True)
+class DecodeInputs:
+    """One decode step of B requests, packed in one int64 tensor so one copy moves it.
+
+    Rows of B: token_ids (the token fed), positions (its position), write_row /
+    write_offset (first KV row of the block its K/V goes to, and the offset in
+    it), lengths (tokens to attend: position + 1); then the block table,
+    [B, max_blocks] first rows, padded. Under CUDA graphs `packed` is the
+    graph's static input.
+    """
+
+    packed: torch.Tensor
+    batch: int
+    max_blocks: int
+
+    @classmethod
+    def pack(cls, rows: dict[str, list[int]], table: list[list[int]], device: torch.device) -> DecodeInputs:
+        flat = [v for name in _ROWS for v in rows[name]] + [v for row in table for v in row]
+        packed = torch.tensor(flat, dtype=torch.int64).to(device, non_blocking=True)
+        return cls(packed, len(rows["token_ids"]), len(table[0]))
+
+    def row(self, name: str) -> torch.Tensor:
+        i = _ROWS.index(name)
+        return self.packed[i * self.batch : (i + 1) * self.batch]
+
+    @property
+    def table(self) -> torch.Tensor:
+        return self.packed[len(_ROWS) * self.batch :].view(self.batch, self.max_blocks)
+
+
+@dataclass(slots=True)
+class PrefillInputs:
+    token_ids: torch.Tensor  # [N] all requests' tokens, concatenated
+    positions: torch.Tensor  # [N]
+    write_row: torch.Tensor  # [N] first KV row of the block each token's K/V goes to
+    write_offset: torch.Tensor  # [N] offset in that block
+    seq_lens: list[int]  # tokens per request, in order
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm: normalise in float32, cast back, then scale."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Decoder:
+    """One model's forward pass, bound to its weight views and its KV row view."""
+
+    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], kv: torch.Tensor) -> None:
+        self.spec = spec
+        self.kv = kv  # [rows, block_size, head_dim]; a block is rows (layer, k/v, head) from its first row
+        self.embed, self.norm, self.lm_head = weights["embed"], weights["norm"], weights["lm_head"]
+        self.layers = [
+            _Layer(*(weights.get(f"{n}.{part}") for part in _Layer.__slots__))  # type: ignore[arg-type]
+            for n in range(spec.num_layers)
+        ]
+        device = self.embed.device
+        self.inv_freq = torch.tensor(spec.inv_freq, dtype=torch.float32, device=device)
+        self.scale = spec.head_dim**-0.5
+        self.heads = torch.arange(spec.num_kv_heads, device=device)
+        # Qwen3 normalises q and k per head; one weight of [q heads + kv heads, head_dim] does both at once.
+        self.qk_norms: list[torch.Tensor | None] = [
+            torch.cat([layer.q_norm.expand(spec.num_heads, -1), layer.k_norm.expand(spec.num_kv_heads, -1)])
+            if layer.q_norm is not None and layer.k_norm is not None else None
+            for layer in self.layers
+        ]
+
+    # ---- shared pieces ----
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.spec.rope_scaling).to(self.embed.dtype)
+        sin = (emb.sin() * self.spec.rope_scaling).to(self.embed.dtype)
+        return cos[:, None, :], sin[:, None, :]
+
+    def _qkv(self, n: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """q `[N, heads, hd]`, k and v `[N, kv_heads, hd]`, with norms and rope applied."""
+        s, layer, eps = self.spec, self.layers[n], self.spec.rms_norm_eps
+        qkv = F.linear(rms_norm(x, layer.ln1, eps), layer.qkv, layer.qkv_bias)
+        qk = qkv[:, : s.q_size + s.kv_size].view(-1, s.num_heads + s.num_kv_heads, s.head_dim)
+        v = qkv[:, s.q_size + s.kv_size :].view(-1, s.num_kv_heads, s.head_dim)
+        qk_norm = self.qk_norms[n]
+        if qk_norm is not None:
+            qk = rms_norm(qk, qk_norm, eps)
+        qk = _rotate(qk, cos, sin)  # q and k together: half the kernels
+        return qk[:, : s.num_heads], qk[:, s.num_heads :], v
+
+    def _finish_layer(self, layer: _Layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        x = x + F.linear(attn, layer.o, layer.o_bias)
+        h = rms_norm(x, layer.ln2, self.spec.rms_norm_eps)
+        gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, layer.down)
+
+    def _rows(self, first_rows: torch.Tensor, n: int, kind: int) -> torch.Tensor:
+        """KV rows of layer n, keys (0) or values (1), every head: `first_rows.shape + (kv_heads,)`."""
+        return first_rows[..., None] + (2 * n + kind) * self.spec.num_kv_heads + self.heads
+
+    def _write_kv(self, n: int, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor) -> None:
+        self.kv[self._rows(rows, n, 0), offsets[:, None]] = k
+        self.kv[self._rows(rows, n, 1), offsets[:, None]] = v
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(rms_norm(x, self.norm, self.spec.rms_norm_eps), self.lm_head).float()
+
+    # ---- prefill ----
+    def prefill(self, inp: PrefillInputs) -> torch.Tensor:
+        """Logits `[num_requests, vocab]` at each request's last token; writes all K/V."""
+        cos, sin = self._rope(inp.positions)
+        x = F.embedding(inp.token_ids, self.embed)
+        for n, layer in enumerate(self.layers):
+            q, k, v = self._qkv(n, x, cos, sin)
+            self._write_kv(n, k, v, inp.write_row, inp.write_offset)
+            x = self._finish_layer(layer, x, self._causal_attention(q, k, v, inp.seq_lens))
+        ends = torch.tensor(inp.seq_lens, device=x.device).cumsum(0) - 1
+        return self._logits(x[ends])
+
+    def _causal_attention(self, q, k, v, seq_lens: list[int]) -> torch.Tensor:
+        out = torch.empty(q.shape[0], self.spec.q_size, dtype=q.dtype, device=q.device)
+        start, gqa = 0, self.spec.num_heads != self.spec.num_kv_heads
+        for n in seq_lens:
+            qi, ki, vi = (t[start : start + n].transpose(0, 1)[None] for t in (q, k, v))
+            attn = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=self.scale, enable_gqa=gqa)
+            out[start : start + n] = attn[0].transpose(0, 1).reshape(n, -1)
+            start += n
+        return out
+
+    # ---- decode ----
+    def decode(self, inp: DecodeInputs) -> torch.Tensor:
+        """Logits `[B, vocab]` for one new token per request. No host syncs (graph-capturable)."""
+        span = inp.max_blocks * self.spec_block_size
+        lengths, table = inp.row("lengths"), inp.table
+        mask = (torch.arange(span, device=lengths.device)[None, :] < lengths[:, None])[:, None, None, :]
+        cos, sin = self._rope(inp.row("positions"))
+        x = F.embedding(inp.row("token_ids"), self.embed)
+        for n, layer in enumerate(self.layers):
+            q, k, v = self._qkv(n, x, cos, sin)
+            self._write_kv(n, k, v, inp.row("write_row"), inp.row("write_offset"))
+            x = self._finish_layer(layer, x, self._paged_attention(n, q, table, mask))
+        return self._logits(x)
+
+    @property
+    def spec_block_size(self) -> int:
+        return self.kv.shape[1]
+
+    def _paged_attention(self, n: int, q: torch.Tensor, table: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """One query per request over its blocks; GQA by grouping query heads, never copying K/V heads."""
+        s = self.spec
+        batch, max_blocks = table.shape
+        shape = (batch, max_blocks, s.num_kv_heads)  # rows come out [B, kv_heads, blocks] after the transpose
+        keys = self._gather(self._rows(table, n, 0).transpose(1, 2), shape)  # [B, kvh, span, hd]
+        values = self._gather(self._rows(table, n, 1).transpose(1, 2), shape)
+        queries = q.reshape(batch, s.num_kv_heads, s.num_heads // s.num_kv_heads, s.head_dim)
+        scores = torch.matmul(queries, keys.transpose(-1, -2)).float() * self.scale  # [B, kvh, group, span]
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1).to(q.dtype)
+        return torch.matmul(probs, values).reshape(batch, s.q_size)
+
+    def _gather(self, rows: torch.Tensor, shape: tuple[int, int, int]) -> torch.Tensor:
+        batch, max_blocks, heads = shape
+        picked = self.kv.index_select(0, rows.reshape(-1))  # [B * kvh * blocks, bs, hd], contiguous rows
+        return picked.view(batch, heads, max_blocks * self.spec_block_size, self.spec.head_dim)

@@ -1,0 +1,232 @@
+"""Paged KV memory: fixed-size token blocks kept in slabs, one block shape per slab.
+
+The same `SlabPool` runs both tiers. On the device its slabs tile the KV
+region of the engine's buffer (a fixed number); in host memory they are
+separate (pinned) tensors made on first need and kept for reuse (Aegaeon's
+host KV cache: 1 GiB slabs, one block shape per slab). A slab takes the shape
+of the first block allocated in it and becomes free again when its last block
+is freed, so models of different shapes share one region without fragmenting
+it below slab granularity.
+
+A block holds `[num_layers, 2 (k, v), num_kv_heads, block_size, head_dim]`: one
+"row" of `block_size x head_dim` per (layer, k/v, head), and every block starts
+on a row boundary of the region (slabs pad their start to it). So the device
+KV of a shape is one `[rows, block_size, head_dim]` tensor, a request's keys of
+one layer are a single `index_select` of rows, already in the
+`[heads, tokens, head_dim]` order attention multiplies with.
+Freed blocks that an in-flight copy still reads or writes are parked with
+that copy's event and come back once it has completed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pool.engines.base import OutOfKvMemory
+from pool.engines.device import event_done, wait_event
+
+
+@dataclass(frozen=True, slots=True)
+class KvShape:
+    """One model's block shape (models with equal shapes share slabs)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        return (self.num_layers, 2, self.num_kv_heads, self.block_size, self.head_dim)
+
+    @property
+    def row_bytes(self) -> int:
+        """One head's keys (or values) of one layer for one block."""
+        return self.block_size * self.head_dim * self.dtype.itemsize
+
+    @property
+    def rows_per_block(self) -> int:
+        return self.num_layers * 2 * self.num_kv_heads
+
+    @property
+    def block_bytes(self) -> int:
+        return self.rows_per_block * self.row_bytes
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRef:
+    slab: int
+    index: int
+
+
+@dataclass(slots=True)
+class _Slab:
+    storage: torch.Tensor
+    shape: KvShape | None = None
+    pad: int = 0  # bytes skipped so blocks start on a row boundary of the region
+    free: list[int] = field(default_factory=list)
+    num_used: int = 0
+
+
+class SlabPool:
+    """Blocks of several shapes carved out of equal-size slabs."""
+
+    def __init__(self, slab_bytes: int, max_slabs: int, make_slab: Callable[[int], torch.Tensor],
+                 slab_offset: Callable[[int], int] = lambda i: 0) -> None:
+        if slab_bytes <= 0 or max_slabs < 0:
+            raise ValueError(f"slab_bytes = {slab_bytes}, max_slabs = {max_slabs}: need slab_bytes > 0, max_slabs >= 0")
+        self.slab_bytes = slab_bytes
+        self.max_slabs = max_slabs
+        self._make_slab = make_slab
+        self._slab_offset = slab_offset  # where slab i starts in its region (rows are aligned to the region)
+        self._slabs: list[_Slab] = []
+        self._parked: list[tuple[Any, KvShape, list[BlockRef]]] = []
+
+    # ---- allocation ----
+    def reserve(self, num_slabs: int) -> None:
+        """Make up to `num_slabs` slabs now (host memory is slow to allocate and pin mid-swap)."""
+        while len(self._slabs) < min(num_slabs, self.max_slabs):
+            self._slabs.append(_Slab(self._make_slab(len(self._slabs))))
+
+    def allocate(self, shape: KvShape, num_blocks: int) -> list[BlockRef]:
+        """`num_blocks` blocks of `shape`, all or none (raises OutOfKvMemory)."""
+        if num_blocks <= 0:
+            return []
+        self._reclaim(block=False)
+        if not self._has_room(shape, num_blocks):
+            self._reclaim(block=True)
+        if not self._has_room(shape, num_blocks):
+            raise OutOfKvMemory(
+                f"need {num_blocks} KV blocks of {shape.block_bytes} bytes; {self._capacity_for(shape)} free "
+                f"({self.num_slabs} of {self.max_slabs} slabs of {self.slab_bytes} bytes in use or made)"
+            )
+        out: list[BlockRef] = []
+        while len(out) < num_blocks:
+            slab_id = self._slab_with_room(shape)
+            slab = self._slabs[slab_id]
+            take = min(num_blocks - len(out), len(slab.free))
+            out.extend(BlockRef(slab_id, slab.free.pop()) for _ in range(take))
+            slab.num_used += take
+        return out
+
+    def free(self, shape: KvShape, blocks: Sequence[BlockRef], after: Any = None) -> None:
+        """Return blocks; with `after` (a CUDA event) only once that copy has completed."""
+        if after is not None and not event_done(after):
+            self._parked.append((after, shape, list(blocks)))
+            return
+        for ref in blocks:
+            slab = self._slabs[ref.slab]
+            if slab.shape != shape:
+                raise ValueError(f"block {ref} belongs to a slab of another shape")
+            slab.free.append(ref.index)
+            slab.num_used -= 1
+            if slab.num_used == 0:
+                slab.shape, slab.free, slab.pad = None, [], 0
+
+    def _reclaim(self, block: bool) -> None:
+        parked, self._parked = self._parked, []
+        for event, shape, blocks in parked:
+            if block:
+                wait_event(event)
+            self.free(shape, blocks, after=event)
+
+    def _pad(self, slab_id: int, shape: KvShape) -> int:
+        return -self._slab_offset(slab_id) % shape.row_bytes
+
+    def _blocks_in(self, slab_id: int, shape: KvShape) -> int:
+        return max(0, self.slab_bytes - self._pad(slab_id, shape)) // shape.block_bytes
+
+    def _room(self, shape: KvShape) -> Iterator[int]:
+        """Free blocks for `shape`, slab by slab: partly used ones, empty ones, then slabs not made yet."""
+        yield from (len(s.free) for s in self._slabs if s.shape == shape)
+        yield from (self._blocks_in(i, shape) for i, s in enumerate(self._slabs) if s.shape is None)
+        yield from (self._blocks_in(i, shape) for i in range(len(self._slabs), self.max_slabs))
+
+    def _has_room(self, shape: KvShape, num_blocks: int) -> bool:
+        total = 0
+        for free in self._room(shape):  # stops early: allocation is on every decode step's path
+            total += free
+            if total >= num_blocks:
+                return True
+        return False
+
+    def _capacity_for(self, shape: KvShape) -> int:
+        return sum(self._room(shape))
+
+    def _slab_with_room(self, shape: KvShape) -> int:
+        # Fill slabs of this shape first, then reuse an empty slab, then make one.
+        for i, slab in enumerate(self._slabs):
+            if slab.shape == shape and slab.free:
+                return i
+        for i, slab in enumerate(self._slabs):
+            count = self._blocks_in(i, shape)
+            if slab.shape is None and count:
+                slab.shape, slab.pad, slab.free = shape, self._pad(i, shape), list(range(count - 1, -1, -1))
+                return i
+        if len(self._slabs) >= self.max_slabs:
+            raise OutOfKvMemory(f"no slab can hold a block of {shape.block_bytes} bytes")
+        self._slabs.append(_Slab(self._make_slab(len(self._slabs))))
+        return self._slab_with_room(shape)
+
+    # ---- access ----
+    def block(self, shape: KvShape, ref: BlockRef) -> torch.Tensor:
+        """The block's tensor `[L, 2, kv_heads, block_size, head_dim]` (a view)."""
+        return self.span(shape, ref, 1).view(shape.dtype).view(shape.dims)
+
+    def span(self, shape: KvShape, first: BlockRef, count: int) -> torch.Tensor:
+        """The bytes of `count` blocks that follow each other in one slab, from `first`."""
+        slab = self._slabs[first.slab]
+        start = slab.pad + first.index * shape.block_bytes
+        return slab.storage[start : start + count * shape.block_bytes]
+
+    def first_row(self, shape: KvShape, ref: BlockRef) -> int:
+        """The block's first row in the region's `[rows, block_size, head_dim]` view."""
+        offset = self._slab_offset(ref.slab) + self._slabs[ref.slab].pad + ref.index * shape.block_bytes
+        return offset // shape.row_bytes
+
+    # ---- accounting ----
+    @property
+    def num_slabs(self) -> int:
+        """Slabs made so far (kept for reuse even when empty)."""
+        return len(self._slabs)
+
+    def used_bytes(self) -> int:
+        return sum(s.num_used * s.shape.block_bytes for s in self._slabs if s.shape is not None)
+
+    def used_blocks(self, shape: KvShape | None = None) -> int:
+        return sum(s.num_used for s in self._slabs if shape is None or s.shape == shape)
+
+    def made_bytes(self) -> int:
+        return len(self._slabs) * self.slab_bytes
+
+    def num_parked(self) -> int:
+        return sum(len(blocks) for _, _, blocks in self._parked)
+
+
+def device_pool(region: torch.Tensor, slab_bytes: int) -> SlabPool:
+    """A pool whose slabs tile `region` (a byte tensor on the device)."""
+    return SlabPool(slab_bytes, region.numel() // slab_bytes, lambda i: region[i * slab_bytes : (i + 1) * slab_bytes],
+                    slab_offset=lambda i: i * slab_bytes)
+
+
+def host_pool(slab_bytes: int, max_bytes: int, pin: bool) -> SlabPool:
+    """A pool of host slabs made on demand up to `max_bytes`."""
+    return SlabPool(slab_bytes, max_bytes // slab_bytes,
+                    lambda _: torch.empty(slab_bytes, dtype=torch.uint8, pin_memory=pin))
+
+
+def row_view(region: torch.Tensor, shape: KvShape) -> torch.Tensor:
+    """The region as `[rows, block_size, head_dim]` of `shape`'s dtype (`first_row` indexes it).
+
+    Rows in slabs of other shapes are garbage for this view; block tables never point there.
+    """
+    usable = region.numel() // shape.row_bytes * shape.row_bytes
+    return region[:usable].view(shape.dtype).view(-1, shape.block_size, shape.head_dim)

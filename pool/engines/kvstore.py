@@ -1,0 +1,182 @@
+"""Each request's KV blocks on the device and in host memory, and the copies between them.
+
+Swap-out runs on its own stream after the compute queued so far; the device
+blocks it reads go back to the pool parked on its event, so nothing reuses
+them before the copy has read them. Swap-in runs on another stream, after
+that request's swap-out event and after queued compute (its new blocks may
+still be read by it); it leaves an event on the request that the next
+compute step waits on, so compute waits only for the requests it runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pool.engines.device import Streams
+from pool.engines.forward import DecodeInputs, PrefillInputs
+from pool.engines.kv import BlockRef, KvShape, SlabPool, device_pool, row_view
+
+
+@dataclass(slots=True, eq=False)
+class SeqKv:
+    """Where one request's KV is."""
+
+    shape: KvShape
+    blocks: list[BlockRef] = field(default_factory=list)  # on the device
+    rows: list[int] = field(default_factory=list)  # each device block's first row in the KV row view
+    host_blocks: list[BlockRef] = field(default_factory=list)
+    on_device: bool = True
+    ready: Any = None  # CUDA event of its last copy; compute or the next copy waits on it
+
+    def slot_of(self, position: int) -> tuple[int, int]:
+        """(first row of its block, offset in the block) of a token position."""
+        return self.rows[position // self.shape.block_size], position % self.shape.block_size
+
+
+class KvStore:
+    def __init__(self, region: torch.Tensor, device_slab_bytes: int, host: SlabPool, streams: Streams) -> None:
+        self.region = region
+        self.device = device_pool(region, device_slab_bytes)
+        self.host = host
+        self.streams = streams
+        self.bytes_h2d = self.bytes_d2h = 0
+        self._views: dict[KvShape, torch.Tensor] = {}
+        self._scratch: dict[KvShape, BlockRef] = {}
+
+    def view(self, shape: KvShape) -> torch.Tensor:
+        """The device KV of `shape` as `[rows, block_size, head_dim]`."""
+        if shape not in self._views:
+            self._views[shape] = row_view(self.region, shape)
+        return self._views[shape]
+
+    def scratch(self, shape: KvShape) -> int:
+        """First row of a block no request owns: padded rows of a CUDA graph write there."""
+        if shape not in self._scratch:
+            self._scratch[shape] = self.device.allocate(shape, 1)[0]
+        return self.device.first_row(shape, self._scratch[shape])
+
+    def _place(self, kv: SeqKv, blocks: list[BlockRef]) -> None:
+        kv.blocks.extend(blocks)
+        kv.rows.extend(self.device.first_row(kv.shape, ref) for ref in blocks)
+
+    def grow(self, kvs: Sequence[SeqKv], num_tokens: Sequence[int]) -> None:
+        """Give each request device blocks for `num_tokens` tokens (all requests or none)."""
+        grown: list[tuple[SeqKv, int]] = []
+        try:
+            for kv, tokens in zip(kvs, num_tokens):
+                need = kv.shape.blocks_for(tokens) - len(kv.blocks)
+                if need > 0:
+                    self._place(kv, self.device.allocate(kv.shape, need))
+                    grown.append((kv, need))
+        except Exception:
+            for kv, n in grown:
+                self.device.free(kv.shape, kv.blocks[-n:])
+                del kv.blocks[-n:], kv.rows[-n:]
+            raise
+
+    def save(self, kvs: Sequence[SeqKv]) -> None:
+        """Device -> host for requests whose KV is on the device (all or none)."""
+        kvs = [kv for kv in kvs if kv.on_device]
+        targets = _allocate_all(self.host, kvs, [len(kv.blocks) for kv in kvs])
+        stream = self.streams.swap_out
+        self.streams.after_compute(stream)
+        for kv, host_blocks in zip(kvs, targets):
+            with self.streams.on(stream):
+                self.bytes_d2h += copy_blocks(self.device, kv.blocks, self.host, host_blocks, kv.shape)
+            kv.ready = self.streams.record(stream)
+            self.device.free(kv.shape, kv.blocks, after=kv.ready)
+            kv.blocks, kv.rows, kv.host_blocks, kv.on_device = [], [], host_blocks, False
+
+    def restore(self, kvs: Sequence[SeqKv]) -> None:
+        """Host -> device for requests whose KV is in host memory (all or none)."""
+        kvs = [kv for kv in kvs if not kv.on_device]
+        targets = _allocate_all(self.device, kvs, [len(kv.host_blocks) for kv in kvs])
+        stream = self.streams.swap_in
+        self.streams.after_compute(stream)
+        for kv, device_blocks in zip(kvs, targets):
+            if stream is not None and kv.ready is not None:
+                stream.wait_event(kv.ready)  # its swap-out must have landed
+            with self.streams.on(stream):
+                self.bytes_h2d += copy_blocks(self.host, kv.host_blocks, self.device, device_blocks, kv.shape)
+            kv.ready = self.streams.record(stream)
+            self.host.free(kv.shape, kv.host_blocks, after=kv.ready)
+            kv.host_blocks, kv.on_device = [], True
+            self._place(kv, device_blocks)
+
+    def before_compute(self, kvs: Sequence[SeqKv]) -> None:
+        """Compute waits for the swap-ins of exactly these requests."""
+        for kv in kvs:
+            self.streams.compute_waits(kv.ready)
+            kv.ready = None
+
+    def free(self, kv: SeqKv) -> None:
+        self.device.free(kv.shape, kv.blocks, after=kv.ready)
+        self.host.free(kv.shape, kv.host_blocks, after=kv.ready)
+        kv.blocks, kv.rows, kv.host_blocks = [], [], []
+
+
+def _allocate_all(pool: SlabPool, kvs: Sequence[SeqKv], counts: Sequence[int]) -> list[list[BlockRef]]:
+    out: list[list[BlockRef]] = []
+    try:
+        for kv, n in zip(kvs, counts):
+            out.append(pool.allocate(kv.shape, n))
+    except Exception:
+        for kv, blocks in zip(kvs, out):
+            pool.free(kv.shape, blocks)
+        raise
+    return out
+
+
+def copy_blocks(src: SlabPool, src_blocks: list[BlockRef], dst: SlabPool, dst_blocks: list[BlockRef],
+                shape: KvShape) -> int:
+    """Copy blocks pairwise, one copy per run of blocks adjacent on both sides; returns bytes."""
+    total, i = 0, 0
+    while i < len(src_blocks):
+        run = 1
+        while (i + run < len(src_blocks) and _adjacent(src_blocks[i + run - 1], src_blocks[i + run])
+               and _adjacent(dst_blocks[i + run - 1], dst_blocks[i + run])):
+            run += 1
+        dst.span(shape, dst_blocks[i], run).copy_(src.span(shape, src_blocks[i], run), non_blocking=True)
+        total += run * shape.block_bytes
+        i += run
+    return total
+
+
+def _adjacent(a: BlockRef, b: BlockRef) -> bool:
+    return a.slab == b.slab and b.index == a.index + 1
+
+
+# ---- step inputs: token positions -> KV addresses ----------------------------------------------
+def prefill_inputs(token_lists: Sequence[list[int]], kvs: Sequence[SeqKv], device: torch.device) -> PrefillInputs:
+    """All tokens of all requests, each written to its own slot."""
+    where = [kv.slot_of(p) for tokens, kv in zip(token_lists, kvs) for p in range(len(tokens))]
+    return PrefillInputs(
+        token_ids=_tensor([t for tokens in token_lists for t in tokens], device),
+        positions=_tensor([p for tokens in token_lists for p in range(len(tokens))], device),
+        write_row=_tensor([w[0] for w in where], device),
+        write_offset=_tensor([w[1] for w in where], device),
+        seq_lens=[len(tokens) for tokens in token_lists],
+    )
+
+
+def decode_inputs(last_tokens: Sequence[int], kvs: Sequence[SeqKv], positions: Sequence[int], device: torch.device,
+                  batch: int, max_blocks: int, pad_row: int | None = None) -> DecodeInputs:
+    """One token per request at `positions`, padded to `batch` rows (aimed at `pad_row`) and `max_blocks` columns."""
+    pad = kvs[0].rows[0] if pad_row is None else pad_row
+    extra = batch - len(kvs)
+    tables = [kv.rows for kv in kvs] + [[pad]] * extra
+    tables = [t + [t[0]] * (max_blocks - len(t)) for t in tables]
+    writes = [kv.slot_of(p) for kv, p in zip(kvs, positions)] + [(pad, 0)] * extra
+    all_positions = list(positions) + [0] * extra
+    rows = {"token_ids": list(last_tokens) + [0] * extra, "positions": all_positions,
+            "write_row": [w[0] for w in writes], "write_offset": [w[1] for w in writes],
+            "lengths": [p + 1 for p in all_positions]}
+    return DecodeInputs.pack(rows, tables, device)
+
+
+def _tensor(values: list, device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)

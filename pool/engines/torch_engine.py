@@ -1,0 +1,352 @@
+"""The swap-native PyTorch engine: many models, one device buffer, KV that moves to host and back.
+
+Memory, as in the Aegaeon artifact: a process-wide pinned `HostWeightCache`
+(one contiguous image per model), one device buffer per engine split by a
+bump allocator into KV region | model slot | model slot, paged KV in slabs
+on both tiers (`kv.py`), and four CUDA streams (compute, weights, swap-in,
+swap-out) with per-request events so compute waits only for the KV it reads.
+Requests are admitted by `prefill` and freed by `release` or when they finish.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pool.engines.base import EngineError, EngineStats, GenRequest, TokenOut
+from pool.engines.device import DeviceBuffer, Streams
+from pool.engines.forward import Decoder
+from pool.engines.kv import KvShape, host_pool
+from pool.engines.kvstore import KvStore, SeqKv, decode_inputs, prefill_inputs
+from pool.engines.sampling import OutputText, finish_reason, random_seed, sample
+from pool.engines.slots import ModelSlots
+from pool.engines.weights import HostWeightCache, ModelImage, shared_weight_cache
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class TorchEngineConfig:
+    """Sizes and switches of one engine; the defaults suit CPU tests.
+
+    A dataclass rather than pydantic so the GPU benchmark runs on boxes that
+    have only torch and transformers.
+    """
+
+    device: str = "cpu"  # torch device: 'cpu' or 'cuda[:n]'
+    dtype: str | None = None  # weights/compute dtype ('bfloat16', 'float32'); None: the checkpoint's
+    block_size: int = 16  # tokens per KV block
+    kv_bytes: int = 64 * MiB  # the device KV region
+    device_slab_bytes: int = 1 * MiB  # device KV slab (one block shape each)
+    host_slab_bytes: int = 4 * MiB  # host KV slab (Aegaeon: 1 GiB)
+    max_host_kv_bytes: int = 1024 * MiB  # cap on host KV slabs
+    host_kv_prealloc_bytes: int = 0  # host KV slabs made up front (pinning mid-swap costs ~0.3 s/GiB)
+    max_model_bytes: int | None = None  # each model slot; None: the largest model loaded when first needed
+    cuda_graphs: bool = True  # capture decode steps as CUDA graphs (CUDA only)
+    graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # batch buckets for graphs
+    max_graphs: int = 64  # captured graphs kept (LRU)
+
+    def __post_init__(self) -> None:
+        if self.dtype is not None and not isinstance(getattr(torch, self.dtype, None), torch.dtype):
+            raise ValueError(f"TorchEngineConfig.dtype = {self.dtype!r} is not a torch dtype")
+        for name in ("block_size", "device_slab_bytes", "host_slab_bytes", "max_graphs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"TorchEngineConfig.{name} = {getattr(self, name)!r} must be >= 1")
+        for name in ("kv_bytes", "max_host_kv_bytes", "host_kv_prealloc_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"TorchEngineConfig.{name} = {getattr(self, name)!r} must be >= 0")
+
+
+@dataclass(slots=True)
+class _Model:
+    name: str
+    image: ModelImage
+    kv_shape: KvShape
+    tokenizer: Any
+    eos_ids: frozenset[int]
+
+
+@dataclass(slots=True, eq=False)
+class _Seq:
+    request: GenRequest
+    model: _Model
+    tokens: list[int]  # prompt + output; after each step the last one has no KV yet
+    num_prompt: int
+    seed: int
+    text: OutputText
+    kv: SeqKv
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - self.num_prompt
+
+
+class TorchEngine:
+    """Implements `pool.engines.base.Engine` on PyTorch (CPU or one CUDA device)."""
+
+    def __init__(self, config: TorchEngineConfig | None = None, weight_cache: HostWeightCache | None = None) -> None:
+        self.config = config or TorchEngineConfig()
+        self.device = torch.device(self.config.device)
+        self.dtype = getattr(torch, self.config.dtype) if self.config.dtype else None
+        self.weights = weight_cache or shared_weight_cache()
+        self.streams = Streams(self.device)
+        self._models: dict[str, _Model] = {}
+        self._seqs: dict[str, _Seq] = {}
+        self._buffer: DeviceBuffer | None = None
+        self._slots: ModelSlots | None = None
+        self._kv: KvStore | None = None
+        self._host_kv = host_pool(self.config.host_slab_bytes, self.config.max_host_kv_bytes, self.streams.cuda)
+        self._host_kv.reserve(-(-self.config.host_kv_prealloc_bytes // self.config.host_slab_bytes))
+        self._decoders: dict[tuple[str, int], Decoder] = {}
+        self._graphs: Any = None
+        self.use_cuda_graphs = self.streams.cuda and self.config.cuda_graphs  # may be switched off later
+        if self.use_cuda_graphs:
+            from pool.engines.graphs import DecodeGraphs
+
+            self._graphs = DecodeGraphs(self.config.max_graphs)
+        self.weight_bytes_h2d = self.num_switches = 0
+        self.switch_s = 0.0
+
+    # ---- models -------------------------------------------------------------------------
+    def load(self, model: str, path: Path) -> None:
+        if model in self._models:
+            return
+        from transformers import AutoTokenizer
+
+        image = self.weights.load(model, Path(path), self.dtype)
+        self.add_image(image, AutoTokenizer.from_pretrained(path), _eos_ids(Path(path)))
+
+    def add_image(self, image: ModelImage, tokenizer: Any = None, eos_ids: Iterable[int] = ()) -> None:
+        """Register an image already in the host cache (benchmarks build random ones)."""
+        spec = image.spec
+        shape = KvShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, self.config.block_size, image.dtype)
+        eos = set(eos_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        self._models[image.name] = _Model(image.name, image, shape, tokenizer, frozenset(eos))
+
+    def models(self) -> list[str]:
+        return list(self._models)
+
+    def tokenizer(self, model: str) -> Any:
+        return self._model(model).tokenizer
+
+    def model_bytes(self, model: str) -> int:
+        return self._model(model).image.nbytes
+
+    def activate(self, model: str) -> float:
+        image = self._model(model).image
+        slots = self._ensure_buffer()
+        if slots.active_model == model:
+            return 0.0
+        seconds, _ = slots.activate(image)
+        self.num_switches += 1
+        self.switch_s += seconds
+        return seconds
+
+    def prefetch(self, model: str) -> None:
+        self._ensure_buffer().prefetch(self._model(model).image)
+
+    def weights_pinned(self, model: str) -> bool:
+        return self._model(model).image.buffer.is_pinned()
+
+    def weights_ready(self, model: str) -> bool:
+        """True when `model`'s weights are wholly on the device (a prefetch has landed)."""
+        return self._slots is not None and self._slots.ready_on_device(model)
+
+    def deactivate(self, model: str) -> None:
+        if self._slots is not None:
+            self._slots.deactivate(model)
+
+    def drop_resident(self, model: str) -> None:
+        """Forget the device copy of an inactive model, so its next `activate` copies it in again."""
+        if self._slots is not None:
+            self._slots.drop(model)
+
+    # ---- generation -----------------------------------------------------------------------
+    def prefill(self, requests: Sequence[GenRequest]) -> list[TokenOut]:
+        seqs = [self._admit(r) for r in requests]
+        if not seqs:
+            return []
+        if len({s.request.request_id for s in seqs}) != len(seqs):
+            raise EngineError(f"duplicate request ids in prefill: {[r.request_id for r in requests]}")
+        kv = self._kv_store()
+        kv.grow([s.kv for s in seqs], [len(s.tokens) for s in seqs])
+        self._seqs.update((s.request.request_id, s) for s in seqs)
+        inputs = prefill_inputs([s.tokens for s in seqs], [s.kv for s in seqs], self.device)
+        return self._emit(seqs, self._decoder(seqs[0].model).prefill(inputs))
+
+    def decode_step(self, request_ids: Sequence[str]) -> list[TokenOut]:
+        seqs = [self._runnable(rid) for rid in request_ids]
+        if not seqs:
+            return []
+        if len(set(request_ids)) != len(seqs):
+            raise EngineError(f"duplicate request ids in decode_step: {list(request_ids)}")
+        kv, kvs = self._kv_store(), [s.kv for s in seqs]
+        kv.grow(kvs, [len(s.tokens) for s in seqs])  # room for the token fed now
+        kv.before_compute(kvs)
+        model, batch = seqs[0].model, len(seqs)
+        decoder = self._decoder(model)
+        last, positions = [s.tokens[-1] for s in seqs], [len(s.tokens) - 1 for s in seqs]
+        max_blocks = max(len(k.blocks) for k in kvs)
+        graph_batch = self._graph_batch(batch)
+        if graph_batch is None:
+            logits = decoder.decode(decode_inputs(last, kvs, positions, self.device, batch, max_blocks))
+        else:
+            from pool.engines.graphs import blocks_bucket
+
+            max_blocks = blocks_bucket(max_blocks)
+            inputs = decode_inputs(last, kvs, positions, self.device, graph_batch, max_blocks,
+                                   kv.scratch(model.kv_shape))
+            key = (model.name, self._slots.current, graph_batch, max_blocks)  # type: ignore[union-attr]
+            logits = self._graphs.run(key, decoder, inputs)[:batch]
+        return self._emit(seqs, logits)
+
+    # ---- KV movement ---------------------------------------------------------------------------
+    def save_kv(self, request_ids: Sequence[str]) -> None:
+        self._kv_store().save([self._seq(rid).kv for rid in request_ids])
+
+    def restore_kv(self, request_ids: Sequence[str]) -> None:
+        self._kv_store().restore([self._seq(rid).kv for rid in request_ids])
+
+    def release(self, request_ids: Sequence[str]) -> None:
+        for rid in request_ids:
+            seq = self._seqs.pop(rid, None)
+            if seq is not None:
+                self._kv_store().free(seq.kv)
+
+    def synchronize(self) -> None:
+        self.streams.synchronize()
+
+    def stats(self) -> EngineStats:
+        slots, kv, host = self._slots, self._kv, self._host_kv
+        return EngineStats(
+            device=str(self.device),
+            device_buffer_bytes=self._buffer.nbytes if self._buffer else 0,
+            kv_device_bytes=kv.device.max_slabs * kv.device.slab_bytes if kv else 0,
+            kv_device_used_bytes=kv.device.used_bytes() if kv else 0,
+            kv_host_bytes=host.made_bytes(),
+            kv_host_used_bytes=host.used_bytes(),
+            host_weight_bytes=sum(m.image.nbytes for m in self._models.values()),
+            loaded_models=tuple(self._models),
+            active_model=slots.active_model if slots else None,
+            prefetched_model=slots.prefetched if slots else None,
+            num_requests=len(self._seqs),
+            bytes_h2d=self.weight_bytes_h2d + (kv.bytes_h2d if kv else 0),
+            bytes_d2h=kv.bytes_d2h if kv else 0,
+            num_switches=self.num_switches,
+            switch_s=self.switch_s,
+            extra={"weight_bytes_h2d": self.weight_bytes_h2d, "device_slabs": kv.device.num_slabs if kv else 0,
+                   "host_slabs": host.num_slabs, "resident_models": tuple(slots.holder) if slots else (),
+                   "graphs": len(self._graphs) if self._graphs is not None else 0},
+        )
+
+    # ---- internals -------------------------------------------------------------------------------
+    def _model(self, name: str) -> _Model:
+        try:
+            return self._models[name]
+        except KeyError:
+            raise EngineError(f"model {name!r} is not loaded; loaded: {sorted(self._models)}") from None
+
+    def _seq(self, request_id: str) -> _Seq:
+        try:
+            return self._seqs[request_id]
+        except KeyError:
+            raise EngineError(f"unknown request {request_id!r} (finished, released or never prefilled)") from None
+
+    def _ensure_buffer(self) -> ModelSlots:
+        """The device buffer, made on first need: KV region | model slot | model slot."""
+        if self._slots is None:
+            cfg = self.config
+            slot = cfg.max_model_bytes or max((m.image.nbytes for m in self._models.values()), default=0)
+            self._buffer = DeviceBuffer({"kv": cfg.kv_bytes, "model0": slot, "model1": slot}, self.device)
+            self._slots = ModelSlots([self._buffer.region("model0"), self._buffer.region("model1")], self.streams,
+                                     on_copy=self._count_weight_copy)
+            self._kv = KvStore(self._buffer.region("kv"), cfg.device_slab_bytes, self._host_kv, self.streams)
+        return self._slots
+
+    def _kv_store(self) -> KvStore:
+        self._ensure_buffer()
+        return self._kv  # type: ignore[return-value]
+
+    def _count_weight_copy(self, nbytes: int) -> None:
+        self.weight_bytes_h2d += nbytes
+
+    def _admit(self, request: GenRequest) -> _Seq:
+        model = self._model(request.model)
+        active = self._ensure_buffer().active_model
+        rid, params = request.request_id, request.sampling
+        if active != request.model:
+            raise EngineError(f"request {rid}: model {request.model!r} is not active (active: {active!r})")
+        if rid in self._seqs:
+            raise EngineError(f"request {rid!r} is already in the engine")
+        if not request.prompt_token_ids:
+            raise EngineError(f"request {rid}: empty prompt")
+        if len(request.output_token_ids) >= params.max_tokens:
+            raise EngineError(f"request {rid}: already has {len(request.output_token_ids)} of "
+                              f"max_tokens={params.max_tokens} tokens")
+        return _Seq(request=request, model=model, tokens=[*request.prompt_token_ids, *request.output_token_ids],
+                    num_prompt=len(request.prompt_token_ids),
+                    seed=random_seed() if params.seed is None else params.seed,
+                    text=OutputText(model.tokenizer, params.stop, request.output_token_ids), kv=SeqKv(model.kv_shape))
+
+    def _runnable(self, request_id: str) -> _Seq:
+        seq = self._seq(request_id)
+        active = self._slots.active_model if self._slots else None
+        if seq.model.name != active:
+            raise EngineError(f"request {request_id}: model {seq.model.name!r} is not active (active: {active!r})")
+        if not seq.kv.on_device:
+            raise EngineError(f"request {request_id}: KV is in host memory; restore_kv first")
+        return seq
+
+    def _decoder(self, model: _Model) -> Decoder:
+        """The forward pass of the active `model`, bound to the slot it is in."""
+        slots = self._ensure_buffer()
+        if slots.current is None or slots.active_model != model.name:
+            raise EngineError(f"model {model.name!r} is not active")
+        key = (model.name, slots.current)
+        if key not in self._decoders:
+            storage = slots.slots[slots.current]
+            self._decoders[key] = Decoder(model.image.spec, model.image.views(storage),
+                                          self._kv_store().view(model.kv_shape))
+        return self._decoders[key]
+
+    def _graph_batch(self, batch: int) -> int | None:
+        if self._graphs is None or not self.use_cuda_graphs:
+            return None
+        from pool.engines.graphs import bucket
+
+        return bucket(batch, self.config.graph_batch_sizes)
+
+    def _emit(self, seqs: list[_Seq], logits: torch.Tensor) -> list[TokenOut]:
+        """Sample one token per request, extend its text, and finish (and free) it when it stops."""
+        params = [s.request.sampling for s in seqs]
+        token_ids = sample(logits, params, [s.seed for s in seqs], [s.tokens for s in seqs],
+                           [s.num_output for s in seqs])
+        out = []
+        for seq, token_id in zip(seqs, token_ids):
+            p = seq.request.sampling
+            seq.tokens.append(token_id)
+            stop_token = token_id in p.stop_token_ids or (not p.ignore_eos and token_id in seq.model.eos_ids)
+            stop_hit = False if stop_token else seq.text.push(token_id)
+            reason = finish_reason(token_id, seq.num_output, p, seq.model.eos_ids, stop_hit)
+            out.append(TokenOut(seq.request.request_id, token_id, seq.text.take_delta(reason is not None),
+                                reason is not None, reason))
+            if reason is not None:
+                self.release([seq.request.request_id])
+        return out
+
+
+def _eos_ids(path: Path) -> set[int]:
+    try:
+        value = json.loads((path / "generation_config.json").read_text()).get("eos_token_id")
+    except (OSError, ValueError):
+        return set()
+    if value is None:
+        return set()
+    return set(value) if isinstance(value, list) else {int(value)}
