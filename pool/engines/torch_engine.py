@@ -287,6 +287,10 @@ class TorchEngine:
             raise EngineError(f"request {rid!r} is already in the engine")
         if not request.prompt_token_ids:
             raise EngineError(f"request {rid}: empty prompt")
+        window = model.image.spec.sliding_window
+        if window is not None and len(request.prompt_token_ids) + params.max_tokens > window:
+            raise EngineError(f"request {rid}: {model.name!r} uses sliding-window attention ({window} tokens), "
+                              "which this engine does not implement; keep prompt + max_tokens within it")
         if len(request.output_token_ids) >= params.max_tokens:
             raise EngineError(f"request {rid}: already has {len(request.output_token_ids)} of "
                               f"max_tokens={params.max_tokens} tokens")

@@ -198,6 +198,26 @@ def test_cuda_engine_matches_transformers_through_swaps(graphs, demo_models):
     assert ids_of(first) == ids_of(batch)
 
 
+def test_mistral_matches_transformers_and_refuses_beyond_its_window(tmp_path):
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    from pool.demo import build_tokenizer
+
+    tok = build_tokenizer()
+    torch.manual_seed(1)
+    config = MistralConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=1, sliding_window=48, initializer_range=0.05)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    engine = TorchEngine(TorchEngineConfig(dtype="float32"), weight_cache=HostWeightCache())
+    engine.load("mistral", tmp_path)
+    prompt = tok("What is two plus two?")["input_ids"]
+    got = ids_of(run(engine, [GenRequest("m", "mistral", prompt, greedy(16))])["m"])
+    assert got == hf_greedy(tmp_path, tuple(prompt), 16, True)
+    with pytest.raises(EngineError, match="sliding-window"):
+        engine.prefill([GenRequest("long", "mistral", prompt * 8, greedy(16))])
+
+
 # ---- sampling and stopping -----------------------------------------------------------------------
 def test_stop_string_is_cut_and_never_streamed(demo_models):
     engine = make_engine(demo_models, ["tiny-llama"])
