@@ -234,10 +234,9 @@ class Simulator:
         raise InvariantViolation(f"{iid}: cannot execute {action!r}")
 
     def _switch_time(self, dev: _Device, model: str, t: float) -> float:
-        if dev.prefetch is not None and dev.prefetch[0] == model:
-            ready_at = dev.prefetch[1]
-            dev.prefetch = None
-            return max(0.0, ready_at - t)
+        prefetched, dev.prefetch = dev.prefetch, None  # any other model in the spare slot is overwritten
+        if prefetched is not None and prefetched[0] == model:
+            return max(0.0, prefetched[1] - t)
         return self.costs.switch_s(model)
 
     def _prefill(self, iid: str, dev: _Device, action: Prefill, t: float) -> float:

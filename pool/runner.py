@@ -1,0 +1,227 @@
+"""Carrying out one instance's Plan actions through engine calls, one call at a time.
+
+An `InstanceRunner` is a small state machine: `start(actions)` issues the first
+engine call, every `on_result()` turns a finished call into the scheduler's
+events (and streamed tokens) and issues the next. It never waits and never
+reads a clock, so the live controller (Ray calls) and the parity harness (a
+manual clock) drive the same code. Semantics match the simulator's executor:
+
+- Switch -> `activate` -> SwitchDone; Prefetch -> `prefetch`, not waited for.
+- Prefill -> `prefill` (+ `save_kv` when `kv_to_host`) -> StepDone(prefill).
+- Decode -> `decode_step` per step; the turn ends after `max_steps`, at the
+  first finished request, or at the step boundary after a Stop -> StepDone.
+- SwapOut -> `save_kv` -> KvMoved(host); SwapIn -> (`export_kv` from the
+  instance whose host memory holds the KV, `import_kv` here) `restore_kv`
+  -> KvMoved(device).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pool.engines.base import GenRequest, SamplingParams, TokenOut
+from scheduler import Action, Decode, Event, KvMoved, Prefetch, Prefill, StepDone, SwapIn, SwapOut, Switch, SwitchDone
+
+
+@dataclass(slots=True, eq=False)
+class LiveRequest:
+    """A request as the live pool holds it: token ids in, streamed tokens out."""
+
+    request_id: str
+    model: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival_at: float
+    output_token_ids: list[int] = field(default_factory=list)
+    sink: Callable[[TokenOut | BaseException], None] | None = None
+    kv_home: str | None = None  # the instance whose engine holds its KV (device or host)
+    cancelled: bool = False
+    finished: bool = False
+
+    def gen_request(self) -> GenRequest:
+        return GenRequest(self.request_id, self.model, tuple(self.prompt_token_ids), self.sampling,
+                          tuple(self.output_token_ids))
+
+
+# issue(instance_id, method, args, meta) -> handle; meta only informs simulated backends
+Issue = Callable[[str, str, tuple[Any, ...], dict[str, Any]], int]
+
+
+class InstanceRunner:
+    def __init__(self, instance_id: str, issue: Issue, requests: dict[str, LiveRequest],
+                 deliver: Callable[[LiveRequest, TokenOut], None]) -> None:
+        self.instance_id = instance_id
+        self._issue = issue
+        self._requests = requests
+        self._deliver = deliver
+        self._actions: deque[Action] = deque()
+        self._current: Action | None = None
+        self._stage = ""  # which call of the current action is in flight
+        self._pending: int | None = None
+        self._stop = False
+        self._steps = 0
+        self._finished: list[str] = []
+        self._imports: list[tuple[str, list[str]]] = []
+
+    @property
+    def busy(self) -> bool:
+        return self._current is not None or bool(self._actions)
+
+    def start(self, actions: Sequence[Action]) -> list[Event]:
+        if self.busy:
+            raise RuntimeError(f"{self.instance_id}: new actions while busy with {self._current!r}")
+        self._actions.extend(actions)
+        self._stop = False
+        return self._next()
+
+    def stop(self) -> None:
+        """End the current Decode at the next step boundary (a no-op when none runs)."""
+        self._stop = True
+
+    def reset(self) -> None:
+        """Forget everything in flight (the instance was lost)."""
+        self._actions.clear()
+        self._current, self._pending, self._stage = None, None, ""
+
+    def on_result(self, handle: int, result: Any) -> list[Event]:
+        if handle != self._pending:
+            raise RuntimeError(f"{self.instance_id}: result for call {handle}, expected {self._pending}")
+        self._pending = None
+        action = self._current
+        events: list[Event] = []
+        if isinstance(action, Switch):
+            events.append(SwitchDone(self.instance_id, action.model))
+        elif isinstance(action, Prefill):
+            events += self._prefill_result(action, result)
+        elif isinstance(action, Decode):
+            events += self._decode_result(action, result)
+        elif isinstance(action, SwapOut):
+            events.append(KvMoved(self.instance_id, action.request_ids, "host"))
+        elif isinstance(action, SwapIn):
+            events += self._swap_in_result(action, result)
+        if self._pending is None:  # the action is complete
+            self._current = None
+            events += self._next()
+        return events
+
+    # ---- issuing --------------------------------------------------------------------
+    def _call(self, method: str, *args: Any, **meta: Any) -> None:
+        self._stage = method
+        self._pending = self._issue(self.instance_id, method, args, meta)
+
+    def _next(self) -> list[Event]:
+        while self._actions:
+            action = self._current = self._actions.popleft()
+            if isinstance(action, Switch):
+                self._call("activate", action.model)
+            elif isinstance(action, Prefetch):
+                self._issue(self.instance_id, "prefetch", (action.model,), {"fire_and_forget": True})
+                self._current = None
+                continue
+            elif isinstance(action, Prefill):
+                ids = self._live(action.request_ids)
+                if not ids:  # all cancelled while queued for this instance
+                    self._current = None
+                    return [StepDone(self.instance_id, "prefill", action.request_ids, 1)] + self._next()
+                for rid in ids:
+                    self._requests[rid].kv_home = self.instance_id
+                self._call("prefill", [self._requests[rid].gen_request() for rid in ids])
+            elif isinstance(action, Decode):
+                self._steps, self._finished = 0, []
+                event = self._decode_continue(action)
+                if event is None:
+                    return []
+                self._current = None
+                return [event] + self._next()
+            elif isinstance(action, SwapOut):
+                self._call("save_kv", list(action.request_ids))
+            elif isinstance(action, SwapIn):
+                self._imports = self._foreign(action.request_ids)
+                self._swap_in_next(action)
+            else:
+                raise RuntimeError(f"{self.instance_id}: cannot run {action!r}")
+            return []
+        return []
+
+    def _live(self, ids: Sequence[str]) -> list[str]:
+        out = []
+        for rid in ids:
+            live = self._requests.get(rid)
+            if live is not None and not live.cancelled and not live.finished:
+                out.append(rid)
+        return out
+
+    # ---- prefill -------------------------------------------------------------------------
+    def _prefill_result(self, action: Prefill, result: Any) -> list[Event]:
+        if self._stage == "prefill":
+            finished = self._tokens(result)
+            keep = [rid for rid in self._live(action.request_ids) if rid not in finished]
+            if action.kv_to_host and keep:
+                self._call("save_kv", keep, after_prefill=True)
+                self._finished = finished
+                return []
+            return [StepDone(self.instance_id, "prefill", action.request_ids, 1, tuple(finished))]
+        return [StepDone(self.instance_id, "prefill", action.request_ids, 1, tuple(self._finished))]
+
+    def _tokens(self, outs: Sequence[TokenOut]) -> list[str]:
+        finished = []
+        for out in outs:
+            live = self._requests.get(out.request_id)
+            if live is None or live.cancelled:
+                continue
+            live.output_token_ids.append(out.token_id)
+            if out.finished:
+                live.finished = True
+                live.kv_home = None
+                finished.append(out.request_id)
+            self._deliver(live, out)
+        return finished
+
+    # ---- decode ----------------------------------------------------------------------------
+    def _decode_continue(self, action: Decode) -> StepDone | None:
+        """Issue the next step of the turn, or return the turn's StepDone when it is over."""
+        ids = self._live(action.request_ids)
+        if not ids or self._finished or self._steps >= action.max_steps or (self._stop and self._steps > 0):
+            return StepDone(self.instance_id, "decode", action.request_ids, self._steps, tuple(self._finished))
+        self._call("decode_step", ids, turn_step=self._steps + 1, max_steps=action.max_steps)
+        return None
+
+    def _decode_result(self, action: Decode, result: Any) -> list[Event]:
+        self._steps += 1
+        self._finished += self._tokens(result)
+        event = self._decode_continue(action)
+        return [] if event is None else [event]
+
+    # ---- KV moves ------------------------------------------------------------------------
+    def _foreign(self, ids: Sequence[str]) -> list[tuple[str, list[str]]]:
+        """Group the requests whose KV sits in another instance's host memory by that instance."""
+        out: dict[str, list[str]] = {}
+        for rid in self._live(ids):
+            home = self._requests[rid].kv_home
+            if home is not None and home != self.instance_id:
+                out.setdefault(home, []).append(rid)
+        return sorted(out.items())
+
+    def _swap_in_next(self, action: SwapIn) -> None:
+        if self._imports:
+            home, ids = self._imports[0]
+            self._stage = "export_kv"  # runs on the home instance, after whatever it is doing
+            self._pending = self._issue(home, "export_kv", (ids,), {"transfer": True})
+            return
+        ids = self._live(action.request_ids)
+        for rid in ids:
+            self._requests[rid].kv_home = self.instance_id
+        self._call("restore_kv", ids)
+
+    def _swap_in_result(self, action: SwapIn, result: Any) -> list[Event]:
+        if self._stage == "export_kv":
+            self._imports.pop(0)
+            self._call("import_kv", result, transfer=True)
+            return []
+        if self._stage == "import_kv":
+            self._swap_in_next(action)
+            return []
+        return [KvMoved(self.instance_id, action.request_ids, "device")]
