@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from scheduler.fleet import Fleet, FleetProblem, GpuSpec, ModelEntry, PoolSpec, fleet_problems
+from scheduler.fleet import Fleet, FleetProblem, GpuSpec, ModelEntry, PoolSpec, arch_from_hf_config, fleet_problems
 
 Loc = tuple[str | int, ...]
 
@@ -132,29 +132,6 @@ def _resolve_arch_folders(data: dict[str, Any], base_dir: Path, lines: dict[Loc,
             line, col = lines.get(("models", index, "arch"), (0, 0))
             problems.append(Problem(source, line, col, f"models[{index}].arch",
                                     f"cannot read {folder / 'config.json'}: {exc} (got {arch!r})"))
-
-
-def arch_from_hf_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Map a Hugging Face config.json onto the Arch fields."""
-    kind = str(cfg.get("model_type", "llama"))
-    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
-    dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
-    return {
-        "family": kind,
-        "num_layers": cfg["num_hidden_layers"],
-        "hidden_size": cfg["hidden_size"],
-        "num_heads": cfg["num_attention_heads"],
-        "num_kv_heads": cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
-        "head_dim": cfg.get("head_dim"),
-        "intermediate_size": cfg.get("moe_intermediate_size") if experts else cfg["intermediate_size"],
-        "vocab_size": cfg["vocab_size"],
-        "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
-        "qkv_bias": kind == "qwen2" or bool(cfg.get("attention_bias", False)),
-        "num_experts": experts,
-        "experts_per_token": int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
-        "dtype": dtype if dtype in ("bfloat16", "float16", "float32") else "bfloat16",
-        "max_context": cfg.get("max_position_embeddings", 32768),
-    }
 
 
 def _problems_from(exc: ValidationError, data: dict[str, Any], lines: dict[Loc, tuple[int, int]],

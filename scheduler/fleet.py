@@ -8,7 +8,7 @@ architectures carry published figures so a fleet entry can say `arch: qwen2.5-7b
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -252,3 +252,26 @@ def fleet_problems(pool: PoolSpec, gpus: dict[str, GpuSpec],
                              f"tp {entry.tp} does not fit {entry.name!r} on {gpu_key}: {per_gpu / GB:.1f} GB of weights per GPU "
                              f"leaves too little of {usable / GB:.1f} GB usable for KV; use tp >= {need}"))
     return problems
+
+
+def arch_from_hf_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Map a Hugging Face config.json onto the Arch fields."""
+    kind = str(cfg.get("model_type", "llama"))
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
+    return {
+        "family": kind,
+        "num_layers": cfg["num_hidden_layers"],
+        "hidden_size": cfg["hidden_size"],
+        "num_heads": cfg["num_attention_heads"],
+        "num_kv_heads": cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+        "head_dim": cfg.get("head_dim"),
+        "intermediate_size": cfg.get("moe_intermediate_size") if experts else cfg["intermediate_size"],
+        "vocab_size": cfg["vocab_size"],
+        "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+        "qkv_bias": kind == "qwen2" or bool(cfg.get("attention_bias", False)),
+        "num_experts": experts,
+        "experts_per_token": int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
+        "dtype": dtype if dtype in ("bfloat16", "float16", "float32") else "bfloat16",
+        "max_context": cfg.get("max_position_embeddings", 32768),
+    }
