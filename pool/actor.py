@@ -1,0 +1,77 @@
+"""One Ray actor per instance: it owns a device (or a CPU slot) and the engine on it."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pool.engines.base import Engine
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Which engine an instance runs and how it is sized (picklable; the engine is built in the actor)."""
+
+    kind: str = "torch"  # torch | vllm | sim
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+def make_engine(spec: EngineSpec) -> Engine:
+    if spec.kind == "torch":
+        from pool.engines.torch_engine import TorchEngine, TorchEngineConfig
+
+        return TorchEngine(TorchEngineConfig(**spec.options))
+    if spec.kind == "vllm":
+        from pool.engines import vllm_engine  # type: ignore[attr-defined]
+
+        return vllm_engine.make_vllm_engine(spec.options)  # type: ignore[no-any-return]
+    if spec.kind == "sim":
+        from pool.engines.sim_engine import SimEngine
+
+        return SimEngine(**spec.options)
+    raise ValueError(f"unknown engine {spec.kind!r}; choose torch, vllm or sim")
+
+
+class InstanceActor:
+    """The engine behind one instance; `call` runs one engine method (calls run one at a time)."""
+
+    def __init__(self, instance_id: str, spec: EngineSpec, models: Mapping[str, str], threads: int = 1) -> None:
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+        try:
+            import torch
+
+            torch.set_num_threads(threads)
+        except ImportError:
+            pass
+        self.instance_id = instance_id
+        self.engine = make_engine(spec)
+        for name, path in models.items():
+            self.engine.load(name, Path(path))
+
+    def call(self, method: str, *args: Any) -> Any:
+        return getattr(self.engine, method)(*args)
+
+    def ready(self) -> str:
+        return self.instance_id
+
+
+def start_actors(instances: Mapping[str, int], spec: EngineSpec, models: Mapping[str, str], *,
+                 use_gpus: bool, threads: int = 1) -> dict[str, Any]:
+    """One actor per instance id (value: its GPU count); returns once every engine has loaded its models."""
+    import ray
+
+    remote = ray.remote(InstanceActor)
+    actors = {}
+    for instance_id, num_gpus in instances.items():
+        options: dict[str, Any] = {"num_cpus": 1 if not use_gpus else 0.5,
+                                   "max_restarts": 0,
+                                   "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(threads),
+                                                                "TOKENIZERS_PARALLELISM": "false"}}}
+        if use_gpus:
+            options["num_gpus"] = num_gpus
+        actors[instance_id] = remote.options(**options).remote(instance_id, spec, dict(models), threads)
+    ray.get([actor.ready.remote() for actor in actors.values()])
+    return actors
