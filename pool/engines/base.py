@@ -3,7 +3,9 @@
 The scheduler's actions map onto these calls one to one: Switch -> `activate`,
 Prefetch -> `prefetch`, Prefill -> `prefill`, Decode -> `decode_step` (once per
 step), SwapOut -> `save_kv`, SwapIn -> `restore_kv`; a finished or cancelled
-request ends with `release`. An engine never decides anything itself.
+request ends with `release`. A request moves between engines (instances) with
+`export_kv` on one and `import_kv` on the other, its KV through host memory.
+An engine never decides anything itself.
 """
 
 from __future__ import annotations
@@ -75,6 +77,45 @@ class TokenOut:
 
 
 @dataclass(frozen=True, slots=True)
+class KvExport:
+    """One request moved out of an engine: all another engine needs to continue it (picklable).
+
+    `kv` is the KV of the request's first `num_tokens` tokens (prompt + output
+    but the last token, which has no KV yet) as the raw bytes of a C-contiguous
+    `[num_layers, 2 (k, v), num_kv_heads, num_tokens, head_dim]` tensor of
+    `kv_dtype`: only tokens, no block padding, so the importing engine may page
+    it with another block size. It is a flat numpy uint8 array (numpy has no
+    bfloat16), which pickle protocol 5 - Ray's object store - carries out of
+    band, without a copy; `kv_tensor()` gives it back as a torch tensor.
+    """
+
+    request: GenRequest  # output_token_ids: every token produced so far (all already returned)
+    seed: int  # the sampler's seed (drawn at admission when sampling.seed is None); token k draws with (seed, k)
+    num_tokens: int  # tokens with KV: len(prompt) + len(output) - 1
+    kv: Any  # numpy uint8, kv_bytes long
+    kv_dtype: str  # torch dtype name, e.g. 'bfloat16'
+    kv_shape: tuple[int, ...]  # (num_layers, 2, num_kv_heads, num_tokens, head_dim)
+    text: str = ""  # output text detokenised so far (incrementally, as it was streamed)
+    text_emitted: int = 0  # chars of `text` already streamed; the rest is held back (may begin a stop string)
+    detok_offsets: tuple[int, int] = (0, 0)  # the incremental detokeniser's (prefix_offset, read_offset)
+
+    @property
+    def kv_bytes(self) -> int:
+        return int(self.kv.nbytes)
+
+    def kv_tensor(self) -> Any:
+        """The KV as a CPU torch tensor of `kv_shape` and `kv_dtype` (shares memory with `kv`)."""
+        import warnings
+
+        import torch
+
+        with warnings.catch_warnings():  # unpickled (Ray) arrays are read-only; the tensor is only read
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.from_numpy(self.kv)
+        return flat.view(getattr(torch, self.kv_dtype)).view(self.kv_shape)
+
+
+@dataclass(frozen=True, slots=True)
 class EngineStats:
     """What an engine holds and has moved; sizes in bytes."""
 
@@ -135,6 +176,21 @@ class Engine(Protocol):
 
     def release(self, request_ids: Sequence[str]) -> None:
         """Forget the requests and free their KV wherever it is (unknown ids are ignored)."""
+        ...
+
+    def export_kv(self, request_ids: Sequence[str]) -> list[KvExport]:
+        """Move the requests out: their state and KV (from host memory, or copied off the device), then forget them.
+
+        All or none; their KV blocks are freed on both tiers.
+        """
+        ...
+
+    def import_kv(self, exports: Sequence[KvExport]) -> None:
+        """Admit exported requests with their KV in host memory (as after `save_kv`); `restore_kv` next.
+
+        Their models must be loaded (EngineError otherwise); all or none
+        (OutOfKvMemory when host memory cannot hold them).
+        """
         ...
 
     def stats(self) -> EngineStats: ...

@@ -6,6 +6,11 @@ them before the copy has read them. Swap-in runs on another stream, after
 that request's swap-out event and after queued compute (its new blocks may
 still be read by it); it leaves an event on the request that the next
 compute step waits on, so compute waits only for the requests it runs.
+
+A request leaving the engine (`export_kv`) takes its KV out as one token-major
+CPU tensor, `[layers, 2, kv_heads, tokens, head_dim]`, read from the host
+blocks once its swap-out has landed, or off the device after the compute that
+wrote it; an arriving one is written into fresh host blocks (`write_tokens`).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from typing import Any
 
 import torch
 
-from pool.engines.device import Streams
+from pool.engines.device import Streams, wait_event
 from pool.engines.forward import DecodeInputs, PrefillInputs
 from pool.engines.kv import BlockRef, KvShape, SlabPool, device_pool, row_view
 
@@ -81,7 +86,7 @@ class KvStore:
     def save(self, kvs: Sequence[SeqKv]) -> None:
         """Device -> host for requests whose KV is on the device (all or none)."""
         kvs = [kv for kv in kvs if kv.on_device]
-        targets = _allocate_all(self.host, kvs, [len(kv.blocks) for kv in kvs])
+        targets = allocate_all(self.host, kvs, [len(kv.blocks) for kv in kvs])
         stream = self.streams.swap_out
         self.streams.after_compute(stream)
         for kv, host_blocks in zip(kvs, targets):
@@ -94,7 +99,7 @@ class KvStore:
     def restore(self, kvs: Sequence[SeqKv]) -> None:
         """Host -> device for requests whose KV is in host memory (all or none)."""
         kvs = [kv for kv in kvs if not kv.on_device]
-        targets = _allocate_all(self.device, kvs, [len(kv.host_blocks) for kv in kvs])
+        targets = allocate_all(self.device, kvs, [len(kv.host_blocks) for kv in kvs])
         stream = self.streams.swap_in
         self.streams.after_compute(stream)
         for kv, device_blocks in zip(kvs, targets):
@@ -115,11 +120,60 @@ class KvStore:
 
     def free(self, kv: SeqKv) -> None:
         self.device.free(kv.shape, kv.blocks, after=kv.ready)
-        self.host.free(kv.shape, kv.host_blocks, after=kv.ready)
-        kv.blocks, kv.rows, kv.host_blocks = [], [], []
+        free_host(self.host, kv)
+        kv.blocks, kv.rows = [], []
+
+    def read_device(self, kv: SeqKv, num_tokens: int) -> torch.Tensor:
+        """A CPU copy of the first `num_tokens` tokens' KV of a request whose KV is on the device."""
+        self.before_compute([kv])  # after its swap-in; compute that wrote it is queued on this stream already
+        with torch.no_grad():
+            out = read_tokens(self.device, kv.shape, kv.blocks, num_tokens).to("cpu")
+        self.bytes_d2h += out.nbytes
+        return out
 
 
-def _allocate_all(pool: SlabPool, kvs: Sequence[SeqKv], counts: Sequence[int]) -> list[list[BlockRef]]:
+def read_host(pool: SlabPool, kv: SeqKv, num_tokens: int) -> torch.Tensor:
+    """A copy of the first `num_tokens` tokens' KV of a request whose KV is in host memory."""
+    wait_event(kv.ready)  # its swap-out has landed
+    kv.ready = None
+    return read_tokens(pool, kv.shape, kv.host_blocks, num_tokens)
+
+
+def free_host(pool: SlabPool, kv: SeqKv) -> None:
+    pool.free(kv.shape, kv.host_blocks, after=kv.ready)
+    kv.host_blocks = []
+
+
+def read_tokens(pool: SlabPool, shape: KvShape, blocks: Sequence[BlockRef], num_tokens: int) -> torch.Tensor:
+    """The first `num_tokens` tokens of `blocks` as one new `[L, 2, kv_heads, num_tokens, head_dim]` tensor."""
+    if not 0 <= num_tokens <= len(blocks) * shape.block_size:
+        raise ValueError(f"{num_tokens} tokens do not fit in {len(blocks)} blocks of {shape.block_size}")
+    used = shape.blocks_for(num_tokens)
+    if used == 0:
+        return torch.empty(shape.num_layers, 2, shape.num_kv_heads, 0, shape.head_dim, dtype=shape.dtype)
+    last = num_tokens - (used - 1) * shape.block_size
+    parts = [pool.block(shape, ref) for ref in blocks[: used - 1]]
+    parts.append(pool.block(shape, blocks[used - 1])[:, :, :, :last])
+    return torch.cat(parts, dim=3)
+
+
+def write_tokens(kv: torch.Tensor, pool: SlabPool, shape: KvShape, blocks: Sequence[BlockRef]) -> None:
+    """Write a `[L, 2, kv_heads, tokens, head_dim]` tensor into `blocks`, block by block.
+
+    The unused tail of the last block is zeroed: decode attention masks the
+    scores past a request's length but still multiplies their (zero) weights
+    with those values, and a fresh slab's bytes may read as NaN.
+    """
+    size = shape.block_size
+    for i, ref in enumerate(blocks):
+        chunk = kv[:, :, :, i * size : (i + 1) * size]
+        block = pool.block(shape, ref)
+        block[:, :, :, : chunk.shape[3]].copy_(chunk)
+        block[:, :, :, chunk.shape[3] :].zero_()
+
+
+def allocate_all(pool: SlabPool, kvs: Sequence[SeqKv], counts: Sequence[int]) -> list[list[BlockRef]]:
+    """`counts[i]` blocks of `kvs[i]`'s shape for every request, or none (OutOfKvMemory)."""
     out: list[list[BlockRef]] = []
     try:
         for kv, n in zip(kvs, counts):

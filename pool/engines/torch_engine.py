@@ -5,24 +5,26 @@ Memory, as in the Aegaeon artifact: a process-wide pinned `HostWeightCache`
 bump allocator into KV region | model slot | model slot, paged KV in slabs
 on both tiers (`kv.py`), and four CUDA streams (compute, weights, swap-in,
 swap-out) with per-request events so compute waits only for the KV it reads.
-Requests are admitted by `prefill` and freed by `release` or when they finish.
+Requests are admitted by `prefill` (or `import_kv`) and freed by `release`,
+`export_kv` or when they finish.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from pool.engines.base import EngineError, EngineStats, GenRequest, TokenOut
+from pool.engines.base import EngineError, EngineStats, GenRequest, KvExport, TokenOut
 from pool.engines.device import DeviceBuffer, Streams
 from pool.engines.forward import Decoder
 from pool.engines.kv import KvShape, host_pool
-from pool.engines.kvstore import KvStore, SeqKv, decode_inputs, prefill_inputs
+from pool.engines.kvstore import (KvStore, SeqKv, allocate_all, decode_inputs, free_host, prefill_inputs, read_host,
+                                  write_tokens)
 from pool.engines.sampling import OutputText, finish_reason, random_seed, sample
 from pool.engines.slots import ModelSlots
 from pool.engines.weights import HostWeightCache, ModelImage, shared_weight_cache
@@ -218,7 +220,32 @@ class TorchEngine:
         for rid in request_ids:
             seq = self._seqs.pop(rid, None)
             if seq is not None:
-                self._kv_store().free(seq.kv)
+                self._free_kv(seq.kv)
+
+    def export_kv(self, request_ids: Sequence[str]) -> list[KvExport]:
+        """Move requests out (see `KvExport`): KV read from host memory, or off the device; then forget them."""
+        if len(set(request_ids)) != len(request_ids):
+            raise EngineError(f"duplicate request ids in export_kv: {list(request_ids)}")
+        seqs = [self._seq(rid) for rid in request_ids]
+        exports = [self._export(seq) for seq in seqs]  # nothing changes until all are copied out
+        for seq in seqs:
+            del self._seqs[seq.request.request_id]
+            self._free_kv(seq.kv)
+        return exports
+
+    def import_kv(self, exports: Sequence[KvExport]) -> None:
+        """Admit exported requests with their KV in host memory, as after `save_kv` (all or none)."""
+        exports = list(exports)
+        ids = [e.request.request_id for e in exports]
+        if len(set(ids)) != len(ids):
+            raise EngineError(f"duplicate request ids in import_kv: {ids}")
+        seqs = [self._imported(e) for e in exports]  # all checked before any block is taken
+        counts = [s.kv.shape.blocks_for(e.num_tokens) for s, e in zip(seqs, exports)]
+        targets = allocate_all(self._host_kv, [s.kv for s in seqs], counts)  # OutOfKvMemory: nothing taken
+        for seq, export, blocks in zip(seqs, exports, targets):
+            write_tokens(export.kv_tensor(), self._host_kv, seq.kv.shape, blocks)
+            seq.kv.host_blocks = blocks
+            self._seqs[seq.request.request_id] = seq
 
     def synchronize(self) -> None:
         self.streams.synchronize()
@@ -273,6 +300,58 @@ class TorchEngine:
     def _kv_store(self) -> KvStore:
         self._ensure_buffer()
         return self._kv  # type: ignore[return-value]
+
+    def _free_kv(self, kv: SeqKv) -> None:
+        if self._kv is not None:
+            self._kv.free(kv)
+        else:  # imported and never run here: host blocks only, no device buffer needed
+            free_host(self._host_kv, kv)
+
+    def _export(self, seq: _Seq) -> KvExport:
+        num_tokens = len(seq.tokens) - 1
+        if seq.kv.on_device:
+            data = self._kv_store().read_device(seq.kv, num_tokens)
+        else:
+            data = read_host(self._host_kv, seq.kv, num_tokens)
+        shape = seq.kv.shape
+        return KvExport(
+            request=replace(seq.request, prompt_token_ids=tuple(seq.tokens[: seq.num_prompt]),
+                            output_token_ids=tuple(seq.tokens[seq.num_prompt :])),
+            seed=seq.seed, num_tokens=num_tokens,
+            kv=data.reshape(-1).view(torch.uint8).numpy(), kv_dtype=str(shape.dtype).removeprefix("torch."),
+            kv_shape=tuple(data.shape),
+            text=seq.text.text, text_emitted=seq.text.emitted,
+            detok_offsets=(seq.text.prefix_offset, seq.text.read_offset),
+        )
+
+    def _imported(self, export: KvExport) -> _Seq:
+        """A request from another engine, checked against this engine's model; KV not placed yet."""
+        request = export.request
+        rid, name = request.request_id, request.model
+        if name not in self._models:
+            raise EngineError(f"import_kv: request {rid!r} needs model {name!r}, which is not loaded in this engine "
+                              f"(loaded: {sorted(self._models)})")
+        if rid in self._seqs:
+            raise EngineError(f"import_kv: request {rid!r} is already in the engine")
+        model = self._models[name]
+        shape = model.kv_shape
+        output = tuple(request.output_token_ids)
+        tokens = [*request.prompt_token_ids, *output]
+        want = (shape.num_layers, 2, shape.num_kv_heads, export.num_tokens, shape.head_dim)
+        dtype = str(shape.dtype).removeprefix("torch.")
+        if tuple(export.kv_shape) != want or export.kv_dtype != dtype:
+            raise EngineError(f"import_kv: request {rid!r}: KV of shape {tuple(export.kv_shape)} {export.kv_dtype} "
+                              f"does not fit model {name!r} here ({want} {dtype})")
+        if export.num_tokens != len(tokens) - 1 or not request.prompt_token_ids:
+            raise EngineError(f"import_kv: request {rid!r}: KV of {export.num_tokens} tokens for "
+                              f"{len(request.prompt_token_ids)} prompt + {len(output)} output tokens")
+        if export.kv_bytes != export.num_tokens * shape.rows_per_block * shape.head_dim * shape.dtype.itemsize:
+            raise EngineError(f"import_kv: request {rid!r}: {export.kv_bytes} KV bytes do not match its shape")
+        text = OutputText(model.tokenizer, request.sampling.stop)
+        text.ids, text.text, text.emitted = list(output), export.text, export.text_emitted
+        text.prefix_offset, text.read_offset = export.detok_offsets
+        return _Seq(request=request, model=model, tokens=tokens, num_prompt=len(request.prompt_token_ids),
+                    seed=export.seed, text=text, kv=SeqKv(shape, on_device=False))
 
     def _count_weight_copy(self, nbytes: int) -> None:
         self.weight_bytes_h2d += nbytes
