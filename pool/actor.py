@@ -60,18 +60,32 @@ class InstanceActor:
 
 def start_actors(instances: Mapping[str, int], spec: EngineSpec, models: Mapping[str, str], *,
                  use_gpus: bool, threads: int = 1) -> dict[str, Any]:
-    """One actor per instance id (value: its GPU count); returns once every engine has loaded its models."""
-    import ray
+    """One actor per instance id (value: its GPU count); returns once every engine has loaded its models.
 
+    An instance of several GPUs (tensor parallel) gets a placement group of
+    that many GPU bundles packed on one node, and its actor holds them all;
+    the engine then spreads the model over them (the vLLM engine does; the
+    torch engine runs one device per instance and refuses TP > 1).
+    """
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    if spec.kind == "torch" and any(tp > 1 for tp in instances.values()):
+        raise ValueError("the torch engine runs one device per instance; serve tensor-parallel models with --engine vllm")
     remote = ray.remote(InstanceActor)
     actors = {}
     for instance_id, num_gpus in instances.items():
-        options: dict[str, Any] = {"num_cpus": 1 if not use_gpus else 0.5,
-                                   "max_restarts": 0,
+        options: dict[str, Any] = {"num_cpus": 1 if not use_gpus else 0.5, "max_restarts": 0,
                                    "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(threads),
                                                                 "TOKENIZERS_PARALLELISM": "false"}}}
         if use_gpus:
             options["num_gpus"] = num_gpus
+            if num_gpus > 1:
+                group = placement_group([{"GPU": 1, "CPU": 0.5}] * num_gpus, strategy="STRICT_PACK")
+                ray.get(group.ready())
+                options["num_gpus"] = 1  # the actor's own bundle; the engine's workers take the rest
+                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
         actors[instance_id] = remote.options(**options).remote(instance_id, spec, dict(models), threads)
     ray.get([actor.ready.remote() for actor in actors.values()])
     return actors
