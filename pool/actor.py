@@ -25,9 +25,9 @@ def make_engine(spec: EngineSpec) -> Engine:
 
         return TorchEngine(TorchEngineConfig(**spec.options))
     if spec.kind == "vllm":
-        from pool.engines import vllm_engine  # type: ignore[attr-defined]
+        from pool.engines import vllm_engine
 
-        return vllm_engine.make_vllm_engine(spec.options)  # type: ignore[no-any-return]
+        return vllm_engine.make_vllm_engine(spec.options)
     if spec.kind == "sim":
         from pool.engines.sim_engine import SimEngine
 
@@ -87,5 +87,5 @@ def start_actors(instances: Mapping[str, int], spec: EngineSpec, models: Mapping
                 options["num_gpus"] = 1  # the actor's own bundle; the engine's workers take the rest
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
         actors[instance_id] = remote.options(**options).remote(instance_id, spec, dict(models), threads)
-    ray.get([actor.ready.remote() for actor in actors.values()])
+    ray.get([actor.ready.remote() for actor in actors.values()])  # type: ignore[attr-defined]
     return actors
