@@ -57,11 +57,13 @@ def schema() -> None:
     typer.echo(json.dumps(doc, indent=2))
 
 
+from modelpool.capacity import capacity_command  # noqa: E402
 from modelpool.estimate import estimate_command  # noqa: E402
 from modelpool.simulate import simulate_command  # noqa: E402
 
 app.command("simulate")(simulate_command)
 app.command("estimate")(estimate_command)
+app.command("capacity")(capacity_command)
 
 if __name__ == "__main__":
     app()

@@ -1,26 +1,43 @@
-"""`token-level`: Aegaeon's token-level auto-scaling (SOSP'25), as its artifact does it.
+"""`token-level`: Aegaeon's token-level auto-scaling (SOSP'25), after its artifact, with fixes.
 
 Prefill instances keep an FCFS list of *groups*, each holding at most
-`max_group_size` (8) requests of one model. A dispatched request joins the
-first group of its model with room, else opens a group at the tail; per-model
-FIFO queues are drained oldest head first, each request going to an instance
-that already has a group of its model with room, else to the least-loaded
-one. An instance prefills the head of its head group (batched with the rest of
-that group up to a token budget, a fair improvement), switching model when
-the group's model is not loaded, and prefetches the model of the next group
-with a different model. The prompt's KV then goes to host memory.
+`max_group_size` (8) requests of one model. Per-model FIFO queues are drained
+oldest head first; each request goes where its prefill is predicted to end
+first: joining the first group of its model with room there, else a new group
+at the tail, whose switch counts `1 + switch_aversion` times (the TTFT SLO
+leaves room to wait for a loaded model rather than spend PCIe time). An
+instance prefills its head group (batched up to a token budget), switching
+when the group's model is not loaded, and prefetches the next group's model
+while it computes. The prompt's KV then goes to host memory; with
+`first_tokens` > 1 the prefill instance first decodes that many tokens, where
+weights and KV already are, so the hand-off hides behind time banked against
+the TPOT SLO (short answers finish there).
 
-Decode instances take prefilled requests (one that already decodes the same
-model first, else the one with the fewest models, then members) and run
-*rounds*: members are packed FCFS into same-model batches that fit the device
-KV; each batch gets a turn of `q_i / d_i` steps from `decode_quotas` (SLO
-derived; c0 = the round's model switches plus its KV moves), after which its
-KV moves to host if another batch waits, and the next batch's model is
-switched in (prefetched during the turn). A round with one batch has no
-quota: it decodes until a request finishes or a new member arrives.
+Decode instances take each prefilled request where it adds least to the sum
+of batch step times (the share of every TPOT period the instance decodes),
+a model not yet held there counting its switch spread over `round_target_s`.
+Members form same-model batches that fit the device KV. At each turn
+boundary the batch *due first* goes (earliest next-token deadline: first
+token + tokens so far * TPOT SLO), for `q_i / d_i` steps from
+`decode_quotas` (SLO derived; c0 = the waiting models' switches plus the KV
+moves that cannot be avoided), while the next batch's model is prefetched.
+KV moves to host only to make room. A newcomer of the running batch's model
+joins it at the next token; a newcomer of another model is waited for until
+the running turn has lasted one switch time and it is late while the running
+batch is ahead of its pace, then the turn is cut. A sole batch decodes
+open-ended until something else needs the instance.
 
-A "mixed" instance (a pool too small to split) does both: pending prefills
-run at round boundaries, then its decode rounds.
+What differs from the artifact, and why (measured on the shipped fleet, see
+BENCHMARKS.md): fixed rounds made every newcomer wait for the round to end
+(up to Q_max per batch, tens of seconds), which failed the TPOT of short
+answers; the artifact's order of Prefetch after the compute hid no switch;
+group-count dispatch put all of a busy model's prompts on one instance.
+`max_quota_s` is 2 s (the paper's Q_max is 4 s): shorter turns, shorter waits.
+
+A "mixed" instance (for classes too small to split well) does both and keeps
+a prompt's KV where it was prefilled: at a turn boundary it prefills its head
+group unless a decode batch is behind its pace and the group can still wait
+(more than half its TTFT SLO left); a prompt arriving ends an open-ended turn.
 """
 
 from __future__ import annotations
@@ -30,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scheduler.costs import CostModel, InstanceSpec, ModelProfile
-from scheduler.plan import Action, Decode, Event, Prefetch, Prefill, StepDone, Stop, SwapIn, SwapOut, Switch
+from scheduler.plan import Action, Decode, Event, KvMoved, Prefetch, Prefill, StepDone, Stop, SwapIn, SwapOut, Switch
 from scheduler.policies.base import InstanceState, PolicyBase
 from scheduler.quotas import decode_quotas
 from scheduler.request import Request, RequestStatus
@@ -55,24 +72,36 @@ class Batch:
 @dataclass(slots=True)
 class DecodeState:
     members: dict[str, None] = field(default_factory=dict)  # FCFS ordered set
-    batches: list[Batch] = field(default_factory=list)
-    turn: int = -1  # index into batches of the turn in progress
+    current: Batch | None = None  # the batch whose turn is in progress
+    next_model: str | None = None  # the model due after it (prefetched)
     steps_left: int = 0
     open_ended: bool = False  # a sole batch, decoding until something happens
-    new_round: bool = True  # repack before the next turn
+    cut_in: bool = False  # a newcomer joined the batch whose turn runs: stop it at the next token
+    preempt: bool = False  # another model's newcomer ends the running turn at the next token
+    urgent_at: float = float("inf")  # earliest due time of a newcomer waiting for another model's turn
+    turn_started_at: float = 0.0
+    mix: dict[str, tuple[int, int, float]] = field(default_factory=dict)  # model -> members, context estimate, step s
+    load_s: float = 0.0  # sum of the step times in `mix`: the dispatcher's load figure
 
 
 class TokenLevelPolicy(PolicyBase):
     name = "token-level"
 
     def __init__(self, models: Mapping[str, ModelProfile], instances: Sequence[InstanceSpec], costs: CostModel, *,
-                 max_group_size: int = 8, max_quota_s: float = 4.0, fixed_turn_steps: int | None = None,
+                 max_group_size: int = 8, max_quota_s: float = 2.0, round_target_s: float = 0.5,
+                 switch_aversion: float = 1.0, first_tokens: int = 8, fixed_turn_steps: int | None = None,
                  **kwargs: Any) -> None:
         super().__init__(models, instances, costs, **kwargs)
         self.max_group_size = max_group_size
         self.max_quota_s = max_quota_s
+        self.round_target_s = round_target_s
+        self.switch_aversion = switch_aversion
+        self.first_tokens = first_tokens
         self.fixed_turn_steps = fixed_turn_steps  # test knob: every turn exactly this many steps
         self.groups: dict[str, list[Group]] = {}
+        self.busy_until: dict[str, float] = {}  # prefill instance -> predicted end of its planned work
+        self.first_token_at: dict[str, float] = {}  # request -> when its prefill (first token) ended
+        self.handoff: dict[str, list[str]] = {}  # prefill instance -> prefilled requests owed their first tokens
         self.decoders: dict[str, DecodeState] = {}
         for inst in self.instances.values():
             if inst.spec.role in ("prefill", "mixed"):
@@ -92,60 +121,121 @@ class TokenLevelPolicy(PolicyBase):
 
     # ---- planning --------------------------------------------------------------
     def _plan(self, now: float) -> dict[str, list[Action]]:
-        self._dispatch_prefill()
+        self._dispatch_prefill(now)
         out: dict[str, list[Action]] = {}
         for iid, inst in self.instances.items():
             if inst.lost:
                 continue
             if not inst.idle:
-                if iid in self.decoders and self._should_stop(inst):
-                    out[iid] = [Stop(reason="new decode work arrived during an open-ended turn")]
+                if iid in self.decoders and self._should_stop(inst, now):
+                    cut_in = self.decoders[iid].cut_in
+                    out[iid] = [Stop(reason="a newcomer joins the running batch" if cut_in else "another batch is due")]
                 continue
             acts: list[Action] = []
             if inst.spec.role == "prefill":
                 acts = self._prefill_step(inst)
             elif inst.spec.role == "decode":
-                acts = self._decode_step(inst)
+                acts = self._decode_step(inst, now)
             else:
                 state = self.decoders[iid]
-                if self.groups[iid] and (state.new_round or state.steps_left <= 0 or not state.batches):
+                if self.groups[iid] and (state.current is None or state.steps_left <= 0) \
+                        and self._prefill_first(inst, state, now):
                     acts = self._prefill_step(inst)
-                acts = acts or self._decode_step(inst)
+                acts = acts or self._decode_step(inst, now) or self._prefill_step(inst)
             if acts:
                 out[iid] = acts
+                if iid in self.groups:
+                    self.busy_until[iid] = now + self._predict_s(inst, acts)
         return out
 
-    def _dispatch_prefill(self) -> None:
+    def _dispatch_prefill(self, now: float) -> None:
         waiting = [m for m, q in self.queues.items() if q]
+        ends: dict[str, list[float]] = {}  # per prefill instance, predicted end of each queued group
         while waiting:
             model = min(waiting, key=self._head_arrival)
             queue = self.queues[model]
-            inst_id = self._pick_prefill_instance(model)
-            if inst_id is None:  # every prefill instance of its TP is lost; wait for one
+            req = self.requests[queue[0]]
+            choice = self._pick_prefill_instance(req, now, ends)
+            if choice is None:  # every prefill instance of its TP is lost; wait for one
                 waiting.remove(model)
                 continue
-            req = self.requests[queue.popleft()]
+            inst_id, group = choice
+            queue.popleft()
             if not queue:
                 waiting.remove(model)
-            groups = self.groups[inst_id]
-            group = next((g for g in groups if g.model == model and len(g.ids) < self.max_group_size), None)
             if group is None:
                 group = Group(model)
-                groups.append(group)
+                self.groups[inst_id].append(group)
             group.ids.append(req.request_id)
             req.instance_id = inst_id
+            ends.pop(inst_id, None)
+            state = self.decoders.get(inst_id)
+            if state is not None and state.open_ended:  # a mixed instance: let the turn boundary weigh the prompt
+                state.preempt, state.steps_left = True, 0
 
-    def _pick_prefill_instance(self, model: str) -> str | None:
-        tp = self.models[model].tp
-        candidates = [iid for iid in self.groups if not self.instances[iid].lost and self.instances[iid].spec.tp == tp]
-        if not candidates:
-            return None
-        for iid in candidates:
-            if any(g.model == model and len(g.ids) < self.max_group_size for g in self.groups[iid]):
-                return iid
-        return min(candidates, key=lambda i: (sum(len(g.ids) for g in self.groups[i]), i))
+    def _pick_prefill_instance(self, req: Request, now: float,
+                               ends: dict[str, list[float]]) -> tuple[str, Group | None] | None:
+        """The instance (and group to join, None = a new one at the tail) where `req`'s prefill is predicted
+        to finish first: joining a group of its model saves a switch, a shorter queue saves waiting."""
+        model, tp = req.model, self.models[req.model].tp
+        own_s = self.costs.prefill_s(model, req.context_tokens)
+        best: tuple[float, str, Group | None] | None = None
+        for iid, groups in self.groups.items():
+            inst = self.instances[iid]
+            if inst.lost or inst.spec.tp != tp:
+                continue
+            if iid not in ends:
+                ends[iid] = self._group_ends(inst, now)
+            index = next((k for k, g in enumerate(groups) if g.model == model and len(g.ids) < self.max_group_size), None)
+            if index is not None:
+                done_at, group = ends[iid][index] + own_s, groups[index]
+            else:
+                tail_model = next((g.model for g in reversed(groups) if g.ids), inst.active)
+                tail_at = ends[iid][-1] if ends[iid] else max(now, self.busy_until.get(iid, now))
+                switch_s = 0.0 if tail_model == model or (not groups and inst.prefetched == model) \
+                    else self.costs.switch_s(model)
+                done_at, group = tail_at + (1.0 + self.switch_aversion) * switch_s + own_s, None
+            if best is None or done_at < best[0]:
+                best = (done_at, iid, group)
+        return None if best is None else (best[1], best[2])
+
+    def _group_ends(self, inst: InstanceState, now: float) -> list[float]:
+        """Predicted finish of each queued group (a switch is hidden as far as the previous prefill lasts)."""
+        t = max(now, self.busy_until.get(inst.instance_id, now))
+        model, previous_s, out = inst.active, 0.0, []
+        for group in self.groups[inst.instance_id]:
+            if group.ids:
+                if group.model != model:
+                    t += max(0.0, self.costs.switch_s(group.model) - previous_s)
+                    model = group.model
+                tokens = sum(self.requests[rid].context_tokens for rid in group.ids)
+                previous_s = self.costs.prefill_s(group.model, tokens, len(group.ids))
+                t += previous_s
+            out.append(t)
+        return out
+
+    def _predict_s(self, inst: InstanceState, acts: list[Action]) -> float:
+        """Predicted time the planned actions keep an instance busy (prefetches overlap)."""
+        took = 0.0
+        for act in acts:
+            if isinstance(act, Switch):
+                took += self.costs.switch_s(act.model)
+            elif isinstance(act, Prefill):
+                for rid in act.request_ids:
+                    req = self.requests[rid]
+                    took += self.costs.prefill_s(req.model, req.context_tokens)
+            elif isinstance(act, Decode):
+                ctx = sum(self.requests[rid].context_tokens for rid in act.request_ids)
+                took += act.max_steps * self.costs.decode_step_s(self.requests[act.request_ids[0]].model,
+                                                                 len(act.request_ids), ctx)
+        return took
 
     def _prefill_step(self, inst: InstanceState) -> list[Action]:
+        pending = self.handoff.pop(inst.instance_id, None)
+        if pending:
+            handing = self._hand_off(inst, pending)
+            if handing:
+                return handing
         groups = self.groups[inst.instance_id]
         while groups and not groups[0].ids:
             groups.pop(0)
@@ -156,7 +246,9 @@ class TokenLevelPolicy(PolicyBase):
         if inst.on_device:  # a mixed instance: make room for prompts
             head_need = self.kv_need_bytes(self.requests[head.ids[0]])
             if head_need > inst.kv_free_bytes:
-                acts.append(self._swap_out(inst, list(inst.on_device), "make room to prefill"))
+                state = self.decoders[inst.instance_id]
+                out = self._evictees(inst, state, set(), head_need - inst.kv_free_bytes)
+                acts.append(self._swap_out(inst, out, "make room to prefill"))
         if inst.active != head.model:
             hit = " (prefetched)" if inst.prefetched == head.model else ""
             acts.append(Switch(head.model, reason=f"head group is {head.model}{hit}"))
@@ -167,38 +259,71 @@ class TokenLevelPolicy(PolicyBase):
             return acts  # the head does not fit even an empty instance: _refuse prevents this
         if not head.ids:
             groups.pop(0)
-        acts.append(Prefill(tuple(r.request_id for r in batch), kv_to_host=True,
-                            reason=f"head group of {head.model}: {len(batch)} prompt(s)"))
         nxt = next((g.model for g in groups if g.model != head.model), None)
-        if nxt is not None and inst.prefetched != nxt:
+        if nxt is not None and inst.prefetched != nxt:  # before the prefill, so the copy overlaps it
             acts.append(Prefetch(nxt, reason="model of the next group"))
             inst.prefetched = nxt
+        ids = tuple(r.request_id for r in batch)
+        going_on = [r for r in batch if r.max_output_tokens > 1]
+        if inst.spec.role == "mixed":  # the KV stays: this instance decodes it (see _after_event)
+            acts.append(Prefill(ids, reason=f"head group of {head.model}: {len(batch)} prompt(s)"))
+            return acts
+        if self.first_tokens <= 1 or not going_on:
+            acts.append(Prefill(ids, kv_to_host=True, reason=f"head group of {head.model}: {len(batch)} prompt(s)"))
+            return acts
+        # KV stays: the next step here decodes the first tokens (see _hand_off)
+        acts.append(Prefill(ids, reason=f"head group of {head.model}: {len(batch)} prompt(s); "
+                                        f"first {self.first_tokens} tokens here"))
+        self.handoff[inst.instance_id] = [r.request_id for r in going_on]
         return acts
 
-    def _decode_step(self, inst: InstanceState) -> list[Action]:
-        state = self.decoders[inst.instance_id]
-        if 0 <= state.turn < len(state.batches) and state.steps_left > 0 and not state.new_round:
-            batch = state.batches[state.turn]
-            live = [rid for rid in batch.ids if self.requests[rid].status is S.RUNNING
-                    and self.requests[rid].instance_id == inst.instance_id]
-            if live:
-                return [Decode(tuple(live), min(state.steps_left, self.decode_steps(live)),
-                               reason=f"rest of {batch.model}'s turn")]
-        for _ in range(len(state.batches) + 1):
-            state.turn += 1
-            if state.new_round or state.turn >= len(state.batches):
-                self._new_round(inst, state)
-                if not state.batches:
-                    return []
-            batch = state.batches[state.turn]
-            batch.ids = [rid for rid in batch.ids if not self.requests[rid].done
-                         and self.requests[rid].instance_id == inst.instance_id]
-            if batch.ids:
-                return self._start_turn(inst, state, batch)
-        return []
+    def _hand_off(self, inst: InstanceState, ids: list[str]) -> list[Action]:
+        """Decode the first tokens where weights and KV already are, then move the KV to host for a decode
+        instance: the time those tokens bank against the TPOT SLO hides the hand-off."""
+        live = [rid for rid in ids if self.requests[rid].status is S.RUNNING]
+        if not live:
+            return []
+        steps = min(self.first_tokens - 1, self.decode_steps(live))
+        acts: list[Action] = [Decode(tuple(live), steps, reason=f"first {steps + 1} tokens before the hand-off")]
+        moving = [rid for rid in live if self.requests[rid].remaining_tokens > steps]
+        if moving:
+            acts.append(self._swap_out(inst, moving, "hand the KV over to a decode instance"))
+        return acts
 
-    def _new_round(self, inst: InstanceState, state: DecodeState) -> None:
-        state.new_round, state.turn, state.steps_left = False, 0, 0
+    def _decode_step(self, inst: InstanceState, now: float) -> list[Action]:
+        state = self.decoders[inst.instance_id]
+        state.cut_in = state.preempt = False
+        batch = state.current
+        if batch is not None and state.steps_left > 0:
+            batch.ids = self._live(inst, batch.ids)
+            if batch.ids:
+                return self._run_turn(inst, state, batch, f"rest of {batch.model}'s turn")
+        state.current = None
+        batches = self._pack(inst, state)
+        if not batches:
+            return []
+        due = {id(b): self._due_at(b) for b in batches}
+        batches.sort(key=lambda b: due[id(b)])
+        batch = state.current = batches[0]
+        state.open_ended = len(batches) == 1 and self.fixed_turn_steps is None
+        if self.fixed_turn_steps is not None:
+            batch.steps = self.fixed_turn_steps
+        elif state.open_ended:
+            batch.steps = self.decode_steps(batch.ids)
+        else:
+            self._assign_quotas(inst, batches)
+        state.steps_left = batch.steps
+        state.next_model = batches[1].model if len(batches) > 1 else None
+        state.urgent_at, state.turn_started_at = float("inf"), now
+        kind = "open-ended" if state.open_ended else f"quota {batch.steps} steps"
+        return self._run_turn(inst, state, batch, f"{batch.model} turn ({kind}), due first of {len(batches)}",
+                              f"{batch.model}'s batch is due first")
+
+    def _live(self, inst: InstanceState, ids: list[str]) -> list[str]:
+        return [rid for rid in ids if not self.requests[rid].done and self.requests[rid].instance_id == inst.instance_id]
+
+    def _pack(self, inst: InstanceState, state: DecodeState) -> list[Batch]:
+        """Members in same-model batches (FCFS within a model) that each fit the device KV."""
         cap = inst.kv_capacity_bytes
         batches: list[Batch] = []
         open_batch: dict[str, Batch] = {}
@@ -211,63 +336,90 @@ class TokenLevelPolicy(PolicyBase):
                 batches.append(batch)
             batch.ids.append(rid)
             batch.kv_bytes += need
-        state.batches = batches
-        state.open_ended = len(batches) == 1 and self.fixed_turn_steps is None
-        if len(batches) > 1 and self.fixed_turn_steps is None:
-            self._assign_quotas(batches)
-        for batch in batches:
-            if self.fixed_turn_steps is not None:
-                batch.steps = self.fixed_turn_steps
-            elif state.open_ended:
-                batch.steps = self.decode_steps(batch.ids)
+        return batches
 
-    def _assign_quotas(self, batches: list[Batch]) -> None:
-        step_s, overhead_s = [], 0.0
-        for index, batch in enumerate(batches):
+    def _due_at(self, batch: Batch) -> float:
+        """When the batch's most pressed member owes its next token: first token + tokens so far * TPOT SLO."""
+        tpot = self.models[batch.model].tpot_slo_s
+        return min(self.first_token_at.get(rid, 0.0) + self.requests[rid].num_output_tokens * tpot
+                   for rid in batch.ids)
+
+    def _assign_quotas(self, inst: InstanceState, batches: list[Batch]) -> None:
+        """Turn lengths from `decode_quotas` over the batches waiting now; c0 counts their switches and
+        the KV moves that cannot be avoided (none when every batch's KV fits the device together)."""
+        step_s, switch_s, move_s = [], 0.0, 0.0
+        for batch in batches:
             context = sum(self.requests[rid].context_tokens for rid in batch.ids)
             step_s.append(self.costs.decode_step_s(batch.model, len(batch.ids), context))
-            if batches[index - 1].model != batch.model:
-                overhead_s += self.costs.switch_s(batch.model)
-            overhead_s += 2 * self.costs.kv_move_s(batch.model, context)
+            move_s += 2 * self.costs.kv_move_s(batch.model, context)
+        for model in {b.model for b in batches}:
+            switch_s += self.costs.switch_s(model)
+        if sum(b.kv_bytes for b in batches) <= inst.kv_capacity_bytes:
+            move_s = 0.0
         tpot = min(self.models[b.model].tpot_slo_s for b in batches)
-        for batch, quota, d in zip(batches, decode_quotas(step_s, tpot, overhead_s, self.max_quota_s), step_s):
-            batch.steps = max(1, int(quota / d))
+        for batch, quota, step in zip(batches, decode_quotas(step_s, tpot, switch_s + move_s, self.max_quota_s), step_s):
+            batch.steps = max(1, int(quota / step))
 
-    def _start_turn(self, inst: InstanceState, state: DecodeState, batch: Batch) -> list[Action]:
+    def _run_turn(self, inst: InstanceState, state: DecodeState, batch: Batch, why: str,
+                  switch_why: str = "") -> list[Action]:
+        """Swap in what the batch lacks (moving out only what must make room), switch, prefetch, decode."""
         acts: list[Action] = []
-        others = [rid for rid in inst.on_device if rid not in set(batch.ids)]
-        if others:
-            acts.append(self._swap_out(inst, others, f"turn passes to {batch.model}"))
+        swap_in = [rid for rid in batch.ids if self.requests[rid].status is S.SWAPPED]
+        need = sum(self.kv_need_bytes(self.requests[rid]) for rid in swap_in)
+        if need > inst.kv_free_bytes:
+            out = self._evictees(inst, state, set(batch.ids), need - inst.kv_free_bytes)
+            acts.append(self._swap_out(inst, out, f"make room for {batch.model}'s batch"))
         if inst.active != batch.model:
             hit = " (prefetched)" if inst.prefetched == batch.model else ""
-            acts.append(Switch(batch.model, reason=f"turn {state.turn + 1}/{len(state.batches)} is {batch.model}{hit}"))
+            acts.append(Switch(batch.model, reason=(switch_why or f"{batch.model}'s turn") + hit))
             inst.active = batch.model
-        swap_in = [rid for rid in batch.ids if self.requests[rid].status is S.SWAPPED]
         for rid in swap_in:
             self._reserve(inst, self.requests[rid])
         if swap_in:
             acts.append(SwapIn(tuple(swap_in), reason=f"KV of {batch.model}'s batch"))
-        state.steps_left = batch.steps
-        kind = "open-ended" if state.open_ended else f"quota {batch.steps} steps"
-        acts.append(Decode(tuple(batch.ids), min(batch.steps, self.decode_steps(batch.ids)),
-                           reason=f"{batch.model} turn ({kind})"))
-        nxt = state.batches[(state.turn + 1) % len(state.batches)].model
-        if nxt != batch.model and inst.prefetched != nxt:
-            acts.append(Prefetch(nxt, reason="model of the next turn"))
+        nxt = state.next_model
+        if nxt is not None and nxt != batch.model and inst.prefetched != nxt:  # before the turn: the copy overlaps it
+            acts.append(Prefetch(nxt, reason="model of the batch due next"))
             inst.prefetched = nxt
+        acts.append(Decode(tuple(batch.ids), min(state.steps_left, self.decode_steps(batch.ids)), reason=why))
         return acts
+
+    def _evictees(self, inst: InstanceState, state: DecodeState, keep: set[str], free_bytes: float) -> list[str]:
+        """Device-resident requests to move to host, latest due first, until enough is free."""
+        tpot = {rid: self.models[self.requests[rid].model].tpot_slo_s for rid in inst.on_device}
+        order = sorted((rid for rid in inst.on_device if rid not in keep),
+                       key=lambda r: (-(self.first_token_at.get(r, 0.0) + self.requests[r].num_output_tokens * tpot[r]), r))
+        out: list[str] = []
+        for rid in order:
+            if free_bytes <= 0:
+                break
+            out.append(rid)
+            free_bytes -= self.requests[rid].kv_reserved_bytes
+        return out
 
     def _swap_out(self, inst: InstanceState, ids: list[str], why: str) -> SwapOut:
         for rid in ids:
             self._release(self.requests[rid])
         return SwapOut(tuple(sorted(ids, key=lambda r: (self.requests[r].arrival_at, r))), reason=why)
 
-    def _should_stop(self, inst: InstanceState) -> bool:
+    def _should_stop(self, inst: InstanceState, now: float) -> bool:
         state = self.decoders[inst.instance_id]
-        return state.open_ended and inst.decoding and not inst.stopping and state.new_round
+        if not inst.decoding or inst.stopping:
+            return False
+        if not (state.cut_in or state.preempt) and state.urgent_at <= now and state.current is not None \
+                and now - state.turn_started_at >= self.costs.switch_s(state.current.model) \
+                and self._due_at(state.current) > now:
+            state.preempt, state.steps_left = True, 0  # a late newcomer outranks a batch ahead of its pace
+        return state.cut_in or state.preempt
 
     # ---- events ----------------------------------------------------------------
     def _after_event(self, inst: InstanceState, event: Event, now: float) -> None:
+        if isinstance(event, KvMoved):
+            if event.to == "host" and inst.spec.role == "prefill":  # the hand-off after the first tokens
+                for rid in event.request_ids:
+                    if self.requests[rid].status is S.SWAPPED:
+                        self._join_decoder(self.requests[rid])
+            return
         if not isinstance(event, StepDone):
             return
         if event.kind == "decode" and inst.instance_id in self.decoders:
@@ -276,8 +428,12 @@ class TokenLevelPolicy(PolicyBase):
         elif event.kind == "prefill":
             for rid in event.request_ids:
                 req = self.requests[rid]
+                if not req.done:
+                    self.first_token_at[rid] = now
                 if req.status is S.SWAPPED:
                     self._join_decoder(req)
+                elif req.status is S.RUNNING and inst.spec.role == "mixed":
+                    self._join(inst, req)
 
     def _join_decoder(self, req: Request) -> None:
         tp = self.models[req.model].tp
@@ -286,26 +442,81 @@ class TokenLevelPolicy(PolicyBase):
             req.instance_id = None
             self._fail(req, f"no decode instance of TP{tp} left")
             return
+        best = min(candidates, key=lambda iid: (self._decode_load_after(self.decoders[iid], req), iid))
+        self._join(self.instances[best], req)
 
-        def key(iid: str) -> tuple[int, int, int, str]:
-            members = self.decoders[iid].members
-            same = sum(1 for rid in members if self.requests[rid].model == req.model)
-            models = len({self.requests[rid].model for rid in members})
-            return (0 if same else 1, models, len(members), iid)
-
-        best = min(candidates, key=key)
-        state = self.decoders[best]
+    def _join(self, inst: InstanceState, req: Request) -> None:
+        state = self.decoders[inst.instance_id]
         state.members[req.request_id] = None
-        req.instance_id = best
-        if state.open_ended or not state.batches:
-            state.new_round = True  # join at once: the sole batch's turn is cut short
+        self._mix_update(state, req, +1)
+        req.instance_id = inst.instance_id
+        self._admit(inst, state, req)
+
+    def _prefill_first(self, inst: InstanceState, state: DecodeState, now: float) -> bool:
+        """A mixed instance at a turn boundary: prefill unless a decode batch is behind its pace and the head
+        group's prompts can still wait (more than half their TTFT SLO left after the predicted prefill)."""
+        head = next((g for g in self.groups[inst.instance_id] if g.ids), None)
+        if head is None:
+            return False
+        reqs = [self.requests[rid] for rid in head.ids]
+        ttft = self.models[head.model].ttft_slo_s
+        start_by = min(r.arrival_at for r in reqs) + ttft - self.costs.prefill_s(
+            head.model, sum(r.context_tokens for r in reqs), len(reqs))
+        if start_by - now <= ttft / 2:
+            return True
+        batches = self._pack(inst, state)
+        return not batches or min(self._due_at(b) for b in batches) > now
+
+    def _decode_load_after(self, state: DecodeState, req: Request) -> float:
+        """Decode instance choice: the sum of its batches' step times once `req` joins (the share of each
+        TPOT period it decodes), plus, for a model it does not hold yet, the switch that adds to every round."""
+        count, context, step_s = state.mix.get(req.model, (0, 0, 0.0))
+        added = self.costs.decode_step_s(req.model, int(count) + 1, int(context) + self._context_estimate(req)) - step_s
+        switch = 0.0 if count else self.costs.switch_s(req.model) * self.models[req.model].tpot_slo_s / self.round_target_s
+        return state.load_s + added + switch
+
+    @staticmethod
+    def _context_estimate(req: Request) -> int:
+        return req.prompt_tokens + req.max_output_tokens // 2
+
+    def _mix_update(self, state: DecodeState, req: Request, sign: int) -> None:
+        count, context, step_s = state.mix.get(req.model, (0, 0, 0.0))
+        count, context = count + sign, context + sign * self._context_estimate(req)
+        new_s = self.costs.decode_step_s(req.model, int(count), int(context)) if count > 0 else 0.0
+        state.load_s += new_s - step_s
+        if count > 0:
+            state.mix[req.model] = (count, context, new_s)
+        else:
+            state.mix.pop(req.model, None)
+
+    def _admit(self, inst: InstanceState, state: DecodeState, req: Request) -> None:
+        """A newcomer of the model whose turn runs joins it at the next token; one of another model ends an
+        open-ended turn (else it waits for the next turn boundary, where the batch due first goes)."""
+        batch = state.current
+        if batch is None or self.fixed_turn_steps is not None:
+            return
+        need = self.kv_need_bytes(req)
+        if batch.model == req.model and batch.kv_bytes + need <= inst.kv_capacity_bytes \
+                and len(batch.ids) < self.max_batch_size and state.steps_left > 0:
+            batch.ids.append(req.request_id)
+            batch.kv_bytes += need
+            state.cut_in = True
+        elif state.open_ended:
+            state.preempt = True
+            state.steps_left = 0
+        else:
+            due = self.first_token_at.get(req.request_id, 0.0) + req.num_output_tokens * self.models[req.model].tpot_slo_s
+            state.urgent_at = min(state.urgent_at, due)
 
     def _forget(self, request: Request) -> None:
+        self.first_token_at.pop(request.request_id, None)
         iid = request.instance_id
         if iid is None:
             return
-        if iid in self.decoders:
-            self.decoders[iid].members.pop(request.request_id, None)
+        if iid in self.decoders and request.request_id in self.decoders[iid].members:
+            state = self.decoders[iid]
+            del state.members[request.request_id]
+            self._mix_update(state, request, -1)
         if iid in self.groups:
             for group in self.groups[iid]:
                 if request.request_id in group.ids:
@@ -316,6 +527,7 @@ class TokenLevelPolicy(PolicyBase):
         super()._lose(inst, why, now)
         if inst.instance_id in self.groups:
             self.groups[inst.instance_id] = []
+            self.handoff.pop(inst.instance_id, None)
         if inst.instance_id in self.decoders:
             self.decoders[inst.instance_id] = DecodeState()
 

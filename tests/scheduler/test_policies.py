@@ -96,20 +96,36 @@ def _token_level(**options):
 
 
 def test_token_level_groups_fcfs_prefills_switches_and_prefetches() -> None:
-    sched = _token_level()
+    sched = _token_level(first_tokens=1)
     sched.submit(make_request("a", "m0", 0.0), 0.0)
     sched.submit(make_request("b", "m1", 0.1), 0.1)
     sched.submit(make_request("c", "m0", 0.2), 0.2)
     plan = sched.schedule(0.2)
     acts = plan.actions["i0"]
-    assert [type(a) for a in acts] == [Switch, Prefill, Prefetch]
-    assert acts[0].model == "m0" and acts[1].request_ids == ("a", "c") and acts[1].kv_to_host
-    assert acts[2].model == "m1"  # the next group's model, fetched while m0 prefills
+    assert [type(a) for a in acts] == [Switch, Prefetch, Prefill]
+    assert acts[0].model == "m0" and acts[2].request_ids == ("a", "c") and acts[2].kv_to_host
+    assert acts[1].model == "m1"  # the next group's model, fetched while m0 prefills (so it comes first)
     assert [g.model for g in sched.groups["i0"]] == ["m1"]
 
 
-def test_token_level_decode_rounds_swap_kv_and_switch_per_turn() -> None:
-    sched = _token_level()
+def test_token_level_prefill_instance_decodes_the_first_tokens_then_hands_off() -> None:
+    sched = _token_level()  # first_tokens=8
+    for rid in ("a", "c"):
+        sched.submit(make_request(rid, "m0", 0.0), 0.0)
+    (switch, prefill) = sched.schedule(0.0).actions["i0"]
+    assert not prefill.kv_to_host
+    sched.on_event(SwitchDone("i0", "m0"), 0.5)
+    sched.on_event(StepDone("i0", "prefill", ("a", "c"), 1), 0.6)
+    decode, swap_out = sched.schedule(0.6).actions["i0"]
+    assert decode.request_ids == ("a", "c") and decode.max_steps == 7 and swap_out.request_ids == ("a", "c")
+    sched.on_event(StepDone("i0", "decode", ("a", "c"), 7), 0.7)
+    sched.on_event(KvMoved("i0", ("a", "c"), "host"), 0.71)
+    assert sched.requests["a"].instance_id == "i1"  # joined the decode instance once its KV reached host memory
+    assert ops(sched.schedule(0.71), "i1") == ["Switch", "SwapIn", "Decode"]
+
+
+def test_token_level_decode_turns_go_to_the_batch_due_first() -> None:
+    sched = _token_level(first_tokens=1)
     for rid, model in (("a", "m0"), ("b", "m1")):
         sched.submit(make_request(rid, model, 0.0, max_output_tokens=500), 0.0)
     plan = sched.schedule(0.0)
@@ -119,7 +135,7 @@ def test_token_level_decode_rounds_swap_kv_and_switch_per_turn() -> None:
     plan = sched.schedule(0.6)
     assert ops(plan, "i1") == ["Switch", "SwapIn", "Decode"]  # a sole batch: open-ended turn
     assert plan.actions["i1"][2].max_steps == 499
-    # b arrives on the decoder while a's open-ended turn runs: stop it, start a two-batch round
+    # b arrives on the decoder while a's open-ended turn runs: stop it; quotas begin
     sched.on_event(SwitchDone("i0", "m1"), 1.0)
     sched.on_event(StepDone("i0", "prefill", ("b",), 1), 1.1)
     assert ops(sched.schedule(1.1), "i1") == ["Stop"]
@@ -128,12 +144,15 @@ def test_token_level_decode_rounds_swap_kv_and_switch_per_turn() -> None:
     sched.on_event(StepDone("i1", "decode", ("a",), 3), 1.2)
     plan = sched.schedule(1.2)
     acts = plan.actions["i1"]
-    assert [type(a) for a in acts] == [Decode, Prefetch]  # the new round starts with a (FCFS) on device
-    assert acts[0].request_ids == ("a",) and acts[0].max_steps < 496 and "quota" in acts[0].reason
-    sched.on_event(StepDone("i1", "decode", ("a",), acts[0].max_steps), 2.0)
+    # a owes token 5 at 0.6 + 4 * 0.1 = 1.0, b token 2 at 1.2: a goes first, for its quota; m1 is prefetched
+    assert [type(a) for a in acts] == [Prefetch, Decode]
+    assert acts[1].request_ids == ("a",) and acts[1].max_steps < 496 and "quota" in acts[1].reason
+    sched.on_event(StepDone("i1", "decode", ("a",), acts[1].max_steps), 2.0)
     acts = sched.schedule(2.0).actions["i1"]
-    assert [type(a) for a in acts] == [SwapOut, Switch, SwapIn, Decode, Prefetch]
-    assert acts[0].request_ids == ("a",) and acts[1].model == "m1" and acts[2].request_ids == ("b",)
+    # b's turn; a's KV stays on the device (both fit), m1's switch was prefetched
+    assert [type(a) for a in acts] == [Switch, SwapIn, Prefetch, Decode]
+    assert acts[0].model == "m1" and "prefetched" in acts[0].reason and acts[1].request_ids == ("b",)
+    assert "a" in sched.instances["i1"].on_device
 
 
 def test_token_level_needs_prefill_and_decode_instances() -> None:

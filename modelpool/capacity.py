@@ -1,0 +1,234 @@
+"""`modelpool capacity`: the fewest GPUs per policy that meet an SLO target, and the report.
+
+Every simulation of the search is a Ray task: on a local cluster started here
+(loopback, no dashboard) or on an existing one (`--address`). `--workers 0`
+runs everything in this process instead (debugging, tests). The report goes
+to `--out`: report.html (self-contained), report.md, report.json and CSVs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from modelpool.config import FleetFileError, load_fleet
+
+console = Console()
+POLICIES = "dedicated,request-level,spatial,token-level"
+
+
+def capacity_command(
+    fleet_path: Path = typer.Option(Path("models.yaml"), "--fleet", "-f", help="Fleet file."),
+    trace: str = typer.Option("fleet", "--trace", "-t", help="Trace spec (see `sims.traces`); `fleet` = Poisson "
+                              "arrivals at each model's traffic hint with ShareGPT lengths."),
+    duration: float = typer.Option(600.0, "--duration", help="Seconds of workload for `fleet` and synthetic traces."),
+    seed: int = typer.Option(0, "--seed", help="Seed for generated workloads."),
+    slo_target: float = typer.Option(0.99, "--slo-target", min=0.0, max=1.0, help="Share of requests (or of service "
+                                     "time, with the Aegaeon metric) that must meet the SLO."),
+    slo_metric: str = typer.Option("per-request", "--slo-metric", help="per-request (TTFT and mean TPOT within SLO, "
+                                   "vLLM's goodput rule) | aegaeon (token deadlines, the paper's metric)."),
+    policies: str = typer.Option(POLICIES, "--policies", "-p", help="Comma-separated policies to size."),
+    gpu_types: str = typer.Option("", "--gpu-types", help="Comma-separated GPU types to compare, e.g. "
+                                  "h20,h20-3e,h100,h200 (default: the fleet's pool.gpu). The first gets the full report."),
+    address: str | None = typer.Option(None, "--address", help="Ray cluster to run on (`ray start --head` prints it); "
+                                       "default: a local cluster started here."),
+    workers: int | None = typer.Option(None, "--workers", min=0, help="Local Ray workers (default: one per CPU); "
+                                       "0 runs every simulation in this process without Ray."),
+    out: Path = typer.Option(Path("capacity-report"), "--out", "-o", help="Folder for report.html, report.md, "
+                             "report.json and the CSVs."),
+    what_if_tpot: float = typer.Option(2.0, "--what-if-tpot", min=0.0, help="Also size token-level with every TPOT "
+                                       "SLO this many times looser (the report's 'try' line); 0 skips it."),
+    window: int = typer.Option(2, "--verify-window", min=0, help="Instance counts below each answer that are "
+                               "simulated to verify it (attainment is not monotone)."),
+    max_instances: int = typer.Option(256, "--max-instances", min=1, help="Give up on a TP class beyond this many "
+                                      "instances."),
+    profile: str = typer.Option("default", "--profile", help="Calibration profile (shipped name or JSON path)."),
+) -> None:
+    """Find the fewest GPUs each policy needs to meet the SLO target; write the report (HTML, Markdown, JSON, CSV)."""
+    started = time.perf_counter()
+    if slo_metric not in ("per-request", "aegaeon"):
+        _fail(f"--slo-metric must be per-request or aegaeon, got {slo_metric!r}")
+    try:
+        fleet = load_fleet(fleet_path)
+    except FleetFileError as exc:
+        _fail(str(exc))
+    chosen = tuple(p.strip() for p in policies.split(",") if p.strip())
+    unknown = sorted(set(chosen) - set(POLICIES.split(",")))
+    if unknown or not chosen:
+        _fail(f"--policies: unknown {unknown or 'none given'}; choose from {POLICIES}")
+    gpus = tuple(g.strip().lower() for g in gpu_types.split(",") if g.strip()) or (fleet.pool.gpu.lower(),)
+    bad = [g for g in gpus if g not in {**_catalogue(), **fleet.gpus}]
+    if bad:
+        _fail(f"--gpu-types: unknown {bad}; known: {', '.join(sorted({**_catalogue(), **fleet.gpus}))}")
+    from sims.capacity import Goal
+    from sims.capacity_eval import Context
+    from sims.capacity_study import StudyConfig
+    from sims.profiles import load_profile
+    from sims.run import fleet_workload_spec
+    from sims.traces import load_workload
+    from sims.workload import TraceError
+
+    spec = fleet_workload_spec(fleet, duration) if trace == "fleet" else trace
+    try:
+        workload = load_workload(spec, [m.name for m in fleet.models], seed=seed)
+        calibration = load_profile(profile)
+    except (TraceError, FileNotFoundError) as exc:
+        _fail(str(exc))
+    goal = Goal(slo_target, slo_metric, window, max_instances)
+    ctx = Context(fleet, workload, calibration, stop_below=slo_target if slo_metric == "per-request" else None)
+    config = StudyConfig(chosen, gpus, goal, what_if_tpot or None)
+    console.print(f"[bold]modelpool capacity[/]: {len(fleet.models)} models, {len(workload)} requests over "
+                  f"{workload.duration_s:g} s; target {slo_target:.1%} ({slo_metric}); "
+                  f"{', '.join(chosen)} on {', '.join(g.upper() for g in gpus)}")
+    try:
+        result = run_study(ctx, config, address, workers)
+    except ValueError as exc:
+        _fail(str(exc))
+    command = "modelpool capacity " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else \
+        "modelpool capacity"
+    paths = write_report(result, ctx, out, fleet_path=str(fleet_path), trace=spec, seed=seed, command=command,
+                         wall_s=time.perf_counter() - started)
+    report = json.loads(paths[2].read_text())
+    console.print(_summary(report))
+    console.print(f"[bold]{report['headline']['sentence']}[/]")
+    for line in report["tries"]:
+        console.print(f"  try: {line}")
+    console.print(f"wrote {', '.join(str(p) for p in paths)} in {time.perf_counter() - started:.0f} s")
+
+
+def _fail(message: str) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(1)
+
+
+def _catalogue() -> dict[str, Any]:
+    from scheduler.fleet import GPUS
+
+    return dict(GPUS)
+
+
+def run_study(ctx: Any, config: Any, address: str | None, workers: int | None) -> Any:
+    """The study on Ray (or in process with workers=0), with a progress bar over the simulations."""
+    from sims.capacity import InlineEvaluator
+    from sims.capacity_eval import evaluate, run_pool
+    from sims.capacity_study import study
+
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("simulations"), TimeElapsedColumn(), console=console, transient=True) as bar:
+        task = bar.add_task("starting", total=None)
+
+        def progress(stats: Any, answers: Mapping[object, Any]) -> None:
+            done = len(answers)
+            bar.update(task, total=stats.submitted, completed=stats.evaluated,
+                       description=f"searching ({done} class answers)")
+
+        if workers == 0:
+            evaluator = InlineEvaluator(lambda point: evaluate(ctx, point))
+            result = study(ctx, config, evaluator, lambda jobs: [run_pool(ctx, *job) for job in jobs], progress)
+        else:
+            with RayWorkers(ctx, address, workers) as pool:
+                bar.update(task, description="searching")
+                result = study(ctx, config, pool, pool.run_pools, progress)
+        bar.update(task, description="done")
+    return result
+
+
+class RayWorkers:
+    """An Evaluator over Ray tasks; the context goes to the object store once."""
+
+    def __init__(self, ctx: Any, address: str | None, workers: int | None) -> None:
+        self.ctx, self.address, self.workers = ctx, address, workers
+        self.pending: dict[Any, Any] = {}
+
+    def __enter__(self) -> RayWorkers:
+        import ray
+
+        from sims.capacity_eval import evaluate, run_pool
+
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        env = {"env_vars": {"OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}}
+        self.started_ray = not ray.is_initialized()
+        if self.started_ray:
+            if self.address:
+                ray.init(address=self.address, log_to_driver=False, runtime_env=env)
+            else:
+                ray.init(num_cpus=self.workers or os.cpu_count() or 1, include_dashboard=False, log_to_driver=False,
+                         runtime_env=env, _node_ip_address="127.0.0.1")
+        self.ray = ray
+        self.ctx_ref = ray.put(self.ctx)
+        self._evaluate = ray.remote(num_cpus=1, max_retries=1)(evaluate)
+        self._run_pool = ray.remote(num_cpus=1, max_retries=1)(run_pool)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.started_ray:
+            self.ray.shutdown()
+
+    def submit(self, point: Any) -> None:
+        self.pending[self._evaluate.remote(self.ctx_ref, point)] = point
+
+    def wait(self) -> list[Any]:
+        if not self.pending:
+            return []
+        ready, _ = self.ray.wait(list(self.pending), num_returns=1)
+        return [self.ray.get(ref) for ref in ready if self.pending.pop(ref, None) is not None]
+
+    def run_pools(self, jobs: Sequence[tuple[Any, ...]]) -> list[Any]:
+        return list(self.ray.get([self._run_pool.remote(self.ctx_ref, *job) for job in jobs]))
+
+
+def write_report(result: Any, ctx: Any, out: Path, **meta: Any) -> list[Path]:
+    """report.html, report.md, report.json, capacity.csv, per_model.csv, curves.csv under `out`."""
+    from sims.report import build_report, to_markdown, write_csvs
+    from sims.report_html import figures, to_html
+
+    out.mkdir(parents=True, exist_ok=True)
+    report = build_report(result, ctx, **meta)
+    paths = [out / "report.html", out / "report.md", out / "report.json"]
+    paths[0].write_text(to_html(report, figures(report, result)), encoding="utf-8")
+    paths[1].write_text(to_markdown(report), encoding="utf-8")
+    paths[2].write_text(json.dumps(report, indent=2, default=_json_default), encoding="utf-8")
+    return paths + write_csvs(report, out)
+
+
+def _json_default(value: object) -> object:
+    if hasattr(value, "item"):
+        return value.item()  # numpy scalars
+    if isinstance(value, (set, tuple)):
+        return list(value)
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def _summary(report: Mapping[str, Any]) -> Table:
+    from sims.report import summary_rows
+
+    table = Table(title=f"{report['fleet']['num_models']} models on {report['gpu'].upper()}: fewest GPUs for "
+                        f"{report['slo_target']:.1%} {report['slo_metric']} SLO attainment")
+    for column in ("policy", "GPUs", "vs dedicated", "$/month", "attainment", "p99 TTFT ms", "p99 TPOT ms"):
+        table.add_column(column, justify="left" if column == "policy" else "right")
+    for row in summary_rows(report):
+        table.add_row(*row)
+    types = report["gpu_types"]
+    if len(types) > 1:
+        for gpu, t in types.items():
+            if "skipped" in t:
+                table.add_row(f"[dim]{gpu}: does not fit[/]", *[""] * 6)
+                continue
+            for policy, e in t["policies"].items():
+                table.add_row(f"[dim]{gpu} {policy}[/]", str(e["gpus"]), "", f"${e['usd_per_month']:,.0f}",
+                              f"{e['attainment']:.2%}" if e["attainment"] is not None else "-", "", "")
+    return table
+
+
+ProgressFn = Callable[[Any, Mapping[object, Any]], None]

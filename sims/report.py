@@ -1,0 +1,475 @@
+"""The capacity report: one JSON-ready dict built from a study, and its Markdown and CSV renderings.
+
+`build_report` is the single source: the Markdown, the CSVs and the HTML
+(`sims.report_html`) only lay out what it holds. Required keys (the JSON
+schema the issue fixes, checked by tests): `slo_target`, `slo_metric`,
+`dedicated_gpus` and `policies` mapping each policy to `gpus`, `attainment`
+(0-1, the chosen metric, whole pool), `p99_ttft_ms`, `p99_tpot_ms`,
+`models_per_gpu` and `usd_per_month`.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from scheduler.fleet import Fleet
+from sims.capacity_eval import Context
+from sims.capacity_study import NO_SCALE, StudyResult
+
+HOURS_PER_MONTH = 730.0
+SCHEMA_VERSION = 1
+METRIC_KEYS = {"per-request": "slo_attainment", "aegaeon": "aegaeon_slo_attainment"}
+METRIC_TEXT = {
+    "per-request": "per-request (vLLM goodput rule): a request attains when TTFT <= TTFT SLO and its mean TPOT "
+                   "<= TPOT SLO; the share of all requests",
+    "aegaeon": "Aegaeon's (SOSP'25): token k is due at arrival + TTFT SLO + (k-1) * TPOT SLO; a request scores "
+               "the share of its service time not behind a deadline; the mean score",
+}
+REQUIRED_POLICY_KEYS = ("gpus", "attainment", "p99_ttft_ms", "p99_tpot_ms", "models_per_gpu", "usd_per_month")
+
+
+def usd_per_month(fleet: Fleet, gpu: str, gpus: int) -> float:
+    return round(gpus * fleet.gpu(gpu).usd_per_hour * HOURS_PER_MONTH, 2)
+
+
+def build_report(result: StudyResult, ctx: Context, *, fleet_path: str = "", trace: str = "", seed: int = 0,
+                 command: str = "", wall_s: float | None = None) -> dict[str, Any]:
+    fleet, gpu, goal = ctx.fleet, result.gpu, result.config.goal
+    policies = {policy: _policy_entry(result, ctx, policy) for policy in result.pool_runs}
+    dedicated = result.answer("dedicated")
+    report: dict[str, Any] = {
+        "schema_version": SCHEMA_VERSION,
+        "generated_by": command or "modelpool capacity",
+        "slo_target": goal.target,
+        "slo_metric": goal.metric,
+        "slo_metric_definition": METRIC_TEXT[goal.metric],
+        "dedicated_gpus": dedicated.gpus if dedicated else None,
+        "gpu": gpu,
+        "usd_per_gpu_hour": fleet.gpu(gpu).usd_per_hour,
+        "fleet": _fleet_entry(fleet, fleet_path),
+        "workload": _workload_entry(ctx, trace, seed),
+        "policies": policies,
+        "headline": _headline(result, ctx, policies),
+        "per_model": _per_model(result, ctx),
+        "curves": _curves(result),
+        "gpu_types": _gpu_types(result, ctx),
+        "what_if": _what_ifs(result, ctx),
+        "search": {"evaluations": result.stats.evaluated, "reused": result.stats.reused,
+                   "verify_window": goal.window, "max_instances_per_class": goal.max_instances,
+                   "search_wall_s": round(result.search_wall_s, 2), "pool_runs_wall_s": round(result.pool_wall_s, 2),
+                   "wall_s": None if wall_s is None else round(wall_s, 2)},
+        "notes": sorted({note for a in result.answers.values() for note in a.notes}),
+    }
+    report["tries"] = _tries(result, ctx, report)
+    report["assumptions"] = _assumptions(result, ctx)
+    return report
+
+
+# ---- pieces ----------------------------------------------------------------------------------------------
+
+def _fleet_entry(fleet: Fleet, path: str) -> dict[str, Any]:
+    classes: dict[str, int] = {}
+    for m in fleet.models:
+        classes[f"tp{m.tp}"] = classes.get(f"tp{m.tp}", 0) + 1
+    return {"path": path, "num_models": len(fleet.models), "gpu": fleet.pool.gpu, "tp_classes": classes,
+            "price_source": fleet.gpu().source}
+
+
+def _workload_entry(ctx: Context, trace: str, seed: int) -> dict[str, Any]:
+    w = ctx.workload
+    spec = trace or w.source
+    if spec.startswith("poisson;rate=") and spec.count(":") + 1 == len(ctx.fleet.models):
+        description = (f"Poisson arrivals at each model's traffic hint, "
+                       f"{spec.split('lengths=')[1].split(';')[0] if 'lengths=' in spec else 'ShareGPT'} lengths, seed {seed}")
+    else:
+        description = spec if len(spec) <= 120 else spec[:117] + "..."
+    return {"spec": spec, "description": description, "seed": seed, "num_requests": len(w), "duration_s": w.duration_s,
+            "rate_rps": round(w.rate_per_s, 4),
+            "mean_prompt_tokens": round(float(w.input_tokens.mean()), 1) if len(w) else 0.0,
+            "mean_output_tokens": round(float(w.output_tokens.mean()), 1) if len(w) else 0.0,
+            "notes": list(w.notes)}
+
+
+def _policy_entry(result: StudyResult, ctx: Context, policy: str) -> dict[str, Any]:
+    answer = result.answer(policy)
+    assert answer is not None
+    run = result.pool_runs[policy]
+    m = run.metrics
+    dedicated = result.answer("dedicated")
+    fleet = ctx.fleet
+    gpus = answer.gpus
+    metric = result.config.goal.metric
+    return {
+        "gpus": gpus,
+        "met": answer.met and m[METRIC_KEYS[metric]] >= result.config.goal.target,
+        "attainment": round(m[METRIC_KEYS[metric]], 6),
+        "per_request_attainment": round(m["slo_attainment"], 6),
+        "aegaeon_attainment": round(m["aegaeon_slo_attainment"], 6),
+        "p50_ttft_ms": round(m["median_ttft_ms"], 1), "p99_ttft_ms": round(m["p99_ttft_ms"], 1),
+        "p50_tpot_ms": round(m["median_tpot_ms"], 2), "p99_tpot_ms": round(m["p99_tpot_ms"], 2),
+        "p99_itl_ms": round(m["p99_itl_ms"], 2),
+        "models_per_gpu": round(len(fleet.models) / gpus, 3) if gpus else None,
+        "usd_per_month": usd_per_month(fleet, result.gpu, gpus),
+        "savings_vs_dedicated": round(1 - gpus / dedicated.gpus, 4) if dedicated and dedicated.gpus else None,
+        "gpu_busy_share": round(m.get("gpu_busy_share", 0.0), 4),
+        "switches_per_gpu_per_minute": round(m.get("switches_per_gpu_per_minute", 0.0), 3),
+        "num_switches": m.get("num_switches", 0),
+        "kv_gb_moved": round(m.get("kv_bytes_moved", 0.0) / 1e9, 2),
+        "output_tokens_per_s": round(m["output_throughput"], 1),
+        "per_user_output_tokens_per_s": round(m["per_user_output_tokens_per_s"], 1),
+        "request_goodput_rps": round(m["request_goodput"], 4),
+        "completed": m["completed"], "failed": m["failed"], "unfinished": m["unfinished"],
+        "layout": [layout.to_json() for layout in answer.layouts],
+        "class_attainment": {f"tp{tp}": _round(a.outcome.score(metric)) if a.outcome else None
+                             for tp, a in sorted(answer.classes.items())},
+        "notes": answer.notes,
+    }
+
+
+def _round(x: float, digits: int = 6) -> float | None:
+    return None if x is None or (isinstance(x, float) and math.isnan(x)) else round(x, digits)
+
+
+def _headline(result: StudyResult, ctx: Context, policies: Mapping[str, Any]) -> dict[str, Any]:
+    dedicated = policies.get("dedicated")
+    pooled = {p: e for p, e in policies.items() if p != "dedicated" and e["met"]}
+    best = min(pooled, key=lambda p: (policies[p]["gpus"], p)) if pooled else None
+    out: dict[str, Any] = {"dedicated_gpus": dedicated["gpus"] if dedicated else None, "best_policy": best}
+    if best is None:
+        out["sentence"] = "no pooled policy met the target within the search limits"
+        return out
+    entry = policies[best]
+    out.update(best_gpus=entry["gpus"], usd_per_month_best=entry["usd_per_month"])
+    if dedicated:
+        saved = 1 - entry["gpus"] / dedicated["gpus"]
+        out.update(savings=round(saved, 4), ratio=round(entry["gpus"] / dedicated["gpus"], 4),
+                   usd_per_month_dedicated=dedicated["usd_per_month"],
+                   usd_per_month_saved=round(dedicated["usd_per_month"] - entry["usd_per_month"], 2))
+        out["sentence"] = (f"{dedicated['gpus']} dedicated {result.gpu.upper()}s -> {entry['gpus']} pooled ({best}), "
+                           f"{saved:.0%} fewer GPUs, ${dedicated['usd_per_month']:,.0f} -> ${entry['usd_per_month']:,.0f} "
+                           f"a month at {result.config.goal.target:.0%} {result.config.goal.metric} SLO attainment")
+    else:
+        out["sentence"] = f"{best}: {entry['gpus']} {result.gpu.upper()}s, ${entry['usd_per_month']:,.0f} a month"
+    return out
+
+
+def _per_model(result: StudyResult, ctx: Context) -> list[dict[str, Any]]:
+    w = ctx.workload
+    counts = w.model_counts()
+    duration = max(w.duration_s, 1e-9)
+    prompt = np.bincount(w.model_index, weights=w.input_tokens, minlength=len(w.models)) if len(w) else np.zeros(len(w.models))
+    output = np.bincount(w.model_index, weights=w.output_tokens, minlength=len(w.models)) if len(w) else np.zeros(len(w.models))
+    index = {name: k for k, name in enumerate(w.models)}
+    dedicated = result.answer("dedicated")
+    replicas = {name: n for layout in (dedicated.layouts if dedicated else ()) for name, n in layout.replicas}
+    rows = []
+    for m in ctx.fleet.models:
+        k, n = index.get(m.name), counts.get(m.name, 0)
+        row: dict[str, Any] = {
+            "model": m.name, "arch": m.arch_name, "tp": m.tp, "requests": n, "rate_rps": round(n / duration, 4),
+            "mean_prompt_tokens": round(prompt[k] / n, 1) if n and k is not None else 0.0,
+            "mean_output_tokens": round(output[k] / n, 1) if n and k is not None else 0.0,
+            "dedicated_instances": replicas.get(m.name), "dedicated_gpus": replicas[m.name] * m.tp if m.name in replicas else None,
+        }
+        for policy, run in result.pool_runs.items():
+            fig = run.metrics["per_model"].get(m.name)
+            if fig is None:
+                continue
+            row[policy] = {"attainment": round(fig[METRIC_KEYS[result.config.goal.metric]], 4),
+                           "p99_ttft_ms": round(fig["p99_ttft_ms"], 1), "p99_tpot_ms": round(fig["p99_tpot_ms"], 2)}
+        rows.append(row)
+    return rows
+
+
+def _curves(result: StudyResult) -> list[dict[str, Any]]:
+    rows = []
+    for point, o in result.outcomes.items():
+        rows.append({"gpu": point.gpu, "policy": point.policy, "tp": point.tp,
+                     "slo_scale": list(point.slo_scale), "gpus": point.layout.gpus, "layout": point.layout.label(),
+                     "attainment": _round(o.attainment), "aegaeon_attainment": _round(o.aegaeon_attainment),
+                     "stopped_early_at_s": o.stopped_at, "error": o.error or None, "wall_s": round(o.wall_s, 3)})
+    rows.sort(key=lambda r: (r["gpu"], r["policy"], r["slo_scale"], r["tp"], r["gpus"], r["layout"]))
+    return rows
+
+
+def _gpu_types(result: StudyResult, ctx: Context) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for gpu in result.config.gpus:
+        spec = ctx.fleet.gpu(gpu)
+        entry: dict[str, Any] = {"usd_per_gpu_hour": spec.usd_per_hour, "memory_gb": spec.memory_gb,
+                                 "bf16_tflops": spec.bf16_tflops, "hbm_tb_s": spec.hbm_tb_s}
+        if gpu in result.skipped_gpus:
+            entry["skipped"] = result.skipped_gpus[gpu]
+        else:
+            entry["policies"] = {
+                policy: {"gpus": a.gpus, "met": a.met, "usd_per_month": usd_per_month(ctx.fleet, gpu, a.gpus),
+                         "attainment": _round(a.attainment(result.config.goal.metric))}
+                for (g, policy, scale), a in result.answers.items() if g == gpu and scale == NO_SCALE}
+        out[gpu] = entry
+    return out
+
+
+def _what_ifs(result: StudyResult, ctx: Context) -> list[dict[str, Any]]:
+    out = []
+    for (gpu, policy, scale), a in result.answers.items():
+        if scale == NO_SCALE:
+            continue
+        base = result.answer(policy, gpu)
+        out.append({"gpu": gpu, "policy": policy, "ttft_slo_factor": scale[0], "tpot_slo_factor": scale[1],
+                    "gpus": a.gpus, "met": a.met, "usd_per_month": usd_per_month(ctx.fleet, gpu, a.gpus),
+                    "gpus_saved": base.gpus - a.gpus if base else None,
+                    "attainment": _round(a.attainment(result.config.goal.metric))})
+    return out
+
+
+def _other_metric_estimate(result: StudyResult, policy: str) -> tuple[str, int | None]:
+    """From the points already simulated: the fewest class GPUs that meet the target under the other metric."""
+    other = "aegaeon" if result.config.goal.metric == "per-request" else "per-request"
+    answer = result.answer(policy)
+    if answer is None:
+        return other, None
+    total = 0
+    for tp in answer.classes:
+        ok = [p.layout.gpus for p, o in result.outcomes.items()
+              if p.gpu == result.gpu and p.policy == policy and p.tp == tp and p.slo_scale == NO_SCALE
+              and not math.isnan(o.score(other)) and not o.error and o.score(other) >= result.config.goal.target]
+        if not ok:
+            return other, None
+        total += min(ok)
+    return other, total
+
+
+def _tries(result: StudyResult, ctx: Context, report: Mapping[str, Any]) -> list[str]:
+    lines: list[str] = []
+    gpu, goal, policies = result.gpu, result.config.goal, report["policies"]
+    for entry in report["what_if"]:
+        base = policies.get(entry["policy"])
+        if not base:
+            continue
+        tpot, policy = entry["tpot_slo_factor"], entry["policy"]
+        saved = base["gpus"] - entry["gpus"]
+        if not entry["met"]:
+            lines.append(f"Even with every TPOT SLO {tpot:g}x looser, {policy} does not meet the target within the limits.")
+        elif saved > 0:
+            lines.append(f"With every TPOT SLO {tpot:g}x looser, {policy} needs {entry['gpus']} {gpu.upper()}s: "
+                         f"{saved} fewer, ${base['usd_per_month'] - entry['usd_per_month']:,.0f} a month less.")
+        else:
+            lines.append(f"A TPOT SLO {tpot:g}x looser saves no {policy} GPU here ({entry['gpus']} vs {base['gpus']}).")
+    types = report["gpu_types"]
+    if len(types) > 1:
+        for policy in ("token-level", "dedicated"):
+            priced = {g: t["policies"][policy] for g, t in types.items()
+                      if "policies" in t and policy in t["policies"] and t["policies"][policy]["met"]}
+            if len(priced) > 1:
+                cheapest = min(priced, key=lambda g: (priced[g]["usd_per_month"], g))
+                here = priced.get(gpu)
+                if here and cheapest != gpu:
+                    lines.append(f"{policy} on {cheapest.upper()}: {priced[cheapest]['gpus']} GPUs at "
+                                 f"${priced[cheapest]['usd_per_month']:,.0f} a month vs ${here['usd_per_month']:,.0f} on "
+                                 f"{gpu.upper()}.")
+                elif here:
+                    lines.append(f"{policy}: {gpu.upper()} is the cheapest of the GPU types compared "
+                                 f"(${here['usd_per_month']:,.0f} a month).")
+    else:
+        lines.append("Other GPU types: `modelpool capacity --gpu-types h20,h20-3e,h100,h200` prices the same fleet "
+                     "on each.")
+    for policy in ("token-level",):
+        if policy in policies:
+            other, gpus = _other_metric_estimate(result, policy)
+            if gpus is not None:
+                lines.append(f"Under the {other} metric at {goal.target:.0%}, the points already simulated put "
+                             f"{policy} at {gpus} GPUs or fewer (rerun with `--slo-metric {other}` to search it).")
+    dedicated = result.answer("dedicated")
+    if dedicated and "per_model" in report:
+        quiet = [r for r in report["per_model"] if r["rate_rps"] < 0.1 and r["dedicated_gpus"]]
+        total_requests = sum(r["requests"] for r in report["per_model"]) or 1
+        if quiet:
+            gpus = sum(r["dedicated_gpus"] for r in quiet)
+            lines.append(f"Dedicated, the {len(quiet)} models under 0.1 req/s hold {gpus} of {dedicated.gpus} GPUs "
+                         f"({gpus / dedicated.gpus:.0%}) and serve {sum(r['requests'] for r in quiet) / total_requests:.1%} "
+                         f"of requests: the long tail pooling reclaims.")
+    token = result.answer("token-level")
+    if token and len(token.classes) > 1:
+        big = max(token.classes.items(), key=lambda kv: (kv[1].layout.gpus, kv[0]))
+        tp, answer = big
+        models = len(result.infos[gpu][tp].models)
+        if tp > 1:
+            share = answer.layout.gpus / token.gpus
+            lines.append(f"token-level spends {answer.layout.gpus} of its {token.gpus} GPUs ({share:.0%}) on the "
+                         f"TP{tp} class ({models} models): few large busy models pool least.")
+    return lines
+
+
+def _assumptions(result: StudyResult, ctx: Context) -> list[dict[str, str]]:
+    fleet, gpu = ctx.fleet, result.gpu
+    spec = fleet.gpu(gpu)
+    costs = ctx.costs(gpu)
+    profile = costs.profile
+    out = [
+        {"what": f"{gpu.upper()} figures", "status": "input",
+         "value": f"{spec.memory_gb:g} GB, {spec.hbm_tb_s:g} TB/s HBM, {spec.bf16_tflops:g} BF16 TFLOPS, "
+                  f"{spec.h2d_gb_s:g} GB/s host link, {spec.nvlink_gb_s:g} GB/s NVLink", "source": spec.source},
+        {"what": "GPU price", "status": "estimated" if "estimat" in spec.source else "input",
+         "value": f"${spec.usd_per_hour:g} per GPU-hour, {HOURS_PER_MONTH:g} hours a month", "source": spec.source},
+    ]
+    for term in ("eff_compute", "eff_mem", "eff_kv", "eff_pcie", "eff_nvlink", "decode_fixed_s", "prefill_fixed_s",
+                 "allreduce_latency_s"):
+        entry = profile.provenance[term]
+        status = profile.status(term, gpu)
+        where = f" (measured on {', '.join(entry.gpus)}; an extrapolation on {gpu})" if entry.status == "measured" \
+            and status == "estimated" else ""
+        out.append({"what": f"cost model: {term}", "status": status,
+                    "value": f"{getattr(costs.terms, term):g}", "source": entry.source + where})
+    w = ctx.workload
+    lengths = next((part.split("=", 1)[1] for part in w.source.split(";") if part.startswith("lengths=")), None)
+    if lengths in ("sharegpt", "arxiv"):
+        out.append({"what": "prompt and output lengths", "status": "measured",
+                    "value": f"drawn from the {lengths} length pairs (a measured distribution of real requests)",
+                    "source": "shared/traces (Vidur's processed length files)"})
+    out += [
+        {"what": "workload", "status": "input",
+         "value": f"{len(w)} requests over {w.duration_s:g} s ({w.rate_per_s:.2f} req/s)", "source": w.source},
+        {"what": "SLOs", "status": "input",
+         "value": "; ".join(sorted({f"TTFT {fleet.slo(m).ttft_s:g} s / TPOT {fleet.slo(m).tpot_s * 1e3:g} ms"
+                                    for m in fleet.models})), "source": "the fleet file (pool.default_slo, models[].slo)"},
+        {"what": "pool", "status": "input",
+         "value": f"gpu_memory_utilization {fleet.pool.gpu_memory_utilization:g}, max batch {fleet.pool.max_batch_size}, "
+                  f"max prefill tokens {fleet.pool.max_prefill_tokens}", "source": "the fleet file (pool)"},
+        {"what": "TP classes are searched apart", "status": "estimated",
+         "value": "a model runs only on instances of its TP size, so classes never share GPUs; "
+                  "each class must meet the target on its own (pooled) or each model (dedicated)",
+         "source": "policy design (scheduler/costs.py make_instances)"},
+        {"what": "search", "status": "estimated",
+         "value": f"bracket x1.5, bisect, verify {result.config.goal.window} counts below each answer; "
+                  "runs sure to miss a per-request target are stopped early (their attainment is an upper bound)",
+         "source": "sims/capacity.py"},
+        {"what": "not modelled", "status": "estimated",
+         "value": "prefix caching, network and gateway time, PCIe contention between weight and KV copies, "
+                  "engine start-up, failures", "source": "sims/simulator.py"},
+    ]
+    for policy, options in sorted(ctx.policy_options.items()):
+        if options:
+            out.append({"what": f"{policy} options", "status": "input", "value": str(dict(options)), "source": "--option"})
+    return out
+
+
+# ---- renderings -------------------------------------------------------------------------------------------
+
+def to_markdown(report: Mapping[str, Any]) -> str:
+    gpu = report["gpu"].upper()
+    lines = [f"# Capacity report: {report['fleet']['num_models']} models on {gpu}", "",
+             f"**{report['headline']['sentence']}.**", "",
+             f"Target: {report['slo_target']:.1%} SLO attainment, {report['slo_metric']} metric "
+             f"({report['slo_metric_definition']}).", "",
+             f"Workload: {report['workload']['description']} - {report['workload']['num_requests']} requests over "
+             f"{report['workload']['duration_s']:g} s ({report['workload']['rate_rps']:g} req/s).", "",
+             "## Policies", "",
+             "| policy | GPUs | vs dedicated | $/month | attainment | Aegaeon metric | p99 TTFT ms | p99 TPOT ms | "
+             "models/GPU | GPU busy | switches/GPU/min | output tok/s (pool) | tok/s per user | layout |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for policy, e in report["policies"].items():
+        saving = "-" if e["savings_vs_dedicated"] is None else f"{-e['savings_vs_dedicated']:+.0%}"
+        layout = "; ".join(_layout_text(x) for x in e["layout"])
+        lines.append(f"| {policy}{'' if e['met'] else ' (target not met)'} | {e['gpus']} | {saving} | "
+                     f"{e['usd_per_month']:,.0f} | {e['attainment']:.2%} | {e['aegaeon_attainment']:.2%} | "
+                     f"{e['p99_ttft_ms']:,.0f} | {e['p99_tpot_ms']:.1f} | {e['models_per_gpu']:.2f} | "
+                     f"{e['gpu_busy_share']:.0%} | {e['switches_per_gpu_per_minute']:.1f} | {e['output_tokens_per_s']:,.0f} | "
+                     f"{e['per_user_output_tokens_per_s']:.1f} | {layout} |")
+    lines += ["", "Output tok/s (pool) is every token the pool produces per second; tok/s per user is the speed "
+              "one stream sees (1 / its mean TPOT). They differ by the number of concurrent streams.", ""]
+    types = report["gpu_types"]
+    if len(types) > 1:
+        names = sorted({p for t in types.values() for p in t.get("policies", {})},
+                       key=lambda p: list(report["policies"]).index(p) if p in report["policies"] else 99)
+        lines += ["## GPU types", "", "| GPU | $/GPU-hour | " + " | ".join(f"{p} GPUs ($/month)" for p in names) + " |",
+                  "|---|---|" + "---|" * len(names)]
+        for g, t in types.items():
+            if "skipped" in t:
+                lines.append(f"| {g} | {t['usd_per_gpu_hour']:g} | " + " | ".join("does not fit" for _ in names) + " |")
+                continue
+            cells = []
+            for p in names:
+                e = t["policies"].get(p)
+                cells.append("-" if e is None else f"{e['gpus']} (${e['usd_per_month']:,.0f}){'' if e['met'] else ' unmet'}")
+            lines.append(f"| {g} | {t['usd_per_gpu_hour']:g} | " + " | ".join(cells) + " |")
+        lines.append("")
+    if report["tries"]:
+        lines += ["## Try", ""] + [f"- {line}" for line in report["tries"]] + [""]
+    pooled = [p for p in report["policies"] if p != "dedicated"]
+    lines += ["## Per model", "", "| model | TP | req/s | prompt tok | output tok | dedicated GPUs | " +
+              " | ".join(f"{p} p99 TTFT ms / TPOT ms" for p in pooled) + " |", "|---|---|---|---|---|---|" + "---|" * len(pooled)]
+    for row in report["per_model"]:
+        cells = [f"{row[p]['p99_ttft_ms']:,.0f} / {row[p]['p99_tpot_ms']:.1f}" if p in row else "-" for p in pooled]
+        lines.append(f"| {row['model']} | {row['tp']} | {row['rate_rps']:.3f} | {row['mean_prompt_tokens']:.0f} | "
+                     f"{row['mean_output_tokens']:.0f} | {row['dedicated_gpus'] if row['dedicated_gpus'] else '-'} | "
+                     + " | ".join(cells) + " |")
+    lines += ["", "## Assumptions", "", "| what | value | status | source |", "|---|---|---|---|"]
+    for a in report["assumptions"]:
+        lines.append(f"| {a['what']} | {a['value']} | {a['status']} | {a['source']} |")
+    if report["notes"]:
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in report["notes"]]
+    s = report["search"]
+    lines += ["", f"Search: {s['evaluations']} class simulations ({s['reused']} answers reused), "
+              f"{s['search_wall_s']:g} s; final pool runs {s['pool_runs_wall_s']:g} s"
+              + (f"; {s['wall_s']:g} s in all." if s.get("wall_s") else "."), ""]
+    return "\n".join(lines)
+
+
+def _layout_text(layout: Mapping[str, Any]) -> str:
+    if "replicas" in layout:
+        return f"TP{layout['tp']}: {layout['instances']} instances"
+    parts = [f"{layout[k]}{k[0].upper()}" for k in ("prefill", "decode", "mixed") if layout.get(k)]
+    return f"TP{layout['tp']}: " + "+".join(parts or ["0"])
+
+
+def write_csvs(report: Mapping[str, Any], out: Path) -> list[Path]:
+    """capacity.csv (per GPU type and policy), per_model.csv, curves.csv (every point simulated)."""
+    paths = [out / "capacity.csv", out / "per_model.csv", out / "curves.csv"]
+    rows = []
+    for gpu, t in report["gpu_types"].items():
+        for policy, e in t.get("policies", {}).items():
+            row = {"gpu": gpu, "policy": policy, "gpus": e["gpus"], "met": e["met"], "attainment": e["attainment"],
+                   "usd_per_month": e["usd_per_month"]}
+            main = report["policies"].get(policy) if gpu == report["gpu"] else None
+            for key in ("aegaeon_attainment", "per_request_attainment", "p99_ttft_ms", "p99_tpot_ms", "models_per_gpu",
+                        "savings_vs_dedicated", "gpu_busy_share", "switches_per_gpu_per_minute", "output_tokens_per_s",
+                        "per_user_output_tokens_per_s"):
+                row[key] = main.get(key) if main else None
+            rows.append(row)
+    _write(paths[0], rows)
+    flat = []
+    for r in report["per_model"]:
+        row = {k: v for k, v in r.items() if not isinstance(v, dict)}
+        for policy in report["policies"]:
+            for key, value in (r.get(policy) or {}).items():
+                row[f"{policy}_{key}"] = value
+        flat.append(row)
+    _write(paths[1], flat)
+    _write(paths[2], [{**r, "slo_scale": "x".join(f"{v:g}" for v in r["slo_scale"])} for r in report["curves"]])
+    return paths
+
+
+def _write(path: Path, rows: list[dict[str, Any]]) -> None:
+    fields: dict[str, None] = {}
+    for row in rows:
+        fields.update(dict.fromkeys(row))
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(fields))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def summary_rows(report: Mapping[str, Any]) -> list[tuple[str, ...]]:
+    """(policy, GPUs, vs dedicated, $/month, attainment, p99 TTFT, p99 TPOT) for a terminal table."""
+    out: list[tuple[str, ...]] = []
+    for policy, e in report["policies"].items():
+        saving = "-" if e["savings_vs_dedicated"] is None else f"{-e['savings_vs_dedicated']:+.0%}"
+        out.append((policy + ("" if e["met"] else " (unmet)"), str(e["gpus"]), saving, f"${e['usd_per_month']:,.0f}",
+                    f"{e['attainment']:.2%}", f"{e['p99_ttft_ms']:,.0f}", f"{e['p99_tpot_ms']:.1f}"))
+    return out
