@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -206,7 +205,8 @@ def test_weighted_percentiles_equal_numpy_on_the_expanded_array(pairs: list[tupl
 
 
 @pytest.mark.slow
-def test_a_million_requests_summarize_in_under_30_s() -> None:
+def test_a_million_requests_summarize_consistently() -> None:
+    """Scale check (speed belongs to benchmarks/sim_speed.py): 1M records give the figures of their 20k templates."""
     rng = np.random.default_rng(0)
     num_templates, reuse = 20_000, 50  # 20k distinct 20-segment streams, each under 50 request ids
     arrivals = rng.uniform(0, 3600, num_templates)
@@ -223,8 +223,8 @@ def test_a_million_requests_summarize_in_under_30_s() -> None:
     recs = [RequestRecord(f"r{i}", f"m{i % 40}", t.arrival_at, 100, t.output_tokens, t.generated, t.first_token_at,
                           t.finished_at, "", t.segments) for i in range(reuse) for t in templates]
     slo = {f"m{k}": (1.0 + k / 40, 0.05) for k in range(40)}
-    started = time.perf_counter()
     m = summarize(recs, slo, duration_s=3600.0)
-    took = time.perf_counter() - started
+    small = summarize(templates, {"m": (1.0, 0.05)} | {t.model: (1.0, 0.05) for t in templates}, duration_s=3600.0)
     assert m["completed"] == 1_000_000 and len(m["per_model"]) == 40
-    assert took < 30, f"summarize took {took:.1f} s"
+    for key in ("mean_ttft_ms", "mean_tpot_ms", "mean_itl_ms", "mean_e2el_ms"):
+        assert m[key] == pytest.approx(small[key], rel=1e-6), key
