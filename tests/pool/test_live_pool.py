@@ -78,8 +78,11 @@ def run_requests(pool: LivePool, timeout_s: float = 120.0) -> dict[tuple[str, in
 @pytest.mark.parametrize("k", [1, 3, 7])
 def test_three_models_share_one_instance_preempted_every_k_tokens(k: int, tiny, reference) -> None:
     models = [served_model(name, path, dtype="float32") for name, path in tiny.items()]
+    # tell the scheduler the device holds KV for one model's requests only, so every turn change swaps
+    need = max(m.profile.kv_bytes_per_token for m in models) * (max(map(len, PROMPTS)) + NEW_TOKENS)
+    instances = slot_instances(1, models, int(len(PROMPTS) * 1.2 * need / 0.9))
     log = io.StringIO()
-    pool = LivePool(models, slot_instances(1, models, KV_BYTES), "token-level", LinearCosts(), engine=ENGINE,
+    pool = LivePool(models, instances, "token-level", LinearCosts(), engine=ENGINE,
                     backend="inprocess", policy_options={"fixed_turn_steps": k}, plan_log=log)
     with pool:
         sinks = run_requests(pool)

@@ -35,5 +35,6 @@ def test_prefill_and_decode_on_different_instances(backend: str, tiny, reference
     plans = [json.loads(line)["actions"] for line in log.getvalue().splitlines()]
     prefill_ops = {a["op"] for p in plans for a in p.get("slot0", [])}
     decode_ops = {a["op"] for p in plans for a in p.get("slot1", [])}
-    assert "Prefill" in prefill_ops and "Decode" not in prefill_ops
+    # the prefill instance may produce the first few tokens itself, then hands the KV over
+    assert {"Prefill", "SwapOut"} <= prefill_ops
     assert {"SwapIn", "Decode"} <= decode_ops and "Prefill" not in decode_ops
