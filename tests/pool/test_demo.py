@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -30,9 +29,7 @@ def test_every_demo_model_is_a_loadable_transformers_folder(demo_models):
 def test_second_build_reads_the_manifest_only(demo_models):
     cache = next(iter(demo_models.values())).parent
     stamps = {name: (folder / "model.safetensors").stat().st_mtime_ns for name, folder in demo_models.items()}
-    start = time.perf_counter()
-    again = build_demo_models(cache)
-    assert time.perf_counter() - start < 2.0
+    again = build_demo_models(cache)  # nothing rebuilt: the files keep their modification times
     assert again == demo_models
     assert {n: (f / "model.safetensors").stat().st_mtime_ns for n, f in again.items()} == stamps
     assert set(json.loads((cache / MANIFEST).read_text())) == set(demo_models)
