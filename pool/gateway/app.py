@@ -1,0 +1,271 @@
+"""The FastAPI app: one OpenAI-compatible endpoint in front of a `LivePool`.
+
+A generation request is read and checked (`prompts.prepare`) and submitted
+to the pool with a `TokenQueue` as its sink; whatever goes wrong until then
+gets a proper HTTP status. A stream's headers go out at once and its tokens
+as unbuffered SSE as they come; a failure after submission is its last
+`data: {"error": ...}` event (as in vLLM). A non-streamed answer is sent
+whole, or an error status. From submission on, the client's connection is
+watched; when it goes, the request is cancelled in the pool (its KV freed at
+the next step boundary).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+
+from pool.controller import RequestFailed
+from pool.gateway.auth import AuthMiddleware, KeyChecker, Secret
+from pool.gateway.errors import (APIError, bad_request, install_error_handlers, model_not_found, queue_full,
+                                 unavailable, validation_error)
+from pool.gateway.metrics import GatewayMetrics, RequestTimer
+from pool.gateway.prompts import Prepared, prepare
+from pool.gateway.schemas import ChatCompletionRequest, CompletionRequest, Kind, ResponseShape, model_card
+from pool.gateway.streaming import DONE, ClientGone, Disconnect, Hopper, SSEResponse, TokenQueue, sse
+from pool.service import LivePool, PoolBusy, PoolClosed, QueueFull
+
+BIG_BODY_BYTES = 64 << 10  # tokenise bodies larger than this off the event loop
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    """How the gateway answers; keys are `auth.Secret`s (never printed)."""
+
+    api_keys: tuple[Secret, ...] = ()  # Bearer keys for /v1/*; none = open
+    admin_keys: tuple[Secret, ...] = ()  # keys for /pool/*; none = the API keys
+    default_chat_max_tokens: int = 1024  # a chat without max_tokens gets at most this many
+    max_body_bytes: int = 8 << 20  # larger bodies get 413
+    unavailable_retry_after_s: float = 5.0  # Retry-After when the pool is down
+    owned_by: str = "modelpool"  # /v1/models owned_by
+    fingerprint: str | None = None  # system_fingerprint on every response (e.g. 'modelpool-sim')
+
+
+class Gateway:
+    def __init__(self, pool: LivePool, settings: GatewaySettings) -> None:
+        self.pool = pool
+        self.settings = settings
+        self.keys = KeyChecker(settings.api_keys, settings.admin_keys)
+        for name in pool.models:  # load now: the first request must not wait for a tokenizer
+            pool.tokenizer(name)
+        self.metrics = GatewayMetrics(pool, pool.models)
+        self.created = int(time.time())
+        self._ids = itertools.count(1)
+        self._id_prefix = uuid.uuid4().hex[:12]  # unique per gateway; a counter after it (uuid4 costs a syscall)
+        self._hop: Hopper | None = None
+
+    def _hopper(self) -> Hopper:
+        loop = asyncio.get_running_loop()
+        if self._hop is None or self._hop.loop is not loop:
+            self._hop = Hopper(loop)
+        return self._hop
+
+    def model_list(self) -> dict[str, Any]:
+        return {"object": "list", "data": [self._card(info) for info in self.pool.model_infos()]}
+
+    def model(self, model_id: str) -> dict[str, Any]:
+        for info in self.pool.model_infos():
+            if info.name == model_id:
+                return self._card(info)
+        raise model_not_found(model_id, list(self.pool.models))
+
+    def _card(self, info: Any) -> dict[str, Any]:
+        return model_card(info.name, info.path.name or info.name, info.max_model_len, self.settings.owned_by,
+                          self.created)
+
+    def health(self) -> Response:
+        if self.pool.ready:
+            return JSONResponse({"status": "ok"})
+        return unavailable("the pool is not running", self.settings.unavailable_retry_after_s).response()
+
+    def status(self) -> dict[str, Any]:
+        infos = {i.name: {"max_model_len": i.max_model_len} for i in self.pool.model_infos()}
+        status = self.pool.status()
+        for name, entry in status.get("models", {}).items():
+            entry.update(infos.get(name, {}))
+        return status
+
+    # ---- generation ----------------------------------------------------------------------------
+    async def generate(self, request: Request, kind: Kind) -> Response:
+        arrived = time.perf_counter()
+        body = await self._read(request, ChatCompletionRequest if kind == "chat" else CompletionRequest)
+        infos = {i.name: i for i in self.pool.model_infos()}
+        info = infos.get(body.model)
+        if info is None:
+            raise model_not_found(body.model, list(infos))
+        model = info.name
+        tokenizer = self.pool.tokenizer(model)
+        limit = self.settings.default_chat_max_tokens
+        try:
+            if getattr(request.state, "body_size", 0) > BIG_BODY_BYTES:
+                prepared = await asyncio.to_thread(prepare, body, info, tokenizer, limit)
+            else:
+                prepared = prepare(body, info, tokenizer, limit)
+        except APIError as exc:
+            self.metrics.error(model, exc.status)
+            raise
+        request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{self._id_prefix}{next(self._ids):x}"
+        tokens = TokenQueue(self._hopper())
+        self._submit(request_id, model, prepared, tokens)
+        timer = self.metrics.timer(model, len(prepared.prompt_ids))
+        timer.arrived_at = timer.last_at = arrived
+        shape = ResponseShape(kind, request_id, model, self.settings.fingerprint)
+        if prepared.stream:  # headers go out now, while the prompt is prefilled: off the TTFT path
+            return SSEResponse(self._events(tokens, shape, timer, prepared, request_id),
+                               on_disconnect=lambda: self.pool.cancel(request_id))
+        watch = Disconnect(request.receive)
+        try:
+            return JSONResponse(await watch.race(self._collect(tokens, shape, timer, model)))
+        except ClientGone:
+            self.pool.cancel(request_id)
+            timer.finished(None)
+            return Response(status_code=499)  # nobody reads it; the connection is gone
+        finally:
+            await watch.close()
+
+    async def _read(self, request: Request, schema: type[CompletionRequest] | type[ChatCompletionRequest]
+                    ) -> CompletionRequest | ChatCompletionRequest:
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > self.settings.max_body_bytes:
+            raise APIError(413, f"request body of {size} bytes exceeds the limit of {self.settings.max_body_bytes}")
+        raw = await request.body()
+        request.state.body_size = len(raw)
+        if len(raw) > self.settings.max_body_bytes:
+            raise APIError(413, f"request body of {len(raw)} bytes exceeds the limit of {self.settings.max_body_bytes}")
+        try:
+            data = json.loads(raw)
+        except ValueError as exc:
+            raise bad_request(f"body: not valid JSON ({exc})", None, "invalid_json") from None
+        if not isinstance(data, dict):
+            raise bad_request(f"body: expected a JSON object, got {type(data).__name__}", None)
+        try:
+            return schema.model_validate(data)
+        except ValidationError as exc:
+            raise validation_error(exc.errors()) from None
+
+    def _submit(self, request_id: str, model: str, prepared: Prepared, sink: TokenQueue) -> None:
+        try:
+            self.pool.submit(request_id, model, prepared.prompt_ids, prepared.sampling, sink)
+        except QueueFull as exc:
+            self.metrics.error(model, 429)
+            raise queue_full(str(exc), exc.retry_after_s) from None
+        except PoolBusy as exc:
+            self.metrics.error(model, 503)
+            raise unavailable(str(exc), exc.retry_after_s, code="pool_full") from None
+        except PoolClosed as exc:
+            self.metrics.error(model, 503)
+            raise unavailable(str(exc), self.settings.unavailable_retry_after_s) from None
+
+    def _failure(self, exc: BaseException, model: str) -> APIError:
+        """What a pool-side failure means to the client."""
+        if isinstance(exc, PoolClosed):
+            error = unavailable(str(exc), self.settings.unavailable_retry_after_s)
+        elif isinstance(exc, RequestFailed):
+            error = unavailable(f"the pool could not serve the request: {exc}", self.settings.unavailable_retry_after_s,
+                                code="request_failed")
+        else:
+            error = APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
+        self.metrics.error(model, error.status)
+        return error
+
+    async def _events(self, tokens: TokenQueue, shape: ResponseShape, timer: RequestTimer, prepared: Prepared,
+                      request_id: str) -> AsyncIterator[bytes]:
+        usage_field = prepared.include_usage
+        ended = False
+        try:
+            while True:
+                out: list[bytes] = []
+                for token in [await tokens.get(), *tokens.take_ready()]:
+                    if isinstance(token, BaseException):
+                        ended = True
+                        timer.finished(None)
+                        yield b"".join(out) + self._failure(token, shape.model).sse() + DONE
+                        return
+                    if timer.num_tokens == 0 and shape.kind == "chat":
+                        out.append(sse(shape.role_chunk(usage_field)))
+                    timer.token()
+                    if token.text or token.finished:
+                        out.append(sse(shape.chunk(token.text, token.finish_reason, usage_field)))
+                    if token.finished:
+                        ended = True
+                        timer.finished(token.finish_reason)
+                        if usage_field:
+                            out.append(sse(shape.usage_chunk(timer.prompt_tokens, timer.num_tokens)))
+                        yield b"".join(out) + DONE
+                        return
+                if out:
+                    yield b"".join(out)
+        finally:
+            if not ended:
+                self.pool.cancel(request_id)
+                timer.finished(None)
+
+    async def _collect(self, tokens: TokenQueue, shape: ResponseShape, timer: RequestTimer,
+                       model: str) -> dict[str, Any]:
+        pieces: list[str] = []
+        while True:
+            item = await tokens.get()
+            if isinstance(item, BaseException):
+                timer.finished(None)
+                raise self._failure(item, model)
+            timer.token()
+            pieces.append(item.text)
+            if item.finished:
+                timer.finished(item.finish_reason)
+                return shape.final("".join(pieces), item.finish_reason, timer.prompt_tokens, timer.num_tokens)
+
+
+def create_app(pool: LivePool, settings: GatewaySettings | None = None) -> FastAPI:
+    """The gateway for `pool` (started or not: requests get 503 until it runs)."""
+    gateway = Gateway(pool, settings or GatewaySettings())
+    app = FastAPI(title="modelpool", description="Many LLMs behind one OpenAI-compatible endpoint.",
+                  version="0.1.0")
+    app.state.gateway = gateway
+    install_error_handlers(app)
+    app.add_middleware(AuthMiddleware, keys=gateway.keys)
+    # endpoints are async: FastAPI runs sync ones on a thread pool, a hop every request would pay
+
+    def body_schema(model: type[BaseModel]) -> dict[str, Any]:
+        return {"requestBody": {"required": True,
+                                "content": {"application/json": {"schema": model.model_json_schema()}}}}
+
+    @app.get("/health", tags=["ops"])
+    async def health() -> Response:
+        return gateway.health()
+
+    @app.get("/metrics", tags=["ops"])
+    async def metrics() -> Response:
+        return Response(gateway.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/pool/status", tags=["ops"])
+    async def status() -> dict[str, Any]:
+        return gateway.status()
+
+    @app.get("/v1/models", tags=["openai"])
+    async def models() -> dict[str, Any]:
+        return gateway.model_list()
+
+    @app.get("/v1/models/{model_id:path}", tags=["openai"])
+    async def model(model_id: str) -> dict[str, Any]:
+        return gateway.model(model_id)
+
+    @app.post("/v1/completions", tags=["openai"], openapi_extra=body_schema(CompletionRequest))
+    async def completions(request: Request) -> Response:
+        return await gateway.generate(request, "completion")
+
+    @app.post("/v1/chat/completions", tags=["openai"],
+              openapi_extra=body_schema(ChatCompletionRequest))
+    async def chat_completions(request: Request) -> Response:
+        return await gateway.generate(request, "chat")
+
+    return app

@@ -1,0 +1,55 @@
+"""Running the gateway under uvicorn: in the foreground (`modelpool serve`) or on a background thread (tests, benchmarks)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Any
+
+import uvicorn
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def uvicorn_config(app: Any, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning") -> uvicorn.Config:
+    # no access log: it would be noise at token rates; keys are never in it either way
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, lifespan="off",
+                          timeout_keep_alive=30, timeout_graceful_shutdown=5)
+
+
+class BackgroundServer:
+    """uvicorn on a daemon thread; `url` once started; `stop()` shuts it down."""
+
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int | None = None) -> None:
+        self.host = host
+        self.port = port or free_port(host)
+        self.server = uvicorn.Server(uvicorn_config(app, host, self.port))
+        self.thread = threading.Thread(target=self.server.run, name="modelpool-gateway", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout_s: float = 30.0) -> BackgroundServer:
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the gateway did not start on {self.url}")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+    def __enter__(self) -> BackgroundServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,90 @@
+"""`modelpool serve`: what it would deploy, and the real thing - embedded Ray, the demo fleet, SmolLM2 text."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import typer
+
+from modelpool.serve import CpuCosts, demo_deployment, fleet_deployment
+from pool.gateway.server import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_demo_deployment_on_cpu_is_two_float32_slots_under_a_cpu_cost_model(demo_models, monkeypatch):
+    monkeypatch.setenv("MODELPOOL_CACHE", str(next(iter(demo_models.values())).parent))
+    dep = demo_deployment("torch", num_gpus=0, num_instances=None, kv_mib=None)
+    assert [m.name for m in dep.models] == list(demo_models) and len(dep.instances) == 2
+    assert dep.engine.kind == "torch" and dep.engine.options["dtype"] == "float32" and dep.backend == "ray"
+    assert isinstance(dep.costs, CpuCosts) and {i.role for i in dep.instances} == {"mixed"}
+    vllm = demo_deployment("vllm", 0, None, None)
+    assert vllm.engine.kind == "vllm" and "tiny-qwen3" not in [m.name for m in vllm.models]
+    from pool.engines.vllm_engine import VllmEngineConfig
+
+    config = VllmEngineConfig(**vllm.engine.options)  # what make_vllm_engine builds inside each actor
+    assert config.device == "cpu" and all(m.profile.max_context <= config.max_model_len for m in vllm.models)
+    sim = demo_deployment("sim", 0, None, None)
+    assert sim.engine.kind == "sim" and sim.engine.options["costs"] is sim.costs and sim.backend == "threads"
+
+
+def test_fleet_deployment_serves_weights_folders_or_refuses_clearly(demo_models, tmp_path):
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text("pool: {gpu: h100, num_gpus: 2}\nmodels:\n" + "".join(
+        f"  - {{name: {name}, arch: {path}, weights: {path}}}\n" for name, path in demo_models.items()
+        if name.startswith("tiny")))
+    dep = fleet_deployment(fleet, "torch", num_gpus=0, num_instances=None, policy="token-level", kv_mib=64)
+    assert [m.name for m in dep.models] == ["tiny-llama", "tiny-qwen2", "tiny-qwen3"] and len(dep.instances) == 2
+    assert dep.engine.options["kv_bytes"] == 64 << 20
+    gpu = fleet_deployment(fleet, "torch", num_gpus=2, num_instances=None, policy="token-level", kv_mib=None)
+    assert [i.role for i in gpu.instances] == ["prefill", "decode"] and gpu.engine.options["device"] == "cuda"
+    with pytest.raises(typer.BadParameter, match="--engine sim"):
+        fleet_deployment(REPO / "models.yaml", "torch", 0, None, "token-level", None)
+    dry = fleet_deployment(REPO / "models.yaml", "sim", 0, None, "token-level", None)
+    assert len(dry.models) == 47 and dry.engine.kind == "sim" and sum(i.tp for i in dry.instances) == 16
+
+
+@pytest.mark.slow
+def test_modelpool_serve_with_no_arguments_answers_the_openai_client_with_real_text(demo_models, smollm2):
+    port = free_port()
+    env = {**os.environ, "MODELPOOL_CACHE": str(smollm2.parent), "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}
+    proc = subprocess.Popen([sys.executable, "-m", "modelpool.cli", "serve", "--port", str(port)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 240
+        while not any("OpenAI-compatible endpoint" in line for line in lines):
+            line = proc.stdout.readline()  # type: ignore[union-attr]
+            assert line and time.monotonic() < deadline, "serve did not come up:\n" + "".join(lines)
+            lines.append(line)
+        url = re.search(r"(http://\S+)/v1", lines[-1]).group(1)  # type: ignore[union-attr]
+        assert url == f"http://127.0.0.1:{port}"
+        while not any("curl" in line for line in lines):
+            lines.append(proc.stdout.readline())  # type: ignore[union-attr]
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        question = [{"role": "user", "content": "What is the capital of France?"}]
+        answer = client.chat.completions.create(model="smollm2-135m", messages=question, max_tokens=24, temperature=0)
+        assert "Paris" in answer.choices[0].message.content
+        stream = client.chat.completions.create(model="tiny-qwen3", messages=question, max_tokens=6, stream=True,
+                                                stream_options={"include_usage": True})
+        assert list(stream)[-1].usage.completion_tokens >= 1
+        status = httpx.get(f"{url}/pool/status").json()
+        assert set(status["instances"]) == {"slot0", "slot1"} and status["tick_errors"] == 0
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    rest = proc.stdout.read()  # type: ignore[union-attr]
+    assert proc.returncode == 0 and "Traceback" not in rest, "".join(lines) + rest
