@@ -8,7 +8,9 @@ configs (no files, no network). Measured:
 - pinned host<->device bandwidth (a large buffer), and from it the switch floor = weight bytes / H2D;
 - whole-model switch (`activate` of a model not on the device), and `activate` after a finished prefetch;
 - KV swap bandwidth: `save_kv` / `restore_kv` of a batch at the decode context;
-- decode step time (engine step: inputs, forward, sampling) at batch 1/8/32, with and without CUDA graphs;
+- decode step time (engine step: inputs, forward, sampling) at batch 1/8/32, with and without CUDA graphs,
+  through the fused Triton decode kernels (CUDA default) and, with --compare-unfused, the plain torch ops;
+- kernels launched by one decode forward (profiler, eager), fused and plain;
 - decode step time while another model's prefetch is in flight, against the same steps without it.
 """
 
@@ -89,6 +91,26 @@ def decode_ms(engine: TorchEngine, ids: list[str], steps: int) -> float:
     return timed(lambda: [engine.decode_step(ids) for _ in range(steps)], engine.device) / steps * 1e3
 
 
+def kernels_per_step(engine: TorchEngine, ids: list[str]) -> int | None:
+    """CUDA kernels (and copies) one eager decode step launches, counted by the profiler; None off CUDA."""
+    if not engine.streams.cuda:
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs, engine.use_cuda_graphs = engine.use_cuda_graphs, False
+    try:
+        engine.decode_step(ids)  # compile / warm up outside the profile
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            engine.decode_step(ids)
+            torch.cuda.synchronize()
+        return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+    except Exception as exc:  # the profiler is optional here
+        print(f"kernel count failed: {exc!r}", flush=True)
+        return None
+    finally:
+        engine.use_cuda_graphs = graphs
+
+
 def bench_switch(engine: TorchEngine, model: str, reps: int) -> dict[str, object]:
     times = []
     for _ in range(reps):
@@ -115,9 +137,21 @@ def bench_model(engine: TorchEngine, model: str, args, vocab: int, bw: dict[str,
         reqs = make_requests(f"{model}/b{batch}/", model, batch, prompt_len, vocab)
         ids = [r.request_id for r in reqs]
         engine.prefill(reqs)
-        for graphs in ([False, True] if engine.streams.cuda else [False]):
-            engine.use_cuda_graphs = graphs
-            row = {"batch": batch, "ctx": args.ctx, "graphs": graphs, "step_ms": decode_ms(engine, ids, args.steps)}
+        modes: list[tuple[bool, bool | None]] = [(False, None)]  # (CUDA graphs, fused); None: the default
+        if engine.streams.cuda:
+            modes.append((True, None))
+        if args.compare_unfused and engine.streams.cuda:
+            modes.append((True, False))
+        for graphs, fused in modes:
+            engine.use_cuda_graphs, engine.fused_decode = graphs, fused
+            row = {"batch": batch, "ctx": args.ctx, "graphs": graphs,
+                   "fused": engine._decoder(engine._model(model)).fused, "step_ms": decode_ms(engine, ids, args.steps)}
+            if batch == min(args.batches) and not graphs:
+                out["kernels_per_step"] = kernels_per_step(engine, ids)
+                if args.compare_unfused and engine.streams.cuda:
+                    engine.fused_decode = False
+                    out["kernels_per_step_unfused"] = kernels_per_step(engine, ids)
+                    engine.fused_decode = fused
             if graphs:  # the forward alone: replay the graph just used (engine internals, benchmark only)
                 graph = next(reversed(engine._graphs._graphs.values())).graph
                 row["replay_ms"] = timed(lambda: [graph.replay() for _ in range(args.steps)], engine.device) \
@@ -135,6 +169,7 @@ def bench_model(engine: TorchEngine, model: str, args, vocab: int, bw: dict[str,
                               "save_GBps": kv / save / 1e9, "restore_GBps": kv / restore / 1e9}
         engine.release(ids)
     engine.use_cuda_graphs = engine.streams.cuda and engine.config.cuda_graphs
+    engine.fused_decode = None
     out["decode"] = rows
     return out
 
@@ -175,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--switch-reps", type=int, default=5)
+    parser.add_argument("--compare-unfused", action="store_true",
+                        help="also time CUDA-graph decode through the plain torch ops (the pre-fusion path)")
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.tiny else "cpu"))
     shapes = TINY_SHAPES if args.tiny else SHAPES
@@ -225,12 +262,15 @@ def print_table(result: dict) -> None:
         print(f"{name:20s} {m['weight_bytes'] / GiB:6.2f} {m['switch_s']:9.4f} {m['floor_s']:8.4f} "
               f"{m['switch_over_floor']:8.2f} {m['activate_after_prefetch_s']:10.4f} "
               f"{kv.get('save_GBps', 0):11.2f} {kv.get('restore_GBps', 0):10.2f}")
-    print(f"\n{'model':20s} {'batch':>5s} {'ctx':>5s} {'graphs':>6s} {'step ms':>8s} {'replay ms':>9s}")
+    print(f"\n{'model':20s} {'batch':>5s} {'ctx':>5s} {'graphs':>6s} {'fused':>6s} {'step ms':>8s} {'replay ms':>9s}")
     for name, m in result["models"].items():
         for row in m["decode"]:
             replay = f"{row['replay_ms']:9.2f}" if "replay_ms" in row else f"{'-':>9s}"
-            graphs = str(row["graphs"])
-            print(f"{name:20s} {row['batch']:5d} {row['ctx']:5d} {graphs:>6s} {row['step_ms']:8.2f} {replay}")
+            graphs, fused = str(row["graphs"]), str(row.get("fused"))
+            print(f"{name:20s} {row['batch']:5d} {row['ctx']:5d} {graphs:>6s} {fused:>6s} {row['step_ms']:8.2f} "
+                  f"{replay}")
+        print(f"{name:20s} kernels per eager step: {m.get('kernels_per_step')} fused, "
+              f"{m.get('kernels_per_step_unfused')} plain")
     p = result["prefetch_interference"]
     print(f"\ndecode {p['active']} (batch {p['batch']}) while prefetching {p['prefetched']}: "
           f"{p['base_step_ms']:.2f} -> {p['during_prefetch_step_ms']:.2f} ms/step (x{p['slowdown']:.2f}, "

@@ -221,7 +221,9 @@ class Simulator:
             took = 0.0
             for rid in action.request_ids:
                 record = self.records[rid]
-                took += self.costs.kv_move_s(record.model, record.prompt_tokens + record.generated)
+                # a Decode earlier in this same plan adds its tokens before the move happens
+                ahead = dev.turn.max_steps if dev.turn is not None and rid in dev.turn.ids else 0
+                took += self.costs.kv_move_s(record.model, record.prompt_tokens + record.generated + ahead)
                 if isinstance(action, SwapOut):
                     dev.kv_moved_bytes += dev.kv.pop(rid, 0.0)
                 else:

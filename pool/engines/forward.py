@@ -10,6 +10,10 @@ token-for-token tests against `model.generate` check.
 Tokens of all requests of a step are flattened into one `[N, hidden]` batch
 for every projection and MLP; only attention is per request (prefill) or
 padded with a mask (decode).
+
+On CUDA, decode runs through the fused Triton kernels of `pool.engines.fused`
+(10 launches a layer, attention straight off the paged KV); the plain torch
+decode below stays the reference and the CPU path.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pool.engines import fused as fused_ops
 from pool.engines.weights import ModelSpec
 
 
@@ -92,8 +97,11 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class Decoder:
     """One model's forward pass, bound to its weight views and its KV row view."""
 
-    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], kv: torch.Tensor) -> None:
+    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], kv: torch.Tensor,
+                 fused: bool | None = None) -> None:
         self.spec = spec
+        # Decode through the fused Triton kernels (CUDA; `pool.engines.fused`), else plain torch ops.
+        self.fused = fused_ops.usable(kv.device) if fused is None else fused
         self.kv = kv  # [rows, block_size, head_dim]; a block is rows (layer, k/v, head) from its first row
         self.embed, self.norm, self.lm_head = weights["embed"], weights["norm"], weights["lm_head"]
         self.layers = [
@@ -173,6 +181,8 @@ class Decoder:
     # ---- decode ----
     def decode(self, inp: DecodeInputs) -> torch.Tensor:
         """Logits `[B, vocab]` for one new token per request. No host syncs (graph-capturable)."""
+        if self.fused:
+            return self._decode_fused(inp)
         span = inp.max_blocks * self.spec_block_size
         lengths, table = inp.row("lengths"), inp.table
         mask = (torch.arange(span, device=lengths.device)[None, :] < lengths[:, None])[:, None, None, :]
@@ -183,6 +193,27 @@ class Decoder:
             self._write_kv(n, k, v, inp.row("write_row"), inp.row("write_offset"))
             x = self._finish_layer(layer, x, self._paged_attention(n, q, table, mask))
         return self._logits(x)
+
+    def _decode_fused(self, inp: DecodeInputs) -> torch.Tensor:
+        """`decode` in 10 kernels a layer (see `pool.engines.fused`); same roundings, no K/V gather copies."""
+        s, eps, ops = self.spec, self.spec.rms_norm_eps, fused_ops
+        lengths, table = inp.row("lengths"), inp.table
+        write_row, write_offset = inp.row("write_row"), inp.row("write_offset")
+        cos, sin = self._rope(inp.row("positions"))
+        cos, sin = cos[:, 0].contiguous(), sin[:, 0].contiguous()
+        plan = ops.split_plan(inp.batch, s.num_kv_heads, inp.max_blocks, self.spec_block_size, self.kv.device)
+        x = F.embedding(inp.row("token_ids"), self.embed)
+        x, h = ops.add_rms_norm(x, None, self.layers[0].ln1, eps)
+        for n, layer in enumerate(self.layers):
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            q = ops.qkv_rope_write(qkv, cos, sin, self.qk_norms[n], self.kv, write_row, write_offset, n,
+                                   s.num_heads, s.num_kv_heads, s.head_dim, eps)
+            attn = ops.paged_attention(q, self.kv, table, lengths, n, s.num_kv_heads, self.scale, plan)
+            x, h = ops.add_rms_norm(x, F.linear(attn, layer.o, layer.o_bias), layer.ln2, eps)
+            mlp = F.linear(ops.silu_mul(F.linear(h, layer.gate_up)), layer.down)
+            following = self.layers[n + 1].ln1 if n + 1 < len(self.layers) else self.norm
+            x, h = ops.add_rms_norm(x, mlp, following, eps)
+        return F.linear(h, self.lm_head).float()
 
     @property
     def spec_block_size(self) -> int:

@@ -80,13 +80,16 @@ class SlabPool:
     """Blocks of several shapes carved out of equal-size slabs."""
 
     def __init__(self, slab_bytes: int, max_slabs: int, make_slab: Callable[[int], torch.Tensor],
-                 slab_offset: Callable[[int], int] = lambda i: 0) -> None:
+                 slab_offset: Callable[[int], int] = lambda i: 0, zero_on_assign: bool = False) -> None:
         if slab_bytes <= 0 or max_slabs < 0:
             raise ValueError(f"slab_bytes = {slab_bytes}, max_slabs = {max_slabs}: need slab_bytes > 0, max_slabs >= 0")
         self.slab_bytes = slab_bytes
         self.max_slabs = max_slabs
         self._make_slab = make_slab
         self._slab_offset = slab_offset  # where slab i starts in its region (rows are aligned to the region)
+        # Zero a slab when it takes a block shape: bytes of another shape (or dtype), or never written, can
+        # read as NaN in the unused tail of a block, and decode attention multiplies masked values by 0.
+        self._zero_on_assign = zero_on_assign
         self._slabs: list[_Slab] = []
         self._parked: list[tuple[Any, KvShape, list[BlockRef]]] = []
 
@@ -170,6 +173,8 @@ class SlabPool:
             count = self._blocks_in(i, shape)
             if slab.shape is None and count:
                 slab.shape, slab.pad, slab.free = shape, self._pad(i, shape), list(range(count - 1, -1, -1))
+                if self._zero_on_assign:
+                    slab.storage.zero_()  # on the current stream: before any compute or swap-in that uses it
                 return i
         if len(self._slabs) >= self.max_slabs:
             raise OutOfKvMemory(f"no slab can hold a block of {shape.block_bytes} bytes")
@@ -214,7 +219,7 @@ class SlabPool:
 def device_pool(region: torch.Tensor, slab_bytes: int) -> SlabPool:
     """A pool whose slabs tile `region` (a byte tensor on the device)."""
     return SlabPool(slab_bytes, region.numel() // slab_bytes, lambda i: region[i * slab_bytes : (i + 1) * slab_bytes],
-                    slab_offset=lambda i: i * slab_bytes)
+                    slab_offset=lambda i: i * slab_bytes, zero_on_assign=True)
 
 
 def host_pool(slab_bytes: int, max_bytes: int, pin: bool) -> SlabPool:

@@ -19,10 +19,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from pool.engines.device import Streams, wait_event
-from pool.engines.forward import DecodeInputs, PrefillInputs
+from pool.engines.forward import _ROWS, DecodeInputs, PrefillInputs
 from pool.engines.kv import BlockRef, KvShape, SlabPool, device_pool, row_view
 
 
@@ -219,17 +220,27 @@ def prefill_inputs(token_lists: Sequence[list[int]], kvs: Sequence[SeqKv], devic
 
 def decode_inputs(last_tokens: Sequence[int], kvs: Sequence[SeqKv], positions: Sequence[int], device: torch.device,
                   batch: int, max_blocks: int, pad_row: int | None = None) -> DecodeInputs:
-    """One token per request at `positions`, padded to `batch` rows (aimed at `pad_row`) and `max_blocks` columns."""
+    """One token per request at `positions`, padded to `batch` rows (aimed at `pad_row`) and `max_blocks` columns.
+
+    Built in one numpy array (this runs on every step, on the host, while the device waits).
+    """
+    n, size = len(kvs), kvs[0].shape.block_size
     pad = kvs[0].rows[0] if pad_row is None else pad_row
-    extra = batch - len(kvs)
-    tables = [kv.rows for kv in kvs] + [[pad]] * extra
-    tables = [t + [t[0]] * (max_blocks - len(t)) for t in tables]
-    writes = [kv.slot_of(p) for kv, p in zip(kvs, positions)] + [(pad, 0)] * extra
-    all_positions = list(positions) + [0] * extra
-    rows = {"token_ids": list(last_tokens) + [0] * extra, "positions": all_positions,
-            "write_row": [w[0] for w in writes], "write_offset": [w[1] for w in writes],
-            "lengths": [p + 1 for p in all_positions]}
-    return DecodeInputs.pack(rows, tables, device)
+    packed = np.zeros(len(_ROWS) * batch + batch * max_blocks, dtype=np.int64)
+    rows = packed[: len(_ROWS) * batch].reshape(len(_ROWS), batch)  # token_ids, positions, write_row, offset, lengths
+    table = packed[len(_ROWS) * batch :].reshape(batch, max_blocks)
+    pos = np.asarray(positions, dtype=np.int64)
+    rows[0, :n] = last_tokens
+    rows[1, :n] = pos
+    rows[2, :n] = [kv.rows[p // size] for kv, p in zip(kvs, positions)]
+    rows[2, n:] = pad
+    rows[3, :n] = pos % size
+    rows[4] = rows[1] + 1
+    table[n:] = pad
+    for i, kv in enumerate(kvs):
+        table[i, : len(kv.rows)] = kv.rows
+        table[i, len(kv.rows) :] = kv.rows[0]
+    return DecodeInputs(torch.from_numpy(packed).to(device, non_blocking=True), batch, max_blocks)
 
 
 def _tensor(values: list, device: torch.device) -> torch.Tensor:

@@ -104,9 +104,10 @@ class TorchEngine:
         self._kv: KvStore | None = None
         self._host_kv = host_pool(self.config.host_slab_bytes, self.config.max_host_kv_bytes, self.streams.cuda)
         self._host_kv.reserve(-(-self.config.host_kv_prealloc_bytes // self.config.host_slab_bytes))
-        self._decoders: dict[tuple[str, int], Decoder] = {}
+        self._decoders: dict[tuple[str, int, bool | None], Decoder] = {}
         self._graphs: Any = None
         self.use_cuda_graphs = self.streams.cuda and self.config.cuda_graphs  # may be switched off later
+        self.fused_decode: bool | None = None  # fused Triton decode kernels; None: wherever they run (CUDA)
         if self.use_cuda_graphs:
             from pool.engines.graphs import DecodeGraphs
 
@@ -205,7 +206,8 @@ class TorchEngine:
             max_blocks = blocks_bucket(max_blocks)
             inputs = decode_inputs(last, kvs, positions, self.device, graph_batch, max_blocks,
                                    kv.scratch(model.kv_shape))
-            key = (model.name, self._slots.current, graph_batch, max_blocks)  # type: ignore[union-attr]
+            slot = self._slots.current  # type: ignore[union-attr]
+            key = (model.name, slot, decoder.fused, graph_batch, max_blocks)
             logits = self._graphs.run(key, decoder, inputs)[:batch]
         return self._emit(seqs, logits)
 
@@ -392,11 +394,11 @@ class TorchEngine:
         slots = self._ensure_buffer()
         if slots.current is None or slots.active_model != model.name:
             raise EngineError(f"model {model.name!r} is not active")
-        key = (model.name, slots.current)
+        key = (model.name, slots.current, self.fused_decode)
         if key not in self._decoders:
             storage = slots.slots[slots.current]
             self._decoders[key] = Decoder(model.image.spec, model.image.views(storage),
-                                          self._kv_store().view(model.kv_shape))
+                                          self._kv_store().view(model.kv_shape), fused=self.fused_decode)
         return self._decoders[key]
 
     def _graph_batch(self, batch: int) -> int | None:
