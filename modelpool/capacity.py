@@ -190,7 +190,8 @@ class RayWorkers:
 
 def write_report(result: Any, ctx: Any, out: Path, **meta: Any) -> list[Path]:
     """report.html, report.md, report.json, capacity.csv, per_model.csv, curves.csv under `out`."""
-    from sims.report import build_report, to_markdown, write_csvs
+    from sims.report import build_report
+    from sims.report_text import to_markdown, write_csvs
     from sims.report_html import figures, to_html
 
     out.mkdir(parents=True, exist_ok=True)
@@ -211,7 +212,7 @@ def _json_default(value: object) -> object:
 
 
 def _summary(report: Mapping[str, Any]) -> Table:
-    from sims.report import summary_rows
+    from sims.report_text import summary_rows
 
     table = Table(title=f"{report['fleet']['num_models']} models on {report['gpu'].upper()}: fewest GPUs for "
                         f"{report['slo_target']:.1%} {report['slo_metric']} SLO attainment")

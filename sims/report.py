@@ -1,7 +1,7 @@
 """The capacity report: one JSON-ready dict built from a study, and its Markdown and CSV renderings.
 
-`build_report` is the single source: the Markdown, the CSVs and the HTML
-(`sims.report_html`) only lay out what it holds. Required keys (the JSON
+`build_report` is the single source: the Markdown and CSVs (`sims.report_text`)
+and the HTML (`sims.report_html`) only lay out what it holds. Required keys (the JSON
 schema the issue fixes, checked by tests): `slo_target`, `slo_metric`,
 `dedicated_gpus` and `policies` mapping each policy to `gpus`, `attainment`
 (0-1, the chosen metric, whole pool), `p99_ttft_ms`, `p99_tpot_ms`,
@@ -10,10 +10,8 @@ schema the issue fixes, checked by tests): `slo_target`, `slo_metric`,
 
 from __future__ import annotations
 
-import csv
 import math
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -356,120 +354,4 @@ def _assumptions(result: StudyResult, ctx: Context) -> list[dict[str, str]]:
     for policy, options in sorted(ctx.policy_options.items()):
         if options:
             out.append({"what": f"{policy} options", "status": "input", "value": str(dict(options)), "source": "--option"})
-    return out
-
-
-# ---- renderings -------------------------------------------------------------------------------------------
-
-def to_markdown(report: Mapping[str, Any]) -> str:
-    gpu = report["gpu"].upper()
-    lines = [f"# Capacity report: {report['fleet']['num_models']} models on {gpu}", "",
-             f"**{report['headline']['sentence']}.**", "",
-             f"Target: {report['slo_target']:.1%} SLO attainment, {report['slo_metric']} metric "
-             f"({report['slo_metric_definition']}).", "",
-             f"Workload: {report['workload']['description']} - {report['workload']['num_requests']} requests over "
-             f"{report['workload']['duration_s']:g} s ({report['workload']['rate_rps']:g} req/s).", "",
-             "## Policies", "",
-             "| policy | GPUs | vs dedicated | $/month | attainment | Aegaeon metric | p99 TTFT ms | p99 TPOT ms | "
-             "models/GPU | GPU busy | switches/GPU/min | output tok/s (pool) | tok/s per user | layout |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for policy, e in report["policies"].items():
-        saving = "-" if e["savings_vs_dedicated"] is None else f"{-e['savings_vs_dedicated']:+.0%}"
-        layout = "; ".join(_layout_text(x) for x in e["layout"])
-        lines.append(f"| {policy}{'' if e['met'] else ' (target not met)'} | {e['gpus']} | {saving} | "
-                     f"{e['usd_per_month']:,.0f} | {e['attainment']:.2%} | {e['aegaeon_attainment']:.2%} | "
-                     f"{e['p99_ttft_ms']:,.0f} | {e['p99_tpot_ms']:.1f} | {e['models_per_gpu']:.2f} | "
-                     f"{e['gpu_busy_share']:.0%} | {e['switches_per_gpu_per_minute']:.1f} | {e['output_tokens_per_s']:,.0f} | "
-                     f"{e['per_user_output_tokens_per_s']:.1f} | {layout} |")
-    lines += ["", "Output tok/s (pool) is every token the pool produces per second; tok/s per user is the speed "
-              "one stream sees (1 / its mean TPOT). They differ by the number of concurrent streams.", ""]
-    types = report["gpu_types"]
-    if len(types) > 1:
-        names = sorted({p for t in types.values() for p in t.get("policies", {})},
-                       key=lambda p: list(report["policies"]).index(p) if p in report["policies"] else 99)
-        lines += ["## GPU types", "", "| GPU | $/GPU-hour | " + " | ".join(f"{p} GPUs ($/month)" for p in names) + " |",
-                  "|---|---|" + "---|" * len(names)]
-        for g, t in types.items():
-            if "skipped" in t:
-                lines.append(f"| {g} | {t['usd_per_gpu_hour']:g} | " + " | ".join("does not fit" for _ in names) + " |")
-                continue
-            cells = []
-            for p in names:
-                e = t["policies"].get(p)
-                cells.append("-" if e is None else f"{e['gpus']} (${e['usd_per_month']:,.0f}){'' if e['met'] else ' unmet'}")
-            lines.append(f"| {g} | {t['usd_per_gpu_hour']:g} | " + " | ".join(cells) + " |")
-        lines.append("")
-    if report["tries"]:
-        lines += ["## Try", ""] + [f"- {line}" for line in report["tries"]] + [""]
-    pooled = [p for p in report["policies"] if p != "dedicated"]
-    lines += ["## Per model", "", "| model | TP | req/s | prompt tok | output tok | dedicated GPUs | " +
-              " | ".join(f"{p} p99 TTFT ms / TPOT ms" for p in pooled) + " |", "|---|---|---|---|---|---|" + "---|" * len(pooled)]
-    for row in report["per_model"]:
-        cells = [f"{row[p]['p99_ttft_ms']:,.0f} / {row[p]['p99_tpot_ms']:.1f}" if p in row else "-" for p in pooled]
-        lines.append(f"| {row['model']} | {row['tp']} | {row['rate_rps']:.3f} | {row['mean_prompt_tokens']:.0f} | "
-                     f"{row['mean_output_tokens']:.0f} | {row['dedicated_gpus'] if row['dedicated_gpus'] else '-'} | "
-                     + " | ".join(cells) + " |")
-    lines += ["", "## Assumptions", "", "| what | value | status | source |", "|---|---|---|---|"]
-    for a in report["assumptions"]:
-        lines.append(f"| {a['what']} | {a['value']} | {a['status']} | {a['source']} |")
-    if report["notes"]:
-        lines += ["", "## Notes", ""] + [f"- {n}" for n in report["notes"]]
-    s = report["search"]
-    lines += ["", f"Search: {s['evaluations']} class simulations ({s['reused']} answers reused), "
-              f"{s['search_wall_s']:g} s; final pool runs {s['pool_runs_wall_s']:g} s"
-              + (f"; {s['wall_s']:g} s in all." if s.get("wall_s") else "."), ""]
-    return "\n".join(lines)
-
-
-def _layout_text(layout: Mapping[str, Any]) -> str:
-    if "replicas" in layout:
-        return f"TP{layout['tp']}: {layout['instances']} instances"
-    parts = [f"{layout[k]}{k[0].upper()}" for k in ("prefill", "decode", "mixed") if layout.get(k)]
-    return f"TP{layout['tp']}: " + "+".join(parts or ["0"])
-
-
-def write_csvs(report: Mapping[str, Any], out: Path) -> list[Path]:
-    """capacity.csv (per GPU type and policy), per_model.csv, curves.csv (every point simulated)."""
-    paths = [out / "capacity.csv", out / "per_model.csv", out / "curves.csv"]
-    rows = []
-    for gpu, t in report["gpu_types"].items():
-        for policy, e in t.get("policies", {}).items():
-            row = {"gpu": gpu, "policy": policy, "gpus": e["gpus"], "met": e["met"], "attainment": e["attainment"],
-                   "usd_per_month": e["usd_per_month"]}
-            main = report["policies"].get(policy) if gpu == report["gpu"] else None
-            for key in ("aegaeon_attainment", "per_request_attainment", "p99_ttft_ms", "p99_tpot_ms", "models_per_gpu",
-                        "savings_vs_dedicated", "gpu_busy_share", "switches_per_gpu_per_minute", "output_tokens_per_s",
-                        "per_user_output_tokens_per_s"):
-                row[key] = main.get(key) if main else None
-            rows.append(row)
-    _write(paths[0], rows)
-    flat = []
-    for r in report["per_model"]:
-        row = {k: v for k, v in r.items() if not isinstance(v, dict)}
-        for policy in report["policies"]:
-            for key, value in (r.get(policy) or {}).items():
-                row[f"{policy}_{key}"] = value
-        flat.append(row)
-    _write(paths[1], flat)
-    _write(paths[2], [{**r, "slo_scale": "x".join(f"{v:g}" for v in r["slo_scale"])} for r in report["curves"]])
-    return paths
-
-
-def _write(path: Path, rows: list[dict[str, Any]]) -> None:
-    fields: dict[str, None] = {}
-    for row in rows:
-        fields.update(dict.fromkeys(row))
-    with path.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(fields))
-        writer.writeheader()
-        writer.writerows(rows)
-
-
-def summary_rows(report: Mapping[str, Any]) -> list[tuple[str, ...]]:
-    """(policy, GPUs, vs dedicated, $/month, attainment, p99 TTFT, p99 TPOT) for a terminal table."""
-    out: list[tuple[str, ...]] = []
-    for policy, e in report["policies"].items():
-        saving = "-" if e["savings_vs_dedicated"] is None else f"{-e['savings_vs_dedicated']:+.0%}"
-        out.append((policy + ("" if e["met"] else " (unmet)"), str(e["gpus"]), saving, f"${e['usd_per_month']:,.0f}",
-                    f"{e['attainment']:.2%}", f"{e['p99_ttft_ms']:,.0f}", f"{e['p99_tpot_ms']:.1f}"))
     return out

@@ -95,8 +95,8 @@ def _attainment_figure(report: Mapping[str, Any], result: StudyResult) -> str:
             colour = COLOURS.get(policy, "#555")
             ax.plot(xs, ys, "-", color=colour, alpha=0.6, label=policy)
             ax.scatter([x for x in xs if not best[x][1]], [y for x, y in zip(xs, ys) if not best[x][1]], color=colour, s=18)
-            ax.scatter([x for x in xs if best[x][1]], [y for x, y in zip(xs, ys) if best[x][1]], facecolors="none",
-                       edgecolors=colour, s=18)
+            ax.scatter([x for x in xs if best[x][1]], [y for x, y in zip(xs, ys) if best[x][1]], marker="v",
+                       facecolors="none", edgecolors=colour, s=26)
             layout = next((x for x in report["policies"][policy]["layout"] if x["tp"] == tp), None)
             if layout:
                 answer = layout["gpus"]
@@ -206,7 +206,7 @@ def to_html(report: Mapping[str, Any], images: Mapping[str, str]) -> str:
              "what one stream sees (1 / its mean TPOT). They differ by the number of concurrent streams.</small></p>",
              "<h2>SLO attainment vs GPUs</h2>",
              _img(images, "attainment", "Every class layout the search simulated (the best split per GPU count); "
-                  "stars mark the answers, hollow markers runs stopped early once sure to miss (upper bounds), "
+                  "stars mark the answers; hollow triangles are runs stopped once sure to miss (at most that value); "
                   "dashed: the target."),
              "<h2>Latency at each policy's answer</h2>",
              _img(images, "latency", "Distributions over every completed request of the whole pool."),

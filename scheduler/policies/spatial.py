@@ -1,10 +1,12 @@
 """`spatial`: co-locate as many models as fit in GPU memory; never swap.
 
-Algorithm (MuxServe / Prism-style co-location): at start, models are placed
+Algorithm (MuxServe / Prism-style co-location): at start, each model gets a
+replica per instance's worth of its TP class's traffic it carries (at least
+one; MuxServe gives popular models more units), and replicas are placed
 busiest first, each on the instance of its TP size with the least traffic
 placed so far among those whose memory still holds its weights plus a KV
-reserve of `min_kv_tokens`; instances left empty get replicas of the
-busiest models per replica. A model that fits nowhere is refused. Each
+reserve of `min_kv_tokens`; instances left empty get more replicas of the
+busiest models. A model that fits nowhere is refused. Each
 instance then runs continuous batching over all its resident models: queued
 prompts are admitted FCFS when their KV fits the shared KV pool, and one
 decode step advances every running request of every resident model (their
@@ -14,6 +16,7 @@ weights). Weights never move after start.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -25,7 +28,12 @@ from scheduler.request import Request
 
 def place_models(models: Mapping[str, ModelProfile], instances: Sequence[InstanceSpec],
                  min_kv_tokens: int = 4096) -> dict[str, list[str]]:
-    """instance_id -> models placed on it (busiest first, least-loaded instance that fits)."""
+    """instance_id -> models placed on it.
+
+    Per TP class, a model gets a replica for every instance's worth of the class's traffic it carries
+    (at least one), and replicas are placed busiest first, each on the least-loaded instance that still
+    holds its weights plus a KV reserve. Instances left empty take more replicas of the busiest models.
+    """
     free = {s.instance_id: s.memory_bytes for s in instances}
     load = {s.instance_id: 0.0 for s in instances}
     tp_of = {s.instance_id: s.tp for s in instances}
@@ -34,27 +42,36 @@ def place_models(models: Mapping[str, ModelProfile], instances: Sequence[Instanc
     def need(m: ModelProfile) -> float:
         return m.weight_bytes + m.kv_bytes_per_token * min(min_kv_tokens, m.max_context)
 
-    def put(m: ModelProfile, candidates: list[str]) -> bool:
+    def put(m: ModelProfile, share: float, candidates: list[str]) -> bool:
         fits = [i for i in candidates if tp_of[i] == m.tp and free[i] >= need(m) and m.name not in placed[i]]
         if not fits:
             return False
         best = min(fits, key=lambda i: (load[i], -free[i], i))
         placed[best].append(m.name)
         free[best] -= m.weight_bytes
-        load[best] += m.rate_rps
+        load[best] += share
         return True
 
-    order = sorted(models.values(), key=lambda m: (-m.rate_rps, -m.weight_bytes, m.name))
-    for m in order:
-        put(m, list(placed))
-    replicas = {m.name: sum(m.name in v for v in placed.values()) for m in order}
+    wanted: dict[str, int] = {}
+    for tp in set(tp_of.values()):
+        members = [m for m in models.values() if m.tp == tp]
+        slots = sum(1 for t in tp_of.values() if t == tp)
+        per_instance = sum(m.rate_rps for m in members) / slots if slots else 0.0
+        for m in members:
+            wanted[m.name] = max(1, min(slots, math.ceil(m.rate_rps / per_instance - 1e-9))) if per_instance else 1
+    order = sorted(((m, k) for m in models.values() for k in range(wanted[m.name])),
+                   key=lambda mk: (-mk[0].rate_rps / wanted[mk[0].name], mk[1], -mk[0].weight_bytes, mk[0].name))
+    replicas = {m.name: 0 for m in models.values()}
+    for m, _ in order:
+        if put(m, m.rate_rps / wanted[m.name], list(placed)):
+            replicas[m.name] += 1
+    ranked = sorted(models.values(), key=lambda m: (-m.rate_rps, m.name))
     for _ in range(len(instances)):
         empty = [i for i, v in placed.items() if not v]
         if not empty:
             break
-        ranked = sorted((m for m in order if replicas[m.name]), key=lambda m: (-m.rate_rps / replicas[m.name], m.name))
-        for m in ranked:
-            if put(m, empty):
+        for m in sorted((m for m in ranked if replicas[m.name]), key=lambda m: (-m.rate_rps / replicas[m.name], m.name)):
+            if put(m, m.rate_rps / (replicas[m.name] + 1), empty):
                 replicas[m.name] += 1
                 break
         else:

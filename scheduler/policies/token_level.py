@@ -22,17 +22,19 @@ token + tokens so far * TPOT SLO), for `q_i / d_i` steps from
 `decode_quotas` (SLO derived; c0 = the waiting models' switches plus the KV
 moves that cannot be avoided), while the next batch's model is prefetched.
 KV moves to host only to make room. A newcomer of the running batch's model
-joins it at the next token; a newcomer of another model is waited for until
-the running turn has lasted one switch time and it is late while the running
-batch is ahead of its pace, then the turn is cut. A sole batch decodes
-open-ended until something else needs the instance.
+joins it at the next token; one of another model waits for the turn boundary.
+A sole batch decodes open-ended until something else needs the instance.
 
 What differs from the artifact, and why (measured on the shipped fleet, see
-BENCHMARKS.md): fixed rounds made every newcomer wait for the round to end
-(up to Q_max per batch, tens of seconds), which failed the TPOT of short
-answers; the artifact's order of Prefetch after the compute hid no switch;
-group-count dispatch put all of a busy model's prompts on one instance.
-`max_quota_s` is 2 s (the paper's Q_max is 4 s): shorter turns, shorter waits.
+BENCHMARKS.md): rounds fixed at their start made a newcomer wait for the round
+to end (up to Q_max per batch), failing the mean TPOT of short answers, so
+turns go to the batch due first and a newcomer joins a running turn of its
+model; prompts of a busy model all went to the first instance holding a group
+of it, so dispatch predicts finish times; a Prefetch planned after the compute
+it should overlap started when that compute ended, so it comes first; a mixed
+instance moved each prompt's KV to host and back. `max_quota_s` is 2 s
+(the paper's Q_max is 4 s); `first_tokens` is 8 (the artifact hands off after
+the first token; 1 restores that).
 
 A "mixed" instance (for classes too small to split well) does both and keeps
 a prompt's KV where it was prefilled: at a turn boundary it prefills its head
@@ -77,9 +79,7 @@ class DecodeState:
     steps_left: int = 0
     open_ended: bool = False  # a sole batch, decoding until something happens
     cut_in: bool = False  # a newcomer joined the batch whose turn runs: stop it at the next token
-    preempt: bool = False  # another model's newcomer ends the running turn at the next token
-    urgent_at: float = float("inf")  # earliest due time of a newcomer waiting for another model's turn
-    turn_started_at: float = 0.0
+    preempt: bool = False  # another model's newcomer (or a prompt, on a mixed instance) ends an open-ended turn
     mix: dict[str, tuple[int, int, float]] = field(default_factory=dict)  # model -> members, context estimate, step s
     load_s: float = 0.0  # sum of the step times in `mix`: the dispatcher's load figure
 
@@ -101,7 +101,7 @@ class TokenLevelPolicy(PolicyBase):
         self.groups: dict[str, list[Group]] = {}
         self.busy_until: dict[str, float] = {}  # prefill instance -> predicted end of its planned work
         self.first_token_at: dict[str, float] = {}  # request -> when its prefill (first token) ended
-        self.handoff: dict[str, list[str]] = {}  # prefill instance -> prefilled requests owed their first tokens
+        self.handoff: dict[str, tuple[str, list[str]]] = {}  # prefill instance -> ("decode" | "move", requests)
         self.decoders: dict[str, DecodeState] = {}
         for inst in self.instances.values():
             if inst.spec.role in ("prefill", "mixed"):
@@ -127,7 +127,7 @@ class TokenLevelPolicy(PolicyBase):
             if inst.lost:
                 continue
             if not inst.idle:
-                if iid in self.decoders and self._should_stop(inst, now):
+                if iid in self.decoders and self._should_stop(inst):
                     cut_in = self.decoders[iid].cut_in
                     out[iid] = [Stop(reason="a newcomer joins the running batch" if cut_in else "another batch is due")]
                 continue
@@ -135,13 +135,13 @@ class TokenLevelPolicy(PolicyBase):
             if inst.spec.role == "prefill":
                 acts = self._prefill_step(inst)
             elif inst.spec.role == "decode":
-                acts = self._decode_step(inst, now)
+                acts = self._decode_step(inst)
             else:
                 state = self.decoders[iid]
                 if self.groups[iid] and (state.current is None or state.steps_left <= 0) \
                         and self._prefill_first(inst, state, now):
                     acts = self._prefill_step(inst)
-                acts = acts or self._decode_step(inst, now) or self._prefill_step(inst)
+                acts = acts or self._decode_step(inst) or self._prefill_step(inst)
             if acts:
                 out[iid] = acts
                 if iid in self.groups:
@@ -192,8 +192,8 @@ class TokenLevelPolicy(PolicyBase):
             else:
                 tail_model = next((g.model for g in reversed(groups) if g.ids), inst.active)
                 tail_at = ends[iid][-1] if ends[iid] else max(now, self.busy_until.get(iid, now))
-                switch_s = 0.0 if tail_model == model or (not groups and inst.prefetched == model) \
-                    else self.costs.switch_s(model)
+                free = tail_model == model or (not groups and inst.prefetched == model)
+                switch_s = 0.0 if free else self.costs.switch_s(model)
                 done_at, group = tail_at + (1.0 + self.switch_aversion) * switch_s + own_s, None
             if best is None or done_at < best[0]:
                 best = (done_at, iid, group)
@@ -231,28 +231,22 @@ class TokenLevelPolicy(PolicyBase):
         return took
 
     def _prefill_step(self, inst: InstanceState) -> list[Action]:
-        pending = self.handoff.pop(inst.instance_id, None)
-        if pending:
-            handing = self._hand_off(inst, pending)
-            if handing:
-                return handing
+        acts = self._hand_off(inst)
+        if acts and isinstance(acts[0], Decode):
+            return acts
         groups = self.groups[inst.instance_id]
         while groups and not groups[0].ids:
             groups.pop(0)
         if not groups:
-            return []
+            return acts
         head = groups[0]
-        acts: list[Action] = []
-        if inst.on_device:  # a mixed instance: make room for prompts
+        if inst.on_device and inst.spec.role == "mixed":  # make room for prompts
             head_need = self.kv_need_bytes(self.requests[head.ids[0]])
             if head_need > inst.kv_free_bytes:
                 state = self.decoders[inst.instance_id]
                 out = self._evictees(inst, state, set(), head_need - inst.kv_free_bytes)
                 acts.append(self._swap_out(inst, out, "make room to prefill"))
-        if inst.active != head.model:
-            hit = " (prefetched)" if inst.prefetched == head.model else ""
-            acts.append(Switch(head.model, reason=f"head group is {head.model}{hit}"))
-            inst.active = head.model
+        acts += self._use(inst, head.model, f"head group is {head.model}")
         queue_view = _ListQueue(head.ids)
         batch = self.take_prefill_batch(inst, queue_view)  # type: ignore[arg-type]
         if not batch:
@@ -260,37 +254,37 @@ class TokenLevelPolicy(PolicyBase):
         if not head.ids:
             groups.pop(0)
         nxt = next((g.model for g in groups if g.model != head.model), None)
-        if nxt is not None and inst.prefetched != nxt:  # before the prefill, so the copy overlaps it
-            acts.append(Prefetch(nxt, reason="model of the next group"))
-            inst.prefetched = nxt
+        acts += self._prefetch(inst, nxt, "model of the next group")  # before the prefill: the copy overlaps it
         ids = tuple(r.request_id for r in batch)
-        going_on = [r for r in batch if r.max_output_tokens > 1]
+        going_on = [r.request_id for r in batch if r.max_output_tokens > 1]
         if inst.spec.role == "mixed":  # the KV stays: this instance decodes it (see _after_event)
             acts.append(Prefill(ids, reason=f"head group of {head.model}: {len(batch)} prompt(s)"))
-            return acts
-        if self.first_tokens <= 1 or not going_on:
+        elif self.first_tokens <= 1 or not going_on:
             acts.append(Prefill(ids, kv_to_host=True, reason=f"head group of {head.model}: {len(batch)} prompt(s)"))
-            return acts
-        # KV stays: the next step here decodes the first tokens (see _hand_off)
-        acts.append(Prefill(ids, reason=f"head group of {head.model}: {len(batch)} prompt(s); "
-                                        f"first {self.first_tokens} tokens here"))
-        self.handoff[inst.instance_id] = [r.request_id for r in going_on]
+        else:  # the KV stays for the first tokens (see _hand_off)
+            acts.append(Prefill(ids, reason=f"head group of {head.model}: {len(batch)} prompt(s); "
+                                            f"first {self.first_tokens} tokens here"))
+            self.handoff[inst.instance_id] = ("decode", going_on)
         return acts
 
-    def _hand_off(self, inst: InstanceState, ids: list[str]) -> list[Action]:
-        """Decode the first tokens where weights and KV already are, then move the KV to host for a decode
-        instance: the time those tokens bank against the TPOT SLO hides the hand-off."""
+    def _hand_off(self, inst: InstanceState) -> list[Action]:
+        """After a prefill that kept its KV: decode the first tokens where weights and KV already are, then
+        (in the next plan, which may go on to the next prompts) move the KV to host for a decode instance.
+        The time those tokens bank against the TPOT SLO hides the hand-off."""
+        pending = self.handoff.pop(inst.instance_id, None)
+        if pending is None:
+            return []
+        stage, ids = pending
         live = [rid for rid in ids if self.requests[rid].status is S.RUNNING]
         if not live:
             return []
-        steps = min(self.first_tokens - 1, self.decode_steps(live))
-        acts: list[Action] = [Decode(tuple(live), steps, reason=f"first {steps + 1} tokens before the hand-off")]
-        moving = [rid for rid in live if self.requests[rid].remaining_tokens > steps]
-        if moving:
-            acts.append(self._swap_out(inst, moving, "hand the KV over to a decode instance"))
-        return acts
+        if stage == "decode":
+            steps = min(self.first_tokens - 1, self.decode_steps(live))
+            self.handoff[inst.instance_id] = ("move", live)
+            return [Decode(tuple(live), steps, reason=f"first {steps + 1} tokens before the hand-off")]
+        return [self._swap_out(inst, live, "hand the KV over to a decode instance")]
 
-    def _decode_step(self, inst: InstanceState, now: float) -> list[Action]:
+    def _decode_step(self, inst: InstanceState) -> list[Action]:
         state = self.decoders[inst.instance_id]
         state.cut_in = state.preempt = False
         batch = state.current
@@ -314,7 +308,6 @@ class TokenLevelPolicy(PolicyBase):
             self._assign_quotas(inst, batches)
         state.steps_left = batch.steps
         state.next_model = batches[1].model if len(batches) > 1 else None
-        state.urgent_at, state.turn_started_at = float("inf"), now
         kind = "open-ended" if state.open_ended else f"quota {batch.steps} steps"
         return self._run_turn(inst, state, batch, f"{batch.model} turn ({kind}), due first of {len(batches)}",
                               f"{batch.model}'s batch is due first")
@@ -369,18 +362,12 @@ class TokenLevelPolicy(PolicyBase):
         if need > inst.kv_free_bytes:
             out = self._evictees(inst, state, set(batch.ids), need - inst.kv_free_bytes)
             acts.append(self._swap_out(inst, out, f"make room for {batch.model}'s batch"))
-        if inst.active != batch.model:
-            hit = " (prefetched)" if inst.prefetched == batch.model else ""
-            acts.append(Switch(batch.model, reason=(switch_why or f"{batch.model}'s turn") + hit))
-            inst.active = batch.model
+        acts += self._use(inst, batch.model, switch_why or f"{batch.model}'s turn")
         for rid in swap_in:
             self._reserve(inst, self.requests[rid])
         if swap_in:
             acts.append(SwapIn(tuple(swap_in), reason=f"KV of {batch.model}'s batch"))
-        nxt = state.next_model
-        if nxt is not None and nxt != batch.model and inst.prefetched != nxt:  # before the turn: the copy overlaps it
-            acts.append(Prefetch(nxt, reason="model of the batch due next"))
-            inst.prefetched = nxt
+        acts += self._prefetch(inst, state.next_model, "model of the batch due next")  # the copy overlaps the turn
         acts.append(Decode(tuple(batch.ids), min(state.steps_left, self.decode_steps(batch.ids)), reason=why))
         return acts
 
@@ -402,15 +389,24 @@ class TokenLevelPolicy(PolicyBase):
             self._release(self.requests[rid])
         return SwapOut(tuple(sorted(ids, key=lambda r: (self.requests[r].arrival_at, r))), reason=why)
 
-    def _should_stop(self, inst: InstanceState, now: float) -> bool:
+    def _use(self, inst: InstanceState, model: str, why: str) -> list[Action]:
+        """Make `model` current: a Switch unless it already is (free when it was prefetched in time)."""
+        if inst.active == model:
+            return []
+        hit = " (prefetched)" if inst.prefetched == model else ""
+        inst.active = model
+        return [Switch(model, reason=why + hit)]
+
+    def _prefetch(self, inst: InstanceState, model: str | None, why: str) -> list[Action]:
+        """Copy the next model into the spare slot while the planned compute runs (placed before it)."""
+        if model is None or model == inst.active or inst.prefetched == model:
+            return []
+        inst.prefetched = model
+        return [Prefetch(model, reason=why)]
+
+    def _should_stop(self, inst: InstanceState) -> bool:
         state = self.decoders[inst.instance_id]
-        if not inst.decoding or inst.stopping:
-            return False
-        if not (state.cut_in or state.preempt) and state.urgent_at <= now and state.current is not None \
-                and now - state.turn_started_at >= self.costs.switch_s(state.current.model) \
-                and self._due_at(state.current) > now:
-            state.preempt, state.steps_left = True, 0  # a late newcomer outranks a batch ahead of its pace
-        return state.cut_in or state.preempt
+        return inst.decoding and not inst.stopping and (state.cut_in or state.preempt)
 
     # ---- events ----------------------------------------------------------------
     def _after_event(self, inst: InstanceState, event: Event, now: float) -> None:
@@ -442,7 +438,7 @@ class TokenLevelPolicy(PolicyBase):
             req.instance_id = None
             self._fail(req, f"no decode instance of TP{tp} left")
             return
-        best = min(candidates, key=lambda iid: (self._decode_load_after(self.decoders[iid], req), iid))
+        best = min(candidates, key=lambda iid: (self._decode_load_after(iid, req), iid))
         self._join(self.instances[best], req)
 
     def _join(self, inst: InstanceState, req: Request) -> None:
@@ -467,9 +463,10 @@ class TokenLevelPolicy(PolicyBase):
         batches = self._pack(inst, state)
         return not batches or min(self._due_at(b) for b in batches) > now
 
-    def _decode_load_after(self, state: DecodeState, req: Request) -> float:
+    def _decode_load_after(self, iid: str, req: Request) -> float:
         """Decode instance choice: the sum of its batches' step times once `req` joins (the share of each
         TPOT period it decodes), plus, for a model it does not hold yet, the switch that adds to every round."""
+        state = self.decoders[iid]
         count, context, step_s = state.mix.get(req.model, (0, 0, 0.0))
         added = self.costs.decode_step_s(req.model, int(count) + 1, int(context) + self._context_estimate(req)) - step_s
         switch = 0.0 if count else self.costs.switch_s(req.model) * self.models[req.model].tpot_slo_s / self.round_target_s
@@ -504,9 +501,6 @@ class TokenLevelPolicy(PolicyBase):
         elif state.open_ended:
             state.preempt = True
             state.steps_left = 0
-        else:
-            due = self.first_token_at.get(req.request_id, 0.0) + req.num_output_tokens * self.models[req.model].tpot_slo_s
-            state.urgent_at = min(state.urgent_at, due)
 
     def _forget(self, request: Request) -> None:
         self.first_token_at.pop(request.request_id, None)

@@ -116,9 +116,11 @@ def test_token_level_prefill_instance_decodes_the_first_tokens_then_hands_off() 
     assert not prefill.kv_to_host
     sched.on_event(SwitchDone("i0", "m0"), 0.5)
     sched.on_event(StepDone("i0", "prefill", ("a", "c"), 1), 0.6)
-    decode, swap_out = sched.schedule(0.6).actions["i0"]
-    assert decode.request_ids == ("a", "c") and decode.max_steps == 7 and swap_out.request_ids == ("a", "c")
+    (decode,) = sched.schedule(0.6).actions["i0"]
+    assert isinstance(decode, Decode) and decode.request_ids == ("a", "c") and decode.max_steps == 7
     sched.on_event(StepDone("i0", "decode", ("a", "c"), 7), 0.7)
+    (swap_out,) = sched.schedule(0.7).actions["i0"]  # its own plan: the KV moved counts the 7 new tokens
+    assert isinstance(swap_out, SwapOut) and swap_out.request_ids == ("a", "c")
     sched.on_event(KvMoved("i0", ("a", "c"), "host"), 0.71)
     assert sched.requests["a"].instance_id == "i1"  # joined the decode instance once its KV reached host memory
     assert ops(sched.schedule(0.71), "i1") == ["Switch", "SwapIn", "Decode"]
@@ -149,10 +151,14 @@ def test_token_level_decode_turns_go_to_the_batch_due_first() -> None:
     assert acts[1].request_ids == ("a",) and acts[1].max_steps < 496 and "quota" in acts[1].reason
     sched.on_event(StepDone("i1", "decode", ("a",), acts[1].max_steps), 2.0)
     acts = sched.schedule(2.0).actions["i1"]
-    # b's turn; a's KV stays on the device (both fit), m1's switch was prefetched
+    # b's turn; a's KV stays on the device (both fit), m1's switch was prefetched, m0 is prefetched back
     assert [type(a) for a in acts] == [Switch, SwapIn, Prefetch, Decode]
     assert acts[0].model == "m1" and "prefetched" in acts[0].reason and acts[1].request_ids == ("b",)
-    assert "a" in sched.instances["i1"].on_device
+    assert acts[2].model == "m0" and "a" in sched.instances["i1"].on_device
+    sched.on_event(SwitchDone("i1", "m1"), 2.3)
+    sched.on_event(KvMoved("i1", ("b",), "device"), 2.3)
+    sched.on_event(StepDone("i1", "decode", ("b",), acts[3].max_steps), 3.0)
+    assert ops(sched.schedule(3.0), "i1") == ["Switch", "Prefetch", "Decode"]  # back to m0: its KV never left
 
 
 def test_token_level_needs_prefill_and_decode_instances() -> None:

@@ -194,3 +194,44 @@ def test_cli_runs_the_sweep_as_ray_tasks_and_compares_gpu_types(tiny_fleet: path
     h200 = report["gpu_types"]["h200"]["policies"]
     assert set(h200) == {"dedicated", "token-level"} and h200["dedicated"]["gpus"] == 3
     assert report["what_if"] and report["what_if"][0]["tpot_slo_factor"] == 2.0
+
+
+# ---- the Aegaeon reproduction's pieces ---------------------------------------------------------------------
+
+def _reproduce_module():
+    import importlib.util
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "examples" / "aegaeon" / "reproduce.py"
+    spec = importlib.util.spec_from_file_location("aegaeon_reproduce", path)
+    module = importlib.util.module_from_spec(spec)
+    import sys
+
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_aegaeon_fleet_scales_in_the_6_2_2_mix_with_scaled_slos() -> None:
+    from modelpool.config import load_fleet
+
+    mod = _reproduce_module()
+    base = load_fleet(pathlib.Path(mod.__file__).parent / "models.yaml")
+    assert base.pool.gpu == "h800" and base.pool.num_gpus == 16
+    fleet = mod.scaled_fleet(base, 50, 0.5)
+    archs = [m.arch_name for m in fleet.models]
+    assert (archs.count("qwen2.5-7b"), archs.count("yi-1.5-9b"), archs.count("llama-2-13b")) == (30, 10, 10)
+    assert len({m.name for m in fleet.models}) == 50
+    assert {(fleet.slo(m).ttft_s, fleet.slo(m).tpot_s) for m in fleet.models} == {(5.0, 0.05)}
+
+
+def test_aegaeon_most_models_search_verifies_above_the_answer() -> None:
+    mod = _reproduce_module()
+    notes: list[str] = []
+    passing = {m for m in range(0, 200, 2) if m <= 40 or m == 46}  # 42 and 44 fail, 46 passes: not monotone
+
+    def evaluate(trial):
+        ok = trial.models in passing
+        return mod.TrialOutcome(trial, 1.0 if ok else 0.5, 1.0 if ok else 0.5, 0.0, 0.0, 0.0)
+
+    answers, _ = run_searches({"s": mod.most_models("token-level", 1.0, "aegaeon", 0.9, notes)}, InlineEvaluator(evaluate))
+    assert answers["s"] == 46 and notes
