@@ -11,14 +11,13 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import typer
-from rich.console import Console
+from rich.console import Console, Group
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -95,8 +94,12 @@ def capacity_command(
         result = run_study(ctx, config, address, workers)
     except ValueError as exc:
         _fail(str(exc))
-    command = "modelpool capacity " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else \
-        "modelpool capacity"
+    given = {"--fleet": str(fleet_path), "--trace": trace, "--duration": f"{duration:g}", "--seed": str(seed),
+             "--slo-target": f"{slo_target:g}", "--slo-metric": slo_metric, "--policies": policies,
+             "--gpu-types": gpu_types, "--what-if-tpot": f"{what_if_tpot:g}"}
+    defaults = {"--fleet": "models.yaml", "--trace": "fleet", "--duration": "600", "--seed": "0", "--slo-target": "0.99",
+                "--slo-metric": "per-request", "--policies": POLICIES, "--gpu-types": "", "--what-if-tpot": "2"}
+    command = " ".join(["modelpool capacity"] + [f"{k} {shlex.quote(v)}" for k, v in given.items() if v != defaults[k]])
     paths = write_report(result, ctx, out, fleet_path=str(fleet_path), trace=spec, seed=seed, command=command,
                          wall_s=time.perf_counter() - started)
     report = json.loads(paths[2].read_text())
@@ -211,7 +214,7 @@ def _json_default(value: object) -> object:
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 
-def _summary(report: Mapping[str, Any]) -> Table:
+def _summary(report: Mapping[str, Any]) -> Group:
     from sims.report_text import summary_rows
 
     table = Table(title=f"{report['fleet']['num_models']} models on {report['gpu'].upper()}: fewest GPUs for "
@@ -221,15 +224,21 @@ def _summary(report: Mapping[str, Any]) -> Table:
     for row in summary_rows(report):
         table.add_row(*row)
     types = report["gpu_types"]
-    if len(types) > 1:
-        for gpu, t in types.items():
-            if "skipped" in t:
-                table.add_row(f"[dim]{gpu}: does not fit[/]", *[""] * 6)
-                continue
-            for policy, e in t["policies"].items():
-                table.add_row(f"[dim]{gpu} {policy}[/]", str(e["gpus"]), "", f"${e['usd_per_month']:,.0f}",
-                              f"{e['attainment']:.2%}" if e["attainment"] is not None else "-", "", "")
-    return table
+    if len(types) == 1:
+        return Group(table)
+    compare = Table(title="GPU types: GPUs (monthly cost); * = target not met")
+    names = list(report["policies"])
+    compare.add_column("GPU")
+    for policy in names:
+        compare.add_column(policy, justify="right")
+    for gpu, t in types.items():
+        if "skipped" in t:
+            compare.add_row(gpu, *["does not fit"] * len(names))
+            continue
+        cells = [(f"{e['gpus']} (${e['usd_per_month']:,.0f}){'' if e['met'] else '*'}" if (e := t["policies"].get(p))
+                  else "-") for p in names]
+        compare.add_row(gpu, *cells)
+    return Group(table, compare)
 
 
 ProgressFn = Callable[[Any, Mapping[object, Any]], None]

@@ -11,7 +11,10 @@ workers busy (`run_searches`; Ray in `modelpool.capacity`, in-process in tests).
   *bisected*, then *verified*: the `window` counts just below the answer are
   simulated too, and a passing one becomes the answer (noted as
   non-monotone) and is verified in turn. A class passes when its attainment
-  (per-request or Aegaeon's, over all its requests) meets the target.
+  (per-request or Aegaeon's, over all its requests) meets the target. A run
+  whose requests were refused for want of device memory ends the search:
+  more instances of the same size cannot help (e.g. token-level's two model
+  slots of a 72B model leave no KV room on 4 x H100).
 - token-level also chooses the prefill/decode split at each count: it starts
   from the split that keeps prefill ~75% busy (or the last split that
   passed) and, on a miss, moves one instance toward the side whose SLO missed
@@ -73,9 +76,23 @@ def _ask(point: Point, seen: list[Outcome]) -> Generator[list[Point], Mapping[Po
     return outcome
 
 
+class _Hopeless(Exception):
+    """A layout failed in a way more instances of the same kind cannot fix (requests refused for memory)."""
+
+
 def _fewest(check: Callable[[int], Check], lo: int, goal: Goal, notes: list[str]) -> Generator[
         list[Point], Mapping[Point, Outcome], int | None]:
-    """The fewest instances n >= lo for which check(n) passes: bracket, bisect, verify below."""
+    """The fewest instances n >= lo for which check(n) passes: bracket, bisect, verify below.
+    None when the count hits `goal.max_instances` or a check raises `_Hopeless`."""
+    try:
+        return (yield from _bracket_bisect_verify(check, lo, goal, notes))
+    except _Hopeless as why:
+        notes.append(f"stopped: {why}")
+        return None
+
+
+def _bracket_bisect_verify(check: Callable[[int], Check], lo: int, goal: Goal, notes: list[str]) -> Generator[
+        list[Point], Mapping[Point, Outcome], int | None]:
     known: dict[int, bool] = {}
 
     def passes(n: int) -> Check:
@@ -109,6 +126,12 @@ def _fewest(check: Callable[[int], Check], lo: int, goal: Goal, notes: list[str]
         hi = lower
 
 
+def _hopeless(outcome: Outcome) -> Outcome:
+    if outcome.fatal:
+        raise _Hopeless(outcome.error)
+    return outcome
+
+
 def search_pooled(info: ClassInfo, goal: Goal, gpu: str, policy: str,
                   slo_scale: tuple[float, float] = (1.0, 1.0)) -> Search:
     """request-level and spatial: the fewest instances of the class's TP size."""
@@ -119,7 +142,7 @@ def search_pooled(info: ClassInfo, goal: Goal, gpu: str, policy: str,
         return Point(gpu, policy, Layout(info.tp, mixed=n), slo_scale)
 
     def check(n: int) -> Check:
-        return goal.passes((yield from _ask(point(n), seen)))
+        return goal.passes(_hopeless((yield from _ask(point(n), seen))))
 
     lo = max(1, math.ceil(info.prefill_load))
     best = yield from _fewest(check, lo, goal, notes)
@@ -136,18 +159,18 @@ def search_token_level(info: ClassInfo, goal: Goal, gpu: str, slo_scale: tuple[f
         return Point(gpu, "token-level", Layout(info.tp, prefill, decode, mixed), slo_scale)
 
     def check(n: int) -> Check:
-        if n <= 2 and goal.passes((yield from _ask(point(0, 0, n), seen))):  # too small to split well: mixed first
+        if n <= 2 and goal.passes(_hopeless((yield from _ask(point(0, 0, n), seen)))):  # small: mixed first
             return True
         prefill, tried = min(max(1, hint[0]), n - 1), set[int]()
         while n > 1 and prefill not in tried and len(tried) < 3:
             tried.add(prefill)
-            outcome = yield from _ask(point(prefill, n - prefill), seen)
+            outcome = _hopeless((yield from _ask(point(prefill, n - prefill), seen)))
             if goal.passes(outcome):
                 hint[0] = prefill
                 return True
             more_prefill = (1 - outcome.ttft_ok) > (1 - outcome.tpot_ok)
             prefill = min(n - 1, prefill + 1) if more_prefill else max(1, prefill - 1)
-        return 3 <= n <= MIXED_UP_TO and goal.passes((yield from _ask(point(0, 0, n), seen)))
+        return 3 <= n <= MIXED_UP_TO and goal.passes(_hopeless((yield from _ask(point(0, 0, n), seen))))
 
     lo = max(1, math.ceil(info.prefill_load))
     count = yield from _fewest(check, lo, goal, notes)
@@ -214,7 +237,8 @@ def _answer(gpu: str, policy: str, tp: int, seen: list[Outcome], goal: Goal, bes
         outcome = next(o for o in seen if o.point == best)
         return ClassAnswer(gpu, policy, tp, best.layout, outcome, True, seen, notes)
     top = max(seen, key=lambda o: (o.score(goal.metric), -o.point.layout.gpus)) if seen else None
-    notes.append(f"target {goal.target:.1%} not met with up to {goal.max_instances} TP{tp} instances")
+    if not any(note.startswith("stopped:") for note in notes):
+        notes.append(f"target {goal.target:.1%} not met with up to {goal.max_instances} TP{tp} instances")
     layout = top.point.layout if top else Layout(tp)
     return ClassAnswer(gpu, policy, tp, layout, top, False, seen, notes)
 

@@ -94,6 +94,7 @@ class Outcome:
     wall_s: float = 0.0
     error: str = ""  # the layout cannot run (the policy refused it); counts as a miss
     stopped_at: float | None = None  # simulated time the run was cut at: attainment is then an upper bound
+    fatal: bool = False  # requests were refused for want of device memory: more instances like these cannot help
 
     def score(self, metric: str) -> float:
         return self.aegaeon_attainment if metric == "aegaeon" else self.attainment
@@ -258,18 +259,24 @@ def evaluate(ctx: Context, point: Point) -> Outcome:
     except ValueError as exc:
         return Outcome(point, 0.0, 0.0, len(workload), 0.0, 0.0, 0.0, 0.0, 0.0, error=str(exc),
                        wall_s=time.perf_counter() - started)
+    # token-level sizes every instance's KV room from its TP class alone (memory less two model slots), so
+    # a request refused for room is refused at any instance count; spatial's room depends on the placement
+    refused = next((r.failed for r in run.records.values() if "no instance" in r.failed), "")
+    refused = refused if point.policy == "token-level" else ""
+    error = f"requests refused: {refused}" if refused else ""
     if run.stopped is not None:
         at, (ttft_miss, tpot_miss) = run.stopped
         n = len(workload)
         return Outcome(point, 1.0 - (ttft_miss + tpot_miss) / n, math.nan, n, 1.0 - ttft_miss / n, 1.0 - tpot_miss / n,
-                       math.nan, math.nan, math.nan, wall_s=time.perf_counter() - started, stopped_at=at)
+                       math.nan, math.nan, math.nan, wall_s=time.perf_counter() - started, stopped_at=at,
+                       error=error, fatal=bool(refused))
     m = run.metrics
     ok = _slo_shares(run.records, fleet)
     per_model = tuple((name, fig["slo_attainment"], fig["aegaeon_slo_attainment"], fig["num_requests"])
                       for name, fig in sorted(m["per_model"].items()))
     return Outcome(point, m["slo_attainment"], m["aegaeon_slo_attainment"], m["num_requests"], ok[0], ok[1],
                    m["p99_ttft_ms"], m["p99_tpot_ms"], m.get("gpu_busy_share", 0.0), per_model,
-                   wall_s=time.perf_counter() - started)
+                   wall_s=time.perf_counter() - started, error=error, fatal=bool(refused))
 
 
 def _slo_shares(records: Mapping[str, RequestRecord], fleet: Fleet) -> tuple[float, float]:

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from scheduler.fleet import Fleet
+from sims.capacity import POLICY_ORDER
 from sims.capacity_eval import Context
 from sims.capacity_study import NO_SCALE, StudyResult
 
@@ -208,7 +209,7 @@ def _gpu_types(result: StudyResult, ctx: Context) -> dict[str, Any]:
             entry["policies"] = {
                 policy: {"gpus": a.gpus, "met": a.met, "usd_per_month": usd_per_month(ctx.fleet, gpu, a.gpus),
                          "attainment": _round(a.attainment(result.config.goal.metric))}
-                for (g, policy, scale), a in result.answers.items() if g == gpu and scale == NO_SCALE}
+                for policy in POLICY_ORDER if (a := result.answer(policy, gpu)) is not None}
         out[gpu] = entry
     return out
 

@@ -125,6 +125,16 @@ def test_dedicated_stops_growing_a_model_more_instances_do_not_help() -> None:
     assert len(calls) <= 3
 
 
+def test_a_layout_refused_for_memory_ends_the_search_at_once() -> None:
+    def refused(p: Point) -> Outcome:
+        return Outcome(p, 0.0, 0.0, 100, 0.0, 1.0, 0.0, 0.0, 0.0, error="requests refused: no instance has room",
+                       fatal=True)
+
+    answer, calls = drive(search_token_level(info(tp=4, load=0.4), Goal(0.99), "h100"), refused)
+    assert not answer.met and len(calls) == 1
+    assert answer.notes == ["stopped: requests refused: no instance has room"]
+
+
 def test_the_driver_interleaves_searches_and_simulates_shared_points_once() -> None:
     goal = Goal(0.99)
     searches = {k: make_search("request-level", info(load=2.5), goal, "h20") for k in ("a", "b")}
