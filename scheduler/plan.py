@@ -48,11 +48,20 @@ class Decode:
 
     The turn ends early when a request in it finishes or a Stop arrives; the
     StepDone event says how many steps ran.
+
+    `prefill_chunks` makes it one Sarathi-style mixed iteration (then
+    `max_steps` is 1): besides one token for each of `request_ids`, it
+    computes `tokens` more prompt tokens of each (request_id, tokens) pair,
+    requests the scheduler holds in PREFILLING. A chunk that completes its
+    request's prompt (plus tokens produced before a re-prefill) yields that
+    request's first token, and the StepDone lists it among `request_ids`;
+    a partial chunk yields nothing. Plan JSON omits the field when empty.
     """
 
     request_ids: Ids
     max_steps: int
     reason: str
+    prefill_chunks: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,10 +105,15 @@ class Plan:
         return json.dumps(plan_to_dict(self), separators=(",", ":"), sort_keys=True)
 
 
+_OMITTED_WHEN_EMPTY = frozenset({"prefill_chunks"})  # fields added later: absent from JSON unless used
+
+
 def action_to_dict(action: Action) -> dict[str, object]:
     out: dict[str, object] = {"op": type(action).__name__}
     for name in action.__slots__:
         value = getattr(action, name)
+        if not value and name in _OMITTED_WHEN_EMPTY:
+            continue
         out[name] = list(value) if isinstance(value, tuple) else value
     return out
 

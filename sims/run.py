@@ -7,6 +7,7 @@ scheduler (to predict step times) and the executor (to time them).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import IO, Any
@@ -16,7 +17,7 @@ from scheduler.fleet import Fleet
 from sims.costmodel import RooflineCostModel
 from sims.metrics import summarize
 from sims.simulator import RequestRecord, Simulator
-from sims.workload import Workload
+from sims.workload import Workload, request_id
 
 
 @dataclass
@@ -28,6 +29,12 @@ class SimResult:
     metrics: dict[str, Any]
     num_truncated: int = 0
     notes: list[str] = field(default_factory=list)
+    num_plans: int = 0
+    num_events: int = 0
+    num_decode_steps: int = 0  # decode iterations run (a turn of n steps counts n)
+    sim_wall_s: float = 0.0  # the event loop
+    sim_cpu_s: float = 0.0  # the event loop's CPU time (steadier than wall time on a shared machine)
+    metrics_wall_s: float = 0.0  # summarize()
 
 
 def fleet_workload_spec(fleet: Fleet, duration_s: float = 600.0, lengths: str = "sharegpt") -> str:
@@ -45,14 +52,17 @@ def build_instances(fleet: Fleet, policy: str, num_gpus: int | None = None,
 def requests_from(workload: Workload, fleet: Fleet, counter: list[int]) -> Iterator[Request]:
     """Trace rows as scheduler requests; prompts that overflow a model's context are truncated (counted)."""
     context = {m.name: m.arch.max_context for m in fleet.models}
-    for row in workload.requests():
-        prompt, output = row.input_tokens, row.output_tokens
-        limit = context.get(row.model)
+    names = workload.models
+    limits = [context.get(name) for name in names]
+    columns = zip(workload.arrival_s.tolist(), workload.model_index.tolist(),
+                  workload.input_tokens.tolist(), workload.output_tokens.tolist())
+    for row, (arrival_at, index, prompt, output) in enumerate(columns):  # the columns, not TraceRequest rows: 1M rows
+        limit = limits[index]
         if limit is not None and prompt + output > limit:
             counter[0] += 1
             output = min(output, limit // 2)
             prompt = max(1, limit - output)
-        yield Request(row.request_id, row.model, row.arrival_at, prompt, output)
+        yield Request(request_id(row), names[index], arrival_at, prompt, output)
 
 
 def simulate(fleet: Fleet, workload: Workload, policy: str, *, num_gpus: int | None = None,
@@ -66,12 +76,15 @@ def simulate(fleet: Fleet, workload: Workload, policy: str, *, num_gpus: int | N
                                max_prefill_tokens=fleet.pool.max_prefill_tokens, **options)
     truncated = [0]
     sim = Simulator(scheduler, costs, requests_from(workload, fleet, truncated),
-                    kv_bytes_per_token={name: p.kv_bytes_per_token for name, p in profiles.items()})
+                    kv_bytes_per_token={name: p.kv_bytes_per_token for name, p in profiles.items()}, plan_log=plan_log)
+    started, cpu_started = time.perf_counter(), time.process_time()
     records = sim.run(progress=progress)
+    sim_wall_s, sim_cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
     gpus = sum(spec.tp for spec in instances)
     duration = max(workload.duration_s, max((r.finished_at or 0.0) for r in records.values()) if records else 0.0)
     metrics = summarize(records.values(), {n: (p.ttft_slo_s, p.tpot_slo_s) for n, p in profiles.items()},
                         duration_s=workload.duration_s, devices=sim.devices, num_gpus=gpus,
                         gpus_per_instance={s.instance_id: s.tp for s in instances}, makespan_s=duration)
     notes = [f"{truncated[0]} prompt(s) truncated to the model's context window"] if truncated[0] else []
-    return SimResult(policy, gpus, instances, records, metrics, truncated[0], notes)
+    return SimResult(policy, gpus, instances, records, metrics, truncated[0], notes, sim.num_plans, sim.num_events,
+                     sim.num_decode_steps, sim_wall_s, sim_cpu_s, time.perf_counter() - started - sim_wall_s)

@@ -4,7 +4,16 @@ Event order at one instant is fixed: arrivals, then completions (in the order
 they were created), then one `schedule(now)`; the heap key is (time, phase,
 sequence). The executor turns each Plan action into future completion events
 with the cost model; a Decode turn of n steps is one event computed in closed
-form, cut short only by a Stop. Same inputs give a byte-identical Plan log.
+form, cut short only by a Stop. A Decode with `prefill_chunks` is one
+Sarathi-style mixed iteration: its time is the chunks' prefill time plus the
+decode step. Same inputs give a byte-identical Plan log.
+
+The loop runs tens of times per request (every decode turn a request joins is
+an event), so its per-event work is kept small: a heap entry carries the
+device and the records its event books (no id lookups on delivery), the
+requests of one event share one segment tuple, nobody finishes in a turn
+shorter than its batch's shortest remainder (no per-request check then), and
+a lost device's pending events are dropped by its flag.
 """
 
 from __future__ import annotations
@@ -13,13 +22,19 @@ import heapq
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import IO, Protocol
+from operator import attrgetter, sub
+from typing import IO, Any, Protocol
 
 from scheduler import (Action, Decode, Event, InstanceLost, KvMoved, Prefetch, Prefill, Request, Scheduler, StepDone,
                        Stop, SwapIn, SwapOut, Switch, SwitchDone)
 from scheduler.costs import CostModel
 
 ARRIVAL, COMPLETION, FAULT = 0, 1, 2
+Segment = tuple[float, int, float]
+# per-request columns read in C (map) rather than in Python loops: batches are tens of requests
+_MODEL, _PROMPT, _GENERATED, _OUTPUT, _REQUEST_ID = (
+    attrgetter(name) for name in ("model", "prompt_tokens", "generated", "output_tokens", "request_id"))
+_NEVER = 1 << 62  # the shortest remainder of an empty batch
 
 
 class SimCosts(CostModel, Protocol):
@@ -43,8 +58,21 @@ class RequestRecord:
     first_token_at: float | None = None
     finished_at: float | None = None
     failed: str = ""
-    # (time of the segment's first token, tokens in it, seconds between them)
-    segments: list[tuple[float, int, float]] = field(default_factory=list)
+    # (time of the segment's first token, tokens in it, seconds between them); the
+    # requests of one step share the tuple
+    segments: list[Segment] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Batch:
+    """A device's decode batch with its per-model sizes and KV contexts and its shortest remainder,
+    reused while the scheduler passes the very same ids tuple again (a continuous batch that did not
+    change) and kept current as its tokens are booked, so an unchanged batch costs O(1) to plan."""
+
+    ids: tuple[str, ...]
+    records: list[RequestRecord]
+    groups: list[list]  # [model, batch size, context tokens]
+    left: int  # tokens until its first request finishes
 
 
 @dataclass(slots=True)
@@ -56,6 +84,8 @@ class _Turn:
     max_steps: int
     ids: tuple[str, ...]
     seq: int
+    records: list[RequestRecord]
+    batch: _Batch | None = None  # its decoding part, when that is the device's cached batch
 
 
 @dataclass(slots=True)
@@ -70,10 +100,18 @@ class _Device:
     num_switches: int = 0
     switch_s: float = 0.0
     kv_moved_bytes: float = 0.0
-    pending: set[int] = field(default_factory=set)  # sequence numbers of its in-flight events
+    prompt_left: dict[str, int] = field(default_factory=dict)  # chunked prefill: tokens still to compute
+    batch: _Batch | None = None  # the last decode batch; dropped by any other action on the device
+    lost: bool = False  # its pending events are dropped
+
+
+# heap entry: (at, phase, sequence, event, device or None, records the event books or None)
+_Entry = tuple[float, int, int, object, "_Device | None", "list[RequestRecord] | None"]
 
 
 class Simulator:
+    reuse_batches = True  # the _Batch cache (a test turns it off to check it changes nothing)
+
     def __init__(self, scheduler: Scheduler, costs: SimCosts, requests: Iterable[Request], *,
                  kv_bytes_per_token: dict[str, int], kv_capacity: dict[str, float] | None = None,
                  plan_log: IO[str] | None = None, faults: Iterable[tuple[float, str]] = ()) -> None:
@@ -86,63 +124,67 @@ class Simulator:
         self.plan_log = plan_log
         self.records: dict[str, RequestRecord] = {}
         self.devices: dict[str, _Device] = {}
-        self._heap: list[tuple[float, int, int, object]] = []
+        self._heap: list[_Entry] = []
         self._seq = 0
         self._cancelled_seq: set[int] = set()
         self.now = 0.0
         self.num_plans = 0
         self.num_events = 0
+        self.num_decode_steps = 0  # decode iterations delivered (a turn of n steps counts n)
         for at, instance_id in faults:
             self._push(at, FAULT, InstanceLost(instance_id, "injected fault"))
 
     # ---- the loop ------------------------------------------------------------------
     def run(self, until: float = math.inf, progress: Callable[[float], None] | None = None) -> dict[str, RequestRecord]:
         """Advance to `until` (or the end); `progress(now)` is called every few thousand instants."""
+        heap, pop, cancelled = self._heap, heapq.heappop, self._cancelled_seq
+        schedule, deliver, arrive = self.scheduler.schedule, self._deliver, self._arrive
+        arrivals, incoming = self._arrivals, self._next_arrival
         ticks = 0
-        while True:
-            t = self._next_time()
-            if t is None or t > until:
-                break
-            self.now = t
-            ticks += 1
-            if progress is not None and not ticks & 4095:
-                progress(t)
-            while self._next_arrival is not None and self._next_arrival.arrival_at <= t:
-                self._arrive(self._next_arrival, t)
-                self._next_arrival = next(self._arrivals, None)
-            while self._heap and self._heap[0][0] <= t:
-                _, _, seq, event = heapq.heappop(self._heap)
-                if seq in self._cancelled_seq:
-                    self._cancelled_seq.discard(seq)
-                    continue
-                self._deliver(event, t, seq)  # type: ignore[arg-type]
-            plan = self.scheduler.schedule(t)
-            if plan:
-                self.num_plans += 1
-                if self.plan_log is not None:
-                    self.plan_log.write(plan.to_json() + "\n")
-                for request_id, why in plan.failed:
-                    self.records[request_id].failed = why
-                for instance_id, actions in plan.actions.items():
-                    self._execute(instance_id, actions, t)
+        try:
+            while True:
+                while cancelled and heap and heap[0][2] in cancelled:
+                    cancelled.discard(pop(heap)[2])
+                t = incoming.arrival_at if incoming is not None else math.inf
+                if heap and heap[0][0] < t:
+                    t = heap[0][0]
+                if t == math.inf or t > until:
+                    break
+                self.now = t
+                ticks += 1
+                if progress is not None and not ticks & 4095:
+                    progress(t)
+                while incoming is not None and incoming.arrival_at <= t:
+                    arrive(incoming, t)
+                    incoming = next(arrivals, None)
+                while heap and heap[0][0] <= t:
+                    _, _, seq, event, dev, records = pop(heap)
+                    if dev is not None and dev.lost:
+                        continue
+                    if cancelled and seq in cancelled:
+                        cancelled.discard(seq)
+                        continue
+                    deliver(event, t, dev, records)  # type: ignore[arg-type]
+                plan = schedule(t)
+                if plan.actions or plan.failed:
+                    self._carry_out(plan, t)
+        finally:
+            self._next_arrival = incoming
         return self.records
 
-    def _next_time(self) -> float | None:
-        times = []
-        if self._next_arrival is not None:
-            times.append(self._next_arrival.arrival_at)
-        while self._heap and self._heap[0][2] in self._cancelled_seq:
-            self._cancelled_seq.discard(heapq.heappop(self._heap)[2])
-        if self._heap:
-            times.append(self._heap[0][0])
-        return min(times) if times else None
+    def _carry_out(self, plan: object, now: float) -> None:
+        self.num_plans += 1
+        if self.plan_log is not None:
+            self.plan_log.write(plan.to_json() + "\n")  # type: ignore[attr-defined]
+        for request_id, why in plan.failed:  # type: ignore[attr-defined]
+            self.records[request_id].failed = why
+        for instance_id, actions in plan.actions.items():  # type: ignore[attr-defined]
+            self._execute(instance_id, actions, now)
 
-    def _push(self, at: float, phase: int, event: object) -> int:
+    def _push(self, at: float, phase: int, event: object, dev: _Device | None = None,
+              records: list[RequestRecord] | None = None) -> int:
         self._seq += 1
-        heapq.heappush(self._heap, (at, phase, self._seq, event))
-        iid = getattr(event, "instance_id", None)
-        if phase == COMPLETION and iid in self.devices:
-            self.devices[iid].pending.add(self._seq)
+        heapq.heappush(self._heap, (at, phase, self._seq, event, dev, records))
         return self._seq
 
     def _arrive(self, request: Request, now: float) -> None:
@@ -150,34 +192,67 @@ class Simulator:
             request.request_id, request.model, request.arrival_at, request.prompt_tokens, request.max_output_tokens)
         self.scheduler.submit(request, now)
 
-    def _deliver(self, event: Event, now: float, seq: int) -> None:
+    def _deliver(self, event: Event, now: float, dev: _Device | None, records: list[RequestRecord] | None) -> None:
         self.num_events += 1
-        if isinstance(event, InstanceLost):
-            dev = self.devices.pop(event.instance_id, None)
-            if dev is not None:
-                self._cancelled_seq.update(dev.pending)
-        elif event.instance_id in self.devices:  # type: ignore[union-attr]
-            dev = self.devices[event.instance_id]  # type: ignore[union-attr]
-            dev.pending.discard(seq)
-            if isinstance(event, StepDone):
-                self._book(event, dev, now)
+        if records is not None:
+            self._book(event, dev, records, now)  # type: ignore[arg-type]
+        elif dev is None and type(event) is InstanceLost:
+            lost = self.devices.pop(event.instance_id, None)
+            if lost is not None:
+                lost.lost = True
         self.scheduler.on_event(event, now)
 
-    def _book(self, event: StepDone, dev: _Device, now: float) -> None:
+    def _book(self, event: StepDone, dev: _Device, records: list[RequestRecord], now: float) -> None:
         """Tokens become real when their step's completion is delivered."""
-        step_s = 0.0
+        num_steps, step_s, batch = event.num_steps, 0.0, None
         if event.kind == "decode":
-            assert dev.turn is not None
-            step_s, dev.turn = dev.turn.step_s, None
-        first_at = now - (event.num_steps - 1) * step_s
-        for rid in event.request_ids:
-            record = self.records[rid]
-            record.generated += event.num_steps
-            record.segments.append((first_at, event.num_steps, step_s))
+            turn = dev.turn
+            assert turn is not None
+            step_s, dev.turn = turn.step_s, None
+            self.num_decode_steps += num_steps
+            batch = turn.batch
+            # a batch member has had its first token (its prefill, or the chunk that completed it,
+            # was booked before): only requests past the batch can be getting theirs
+            tail = records[len(batch.records):] if batch is not None else records
+            if batch is not None and batch is dev.batch:
+                batch.left -= num_steps
+                for group in batch.groups:
+                    group[2] += num_steps * group[1]
+            else:
+                batch = None
+        else:
+            tail = records
+        first_at = now - (num_steps - 1) * step_s
+        segment = (first_at, num_steps, step_s)
+        for record in records:
+            record.generated += num_steps
+            record.segments.append(segment)
+        for record in tail:
             if record.first_token_at is None:
                 record.first_token_at = first_at
-            if rid in event.finished_ids:
-                record.finished_at = now
+        if event.finished_ids:
+            for rid in event.finished_ids:
+                self.records[rid].finished_at = now
+            if batch is not None:
+                self._shrink(batch, event.finished_ids)
+
+    @staticmethod
+    def _shrink(batch: _Batch, finished: tuple[str, ...]) -> None:
+        """Drop requests that just finished (and were just booked) from a cached batch."""
+        ids = batch.ids
+        places = sorted((ids.index(rid) for rid in finished if rid in ids), reverse=True)
+        if not places:
+            return
+        records, kept = list(batch.records), list(ids)
+        for place in places:
+            record = records.pop(place)
+            del kept[place]
+            entry = next(g for g in batch.groups if g[0] == record.model)
+            entry[1] -= 1
+            entry[2] -= record.prompt_tokens + record.generated
+        batch.records, batch.ids = records, tuple(kept)
+        batch.groups = [g for g in batch.groups if g[1]]
+        batch.left = min(map(sub, map(_OUTPUT, records), map(_GENERATED, records)), default=_NEVER)
 
     def device(self, instance_id: str) -> _Device:
         dev = self.devices.get(instance_id)
@@ -187,53 +262,55 @@ class Simulator:
 
     # ---- the executor -----------------------------------------------------------------
     def _execute(self, instance_id: str, actions: tuple[Action, ...], now: float) -> None:
-        dev = self.device(instance_id)
-        if len(actions) == 1 and isinstance(actions[0], Stop):
+        dev = self.devices.get(instance_id) or self.device(instance_id)
+        if len(actions) == 1 and type(actions[0]) is Stop:
             self._stop(instance_id, dev, now)
             return
-        t = max(now, dev.free_at)
-        start = t
+        t = start = max(now, dev.free_at)
         for action in actions:
-            t = self._apply(instance_id, dev, action, t)
+            kind = type(action)
+            apply = _APPLY.get(kind)
+            if apply is None:
+                raise InvariantViolation(f"{instance_id}: cannot execute {action!r}")
+            if kind is not Decode and kind is not Prefetch:
+                dev.batch = None  # weights or KV placement change: the next batch is checked afresh
+            t = apply(self, instance_id, dev, action, t)
         dev.busy_s += t - start
         dev.free_at = t
 
-    def _apply(self, iid: str, dev: _Device, action: Action, t: float) -> float:
-        if isinstance(action, Switch):
-            took = self._switch_time(dev, action.model, t)
-            if action.evict:
-                dev.resident = {action.model}
+    def _switch(self, iid: str, dev: _Device, action: Switch, t: float) -> float:
+        took = self._switch_time(dev, action.model, t)
+        if action.evict:
+            dev.resident = {action.model}
+        else:
+            dev.resident.add(action.model)
+        dev.model = action.model
+        dev.num_switches += 1
+        dev.switch_s += took
+        self._push(t + took, COMPLETION, SwitchDone(iid, action.model), dev)
+        return t + took
+
+    def _prefetch(self, iid: str, dev: _Device, action: Prefetch, t: float) -> float:
+        dev.prefetch = (action.model, t + self.costs.switch_s(action.model))
+        return t
+
+    def _swap(self, iid: str, dev: _Device, action: SwapOut | SwapIn, t: float) -> float:
+        took = 0.0
+        out = type(action) is SwapOut
+        kv_move_s = self.costs.kv_move_s
+        turn = dev.turn  # a Decode earlier in this same plan adds its tokens before the move happens
+        for rid in action.request_ids:
+            record = self.records[rid]
+            ahead = turn.max_steps if turn is not None and rid in turn.ids else 0
+            took += kv_move_s(record.model, record.prompt_tokens + record.generated + ahead)
+            if out:
+                dev.kv_moved_bytes += dev.kv.pop(rid, 0.0)
             else:
-                dev.resident.add(action.model)
-            dev.model = action.model
-            dev.num_switches += 1
-            dev.switch_s += took
-            self._push(t + took, COMPLETION, SwitchDone(iid, action.model))
-            return t + took
-        if isinstance(action, Prefetch):
-            dev.prefetch = (action.model, t + self.costs.switch_s(action.model))
-            return t
-        if isinstance(action, Prefill):
-            return self._prefill(iid, dev, action, t)
-        if isinstance(action, Decode):
-            return self._decode(iid, dev, action, t)
-        if isinstance(action, (SwapOut, SwapIn)):
-            took = 0.0
-            for rid in action.request_ids:
-                record = self.records[rid]
-                # a Decode earlier in this same plan adds its tokens before the move happens
-                ahead = dev.turn.max_steps if dev.turn is not None and rid in dev.turn.ids else 0
-                took += self.costs.kv_move_s(record.model, record.prompt_tokens + record.generated + ahead)
-                if isinstance(action, SwapOut):
-                    dev.kv_moved_bytes += dev.kv.pop(rid, 0.0)
-                else:
-                    dev.kv[rid] = self._kv_bytes(record)
-                    dev.kv_moved_bytes += dev.kv[rid]
-            self._check_kv(iid, dev)
-            to = "host" if isinstance(action, SwapOut) else "device"
-            self._push(t + took, COMPLETION, KvMoved(iid, action.request_ids, to))  # type: ignore[arg-type]
-            return t + took
-        raise InvariantViolation(f"{iid}: cannot execute {action!r}")
+                dev.kv[rid] = self._kv_bytes(record)
+                dev.kv_moved_bytes += dev.kv[rid]
+        self._check_kv(iid, dev)
+        self._push(t + took, COMPLETION, KvMoved(iid, action.request_ids, "host" if out else "device"), dev)
+        return t + took
 
     def _switch_time(self, dev: _Device, model: str, t: float) -> float:
         prefetched, dev.prefetch = dev.prefetch, None  # any other model in the spare slot is overwritten
@@ -243,15 +320,12 @@ class Simulator:
 
     def _prefill(self, iid: str, dev: _Device, action: Prefill, t: float) -> float:
         records = [self.records[rid] for rid in action.request_ids]
-        for record in records:
-            if record.model not in dev.resident:
-                raise InvariantViolation(f"{iid}: prefill of {record.request_id} ({record.model}) while "
-                                         f"{sorted(dev.resident)} resident")
         took = 0.0
-        for model in {r.model for r in records}:
-            group = [r for r in records if r.model == model]
+        for model, group in _by_model(records).items():
+            if model not in dev.resident:
+                raise InvariantViolation(f"{iid}: prefill of {group[0].request_id} ({model}) while "
+                                         f"{sorted(dev.resident)} resident")
             took += self.costs.prefill_s(model, sum(r.prompt_tokens + r.generated for r in group), len(group))
-        end = t + took
         finished = []
         for record in records:
             if record.generated + 1 >= record.output_tokens:
@@ -259,39 +333,114 @@ class Simulator:
             elif not action.kv_to_host:
                 dev.kv[record.request_id] = self._kv_bytes(record)
         self._check_kv(iid, dev)
-        self._push(end, COMPLETION, StepDone(iid, "prefill", action.request_ids, 1, tuple(finished)))
-        return end
+        self._push(t + took, COMPLETION, StepDone(iid, "prefill", action.request_ids, 1, tuple(finished)), dev, records)
+        return t + took
 
     def _decode(self, iid: str, dev: _Device, action: Decode, t: float) -> float:
-        records = [self.records[rid] for rid in action.request_ids]
-        for record in records:
-            if record.model not in dev.resident or record.request_id not in dev.kv:
-                raise InvariantViolation(f"{iid}: decode of {record.request_id} ({record.model}) with "
-                                         f"{sorted(dev.resident)} resident, KV on device: {record.request_id in dev.kv}")
-        steps = min(action.max_steps, min(r.output_tokens - r.generated for r in records))
-        took = self._turn_time(records, steps)
-        dev.turn = _Turn(t, took / steps, steps, action.request_ids, -1)
-        return self._finish_turn(iid, dev, steps)
-
-    def _turn_time(self, records: list[RequestRecord], steps: int) -> float:
+        if action.prefill_chunks:
+            return self._iteration(iid, dev, action, t)
+        if not action.request_ids:
+            raise InvariantViolation(f"{iid}: a Decode of no requests")
+        batch = self._batch(iid, dev, action.request_ids)
+        steps = min(action.max_steps, batch.left)
         took = 0.0
-        for model in {r.model for r in records}:
-            group = [r for r in records if r.model == model]
-            context = sum(r.prompt_tokens + r.generated for r in group)
-            took += self.costs.decode_turn_s(model, len(group), context, steps)
-        return took
+        for model, size, context in batch.groups:
+            took += self.costs.decode_turn_s(model, size, context, steps)
+        dev.turn = _Turn(t, took / steps, steps, batch.ids, -1, batch.records, batch)
+        return self._finish_turn(iid, dev, steps, steps == batch.left)
 
-    def _finish_turn(self, iid: str, dev: _Device, steps: int) -> float:
+    def _batch(self, iid: str, dev: _Device, ids: tuple[str, ...]) -> _Batch:
+        """The device's batch for `ids`: its cached one when `ids` is that batch (or that batch plus
+        requests that joined at its end) and its last turn is booked; else a new one. Requests new to
+        the batch are checked: their model resident and their KV on the device."""
+        batch = dev.batch
+        if batch is not None and dev.turn is None and self.reuse_batches:
+            if ids is batch.ids or ids == batch.ids:
+                return batch
+            known = len(batch.ids)
+            if len(ids) > known and ids[:known] == batch.ids:
+                joined = self._checked(iid, dev, ids[known:])
+                batch.ids, batch.records = ids, batch.records + joined
+                for model, group in _by_model(joined).items():
+                    entry = next((g for g in batch.groups if g[0] == model), None)
+                    if entry is None:
+                        entry = [model, 0, 0]
+                        batch.groups.append(entry)
+                    entry[1] += len(group)
+                    entry[2] += sum(map(_PROMPT, group)) + sum(map(_GENERATED, group))
+                batch.left = min(batch.left, min(map(sub, map(_OUTPUT, joined), map(_GENERATED, joined))))
+                return batch
+        records = self._checked(iid, dev, ids)
+        left = min(map(sub, map(_OUTPUT, records), map(_GENERATED, records)), default=_NEVER)
+        batch = _Batch(ids, records, [[model, len(group), sum(map(_PROMPT, group)) + sum(map(_GENERATED, group))]
+                                      for model, group in _by_model(records).items()], left)
+        if dev.turn is None:
+            dev.batch = batch
+        return batch
+
+    def _checked(self, iid: str, dev: _Device, ids: tuple[str, ...]) -> list[RequestRecord]:
+        """The records of `ids`, after checking each one's model is resident and its KV on the device."""
+        records = list(map(self.records.__getitem__, ids))
+        if not all(map(dev.kv.__contains__, ids)) or not dev.resident.issuperset(map(_MODEL, records)):
+            bad = next(r for r in records if r.model not in dev.resident or r.request_id not in dev.kv)
+            raise InvariantViolation(f"{iid}: decode of {bad.request_id} ({bad.model}) with "
+                                     f"{sorted(dev.resident)} resident, KV on device: {bad.request_id in dev.kv}")
+        return records
+
+    def _iteration(self, iid: str, dev: _Device, action: Decode, t: float) -> float:
+        """One mixed iteration: a token for each decoding request, a prompt chunk for each prefilling one."""
+        if action.max_steps != 1:
+            raise InvariantViolation(f"{iid}: a Decode with prefill chunks runs 1 step, not {action.max_steps}")
+        batch = self._batch(iid, dev, action.request_ids)
+        records = batch.records
+        completed: list[RequestRecord] = []
+        chunks: dict[str, list[int]] = {}  # model -> [tokens, prompts]
+        for rid, tokens in action.prefill_chunks:
+            record = self.records[rid]
+            if record.model not in dev.resident:
+                raise InvariantViolation(f"{iid}: prefill chunk of {rid} ({record.model}) while "
+                                         f"{sorted(dev.resident)} resident")
+            left = dev.prompt_left.get(rid)
+            if left is None:  # its first chunk: the KV of the whole request is placed now
+                left = record.prompt_tokens + record.generated
+                dev.kv[rid] = self._kv_bytes(record)
+            left -= tokens
+            if tokens < 1 or left < 0:
+                raise InvariantViolation(f"{iid}: prefill chunk of {tokens} tokens for {rid} with "
+                                         f"{left + tokens} prompt tokens left")
+            if left:
+                dev.prompt_left[rid] = left
+            else:
+                dev.prompt_left.pop(rid, None)
+                completed.append(record)  # its prompt is done: its first token comes with the iteration
+            totals = chunks.setdefault(record.model, [0, 0])
+            totals[0] += tokens
+            totals[1] += 1
+        self._check_kv(iid, dev)
+        took = 0.0
+        for model, size, context in batch.groups:
+            took += self.costs.decode_step_s(model, size, context)
+        for model, (tokens, prompts) in chunks.items():
+            took += self.costs.prefill_s(model, tokens, prompts)
+        may_finish = batch.left <= 1
+        if completed:
+            records = records + completed
+            ids = batch.ids + tuple(r.request_id for r in completed)
+            may_finish = may_finish or any(r.output_tokens - r.generated <= 1 for r in completed)
+        dev.turn = _Turn(t, took, 1, batch.ids if not completed else ids, -1, records, batch)
+        return self._finish_turn(iid, dev, 1, may_finish)
+
+    def _finish_turn(self, iid: str, dev: _Device, steps: int, may_finish: bool) -> float:
+        """Push the turn's StepDone; `may_finish` is False when every request has more than `steps` tokens to go."""
         turn = dev.turn
         assert turn is not None
         end = turn.start_at + steps * turn.step_s
-        finished = []
-        for rid in turn.ids:
-            record = self.records[rid]
-            if record.generated + steps >= record.output_tokens:
-                finished.append(rid)
+        finished: tuple[str, ...] = ()
+        if may_finish:
+            finished = tuple(r.request_id for r in turn.records if r.generated + steps >= r.output_tokens)
+            for rid in finished:
                 dev.kv.pop(rid, None)
-        turn.seq = self._push(end, COMPLETION, StepDone(iid, "decode", turn.ids, steps, tuple(finished)))
+        turn.seq = self._push(end, COMPLETION, StepDone(iid, "decode", turn.ids, steps, finished), dev, turn.records)
         turn.max_steps = steps
         return end
 
@@ -304,13 +453,11 @@ class Simulator:
         if done >= turn.max_steps:
             return  # it ends at that boundary anyway
         self._cancelled_seq.add(turn.seq)
-        dev.pending.discard(turn.seq)
-        for rid in turn.ids:  # requests that would have finished keep their KV until they do
-            record = self.records[rid]
+        for record in turn.records:  # requests that would have finished keep their KV until they do
             if record.generated + turn.max_steps >= record.output_tokens:
-                dev.kv[rid] = self._kv_bytes(record)
+                dev.kv[record.request_id] = self._kv_bytes(record)
         dev.busy_s -= (turn.max_steps - done) * turn.step_s
-        dev.free_at = self._finish_turn(iid, dev, done)
+        dev.free_at = self._finish_turn(iid, dev, done, False)
 
     # ---- checks ------------------------------------------------------------------
     def _kv_bytes(self, record: RequestRecord) -> float:
@@ -323,3 +470,22 @@ class Simulator:
         if used > self.kv_capacity[iid] * (1 + 1e-9):
             raise InvariantViolation(f"{iid}: {used / 1e9:.3f} GB of KV on a device that holds "
                                      f"{self.kv_capacity[iid] / 1e9:.3f} GB")
+
+
+# the executor of each action type; a class-level table (bound methods on the instance would make every
+# Simulator a reference cycle, kept with all its records until a full garbage collection)
+_APPLY: dict[type, Callable[[Simulator, str, _Device, Any, float], float]] = {
+    Switch: Simulator._switch, Prefetch: Simulator._prefetch, Prefill: Simulator._prefill, Decode: Simulator._decode,
+    SwapOut: Simulator._swap, SwapIn: Simulator._swap,
+}
+
+
+def _by_model(records: list[RequestRecord]) -> dict[str, list[RequestRecord]]:
+    """The records grouped by model, models in order of first appearance (one group, usually)."""
+    models = set(map(_MODEL, records))
+    if len(models) <= 1:
+        return {models.pop(): records} if models else {}
+    groups: dict[str, list[RequestRecord]] = {}
+    for record in records:
+        groups.setdefault(record.model, []).append(record)
+    return groups

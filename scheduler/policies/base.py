@@ -6,49 +6,76 @@ planned, a SwapOut releases it when planned (it runs before anything planned
 after it on the same instance), finishing or moving KV to host after a
 prefill releases it when reported. So `kv_used_bytes <= kv_capacity_bytes`
 holds at every moment, counting what is already promised.
+
+A policy may set `skip_quiet_schedules = True` when its `_plan` reads
+nothing but state (not `now`) and plans no busy instance: then `schedule()`
+skips planning when the last plan was empty and nothing that could enable an
+action has happened since - the only news was a KvMoved or SwitchDone of an
+instance that still has planned work queued behind it (the middle of a
+SwapOut, Switch, SwapIn, Decode sequence), which changes only that busy
+instance - so the skipped call would have been empty too. (After a non-empty
+plan the next call always runs: a policy may plan again from the same state,
+e.g. stop a second holder while the first is still stopping.)
+
+Continuous batching can run Sarathi-style (`chunked_prefill_tokens`): every
+iteration decodes all running requests and spends the rest of the token
+budget on prompt chunks (the started prompts first, then queued requests
+FCFS), as one `Decode` with `prefill_chunks`; a long prompt takes several
+iterations. Policies that plan through `continuous_step` as-is opt in with
+`supports_chunked_prefill = True`.
 """
 
 from __future__ import annotations
 
 import random
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter, sub
 
 from scheduler.costs import CostModel, InstanceSpec, ModelProfile
 from scheduler.plan import (Action, Cancelled, Decode, Event, InstanceAdded, InstanceLost, KvMoved, Plan, Prefill,
                             Stop, StepDone, SwapIn, SwapOut, Switch, SwitchDone)
-from scheduler.request import TERMINAL, Request, RequestStatus, transition
+from scheduler.request import (CANCELLED, FAILED, FINISHED, PREFILLING, QUEUED, RUNNING, SWAPPED, TERMINAL, Request,
+                               RequestStatus, transition)
 
 S = RequestStatus
-_EVENTFUL = (Switch, Prefill, Decode, SwapOut, SwapIn)  # actions the executor answers with an event
+_EVENTFUL = frozenset({Switch, Prefill, Decode, SwapOut, SwapIn})  # actions the executor answers with an event
+_QUIET = (KvMoved, SwitchDone)  # events that cannot enable an action while their instance stays busy
+_FCFS = attrgetter("arrival_at", "request_id")
+_MAX_OUTPUT, _NUM_OUTPUT = attrgetter("max_output_tokens"), attrgetter("num_output_tokens")
+_REQUEST_ID = attrgetter("request_id")
 
 
 @dataclass(slots=True, eq=False)
 class InstanceState:
     spec: InstanceSpec
     kv_capacity_bytes: float
+    instance_id: str = field(init=False)  # spec.instance_id, read on every decision
     active: str | None = None  # model whose weights are current
     resident: set[str] = field(default_factory=set)  # all models with weights on the device
     prefetched: str | None = None
     inflight: deque[Action] = field(default_factory=deque)  # eventful actions not yet reported
+    idle: bool = True  # nothing in flight and not lost (kept by inflight_changed)
+    decoding: bool = False  # the last action in flight is a Decode (kept by inflight_changed)
     kv_used_bytes: float = 0.0
     on_device: set[str] = field(default_factory=set)  # requests whose KV is (or will be) on the device
     stopping: bool = False
     lost: bool = False
     last_used_at: float = float("-inf")
+    # chunked prefill: PREFILLING requests with prompt tokens not yet planned, in admission order
+    prefilling: dict[str, int] = field(default_factory=dict)
+    # `running_on`'s answer until a request on the instance changes status or KV placement
+    running_cache: tuple[str, ...] | None = None
 
-    @property
-    def instance_id(self) -> str:
-        return self.spec.instance_id
+    def __post_init__(self) -> None:
+        self.instance_id = self.spec.instance_id
 
-    @property
-    def idle(self) -> bool:
-        return not self.inflight and not self.lost
-
-    @property
-    def decoding(self) -> bool:
-        return bool(self.inflight) and isinstance(self.inflight[-1], Decode)
+    def inflight_changed(self) -> None:
+        """Refresh `idle` and `decoding` (plain fields: policies read them on every decision)."""
+        self.idle = not self.inflight and not self.lost
+        self.decoding = bool(self.inflight) and isinstance(self.inflight[-1], Decode)
 
     @property
     def kv_free_bytes(self) -> float:
@@ -59,13 +86,24 @@ class PolicyBase:
     """Shared machinery; subclasses implement `_plan(now)` (and a few hooks)."""
 
     name = "base"
+    skip_quiet_schedules = False  # see the module docstring
+    supports_chunked_prefill = False
 
     def __init__(self, models: Mapping[str, ModelProfile], instances: Sequence[InstanceSpec], costs: CostModel, *,
-                 max_batch_size: int = 256, max_prefill_tokens: int = 8192, rng: random.Random | None = None) -> None:
+                 max_batch_size: int = 256, max_prefill_tokens: int = 8192, rng: random.Random | None = None,
+                 chunked_prefill_tokens: int | None = None) -> None:
+        if chunked_prefill_tokens is not None:
+            if not self.supports_chunked_prefill:
+                raise ValueError(f"policy {self.name!r} does not support chunked prefill")
+            if chunked_prefill_tokens <= max_batch_size:
+                raise ValueError(f"chunked_prefill_tokens ({chunked_prefill_tokens}) must exceed max_batch_size "
+                                 f"({max_batch_size}) so that every iteration has room for prompt tokens")
         self.models = dict(models)
         self.costs = costs
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
+        self.chunked_prefill_tokens = chunked_prefill_tokens
+        self._dirty = True  # something happened since the last _plan that may enable an action
         self.rng = rng or random.Random(0)
         self.requests: dict[str, Request] = {}
         self.queues: dict[str, deque[str]] = {name: deque() for name in self.models}  # QUEUED, not yet placed
@@ -79,6 +117,7 @@ class PolicyBase:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} submitted twice")
         self.requests[request.request_id] = request
+        self._dirty = True
         why = self._refuse(request)
         if why:
             self._fail(request, why)
@@ -87,24 +126,26 @@ class PolicyBase:
         self.queues[request.model].append(request.request_id)
 
     def on_event(self, event: Event, now: float) -> None:
-        if isinstance(event, Cancelled):
-            self._cancel(event, now)
-            return
-        if isinstance(event, InstanceLost):
-            self._lose(self.instances[event.instance_id], event.reason or "instance lost", now)
-            return
-        if isinstance(event, InstanceAdded):
-            self._add_instance(event.instance_id)
+        kind = type(event)
+        if isinstance(event, (Cancelled, InstanceLost, InstanceAdded)):
+            self._dirty = True
+            if isinstance(event, Cancelled):
+                self._cancel(event, now)
+            elif isinstance(event, InstanceLost):
+                self._lose(self.instances[event.instance_id], event.reason or "instance lost", now)
+            else:
+                self._add_instance(event.instance_id)
             return
         inst = self.instances[event.instance_id]
         if inst.lost:
             return  # a late report from an instance already written off
         action = inst.inflight.popleft()
-        if isinstance(event, StepDone):
+        inst.inflight_changed()
+        if kind is StepDone:
             if not isinstance(action, (Prefill, Decode)):
                 raise RuntimeError(f"{inst.instance_id}: StepDone answers {type(action).__name__}")
             inst.last_used_at = now
-            self._step_done(inst, event, action, now)
+            self._step_done(inst, event, action, now)  # type: ignore[arg-type]
             if isinstance(action, Decode):
                 inst.stopping = False
         elif isinstance(event, SwitchDone):
@@ -112,28 +153,36 @@ class PolicyBase:
             if inst.prefetched == event.model:
                 inst.prefetched = None
         elif isinstance(event, KvMoved):
+            inst.running_cache = None
             for rid in event.request_ids:
                 req = self.requests[rid]
                 if req.done:
                     continue
-                if event.to == "host" and req.status is S.RUNNING:
-                    transition(req, S.SWAPPED)
-                elif event.to == "device" and req.status is S.SWAPPED:
-                    transition(req, S.RUNNING)
+                if event.to == "host" and req.status is RUNNING:
+                    transition(req, SWAPPED)
+                elif event.to == "device" and req.status is SWAPPED:
+                    transition(req, RUNNING)
         self._after_event(inst, event, now)
+        if not (inst.inflight and kind in _QUIET and self.skip_quiet_schedules):
+            self._dirty = True
 
     def schedule(self, now: float) -> Plan:
+        if not self._dirty and not self._failed and self.skip_quiet_schedules:
+            return Plan(at=now)
         actions = self._plan(now)
+        self._dirty = any(actions.values())  # a call that planned something may plan more with nothing new
         plan_actions: dict[str, tuple[Action, ...]] = {}
         for iid, acts in actions.items():
             if not acts:
                 continue
             inst = self.instances[iid]
             for act in acts:
-                if isinstance(act, _EVENTFUL):
+                kind = type(act)
+                if kind in _EVENTFUL:
                     inst.inflight.append(act)
-                elif isinstance(act, Stop):
+                elif kind is Stop:
                     inst.stopping = True
+            inst.inflight_changed()
             plan_actions[iid] = tuple(acts)
         failed, self._failed = tuple(self._failed), []
         return Plan(at=now, actions=plan_actions, failed=failed)
@@ -156,8 +205,11 @@ class PolicyBase:
     def _add_instance(self, instance_id: str) -> None:
         inst = self.instances[instance_id]
         inst.lost, inst.inflight, inst.active, inst.prefetched = False, deque(), None, None
+        inst.inflight_changed()
         inst.resident.clear()
         inst.on_device.clear()
+        inst.prefilling.clear()
+        inst.running_cache = None
         inst.kv_used_bytes, inst.stopping = 0.0, False
 
     # ---- shared pieces -------------------------------------------------------------
@@ -185,7 +237,7 @@ class PolicyBase:
 
     def _fail(self, request: Request, why: str) -> None:
         self._release(request)
-        transition(request, S.FAILED, why)
+        transition(request, FAILED, why)
         self._forget(request)
         self._failed.append((request.request_id, why))
 
@@ -193,6 +245,8 @@ class PolicyBase:
         need = self.kv_need_bytes(request)
         inst.kv_used_bytes += need
         inst.on_device.add(request.request_id)
+        if request.status is RUNNING:
+            inst.running_cache = None
         request.kv_reserved_bytes = need
         request.instance_id = inst.instance_id
 
@@ -202,37 +256,45 @@ class PolicyBase:
             inst = self.instances[request.instance_id]
             inst.kv_used_bytes -= request.kv_reserved_bytes
             inst.on_device.discard(request.request_id)
+            if request.status is RUNNING and inst.running_cache is not None:
+                self._running_left(inst, request.request_id)
+            if inst.prefilling:
+                inst.prefilling.pop(request.request_id, None)
             if not inst.on_device:
                 inst.kv_used_bytes = 0.0  # no drift from float sums
         request.kv_reserved_bytes = 0.0
 
     def _step_done(self, inst: InstanceState, event: StepDone, action: Prefill | Decode, now: float) -> None:
-        finished = set(event.finished_ids)
+        finished = event.finished_ids
         to_host = isinstance(action, Prefill) and action.kv_to_host
+        steps, requests = event.num_steps, self.requests
         for rid in event.request_ids:
-            req = self.requests[rid]
-            if req.done:
+            req = requests[rid]
+            status = req.status
+            if status in TERMINAL:
                 continue
-            req.num_output_tokens += event.num_steps
-            if rid in finished or req.remaining_tokens <= 0:
+            req.num_output_tokens += steps
+            if (finished and rid in finished) or req.num_output_tokens >= req.max_output_tokens:
                 self._release(req)
-                transition(req, S.FINISHED)
+                transition(req, FINISHED)
                 self._forget(req)
-            elif req.status is S.PREFILLING:
+            elif status is PREFILLING:
                 if to_host:
                     self._release(req)
-                    transition(req, S.SWAPPED)
+                    transition(req, SWAPPED)
                 else:
-                    transition(req, S.RUNNING)
+                    transition(req, RUNNING)
+                    if inst.running_cache is not None:
+                        self._running_joined(inst, req)
 
     def _cancel(self, event: Cancelled, now: float) -> None:
         req = self.requests.get(event.request_id)
         if req is None or req.done:
             return
-        if req.status is S.QUEUED:
+        if req.status is QUEUED:
             self._drop_from_queue(req)
         self._release(req)
-        transition(req, S.CANCELLED, event.reason)
+        transition(req, CANCELLED, event.reason)
         self._forget(req)
 
     def _drop_from_queue(self, req: Request) -> None:
@@ -244,6 +306,7 @@ class PolicyBase:
     def _lose(self, inst: InstanceState, why: str, now: float) -> None:
         inst.lost = True
         inst.inflight.clear()
+        inst.inflight_changed()
         inst.active, inst.prefetched, inst.stopping = None, None, False
         inst.resident.clear()
         victims = [r for r in self.requests.values() if r.instance_id == inst.instance_id and not r.done]
@@ -251,10 +314,12 @@ class PolicyBase:
             self._release(req)
             self._forget(req)
             req.instance_id = None
-            if req.status is not S.QUEUED:
-                transition(req, S.QUEUED, why)
+            if req.status is not QUEUED:
+                transition(req, QUEUED, why)
             self.queues[req.model].appendleft(req.request_id)  # oldest ends up first
         inst.on_device.clear()
+        inst.prefilling.clear()
+        inst.running_cache = None
         inst.kv_used_bytes = 0.0
 
     def live(self, ids: Iterable[str]) -> list[str]:
@@ -273,26 +338,58 @@ class PolicyBase:
                 break
             queue.popleft()
             self._reserve(inst, req)
-            transition(req, S.PREFILLING)
+            transition(req, PREFILLING)
             tokens += need_tokens
             batch.append(req)
         return batch
 
     def decode_steps(self, ids: Sequence[str]) -> int:
         """Steps until the first request of a batch reaches its token limit."""
-        return max(1, min(self.requests[rid].remaining_tokens for rid in ids))
+        batch = list(map(self.requests.__getitem__, ids))
+        return max(1, min(map(sub, map(_MAX_OUTPUT, batch), map(_NUM_OUTPUT, batch))))
 
-    def running_on(self, inst: InstanceState) -> list[str]:
-        return sorted((rid for rid in inst.on_device if self.requests[rid].status is S.RUNNING),
-                      key=lambda rid: (self.requests[rid].arrival_at, rid))
+    def running_on(self, inst: InstanceState) -> tuple[str, ...]:
+        """RUNNING requests with KV on `inst`, oldest first (ties by id).
+
+        Cached on the instance: every status change of a request happens here in the
+        base class, which keeps the cache of the instance concerned: a prefill that
+        completes inserts its request, a release removes it, a KvMoved or a lost instance
+        drops the cache.
+        """
+        if inst.running_cache is None:
+            ordered = [req for req in map(self.requests.__getitem__, inst.on_device) if req.status is RUNNING]
+            ordered.sort(key=_FCFS)
+            inst.running_cache = tuple(map(_REQUEST_ID, ordered))
+        return inst.running_cache
+
+    def _running_joined(self, inst: InstanceState, req: Request) -> None:
+        cache = inst.running_cache
+        assert cache is not None
+        at = bisect_right(cache, (req.arrival_at, req.request_id), key=self._fcfs_key)
+        inst.running_cache = (*cache[:at], req.request_id, *cache[at:])
+
+    def _running_left(self, inst: InstanceState, request_id: str) -> None:
+        cache = inst.running_cache
+        assert cache is not None
+        try:
+            at = cache.index(request_id)
+        except ValueError:
+            inst.running_cache = None
+            return
+        inst.running_cache = cache[:at] + cache[at + 1:]
+
+    def _fcfs_key(self, request_id: str) -> tuple[float, str]:
+        return self.requests[request_id].arrival_at, request_id
 
     # ---- continuous batching on one instance (dedicated, request-level, spatial) -----
     def continuous_step(self, inst: InstanceState, models: Sequence[str]) -> list[Action]:
         """vLLM-style iteration: admit queued prompts that fit (prefill first), else decode all running."""
+        if self.chunked_prefill_tokens is not None:
+            return self.chunked_step(inst, models)
         running = self.running_on(inst)
         actions: list[Action] = []
         admitted = 0
-        for model in sorted(models, key=self._head_arrival):
+        for model in (models if len(models) == 1 else sorted(models, key=self._head_arrival)):
             batch = self.take_prefill_batch(inst, self.queues[model], len(running) + admitted)
             if batch:
                 admitted += len(batch)
@@ -300,6 +397,45 @@ class PolicyBase:
         if actions or not running:
             return actions
         return [Decode(tuple(running), self.decode_steps(running), reason=f"continue batch of {len(running)}")]
+
+    def chunked_step(self, inst: InstanceState, models: Sequence[str]) -> list[Action]:
+        """Sarathi iteration: decode every running request; spend the rest of the token budget on
+        prompt chunks, the started prompts first, then queued requests FCFS while KV and the batch cap allow."""
+        assert self.chunked_prefill_tokens is not None
+        running = self.running_on(inst)
+        budget = self.chunked_prefill_tokens - len(running)
+        members, pending = len(running) + len(inst.prefilling), sum(inst.prefilling.values())
+        for model in (models if len(models) == 1 else sorted(models, key=self._head_arrival)):
+            queue = self.queues[model]
+            while queue and pending < budget and members < self.max_batch_size:
+                req = self.requests[queue[0]]
+                if self.kv_need_bytes(req) > inst.kv_free_bytes:
+                    break
+                queue.popleft()
+                self._reserve(inst, req)
+                transition(req, PREFILLING)
+                inst.prefilling[req.request_id] = req.context_tokens
+                members, pending = members + 1, pending + req.context_tokens
+        chunks: list[tuple[str, int]] = []
+        for rid, left in inst.prefilling.items():
+            if budget <= 0:
+                break
+            take = min(left, budget)
+            chunks.append((rid, take))
+            budget -= take
+        for rid, take in chunks:
+            left = inst.prefilling[rid] - take
+            if left:
+                inst.prefilling[rid] = left
+            else:
+                del inst.prefilling[rid]  # its last chunk is planned: it runs from the next iteration
+        if chunks:
+            tokens = sum(take for _, take in chunks)
+            return [Decode(tuple(running), 1, prefill_chunks=tuple(chunks),
+                           reason=f"iteration: decode {len(running)}, {tokens} prompt tokens of {len(chunks)}")]
+        if running:
+            return [Decode(tuple(running), self.decode_steps(running), reason=f"continue batch of {len(running)}")]
+        return []
 
     def _head_arrival(self, model: str) -> tuple[float, str]:
         queue = self.queues[model]
@@ -313,6 +449,7 @@ class PolicyBase:
         need = self.kv_need_bytes(self.requests[queue[0]])
         for inst in candidates:
             if (inst.decoding and not inst.stopping and need <= inst.kv_free_bytes
-                    and len(inst.on_device) < self.max_batch_size):
+                    and len(inst.on_device) < self.max_batch_size
+                    and not inst.inflight[-1].prefill_chunks):  # type: ignore[union-attr]  # a 1-step iteration
                 return inst
         return None

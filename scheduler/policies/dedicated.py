@@ -7,6 +7,10 @@ continuous batching: queued prompts are admitted FCFS when their KV fits
 (prefill first), otherwise the running batch decodes. A decoding instance is
 stopped at the next token boundary when a queued request of its model fits.
 This is per-model allocation, the baseline the capacity report compares with.
+
+With `chunked_prefill_tokens` the batching is Sarathi-Serve's (Agrawal et al.,
+OSDI'24) instead: each iteration decodes every running request and fills the
+rest of its token budget with prompt chunks (see `PolicyBase.chunked_step`).
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ def assign_replicas(models: Mapping[str, ModelProfile], instances: Sequence[Inst
 
 class DedicatedPolicy(PolicyBase):
     name = "dedicated"
+    supports_chunked_prefill = True
+    skip_quiet_schedules = True  # _plan reads only state, plans only idle instances
 
     def __init__(self, models: Mapping[str, ModelProfile], instances: Sequence[InstanceSpec], costs: CostModel, *,
                  replicas: Mapping[str, int] | None = None, **kwargs: Any) -> None:
@@ -65,18 +71,23 @@ class DedicatedPolicy(PolicyBase):
 
     def _plan(self, now: float) -> dict[str, list[Action]]:
         out: dict[str, list[Action]] = {}
+        queues, instances = self.queues, self.instances
         for iid, model in self.owner.items():
-            inst = self.instances[iid]
+            inst = instances[iid]
             if not inst.idle:
                 continue
             if inst.active != model:
                 out[iid] = [Switch(model, reason="load the instance's own model")]
                 continue
+            if not inst.on_device and not queues[model]:
+                continue  # nothing to run or admit (the common case in a large pool)
             acts = self.continuous_step(inst, (model,))
             if acts:
                 out[iid] = acts
         for model, iids in self.serving.items():
-            victim = self.stop_to_admit(model, (self.instances[i] for i in iids))
+            if not queues[model]:
+                continue
+            victim = self.stop_to_admit(model, map(instances.__getitem__, iids))
             if victim is not None:
                 out[victim.instance_id] = [Stop(reason=f"admit queued {model} at the next token")]
         return out

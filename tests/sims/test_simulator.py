@@ -73,3 +73,129 @@ def test_a_stop_cuts_a_turn_at_the_next_step_boundary() -> None:
     assert abs(first_turn_end - 2.01) < 0.011 and a.segments[1][1] < 999
     assert sim.records["b"].first_token_at < 2.03
     assert a.generated == 1000 and sim.records["b"].generated == 5
+
+
+# ---- Sarathi-style chunked prefill (dedicated, chunked_prefill_tokens) ----------------
+def _chunked(requests, chunk: int = 64, max_batch: int = 8, log=None):
+    models = make_models(1)
+    costs = LinearCosts(step_s=0.01, per_token_s=0.0, prefill_per_token_s=1e-4)
+    sched = make_scheduler("dedicated", models, make_instances(1), costs, max_batch_size=max_batch,
+                           chunked_prefill_tokens=chunk)
+    capacity = {iid: inst.kv_capacity_bytes for iid, inst in sched.instances.items()}
+    sim = Simulator(sched, costs, requests, kv_bytes_per_token={"m0": 1}, kv_capacity=capacity, plan_log=log)
+    sim.run()
+    return sim
+
+
+def test_chunked_prefill_spreads_a_long_prompt_over_iterations_that_keep_decoding() -> None:
+    import json
+
+    log = io.StringIO()
+    # a is decoding (from ~0.5 s, after the switch) when b's 200-token prompt arrives; chunks of
+    # 64 tokens less 1 for a's decode token = 63 prompt tokens per iteration
+    sim = _chunked([Request("a", "m0", 0.0, 10, 100), Request("b", "m0", 0.8, 200, 5)], log=log)
+    plans = [json.loads(line) for line in log.getvalue().splitlines()]
+    decodes = [a for p in plans for acts in p["actions"].values() for a in acts if a["op"] == "Decode"]
+    assert decodes[0]["prefill_chunks"] == [["a", 10]] and decodes[0]["request_ids"] == []
+    mixed = [d for d in decodes[1:] if "prefill_chunks" in d]
+    assert [d["prefill_chunks"] for d in mixed] == [[["b", 63]], [["b", 63]], [["b", 63]], [["b", 11]]]
+    assert all(d["request_ids"] == ["a"] and d["max_steps"] == 1 for d in mixed)
+    assert all(sum(t for _, t in d["prefill_chunks"]) + len(d["request_ids"]) <= 64 for d in mixed)
+    plain = [d for d in decodes if "prefill_chunks" not in d]  # plain Decodes: their JSON has no new key
+    assert len(plain) >= 3 and set(plain[0]) == {"op", "request_ids", "max_steps", "reason"}
+    a, b = sim.records["a"], sim.records["b"]
+    assert a.generated == 100 and b.generated == 5 and a.finished_at and b.finished_at
+    # b's first token comes with the iteration that computes its last chunk: 4 iterations after it was admitted
+    iterations = [seg for seg in a.segments if seg[0] > 0.8][:4]
+    assert len(iterations) == 4 and all(n == 1 for _, n, _ in iterations)
+    assert b.first_token_at == iterations[-1][0]
+    assert b.segments[0] == (b.first_token_at, 1, iterations[-1][2])
+
+
+def test_chunked_prefill_packs_queued_prompts_fcfs_into_the_budget_and_respects_the_batch_cap() -> None:
+    import json
+
+    log = io.StringIO()
+    requests = [Request(f"r{k}", "m0", 0.0, 30, 3) for k in range(5)]
+    _chunked(requests, chunk=64, max_batch=3, log=log)
+    first = json.loads(log.getvalue().splitlines()[1])  # after the instance's Switch
+    (decode,) = first["actions"]["i0"]
+    assert decode["request_ids"] == [] and decode["prefill_chunks"] == [["r0", 30], ["r1", 30], ["r2", 4]]
+
+
+def test_chunked_prefill_is_only_for_policies_that_support_it() -> None:
+    import pytest
+
+    models = make_models(1)
+    with pytest.raises(ValueError, match="does not support chunked prefill"):
+        make_scheduler("token-level", models, make_instances(2, roles=["prefill", "decode"]), LinearCosts(),
+                       chunked_prefill_tokens=512)
+    with pytest.raises(ValueError, match="must exceed max_batch_size"):
+        make_scheduler("dedicated", models, make_instances(1), LinearCosts(), max_batch_size=128,
+                       chunked_prefill_tokens=64)
+
+
+def test_the_executor_refuses_a_chunk_past_the_prompt() -> None:
+    import pytest
+    from scheduler import Decode, Plan
+    from sims.simulator import InvariantViolation
+
+    class Greedy(_Recorder):
+        def schedule(self, now):
+            if now == 0.0:
+                from scheduler import Switch
+
+                return Plan(at=now, actions={"i0": (Switch("m0", reason="t"),
+                                                    Decode((), 1, "t", prefill_chunks=(("a", 11),)))})
+            return Plan(at=now)
+
+    sim = Simulator(Greedy(), LinearCosts(), [Request("a", "m0", 0.0, 10, 5)], kv_bytes_per_token={"m0": 1})
+    with pytest.raises(InvariantViolation, match="prefill chunk of 11 tokens"):
+        sim.run()
+
+
+def test_skipping_quiet_schedules_leaves_the_plan_log_unchanged(monkeypatch) -> None:
+    from scheduler.policies.dedicated import DedicatedPolicy
+
+    def log_of(skip: bool) -> str:
+        monkeypatch.setattr(DedicatedPolicy, "skip_quiet_schedules", skip)
+        models = make_models(3)
+        log = io.StringIO()
+        run_sim("dedicated", models, make_instances(4), make_workload(300, list(models), seed=5), plan_log=log,
+                faults=[(9.0, "i1")])
+        return log.getvalue()
+
+    assert log_of(True) == log_of(False)
+
+
+def test_run_simulate_writes_the_plan_log() -> None:
+    from modelpool.config import parse_fleet
+    from sims.run import simulate
+    from sims.workload import Workload
+
+    fleet = parse_fleet("pool: {gpu: h200, num_gpus: 1}\nmodels:\n  - {name: a, arch: qwen2.5-1.5b}\n")
+    workload = Workload.from_columns([0.0, 0.5], [0, 0], [100, 50], [10, 5], models=("a",), source="test")
+    log = io.StringIO()
+    result = simulate(fleet, workload, "dedicated", plan_log=log)
+    assert result.metrics["completed"] == 2 and result.num_events > 0 and result.sim_wall_s > 0
+    assert log.getvalue().count("\n") == result.num_plans > 0
+
+
+def test_reusing_decode_batches_changes_nothing(monkeypatch) -> None:
+    """The executor's batch cache (O(1) planning of an unchanged batch) gives the same plans and records."""
+
+    def run(reuse: bool) -> tuple[str, dict]:
+        monkeypatch.setattr(Simulator, "reuse_batches", reuse)
+        out = []
+        for policy, roles, options in (("dedicated", None, {"chunked_prefill_tokens": 512, "max_batch_size": 64}),
+                                       ("dedicated", None, {}), ("token-level", ["prefill", "decode", "decode"], {}),
+                                       ("spatial", None, {})):
+            models = make_models(3)
+            log = io.StringIO()
+            sim, _ = run_sim(policy, models, make_instances(3, roles=roles),
+                             make_workload(300, list(models), rate=4.0, seed=11), plan_log=log, **options)
+            out.append((log.getvalue(), {rid: (r.generated, r.first_token_at, r.finished_at, tuple(r.segments))
+                                         for rid, r in sim.records.items()}))
+        return str([o[0] for o in out]), {k: o[1] for k, o in enumerate(out)}
+
+    assert run(True) == run(False)
