@@ -104,6 +104,8 @@ class PolicyBase:
         self.max_prefill_tokens = max_prefill_tokens
         self.chunked_prefill_tokens = chunked_prefill_tokens
         self._dirty = True  # something happened since the last _plan that may enable an action
+        self._touched: set[str] = set()  # instances whose state changed since the last _plan (see touch)
+        self._queued_news = True  # a request joined a queue since the last _plan
         self.rng = rng or random.Random(0)
         self.requests: dict[str, Request] = {}
         self.queues: dict[str, deque[str]] = {name: deque() for name in self.models}  # QUEUED, not yet placed
@@ -111,6 +113,7 @@ class PolicyBase:
         self._failed: list[tuple[str, str]] = []
         for spec in instances:
             self.instances[spec.instance_id] = InstanceState(spec, self._kv_capacity(spec))
+        self._touched.update(self.instances)
 
     # ---- the contract ------------------------------------------------------------
     def submit(self, request: Request, now: float) -> None:
@@ -124,11 +127,13 @@ class PolicyBase:
             return
         request.kv_reserved_bytes = 0.0
         self.queues[request.model].append(request.request_id)
+        self._queued_news = True
 
     def on_event(self, event: Event, now: float) -> None:
         kind = type(event)
         if isinstance(event, (Cancelled, InstanceLost, InstanceAdded)):
-            self._dirty = True
+            self._dirty = self._queued_news = True
+            self._touched.update(self.instances)
             if isinstance(event, Cancelled):
                 self._cancel(event, now)
             elif isinstance(event, InstanceLost):
@@ -141,6 +146,7 @@ class PolicyBase:
             return  # a late report from an instance already written off
         action = inst.inflight.popleft()
         inst.inflight_changed()
+        self._touched.add(inst.instance_id)
         if kind is StepDone:
             if not isinstance(action, (Prefill, Decode)):
                 raise RuntimeError(f"{inst.instance_id}: StepDone answers {type(action).__name__}")
@@ -243,6 +249,7 @@ class PolicyBase:
 
     def _reserve(self, inst: InstanceState, request: Request) -> None:
         need = self.kv_need_bytes(request)
+        self._touched.add(inst.instance_id)
         inst.kv_used_bytes += need
         inst.on_device.add(request.request_id)
         if request.status is RUNNING:
@@ -250,8 +257,16 @@ class PolicyBase:
         request.kv_reserved_bytes = need
         request.instance_id = inst.instance_id
 
+    def touch(self, instance_id: str | None) -> None:
+        """Note that an instance's state changed. Every change goes through an event of the instance, a
+        request placed on or leaving it, or a reservation or release of its KV: a policy that plans only
+        touched instances (token-level) sees every instance whose plan could differ from an empty one."""
+        if instance_id is not None:
+            self._touched.add(instance_id)
+
     def _release(self, request: Request) -> None:
         """Give back the device KV a request holds (if any)."""
+        self.touch(request.instance_id)
         if request.kv_reserved_bytes and request.instance_id is not None:
             inst = self.instances[request.instance_id]
             inst.kv_used_bytes -= request.kv_reserved_bytes
@@ -317,6 +332,7 @@ class PolicyBase:
             if req.status is not QUEUED:
                 transition(req, QUEUED, why)
             self.queues[req.model].appendleft(req.request_id)  # oldest ends up first
+            self._queued_news = True
         inst.on_device.clear()
         inst.prefilling.clear()
         inst.running_cache = None

@@ -86,6 +86,7 @@ class DecodeState:
 
 class TokenLevelPolicy(PolicyBase):
     name = "token-level"
+    full_scan = False  # test knob: plan every instance, not only touched ones (the plans must be identical)
 
     def __init__(self, models: Mapping[str, ModelProfile], instances: Sequence[InstanceSpec], costs: CostModel, *,
                  max_group_size: int = 8, max_quota_s: float = 2.0, round_target_s: float = 0.5,
@@ -103,6 +104,7 @@ class TokenLevelPolicy(PolicyBase):
         self.first_token_at: dict[str, float] = {}  # request -> when its prefill (first token) ended
         self.handoff: dict[str, tuple[str, list[str]]] = {}  # prefill instance -> ("decode" | "move", requests)
         self.decoders: dict[str, DecodeState] = {}
+        self._rank = {iid: k for k, iid in enumerate(self.instances)}
         for inst in self.instances.values():
             if inst.spec.role in ("prefill", "mixed"):
                 self.groups[inst.instance_id] = []
@@ -121,15 +123,24 @@ class TokenLevelPolicy(PolicyBase):
 
     # ---- planning --------------------------------------------------------------
     def _plan(self, now: float) -> dict[str, list[Action]]:
-        self._dispatch_prefill(now)
+        if self._queued_news:
+            self._queued_news = False
+            self._dispatch_prefill(now)
+        # Only touched instances can plan something (see PolicyBase.touch); planning one instance changes no
+        # other instance's state, so the others' plans would be empty. `full_scan` plans every instance.
+        touched, self._touched = self._touched, set()
+        order = self.instances if self.full_scan or len(touched) == len(self.instances) else \
+            sorted(touched, key=self._rank.__getitem__)
         out: dict[str, list[Action]] = {}
-        for iid, inst in self.instances.items():
+        for iid in order:
+            inst = self.instances[iid]
             if inst.lost:
                 continue
             if not inst.idle:
                 if iid in self.decoders and self._should_stop(inst):
                     cut_in = self.decoders[iid].cut_in
                     out[iid] = [Stop(reason="a newcomer joins the running batch" if cut_in else "another batch is due")]
+                    self._touched.add(iid)
                 continue
             acts: list[Action] = []
             if inst.spec.role == "prefill":
@@ -144,6 +155,7 @@ class TokenLevelPolicy(PolicyBase):
                 acts = acts or self._decode_step(inst) or self._prefill_step(inst)
             if acts:
                 out[iid] = acts
+                self._touched.add(iid)  # a plan may go on from the state it leaves
                 if iid in self.groups:
                     self.busy_until[iid] = now + self._predict_s(inst, acts)
         return out
@@ -156,7 +168,7 @@ class TokenLevelPolicy(PolicyBase):
             queue = self.queues[model]
             req = self.requests[queue[0]]
             choice = self._pick_prefill_instance(req, now, ends)
-            if choice is None:  # every prefill instance of its TP is lost; wait for one
+            if choice is None:  # every prefill instance of its TP is lost; wait for one (InstanceAdded)
                 waiting.remove(model)
                 continue
             inst_id, group = choice
@@ -168,6 +180,7 @@ class TokenLevelPolicy(PolicyBase):
                 self.groups[inst_id].append(group)
             group.ids.append(req.request_id)
             req.instance_id = inst_id
+            self._touched.add(inst_id)
             ends.pop(inst_id, None)
             state = self.decoders.get(inst_id)
             if state is not None and state.open_ended:  # a mixed instance: let the turn boundary weigh the prompt
@@ -442,6 +455,7 @@ class TokenLevelPolicy(PolicyBase):
         self._join(self.instances[best], req)
 
     def _join(self, inst: InstanceState, req: Request) -> None:
+        self._touched.add(inst.instance_id)
         state = self.decoders[inst.instance_id]
         state.members[req.request_id] = None
         self._mix_update(state, req, +1)
@@ -507,6 +521,7 @@ class TokenLevelPolicy(PolicyBase):
         iid = request.instance_id
         if iid is None:
             return
+        self._touched.add(iid)
         if iid in self.decoders and request.request_id in self.decoders[iid].members:
             state = self.decoders[iid]
             del state.members[request.request_id]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 
+import pytest
+
 from scheduler import Request, make_scheduler
 from sims.simulator import Simulator
 from tests.factories import LinearCosts, make_instances, make_models, make_workload, run_sim
@@ -199,3 +201,22 @@ def test_reusing_decode_batches_changes_nothing(monkeypatch) -> None:
         return str([o[0] for o in out]), {k: o[1] for k, o in enumerate(out)}
 
     assert run(True) == run(False)
+
+
+@pytest.mark.parametrize("roles", [("prefill", "decode", "decode", "prefill", "decode"), ("mixed",) * 3 + ("decode",)])
+def test_token_level_planning_only_touched_instances_plans_exactly_what_a_full_scan_does(monkeypatch, roles) -> None:
+    """Token-level plans only instances whose state changed since its last plan: the Plan log must be byte-identical
+    to planning every instance at every call, with mixed instances and a lost instance."""
+    from scheduler.policies.token_level import TokenLevelPolicy
+
+    def log_of(full_scan: bool) -> str:
+        monkeypatch.setattr(TokenLevelPolicy, "full_scan", full_scan)
+        models = make_models(4)
+        log = io.StringIO()
+        run_sim("token-level", models, make_instances(len(roles), roles=roles), make_workload(400, list(models), seed=3),
+                plan_log=log, faults=[(40.0, "i1")])
+        return log.getvalue()
+
+    full = log_of(True)
+    assert full.count("\n") > 1000 and '"Switch"' in full
+    assert log_of(False) == full
