@@ -7,7 +7,8 @@ as unbuffered SSE as they come; a failure after submission is its last
 `data: {"error": ...}` event (as in vLLM). A non-streamed answer is sent
 whole, or an error status. From submission on, the client's connection is
 watched; when it goes, the request is cancelled in the pool (its KV freed at
-the next step boundary).
+the next step boundary). A stream whose client stops reading is cancelled
+once `max_buffered_tokens` tokens wait unread (`streaming.TokenQueue`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -32,10 +34,11 @@ from pool.gateway.errors import (APIError, bad_request, install_error_handlers, 
 from pool.gateway.metrics import GatewayMetrics, RequestTimer
 from pool.gateway.prompts import Prepared, prepare
 from pool.gateway.schemas import ChatCompletionRequest, CompletionRequest, Kind, ResponseShape, model_card
-from pool.gateway.streaming import DONE, ClientGone, Disconnect, Hopper, SSEResponse, TokenQueue, sse
+from pool.gateway.streaming import DONE, ClientGone, Disconnect, Hopper, SlowClient, SSEResponse, TokenQueue, sse
 from pool.service import LivePool, PoolBusy, PoolClosed, QueueFull
 
 BIG_BODY_BYTES = 64 << 10  # tokenise bodies larger than this off the event loop
+log = logging.getLogger("modelpool.gateway")
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,7 @@ class GatewaySettings:
     admin_keys: tuple[Secret, ...] = ()  # keys for /pool/*; none = the API keys
     default_chat_max_tokens: int = 1024  # a chat without max_tokens gets at most this many
     max_body_bytes: int = 8 << 20  # larger bodies get 413
+    max_buffered_tokens: int = 1024  # unread tokens one stream may hold before its request is cancelled
     unavailable_retry_after_s: float = 5.0  # Retry-After when the pool is down
     owned_by: str = "modelpool"  # /v1/models owned_by
     fingerprint: str | None = None  # system_fingerprint on every response (e.g. 'modelpool-sim')
@@ -63,6 +67,9 @@ class Gateway:
         self._ids = itertools.count(1)
         self._id_prefix = uuid.uuid4().hex[:12]  # unique per gateway; a counter after it (uuid4 costs a syscall)
         self._hop: Hopper | None = None
+        self._streams: dict[str, TokenQueue] = {}  # live streams, for their buffered tokens in /pool/status
+        self.peak_buffered_tokens = 0  # most unread tokens any ended stream held
+        self.num_slow_client_cancels = 0
 
     def _hopper(self) -> Hopper:
         loop = asyncio.get_running_loop()
@@ -93,6 +100,11 @@ class Gateway:
         status = self.pool.status()
         for name, entry in status.get("models", {}).items():
             entry.update(infos.get(name, {}))
+        streams = list(self._streams.values())
+        peak = max([self.peak_buffered_tokens, *(q.peak_buffered for q in streams)])
+        status["gateway"] = {"streams": len(streams), "buffered_tokens": sum(q.num_buffered for q in streams),
+                             "max_buffered_tokens": self.settings.max_buffered_tokens, "peak_buffered_tokens": peak,
+                             "slow_client_cancels": self.num_slow_client_cancels}
         return status
 
     # ---- generation ----------------------------------------------------------------------------
@@ -115,14 +127,20 @@ class Gateway:
             self.metrics.error(model, exc.status)
             raise
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{self._id_prefix}{next(self._ids):x}"
-        tokens = TokenQueue(self._hopper())
+        if prepared.stream:
+            tokens = TokenQueue(self._hopper(), self.settings.max_buffered_tokens,
+                                on_overflow=lambda: self._slow_client(request_id, model))
+        else:  # the answer is collected as it comes: nothing waits on the client
+            tokens = TokenQueue(self._hopper())
         self._submit(request_id, model, prepared, tokens)
         timer = self.metrics.timer(model, len(prepared.prompt_ids))
         timer.arrived_at = timer.last_at = arrived
         shape = ResponseShape(kind, request_id, model, self.settings.fingerprint)
         if prepared.stream:  # headers go out now, while the prompt is prefilled: off the TTFT path
+            self._streams[request_id] = tokens
             return SSEResponse(self._events(tokens, shape, timer, prepared, request_id),
-                               on_disconnect=lambda: self.pool.cancel(request_id))
+                               on_disconnect=lambda: self.pool.cancel(request_id),
+                               on_close=lambda: self._stream_closed(request_id))
         watch = Disconnect(request.receive)
         try:
             return JSONResponse(await watch.race(self._collect(tokens, shape, timer, model)))
@@ -166,9 +184,22 @@ class Gateway:
             self.metrics.error(model, 503)
             raise unavailable(str(exc), self.settings.unavailable_retry_after_s) from None
 
+    def _slow_client(self, request_id: str, model: str) -> None:
+        self.pool.cancel(request_id)
+        self.num_slow_client_cancels += 1
+        log.warning("request %s (%s) cancelled: its client stopped reading (%d tokens unread)", request_id, model,
+                    self.settings.max_buffered_tokens)
+
+    def _stream_closed(self, request_id: str) -> None:
+        tokens = self._streams.pop(request_id, None)
+        if tokens is not None:
+            self.peak_buffered_tokens = max(self.peak_buffered_tokens, tokens.peak_buffered)
+
     def _failure(self, exc: BaseException, model: str) -> APIError:
         """What a pool-side failure means to the client."""
-        if isinstance(exc, PoolClosed):
+        if isinstance(exc, SlowClient):
+            error = APIError(408, str(exc), code="slow_client")
+        elif isinstance(exc, PoolClosed):
             error = unavailable(str(exc), self.settings.unavailable_retry_after_s)
         elif isinstance(exc, RequestFailed):
             error = unavailable(f"the pool could not serve the request: {exc}", self.settings.unavailable_retry_after_s,

@@ -25,11 +25,16 @@ def uvicorn_config(app: Any, host: str = "127.0.0.1", port: int = 8000, log_leve
 class BackgroundServer:
     """uvicorn on a daemon thread; `url` once started; `stop()` shuts it down."""
 
-    def __init__(self, app: Any, host: str = "127.0.0.1", port: int | None = None) -> None:
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int | None = None,
+                 sock: socket.socket | None = None) -> None:
+        if sock is not None:  # serve on a socket the caller bound (and tuned)
+            host, port = sock.getsockname()[:2]
         self.host = host
         self.port = port or free_port(host)
         self.server = uvicorn.Server(uvicorn_config(app, host, self.port))
-        self.thread = threading.Thread(target=self.server.run, name="modelpool-gateway", daemon=True)
+        sockets = [sock] if sock is not None else None
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": sockets}, name="modelpool-gateway",
+                                       daemon=True)
 
     @property
     def url(self) -> str:

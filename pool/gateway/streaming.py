@@ -7,6 +7,13 @@ exists - tokens already waiting are joined into one write, nothing is held
 back - and listens for the client going away the whole time, so a
 disconnect cancels the request in the pool at once, even while it is still
 queued. (`Disconnect` does the same for the wait before a response starts.)
+
+A stream's queue is bounded: a client that stops reading blocks the socket
+write, and its tokens pile up here. Past `max_buffered` unread tokens the
+request is cancelled (the pool cannot pause one request without holding its
+whole model's turn), the buffered tokens are dropped, and the stream's last
+event says why (`SlowClient`). Pausing would keep KV reserved for a client
+that may never come back; cancelling frees it at the next step boundary.
 """
 
 from __future__ import annotations
@@ -44,10 +51,10 @@ class Hopper:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self._lock = threading.Lock()
-        self._pending: list[tuple[asyncio.Queue[TokenOut | BaseException], TokenOut | BaseException]] = []
+        self._pending: list[tuple[TokenQueue, TokenOut | BaseException]] = []
         self._scheduled = False
 
-    def put(self, queue: asyncio.Queue[TokenOut | BaseException], item: TokenOut | BaseException) -> None:
+    def put(self, queue: TokenQueue, item: TokenOut | BaseException) -> None:
         with self._lock:
             self._pending.append((queue, item))
             if self._scheduled:
@@ -62,18 +69,58 @@ class Hopper:
         with self._lock:
             batch, self._pending, self._scheduled = self._pending, [], False
         for queue, item in batch:
-            queue.put_nowait(item)
+            queue.deliver(item)
+
+
+class SlowClient(Exception):
+    """A stream's client left `num_unread` tokens unread, more than the gateway buffers; the request was cancelled."""
+
+    def __init__(self, num_unread: int) -> None:
+        super().__init__(f"the client read too slowly: {num_unread} tokens were waiting unread, the most a stream "
+                         "may buffer; the request was cancelled")
+        self.num_unread = num_unread
 
 
 class TokenQueue:
-    """A request's sink: called on the pool's thread, read on the event loop."""
+    """A request's sink: called on the pool's thread, read on the event loop.
 
-    def __init__(self, hopper: Hopper) -> None:
+    With `max_buffered`, at most that many unread tokens (plus a last item)
+    are held; one more calls `on_overflow` (which cancels the request) and
+    replaces them all by one `SlowClient`.
+    """
+
+    def __init__(self, hopper: Hopper, max_buffered: int | None = None,
+                 on_overflow: Callable[[], object] | None = None) -> None:
         self._hopper = hopper
         self._queue: asyncio.Queue[TokenOut | BaseException] = asyncio.Queue()
+        self.max_buffered = max_buffered
+        self._on_overflow = on_overflow
+        self.overflowed = False
+        self.peak_buffered = 0  # most items ever waiting unread
 
     def __call__(self, item: TokenOut | BaseException) -> None:
-        self._hopper.put(self._queue, item)
+        self._hopper.put(self, item)
+
+    def deliver(self, item: TokenOut | BaseException) -> None:
+        """On the event loop: queue `item`, or give up on a reader that fell too far behind."""
+        if self.overflowed:
+            return
+        last = isinstance(item, BaseException) or item.finished  # the request is over: its last item always fits
+        if self.max_buffered is not None and not last and self._queue.qsize() >= self.max_buffered:
+            self.overflowed = True
+            num_unread = self._queue.qsize()
+            while not self._queue.empty():
+                self._queue.get_nowait()
+            self._queue.put_nowait(SlowClient(num_unread))
+            if self._on_overflow is not None:
+                self._on_overflow()
+            return
+        self._queue.put_nowait(item)
+        self.peak_buffered = max(self.peak_buffered, self._queue.qsize())
+
+    @property
+    def num_buffered(self) -> int:
+        return self._queue.qsize()
 
     async def get(self) -> TokenOut | BaseException:
         return await self._queue.get()
@@ -120,13 +167,16 @@ class ClientGone(Exception):
 
 
 class SSEResponse(Response):
-    """`text/event-stream` from an async iterator of ready-made event bytes; `on_disconnect` when the client leaves."""
+    """`text/event-stream` from an async iterator of ready-made event bytes; `on_disconnect` when the client
+    leaves, `on_close` when the response is over either way."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[bytes], on_disconnect: Callable[[], object]) -> None:
+    def __init__(self, events: AsyncIterator[bytes], on_disconnect: Callable[[], object],
+                 on_close: Callable[[], object] | None = None) -> None:
         self.events = events
         self.on_disconnect = on_disconnect
+        self.on_close = on_close
         self.status_code = 200
         self.background = None
         self.init_headers(SSE_HEADERS)
@@ -154,4 +204,6 @@ class SSEResponse(Response):
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
         finally:
+            if self.on_close is not None:
+                self.on_close()
             await self.events.aclose()  # type: ignore[attr-defined]
