@@ -291,7 +291,8 @@ class Simulator:
         return t + took
 
     def _prefetch(self, iid: str, dev: _Device, action: Prefetch, t: float) -> float:
-        dev.prefetch = (action.model, t + self.costs.switch_s(action.model))
+        if dev.prefetch is None or dev.prefetch[0] != action.model:  # else it is in the spare slot already
+            dev.prefetch = (action.model, t + self.costs.switch_s(action.model))
         return t
 
     def _swap(self, iid: str, dev: _Device, action: SwapOut | SwapIn, t: float) -> float:
@@ -313,10 +314,14 @@ class Simulator:
         return t + took
 
     def _switch_time(self, dev: _Device, model: str, t: float) -> float:
-        prefetched, dev.prefetch = dev.prefetch, None  # any other model in the spare slot is overwritten
-        if prefetched is not None and prefetched[0] == model:
-            return max(0.0, prefetched[1] - t)
-        return self.costs.switch_s(model)
+        """Two model slots, as in the engine: a model in the spare slot (prefetched, or the one switched away
+        from last) only changes roles, once its copy is done; any other is copied into the spare slot. Either
+        way the model switched away from stays in the other slot, ready."""
+        spare, dev.prefetch = dev.prefetch, None
+        took = max(0.0, spare[1] - t) if spare is not None and spare[0] == model else self.costs.switch_s(model)
+        if dev.model is not None and dev.model != model:
+            dev.prefetch = (dev.model, t)
+        return took
 
     def _prefill(self, iid: str, dev: _Device, action: Prefill, t: float) -> float:
         records = [self.records[rid] for rid in action.request_ids]

@@ -28,7 +28,8 @@ class ManualBackend:
         self.limit: dict[str, int] = {}  # request -> max_tokens (the trace's output length)
         self.model: dict[str, str] = {}
         self.context: dict[str, int] = {}  # prompt tokens
-        self.prefetch: dict[str, tuple[str, float]] = {}
+        self.prefetch: dict[str, tuple[str, float]] = {}  # instance -> model in the spare slot, ready at
+        self.active: dict[str, str] = {}
         self.turn: dict[str, tuple[float, float]] = {}  # instance -> (turn start, step seconds)
         self.num_calls = 0
 
@@ -51,10 +52,15 @@ class ManualBackend:
     def _activate(self, iid: str, now: float, model: str, **_: Any) -> tuple[float, float]:
         ready = self.prefetch.pop(iid, None)
         took = max(0.0, ready[1] - now) if ready and ready[0] == model else self.costs.switch_s(model)
+        old = self.active.get(iid)
+        if old is not None and old != model:
+            self.prefetch[iid] = (old, now)  # two slots: the model switched away from stays, ready
+        self.active[iid] = model
         return now + took, took
 
     def _prefetch(self, iid: str, now: float, model: str, **_: Any) -> tuple[float, None]:
-        self.prefetch[iid] = (model, now + self.costs.switch_s(model))
+        if self.prefetch.get(iid, ("", 0.0))[0] != model:
+            self.prefetch[iid] = (model, now + self.costs.switch_s(model))
         return now, None
 
     def _prefill(self, iid: str, now: float, requests: list[GenRequest], **_: Any) -> tuple[float, list[TokenOut]]:

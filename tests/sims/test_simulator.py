@@ -220,3 +220,28 @@ def test_token_level_planning_only_touched_instances_plans_exactly_what_a_full_s
     full = log_of(True)
     assert full.count("\n") > 1000 and '"Switch"' in full
     assert log_of(False) == full
+
+
+def test_two_model_slots_a_model_switched_away_from_comes_back_without_a_copy() -> None:
+    """Like the engine's two weight slots: A, then B (a full copy), then A again costs nothing - A stayed in the
+    other slot; a prefetch of the model already in the spare slot copies nothing either; a third model C is a copy."""
+    from scheduler import Plan, Prefetch, Switch
+
+    script = [(Switch("m0", reason="t"),), (Switch("m1", reason="t"),),
+              (Prefetch("m0", reason="t"), Switch("m0", reason="t")), (Switch("m2", reason="t"),)]
+
+    class Scripted(_Recorder):
+        def schedule(self, now):
+            self.calls.append(("schedule", "", now))
+            busy = sum(1 for c in self.calls if c[0] == "event") < sum(1 for c in self.calls if c[0] == "planned")
+            if script and not busy:
+                self.calls.append(("planned", "", now))
+                return Plan(at=now, actions={"i0": script.pop(0)})
+            return Plan(at=now)
+
+    sched = Scripted()
+    sim = Simulator(sched, LinearCosts(switch_s=0.5), [Request("a", "m0", 0.0, 10, 5)], kv_bytes_per_token={"m0": 1})
+    sim.run()
+    done = [now for kind, name, now in sched.calls if name == "SwitchDone"]
+    assert done == [0.5, 1.0, 1.0, 1.5]  # m0 copied, m1 copied, m0 back for free, m2 copied
+    assert sim.devices["i0"].switch_s == 1.5
