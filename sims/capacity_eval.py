@@ -112,6 +112,12 @@ class ClassInfo:
     num_requests: int
     prefill_load: float  # instance-seconds of prefill per second, at this TP (a lower bound on instances)
     model_prefill_load: tuple[tuple[str, float], ...] = ()  # the same per model
+    decode_floor_load: float = 0.0  # instance-seconds of decode per second at best (see `decode_floor_load`)
+
+    @property
+    def floor_instances(self) -> int:
+        """No policy can serve the class on fewer instances under the cost model (see `decode_floor_load`)."""
+        return max(1, math.ceil(self.prefill_load + self.decode_floor_load - 1e-9))
 
 
 @dataclass(frozen=True)
@@ -331,18 +337,51 @@ def run_pool(ctx: Context, gpu: str, policy: str, layouts: tuple[Layout, ...],
 
 
 def class_infos(ctx: Context, gpu: str) -> dict[int, ClassInfo]:
-    """Per TP class: its models, requests and prefill load on `gpu` (the searches' lower bounds)."""
+    """Per TP class: its models, requests, prefill load and decode floor on `gpu` (the searches' lower bounds)."""
     costs = ctx.costs(gpu)
     out: dict[int, ClassInfo] = {}
     duration = max(ctx.workload.duration_s, 1e-9)
     for tp in sorted(set(ctx.class_of.values())):
-        names = tuple(m.name for m in ctx.fleet.models if m.tp == tp)
+        entries = [m for m in ctx.fleet.models if m.tp == tp]
+        names = tuple(m.name for m in entries)
         work = ctx.class_workload(tp)
-        context = {m.name: m.arch.max_context for m in ctx.fleet.models}
+        context = {m.name: m.arch.max_context for m in entries}
         load = dict.fromkeys(names, 0.0)
         for model_index, prompt in zip(work.model_index.tolist(), work.input_tokens.tolist()):
             name = work.models[model_index]
             load[name] += costs.prefill_s(name, min(prompt, context[name]))
         per_model = tuple((name, seconds / duration) for name, seconds in load.items())
-        out[tp] = ClassInfo(tp, names, len(work), sum(load.values()) / duration, per_model)
+        tpot = {m.name: ctx.fleet.slo(m).tpot_s for m in entries}
+        out[tp] = ClassInfo(tp, names, len(work), sum(load.values()) / duration, per_model,
+                            decode_floor_load(work, costs, tpot, context) / duration)
     return out
+
+
+def decode_floor_load(work: Workload, costs: RooflineCostModel, tpot_s: Mapping[str, float],
+                      max_context: Mapping[str, int]) -> float:
+    """Device-seconds of decode the class's requests need at the very least: every request decodes at exactly
+    its TPOT SLO (the slowest pace allowed, which makes requests overlap most) and each decode step batches
+    every active request of its model (the most a step can share its weight read). No switches, no KV moves,
+    no queueing. Added to the prefill load and rounded up, it is a floor no policy gets under (up to the
+    per-request target's allowed misses)."""
+    total = 0.0
+    for index, name in enumerate(work.models):
+        if name not in tpot_s:
+            continue
+        mine = work.model_index == index
+        if not mine.any():
+            continue
+        tpot, cap = tpot_s[name], max_context[name]
+        prompt = np.minimum(work.input_tokens[mine], cap).astype(np.int64)
+        output = work.output_tokens[mine].astype(np.int64)
+        start = work.arrival_s[mine]
+        mean_context = prompt + output // 2
+        changes = sorted([(t, 1, c) for t, c in zip(start.tolist(), mean_context.tolist())]
+                         + [(t, -1, c) for t, c in zip((start + output * tpot).tolist(), mean_context.tolist())])
+        active = tokens = 0
+        last = 0.0
+        for t, sign, ctx_tokens in changes:
+            if active:
+                total += (t - last) / tpot * costs.decode_step_s(name, active, tokens)
+            active, tokens, last = active + sign, tokens + sign * ctx_tokens, t
+    return total

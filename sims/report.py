@@ -55,6 +55,7 @@ def build_report(result: StudyResult, ctx: Context, *, fleet_path: str = "", tra
         "workload": _workload_entry(ctx, trace, seed),
         "policies": policies,
         "headline": _headline(result, ctx, policies),
+        "floor": _floor(result, dedicated.gpus if dedicated else None, policies),
         "per_model": _per_model(result, ctx),
         "curves": _curves(result),
         "gpu_types": _gpu_types(result, ctx),
@@ -71,6 +72,23 @@ def build_report(result: StudyResult, ctx: Context, *, fleet_path: str = "", tra
 
 
 # ---- pieces ----------------------------------------------------------------------------------------------
+
+FLOOR_TEXT = ("no policy serves this traffic on fewer GPUs under the cost model: per TP class, the prefill compute "
+              "plus decode steps at exactly the TPOT SLO with every active request of a model in one batch "
+              "(no switches, no KV moves, no queueing, 100% busy), rounded up to whole instances")
+
+
+def _floor(result: StudyResult, dedicated_gpus: int | None, policies: Mapping[str, Any]) -> dict[str, Any]:
+    infos = result.infos[result.gpu]
+    classes = {str(tp): {"prefill_load": _round(info.prefill_load, 4), "decode_load": _round(info.decode_floor_load, 4),
+                         "instances": info.floor_instances, "gpus": info.floor_instances * tp}
+               for tp, info in sorted(infos.items())}
+    gpus = sum(c["gpus"] for c in classes.values())
+    out: dict[str, Any] = {"gpus": gpus, "definition": FLOOR_TEXT, "classes": classes,
+                           "ratio_to_dedicated": _round(gpus / dedicated_gpus, 4) if dedicated_gpus else None,
+                           "policies_over_floor": {p: _round(e["gpus"] / gpus, 4) for p, e in policies.items()}}
+    return out
+
 
 def _fleet_entry(fleet: Fleet, path: str) -> dict[str, Any]:
     classes: dict[str, int] = {}

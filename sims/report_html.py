@@ -21,6 +21,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from sims.capacity_study import NO_SCALE, StudyResult  # noqa: E402
+from sims.report_text import floor_line  # noqa: E402
 
 COLOURS = {"dedicated": "#7f7f7f", "request-level": "#1f77b4", "spatial": "#ff7f0e", "token-level": "#2ca02c"}
 _CSS = """
@@ -196,6 +197,7 @@ def to_html(report: Mapping[str, Any], images: Mapping[str, str]) -> str:
              f"<h1>Capacity report: {report['fleet']['num_models']} models on {e(gpu)}</h1>",
              f"<small>{e(report['generated_by'])}</small>",
              f"<div class='headline'>{e(report['headline']['sentence'])}.</div>",
+             f"<p>{e(floor_line(report))}</p>",
              f"<p>Target: <b>{report['slo_target']:.1%}</b> SLO attainment under the <b>{e(report['slo_metric'])}</b> "
              f"metric: {e(report['slo_metric_definition'])}. Workload: {e(report['workload']['description'])}, "
              f"{report['workload']['num_requests']} requests over {report['workload']['duration_s']:g} s "

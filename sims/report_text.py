@@ -8,10 +8,18 @@ from pathlib import Path
 from typing import Any
 
 
+def floor_line(report: Mapping[str, Any]) -> str:
+    floor = report["floor"]
+    ratio = "" if floor["ratio_to_dedicated"] is None else f" ({floor['ratio_to_dedicated']:.2f}x dedicated)"
+    classes = ", ".join(f"TP{tp} {c['gpus']}" for tp, c in floor["classes"].items())
+    return (f"Floor: {floor['gpus']} {report['gpu'].upper()}s{ratio} - {floor['definition']} ({classes}).")
+
+
 def to_markdown(report: Mapping[str, Any]) -> str:
     gpu = report["gpu"].upper()
     lines = [f"# Capacity report: {report['fleet']['num_models']} models on {gpu}", "",
              f"**{report['headline']['sentence']}.**", "",
+             floor_line(report), "",
              f"Target: {report['slo_target']:.1%} SLO attainment, {report['slo_metric']} metric "
              f"({report['slo_metric_definition']}).", "",
              f"Workload: {report['workload']['description']} - {report['workload']['num_requests']} requests over "

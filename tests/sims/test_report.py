@@ -71,6 +71,32 @@ def test_json_carries_everything_the_report_shows(written: tuple[pathlib.Path, d
     assert report["tries"] and report["what_if"][0]["tpot_slo_factor"] == 2.0
 
 
+def test_the_floor_is_under_every_answer_and_in_the_text(written: tuple[pathlib.Path, dict]) -> None:
+    out, report = written
+    floor = report["floor"]
+    assert floor["gpus"] == sum(c["gpus"] for c in floor["classes"].values()) >= 1
+    for policy, entry in report["policies"].items():
+        if entry["met"]:  # a floor above something the simulator achieved would be wrong
+            assert entry["gpus"] >= floor["gpus"], policy
+    assert floor["classes"]["1"]["decode_load"] > 0 and floor["classes"]["1"]["prefill_load"] > 0
+    assert f"Floor: {floor['gpus']} H20s" in (out / "report.md").read_text()
+
+
+def test_decode_floor_batches_every_active_request_at_slo_pace() -> None:
+    import numpy as np
+
+    from sims.capacity_eval import decode_floor_load
+    from sims.workload import Workload
+    from tests.factories import LinearCosts
+
+    costs = LinearCosts(step_s=0.01, per_token_s=0.0)
+    # two requests of m0: [0, 1) and [0.5, 1.5) at 0.1 s per token; m1 gets none
+    work = Workload(np.array([0.0, 0.5]), np.array([0, 0], dtype=np.int32), np.array([100, 100], dtype=np.int32),
+                    np.array([10, 10], dtype=np.int32), ("m0", "m1"), "test", 2.0)
+    steps = decode_floor_load(work, costs, {"m0": 0.1, "m1": 0.1}, {"m0": 4096, "m1": 4096})
+    assert steps == pytest.approx(15 * costs.decode_step_s("m0", 1, 0))  # 5 + 5 (shared) + 5 steps
+
+
 def test_markdown_and_csv(written: tuple[pathlib.Path, dict]) -> None:
     out, report = written
     text = (out / "report.md").read_text()
