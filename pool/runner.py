@@ -65,6 +65,7 @@ class InstanceRunner:
         self._steps = 0
         self._finished: list[str] = []
         self._imports: list[tuple[str, list[str]]] = []
+        self._importing: list[str] = []  # request ids of the import_kv in flight
 
     @property
     def busy(self) -> bool:
@@ -218,10 +219,17 @@ class InstanceRunner:
 
     def _swap_in_result(self, action: SwapIn, result: Any) -> list[Event]:
         if self._stage == "export_kv":
-            self._imports.pop(0)
-            self._call("import_kv", result, transfer=True)
+            _, ids = self._imports.pop(0)
+            # one export per id, in order (none when the home instance was lost); a request cancelled while
+            # its KV was on the way is not imported: nobody would release it here
+            kept = [(rid, export) for rid, export in zip(ids, result) if self._live([rid])]
+            self._importing = [rid for rid, _ in kept]
+            self._call("import_kv", [export for _, export in kept], transfer=True)
             return []
         if self._stage == "import_kv":
+            gone = [rid for rid in self._importing if not self._live([rid])]  # cancelled during the import
+            if gone:
+                self._issue(self.instance_id, "release", (gone,), {"fire_and_forget": True})
             self._swap_in_next(action)
             return []
         return [KvMoved(self.instance_id, action.request_ids, "device")]
