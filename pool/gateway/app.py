@@ -266,9 +266,21 @@ def create_app(pool: LivePool, settings: GatewaySettings | None = None) -> FastA
     app.add_middleware(AuthMiddleware, keys=gateway.keys)
     # endpoints are async: FastAPI runs sync ones on a thread pool, a hop every request would pay
 
+    shared: dict[str, Any] = {}  # nested models, as components: a `#/$defs/...` ref would dangle in the document
+
     def body_schema(model: type[BaseModel]) -> dict[str, Any]:
-        return {"requestBody": {"required": True,
-                                "content": {"application/json": {"schema": model.model_json_schema()}}}}
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        shared.update(schema.pop("$defs", {}))
+        return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+    openapi = app.openapi
+
+    def openapi_with_shared() -> dict[str, Any]:
+        document = openapi()
+        document.setdefault("components", {}).setdefault("schemas", {}).update(shared)
+        return document
+
+    app.openapi = openapi_with_shared  # type: ignore[method-assign]
 
     @app.get("/health", tags=["ops"])
     async def health() -> Response:
