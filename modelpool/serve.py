@@ -284,7 +284,10 @@ def ray_init(address: str | None, num_instances: int) -> None:
 
     if ray.is_initialized():
         return
-    if address is None:  # the embedded cluster: loopback only, room for every CPU slot
+    if address is None:  # the embedded cluster, room for every CPU slot
+        # Ray turns a loopback node address into the routable one and listens on every interface whatever it is
+        # told; its token auth (its default for a new local cluster, so RAY_AUTH_MODE is left alone) is what keeps
+        # its job agent, which runs any command it is sent, closed to the network.
         ray.init(include_dashboard=False, log_to_driver=False, num_cpus=max(os.cpu_count() or 1, num_instances),
                  _node_ip_address="127.0.0.1")
     else:
@@ -330,7 +333,6 @@ def serve_command(
 
     if engine not in ("torch", "vllm", "sim"):
         raise typer.BadParameter(f"unknown engine {engine!r}; choose torch, vllm or sim", param_hint="--engine")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     backend = backend or ("threads" if engine == "sim" else "ray")
