@@ -33,6 +33,7 @@ import argparse
 import dataclasses
 import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -112,6 +113,18 @@ def write_vidur_trace(workload, path: Path) -> None:  # noqa: ANN001
             out.write(f"{at:.6f},{num_in},{num_out}\n")
 
 
+def run_vidur(command: str) -> dict[str, float]:
+    """Run Vidur through vidur_timed_main.py and return its VIDUR_TIMING figures."""
+    done = subprocess.run(command, shell=True, capture_output=True, text=True, check=False)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("VIDUR_TIMING ")]
+    if done.returncode or not lines:
+        raise SystemExit(f"vidur command failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    timing = json.loads(lines[-1].removeprefix("VIDUR_TIMING "))
+    print(f"vidur: event loop {timing['event_loop_s']} s wall, {timing['event_loop_cpu_s']} s CPU, "
+          f"{timing['batches']} iterations")
+    return timing
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=3, help="runs; the median is reported")
@@ -122,6 +135,8 @@ def main() -> None:
     parser.add_argument("--vidur-iterations", type=int, default=97_000,
                         help="Vidur's model iterations on the same workload (default: ~8.1k/s x 12 s, issue 3)")
     parser.add_argument("--vidur-label", default="issue 3's figure", help="where the Vidur numbers come from")
+    parser.add_argument("--vidur-command", help="run Vidur now, side by side (a shell command ending in "
+                        "benchmarks/vidur_timed_main.py and Vidur's options; BENCHMARKS.md has it), and use its timing")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/vidur_compare.json")
     args = parser.parse_args()
     workload = comparison_workload()
@@ -131,6 +146,10 @@ def main() -> None:
     if args.write_vidur_trace:
         write_vidur_trace(workload, args.write_vidur_trace)
         print(f"wrote {args.write_vidur_trace}")
+    if args.vidur_command:
+        timing = run_vidur(args.vidur_command)
+        args.vidur_event_loop_s, args.vidur_iterations = timing["event_loop_s"], timing["batches"]
+        args.vidur_label = "measured in this run"
     runs = [run_once(workload) for _ in range(args.repeat)]
     loop_s = statistics.median(r["event_loop_s"] for r in runs)
     ours = {**runs[0], "event_loop_s": loop_s, "event_loop_cpu_s": statistics.median(r["event_loop_cpu_s"] for r in runs),

@@ -91,7 +91,7 @@ class PolicyBase:
 
     def __init__(self, models: Mapping[str, ModelProfile], instances: Sequence[InstanceSpec], costs: CostModel, *,
                  max_batch_size: int = 256, max_prefill_tokens: int = 8192, rng: random.Random | None = None,
-                 chunked_prefill_tokens: int | None = None) -> None:
+                 chunked_prefill_tokens: int | None = None, keep_ended: bool = True) -> None:
         if chunked_prefill_tokens is not None:
             if not self.supports_chunked_prefill:
                 raise ValueError(f"policy {self.name!r} does not support chunked prefill")
@@ -108,6 +108,10 @@ class PolicyBase:
         self._queued_news = True  # a request joined a queue since the last _plan
         self.rng = rng or random.Random(0)
         self.requests: dict[str, Request] = {}
+        # keep_ended=False (a long-running pool): a request that ended leaves `requests` at the start of the next
+        # schedule() call, so memory holds live requests only; a later event naming it is ignored for it
+        self.keep_ended = keep_ended
+        self._ended: list[str] = []
         self.queues: dict[str, deque[str]] = {name: deque() for name in self.models}  # QUEUED, not yet placed
         self.instances: dict[str, InstanceState] = {}
         self._failed: list[tuple[str, str]] = []
@@ -161,8 +165,8 @@ class PolicyBase:
         elif isinstance(event, KvMoved):
             inst.running_cache = None
             for rid in event.request_ids:
-                req = self.requests[rid]
-                if req.done:
+                req = self.requests.get(rid)
+                if req is None or req.done:
                     continue
                 if event.to == "host" and req.status is RUNNING:
                     transition(req, SWAPPED)
@@ -173,6 +177,11 @@ class PolicyBase:
             self._dirty = True
 
     def schedule(self, now: float) -> Plan:
+        if self._ended:
+            if not self.keep_ended:
+                for rid in self._ended:
+                    self.requests.pop(rid, None)
+            self._ended.clear()
         if not self._dirty and not self._failed and self.skip_quiet_schedules:
             return Plan(at=now)
         actions = self._plan(now)
@@ -244,6 +253,7 @@ class PolicyBase:
     def _fail(self, request: Request, why: str) -> None:
         self._release(request)
         transition(request, FAILED, why)
+        self._ended.append(request.request_id)
         self._forget(request)
         self._failed.append((request.request_id, why))
 
@@ -284,7 +294,9 @@ class PolicyBase:
         to_host = isinstance(action, Prefill) and action.kv_to_host
         steps, requests = event.num_steps, self.requests
         for rid in event.request_ids:
-            req = requests[rid]
+            req = requests.get(rid)
+            if req is None:
+                continue  # ended and forgotten (keep_ended=False)
             status = req.status
             if status in TERMINAL:
                 continue
@@ -292,6 +304,7 @@ class PolicyBase:
             if (finished and rid in finished) or req.num_output_tokens >= req.max_output_tokens:
                 self._release(req)
                 transition(req, FINISHED)
+                self._ended.append(rid)
                 self._forget(req)
             elif status is PREFILLING:
                 if to_host:
@@ -310,6 +323,7 @@ class PolicyBase:
             self._drop_from_queue(req)
         self._release(req)
         transition(req, CANCELLED, event.reason)
+        self._ended.append(req.request_id)
         self._forget(req)
 
     def _drop_from_queue(self, req: Request) -> None:
@@ -339,7 +353,8 @@ class PolicyBase:
         inst.kv_used_bytes = 0.0
 
     def live(self, ids: Iterable[str]) -> list[str]:
-        return [rid for rid in ids if self.requests[rid].status not in TERMINAL]
+        requests = self.requests
+        return [rid for rid in ids if rid in requests and requests[rid].status not in TERMINAL]
 
     def take_prefill_batch(self, inst: InstanceState, queue: deque[str], running: int = 0) -> list[Request]:
         """Pop queued requests FCFS that fit the instance's KV, the batch cap and the token budget."""

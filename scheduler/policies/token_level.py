@@ -288,7 +288,7 @@ class TokenLevelPolicy(PolicyBase):
         if pending is None:
             return []
         stage, ids = pending
-        live = [rid for rid in ids if self.requests[rid].status is S.RUNNING]
+        live = [rid for rid in ids if rid in self.requests and self.requests[rid].status is S.RUNNING]
         if not live:
             return []
         if stage == "decode":
@@ -326,7 +326,8 @@ class TokenLevelPolicy(PolicyBase):
                               f"{batch.model}'s batch is due first")
 
     def _live(self, inst: InstanceState, ids: list[str]) -> list[str]:
-        return [rid for rid in ids if not self.requests[rid].done and self.requests[rid].instance_id == inst.instance_id]
+        requests, iid = self.requests, inst.instance_id
+        return [rid for rid in ids if rid in requests and not requests[rid].done and requests[rid].instance_id == iid]
 
     def _pack(self, inst: InstanceState, state: DecodeState) -> list[Batch]:
         """Members in same-model batches (FCFS within a model) that each fit the device KV."""
@@ -426,8 +427,9 @@ class TokenLevelPolicy(PolicyBase):
         if isinstance(event, KvMoved):
             if event.to == "host" and inst.spec.role == "prefill":  # the hand-off after the first tokens
                 for rid in event.request_ids:
-                    if self.requests[rid].status is S.SWAPPED:
-                        self._join_decoder(self.requests[rid])
+                    req = self.requests.get(rid)
+                    if req is not None and req.status is S.SWAPPED:
+                        self._join_decoder(req)
             return
         if not isinstance(event, StepDone):
             return
@@ -436,7 +438,9 @@ class TokenLevelPolicy(PolicyBase):
             state.steps_left -= event.num_steps
         elif event.kind == "prefill":
             for rid in event.request_ids:
-                req = self.requests[rid]
+                req = self.requests.get(rid)
+                if req is None:
+                    continue  # ended and forgotten (keep_ended=False)
                 if not req.done:
                     self.first_token_at[rid] = now
                 if req.status is S.SWAPPED:

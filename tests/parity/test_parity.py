@@ -34,7 +34,7 @@ def test_plan_logs_of_simulator_and_pool_are_identical(policy: str) -> None:
               kv_bytes_per_token={n: m.kv_bytes_per_token for n, m in models.items()}, plan_log=sim_log).run()
 
     pool_log = io.StringIO()
-    pool_sched = make_scheduler(policy, models, instances, costs)
+    pool_sched = make_scheduler(policy, models, instances, costs, keep_ended=False)  # as the live pool runs it
     controller = run_pool(pool_sched, costs, [i.instance_id for i in instances], trace, pool_log)
 
     sim_lines, pool_lines = sim_log.getvalue().splitlines(), pool_log.getvalue().splitlines()
@@ -43,4 +43,5 @@ def test_plan_logs_of_simulator_and_pool_are_identical(policy: str) -> None:
         assert a == b, f"plan {k} differs:\nsim:  {a}\npool: {b}"
     assert len(sim_lines) == len(pool_lines)
     assert controller.requests == {}  # every request finished and left the table
-    assert all(r.status.value == "finished" for r in pool_sched.requests.values())
+    assert all(r.status.value == "finished" for r in sim_sched.requests.values()) and len(sim_sched.requests) == 50
+    assert pool_sched.requests == {}  # keep_ended=False: the scheduler forgot every request once it ended

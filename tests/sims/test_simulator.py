@@ -245,3 +245,23 @@ def test_two_model_slots_a_model_switched_away_from_comes_back_without_a_copy() 
     done = [now for kind, name, now in sched.calls if name == "SwitchDone"]
     assert done == [0.5, 1.0, 1.0, 1.5]  # m0 copied, m1 copied, m0 back for free, m2 copied
     assert sim.devices["i0"].switch_s == 1.5
+
+
+@pytest.mark.parametrize("policy,roles", [("token-level", ("prefill", "decode", "decode", "mixed")),
+                                          ("dedicated", None), ("spatial", None), ("request-level", None)])
+def test_forgetting_ended_requests_changes_no_decision(policy, roles) -> None:
+    """keep_ended=False (the live pool's setting) drops a request from the scheduler once it ended; late events
+    that still name it (a lost instance's, a step that included it) are ignored for it: same Plan log, nothing kept."""
+    from scheduler.request import TERMINAL
+
+    def log_of(keep: bool) -> tuple[str, int, int]:
+        models = make_models(3)
+        log = io.StringIO()
+        _, sched = run_sim(policy, models, make_instances(4, roles=roles), make_workload(300, list(models), seed=4),
+                           plan_log=log, faults=[(30.0, "i1")], keep_ended=keep)
+        live = sum(r.status not in TERMINAL for r in sched.requests.values())
+        return log.getvalue(), len(sched.requests), live
+
+    kept, forgot = log_of(True), log_of(False)
+    assert kept[1] == 300 and forgot[1] == forgot[2] == kept[2]  # only the never-ended stay (dedicated: the lost
+    assert forgot[0] == kept[0]                                  # instance's model has nowhere to go)
