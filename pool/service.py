@@ -229,7 +229,7 @@ class LivePool:
                     engines[iid].load(name, Path(path))
             backend = InProcessBackend(engines) if self.backend_kind == "inprocess" else ThreadBackend(engines)
         scheduler = make_scheduler(self.policy, {n: m.profile for n, m in self.models.items()}, self.instances,
-                                   self.costs, **self.policy_options)
+                                   self.costs, **{"keep_ended": False, **self.policy_options})  # hold live requests only
         self._infos = [ModelInfo(name, m.path, _max_model_len(m, scheduler), _vocab_size(m.path))
                        for name, m in self.models.items()]
         self.controller = Controller(scheduler, backend, self.clock, ids, plan_log=self.plan_log)

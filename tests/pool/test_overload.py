@@ -187,9 +187,7 @@ def test_memory_stays_flat_across_floods(floods_growth):
     print(f"3 floods of {FLOOD_CLIENTS * FLOOD_EACH} requests ({floods}): objects the third added {dict(growth)}")
 
 
-@pytest.mark.xfail(strict=True, reason="the scheduler keeps every ended Request in scheduler.requests and the "
-                                       "controller never drops them: one record per served request, forever")
-def test_the_scheduler_forgets_ended_requests(floods_growth):
+def test_the_scheduler_forgets_ended_requests(floods_growth):  # the live pool runs it with keep_ended=False
     growth, floods = floods_growth
     assert growth["Request"] < FLOOD_CLIENTS * FLOOD_EACH / 4, (growth["Request"], floods)
 
