@@ -45,21 +45,20 @@ class Flood:
     short_answers: int = 0  # 200s with fewer tokens than asked
 
 
-async def _client(url: str, bodies: list[dict[str, object]], num_requests: int, stop: threading.Event,
-                  seen: Flood) -> None:
-    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
-        for k in range(num_requests):
-            if stop.is_set():
-                return
-            body = bodies[k % len(bodies)]
-            answer = await client.post("/v1/completions", json=body)
-            seen.statuses[answer.status_code] += 1
-            if answer.status_code == 200:
-                seen.short_answers += answer.json()["usage"]["completion_tokens"] != body["max_tokens"]
-            else:
-                seen.codes[answer.json()["error"]["code"]] += 1
-                seen.retry_after[answer.headers.get("retry-after", "missing")] += 1
-                await asyncio.sleep(0.005)  # a client that ignores Retry-After, but not a busy loop
+async def _client(client: httpx.AsyncClient, bodies: list[dict[str, object]], num_requests: int,
+                  stop: threading.Event, seen: Flood) -> None:
+    for k in range(num_requests):
+        if stop.is_set():
+            return
+        body = bodies[k % len(bodies)]
+        answer = await client.post("/v1/completions", json=body)
+        seen.statuses[answer.status_code] += 1
+        if answer.status_code == 200:
+            seen.short_answers += answer.json()["usage"]["completion_tokens"] != body["max_tokens"]
+        else:
+            seen.codes[answer.json()["error"]["code"]] += 1
+            seen.retry_after[answer.headers.get("retry-after", "missing")] += 1
+            await asyncio.sleep(0.02)  # a client that ignores Retry-After, but not a busy loop
 
 
 def flood(url: str, bodies: list[dict[str, object]], concurrency: int, stop: threading.Event,
@@ -69,8 +68,11 @@ def flood(url: str, bodies: list[dict[str, object]], concurrency: int, stop: thr
     seen = Flood()
 
     async def run() -> None:
-        await asyncio.gather(*(_client(url, bodies[k:] + bodies[:k], per_client, stop, seen)
-                               for k in range(concurrency)))
+        # one client, a connection per flooder (a client each would spend seconds building SSL contexts)
+        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+        async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
+            await asyncio.gather(*(_client(client, bodies[k:] + bodies[:k], per_client, stop, seen)
+                                   for k in range(concurrency)))
 
     thread = threading.Thread(target=asyncio.run, args=(run(),), daemon=True)
     thread.start()
@@ -146,7 +148,7 @@ def test_a_flood_on_one_model_gets_429_with_retry_after_and_its_queue_stays_at_t
 def test_a_flood_on_every_model_gets_503_when_the_pool_is_full(small_pool):
     url = small_pool
     stop = threading.Event()
-    thread, seen = flood(url, [body(m, 100) for m in MODELS], concurrency=36, stop=stop)
+    thread, seen = flood(url, [body(m, 40) for m in MODELS], concurrency=36, stop=stop)
     peak = watch(url, thread, stop, lambda: seen.statuses[503] >= 100 and seen.statuses[200] >= 20)
     assert set(seen.statuses) <= {200, 429, 503} and seen.statuses[503] >= 100 and seen.statuses[200] >= 20, seen
     assert seen.codes["pool_full"] == seen.statuses[503] and seen.codes["model_queue_full"] == seen.statuses[429]
@@ -179,6 +181,7 @@ def floods_growth(served) -> tuple[Counter[str], list[dict[int, int]]]:
     return counts[2] - counts[1], floods
 
 
+@pytest.mark.slow
 def test_memory_stays_flat_across_floods(floods_growth):
     """The gateway and the pool keep nothing per request, refused or served (one object each would be 192)."""
     growth, floods = floods_growth
@@ -187,6 +190,7 @@ def test_memory_stays_flat_across_floods(floods_growth):
     print(f"3 floods of {FLOOD_CLIENTS * FLOOD_EACH} requests ({floods}): objects the third added {dict(growth)}")
 
 
+@pytest.mark.slow
 def test_the_scheduler_forgets_ended_requests(floods_growth):  # the live pool runs it with keep_ended=False
     growth, floods = floods_growth
     assert growth["Request"] < FLOOD_CLIENTS * FLOOD_EACH / 4, (growth["Request"], floods)
