@@ -44,9 +44,15 @@ def load_fleet(path: str | Path) -> Fleet:
     """Read, resolve (catalogue keys, local config.json folders) and validate a fleet file."""
     path = Path(path)
     try:
-        text = path.read_text()
+        data = path.read_bytes()
     except OSError as exc:
         raise FleetFileError([Problem(str(path), 0, 0, "(file)", f"cannot read: {exc.strerror or exc}")]) from None
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line_start = data.rfind(b"\n", 0, exc.start) + 1
+        raise FleetFileError([Problem(str(path), data.count(b"\n", 0, exc.start) + 1, exc.start - line_start + 1,
+                                      "(file)", f"not UTF-8 text: byte {data[exc.start]:#04x}")]) from None
     return parse_fleet(text, str(path), base_dir=path.parent)
 
 
@@ -61,7 +67,7 @@ def parse_fleet(text: str, source: str = "<fleet>", base_dir: Path | None = None
         raise FleetFileError([Problem(source, line, col, "(yaml)", str(getattr(exc, "problem", exc)))]) from None
     if node is None:
         raise FleetFileError([Problem(source, 1, 1, "(file)", "empty fleet file; it needs at least `models:`")])
-    data = _to_python(node, (), lines, problems, source)
+    data = _NodeReader(source, lines, problems).read(node, ())
     if not isinstance(data, dict):
         raise FleetFileError([Problem(source, 1, 1, "(file)", f"the top level must be a mapping, got {type(data).__name__}")])
     _resolve_arch_folders(data, base_dir or Path("."), lines, problems, source)
@@ -84,7 +90,8 @@ def _whole_fleet_problems(data: dict[str, Any], lines: dict[Loc, tuple[int, int]
     except (ValidationError, AttributeError):
         return []
     entries: list[tuple[int, ModelEntry]] = []
-    for index, raw in enumerate(data.get("models") or []):
+    models = data.get("models")
+    for index, raw in enumerate(models if isinstance(models, list) else []):
         try:
             entries.append((index, ModelEntry.model_validate(raw)))
         except ValidationError:
@@ -95,23 +102,59 @@ def _whole_fleet_problems(data: dict[str, Any], lines: dict[Loc, tuple[int, int]
     return [p for p in out if (p.line, p.field) not in known]
 
 
-def _to_python(node: yaml.Node, loc: Loc, lines: dict[Loc, tuple[int, int]], problems: list[Problem],
-               source: str) -> Any:
-    lines[loc] = (node.start_mark.line + 1, node.start_mark.column + 1)
-    if isinstance(node, yaml.MappingNode):
+MAX_NODES = 100_000  # aliases can expand a few lines into billions of nodes
+
+
+class _NodeReader:
+    """YAML nodes to Python values, remembering each value's line and column; bad nodes become problems."""
+
+    def __init__(self, source: str, lines: dict[Loc, tuple[int, int]], problems: list[Problem]) -> None:
+        self.source, self.lines, self.problems = source, lines, problems
+        self.scalars = yaml.constructor.SafeConstructor()
+        self.num_nodes = 0
+        self.open: set[int] = set()  # ids of the collections being read: an alias back to one is a cycle
+
+    def problem(self, node: yaml.Node, loc: Loc, message: str) -> None:
+        self.problems.append(Problem(self.source, node.start_mark.line + 1, node.start_mark.column + 1,
+                                     _dotted(loc), message))
+
+    def read(self, node: yaml.Node, loc: Loc) -> Any:
+        self.lines[loc] = (node.start_mark.line + 1, node.start_mark.column + 1)
+        self.num_nodes += 1
+        if self.num_nodes > MAX_NODES:
+            if self.num_nodes == MAX_NODES + 1:
+                self.problem(node, loc, f"more than {MAX_NODES} values (aliases expanding?)")
+            return None
+        if isinstance(node, yaml.ScalarNode):
+            try:
+                return self.scalars.construct_object(node, deep=True)
+            except Exception as exc:  # noqa: BLE001 - PyYAML's constructors raise anything for a bad tagged value (`!!int`: IndexError)
+                self.problem(node, loc, f"unreadable value {node.value[:40]!r}: {getattr(exc, 'problem', exc)}")
+                return None
+        if id(node) in self.open:
+            self.problem(node, loc, "an alias that contains itself")
+            return None
+        self.open.add(id(node))
+        try:
+            if isinstance(node, yaml.SequenceNode):
+                return [self.read(child, loc + (i,)) for i, child in enumerate(node.value)]
+            return self._mapping(node, loc)
+        finally:
+            self.open.discard(id(node))
+
+    def _mapping(self, node: yaml.MappingNode, loc: Loc) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for key_node, value_node in node.value:
+            if not isinstance(key_node, yaml.ScalarNode):
+                self.problem(key_node, loc, "a key must be plain text, not a list or mapping")
+                continue
             key = key_node.value
             if key in out:
-                problems.append(Problem(source, key_node.start_mark.line + 1, key_node.start_mark.column + 1,
-                                        _dotted(loc + (key,)), f"duplicate key {key!r}"))
+                self.problem(key_node, loc + (key,), f"duplicate key {key!r}")
                 continue
-            out[key] = _to_python(value_node, loc + (key,), lines, problems, source)
-            lines[loc + (key,)] = (key_node.start_mark.line + 1, key_node.start_mark.column + 1)
+            out[key] = self.read(value_node, loc + (key,))
+            self.lines[loc + (key,)] = (key_node.start_mark.line + 1, key_node.start_mark.column + 1)
         return out
-    if isinstance(node, yaml.SequenceNode):
-        return [_to_python(child, loc + (i,), lines, problems, source) for i, child in enumerate(node.value)]
-    return yaml.safe_load(yaml.serialize(node))
 
 
 def _resolve_arch_folders(data: dict[str, Any], base_dir: Path, lines: dict[Loc, tuple[int, int]],
