@@ -97,6 +97,44 @@ def test_disconnect_mid_stream_cancels_and_frees_kv_at_once(served):
         assert took_s < 6000 * FAST.step / 2  # far sooner than the request would have ended on its own
 
 
+SLOW_PREFILL = LinearCosts(step_s=0.002, prefill_per_token_s=2e-3, switch_s=0.01)
+
+
+@pytest.fixture(scope="module")
+def slow_prefill() -> Iterator[str]:
+    """A pool whose prompts take about a second to prefill (500 tokens), so a client can leave before its first token."""
+    pool = sim_pool(costs=SLOW_PREFILL).start()
+    with BackgroundServer(create_app(pool)) as server:
+        yield server.url
+    pool.stop()
+
+
+def test_disconnect_before_the_first_token_cancels_the_request(slow_prefill):
+    url = slow_prefill
+    prompt = list(range(100, 600))  # token ids: 500 of them, ~1 s of prefill
+    sock = open_stream(url, {"model": "alpha", "prompt": prompt, "max_tokens": 2000, "ignore_eos": True})
+    read_until(sock, b"200 OK")  # the headers go out at once; no token yet
+    assert wait_until(lambda: allocated(status(url))["queued"] == 1, 2.0)
+    held = allocated(status(url))
+    assert held["running"] == 0 and held["requests_in_pool"] == 1, held
+    sock.close()
+    prefill_s = 500 * SLOW_PREFILL.prefill_per_token
+    freed, left, took_s = wait_empty(url, prefill_s + FREED_WITHIN_S)  # at the latest when its prefill ends
+    assert freed, left
+    time.sleep(max(0.0, prefill_s + 0.2 - took_s))  # and nothing comes back once the prefill under way has ended
+    assert not any(allocated(status(url)).values()), allocated(status(url))
+    print(f"left before its first token: freed in {took_s:.2f} s")
+
+
+def test_disconnect_while_waiting_for_a_whole_answer(slow_prefill):
+    url = slow_prefill
+    body = {"model": "beta", "prompt": "x", "max_tokens": 4000, "ignore_eos": True}  # ~8 s of decoding
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/completions", json=body, timeout=httpx.Timeout(5, read=0.5))
+    freed, left, took_s = wait_empty(url, FREED_WITHIN_S)
+    assert freed, left
+
+
 def test_a_client_that_stops_reading_is_cancelled_with_a_bounded_buffer(served):
     _, url = served
     before = status(url)["gateway"]["slow_client_cancels"]
@@ -140,7 +178,6 @@ def test_a_reader_that_keeps_up_is_never_cut_by_the_buffer_bound(served):
     assert status(url)["gateway"]["slow_client_cancels"] == before
 
 
-@pytest.mark.slow
 def test_fifty_streams_dropped_at_once_leave_nothing_allocated_and_others_keep_going(served):
     _, url = served
     num_streams = 50
