@@ -315,6 +315,11 @@ def serve_command(
     max_queued_per_model: int = typer.Option(256, "--max-queued-per-model", help="Waiting requests per model "
                                              "before 429."),
     max_requests: int = typer.Option(4096, "--max-requests", help="Requests in the pool before 503."),
+    max_requests_per_model: int = typer.Option(0, "--max-requests-per-model", help="Requests of one model in the "
+                                               "pool before 429, so one model's flood leaves room for the others "
+                                               "(0 = no cap)."),
+    max_buffered_tokens: int = typer.Option(1024, "--max-buffered-tokens", help="Unread tokens a stream may hold "
+                                            "before its request is cancelled (slow_client)."),
     default_max_tokens: int = typer.Option(1024, "--default-max-tokens", help="max_tokens of a chat that sets none."),
     kv_mib: int | None = typer.Option(None, "--kv-mib", help="Device KV per instance in MiB (default: 128 on a "
                                       "CPU slot, what fits on a GPU)."),
@@ -353,6 +358,8 @@ def serve_command(
         api_keys=tuple(read_keys(api_key, api_key_file, API_KEY_ENV)),
         admin_keys=tuple(read_keys(admin_key, admin_key_file, ADMIN_KEY_ENV)),
         default_chat_max_tokens=default_max_tokens,
+        max_requests_per_model=max_requests_per_model or None,
+        max_buffered_tokens=max_buffered_tokens,
         owned_by="modelpool-sim" if dep.engine.kind == "sim" else "modelpool",
         fingerprint="modelpool-sim" if dep.engine.kind == "sim" else None)
     log_file = plan_log.open("w") if plan_log else None

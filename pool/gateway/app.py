@@ -50,6 +50,9 @@ class GatewaySettings:
     default_chat_max_tokens: int = 1024  # a chat without max_tokens gets at most this many
     max_body_bytes: int = 8 << 20  # larger bodies get 413
     max_buffered_tokens: int = 1024  # unread tokens one stream may hold before its request is cancelled
+    # requests of one model in the pool (waiting or generating) before 429 model_share_full; None = no cap. With
+    # it, one model's flood cannot take every `max_requests` slot and turn the other models' requests into 503s.
+    max_requests_per_model: int | None = None
     unavailable_retry_after_s: float = 5.0  # Retry-After when the pool is down
     owned_by: str = "modelpool"  # /v1/models owned_by
     fingerprint: str | None = None  # system_fingerprint on every response (e.g. 'modelpool-sim')
@@ -172,6 +175,15 @@ class Gateway:
             raise validation_error(exc.errors()) from None
 
     def _submit(self, request_id: str, model: str, prepared: Prepared, sink: TokenQueue) -> None:
+        cap = self.settings.max_requests_per_model
+        if cap is not None:
+            queued, running = self.pool.load().get(model, (0, 0))
+            if queued + running >= cap:
+                self.pool.num_rejected[(model, "share_full")] += 1  # submit's counts are made on this thread too
+                self.metrics.error(model, 429)
+                raise APIError(429, f"{queued + running} requests of {model!r} are in the pool already, its share "
+                               "limit", type="rate_limit_error", code="model_share_full",
+                               retry_after_s=self.pool.retry_after_s)
         try:
             self.pool.submit(request_id, model, prepared.prompt_ids, prepared.sampling, sink)
         except QueueFull as exc:

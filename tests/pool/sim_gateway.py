@@ -7,12 +7,14 @@ its pace is set by `LinearCosts`.
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from pool.actor import EngineSpec
 from pool.service import LivePool, ServedModel, slot_instances
@@ -21,6 +23,8 @@ from tests.factories import LinearCosts
 
 MODELS = ("alpha", "beta", "gamma")
 GB = 1e9
+LOGGERS = ("", "uvicorn", "uvicorn.error", "uvicorn.access", "modelpool", "modelpool.gateway", "modelpool.pool",
+           "fastapi")
 
 
 def sim_models(names: Sequence[str] = MODELS, *, kv_per_token: int = 1000, ttft_s: float = 1.0,
@@ -79,3 +83,15 @@ def wait_empty(url: str, timeout_s: float) -> tuple[bool, dict[str, int], float]
 
     ok = bool(wait_until(empty, timeout_s))
     return ok, last, time.monotonic() - started
+
+
+@pytest.fixture
+def keep_logging() -> Iterator[None]:
+    """Each uvicorn config replaces uvicorn's log handlers (under CliRunner or capfd, with ones on a stream that is
+    closed afterwards): put the old ones back."""
+    loggers = [logging.getLogger(name) for name in LOGGERS]
+    saved = [(logger.level, list(logger.handlers)) for logger in loggers]
+    yield
+    for logger, (level, handlers) in zip(loggers, saved):
+        logger.setLevel(level)
+        logger.handlers[:] = handlers

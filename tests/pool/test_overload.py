@@ -15,15 +15,19 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 import pytest
+import uvicorn
+from typer.testing import CliRunner
 
-from pool.gateway import create_app
+from modelpool.cli import app as cli
+from pool.gateway import GatewaySettings, create_app
 from pool.gateway.server import BackgroundServer
 from pool.service import LivePool
 from tests.factories import LinearCosts
-from tests.pool.sim_gateway import MODELS, allocated, sim_models, sim_pool, status, wait_empty
+from tests.pool.sim_gateway import MODELS, keep_logging, sim_models, sim_pool, status, wait_empty  # noqa: F401
 
 RETRY_AFTER_S = 2.0
 MAX_QUEUED = 4
@@ -237,3 +241,67 @@ def test_a_flood_on_one_model_leaves_another_models_ttft_within_its_slo(served):
     print(f"beta TTFT alone {max(alone) * 1e3:.0f} ms max; under alpha's flood ({dict(seen.statuses)}) "
           f"median {sorted(under_flood)[6] * 1e3:.0f} ms, max {max(under_flood) * 1e3:.0f} ms (SLO {TTFT_SLO_S} s), "
           f"{time.monotonic() - flooded_at:.1f} s")
+
+
+@pytest.fixture(scope="module")
+def shared() -> Iterator[tuple[str, str]]:
+    """One pool (16 requests at most) behind two gateways: without and with an 8-request share per model."""
+    pool = sim_pool(costs=COSTS, max_queued_per_model=16, max_requests=16, retry_after_s=RETRY_AFTER_S).start()
+    with BackgroundServer(create_app(pool)) as open_, \
+            BackgroundServer(create_app(pool, GatewaySettings(max_requests_per_model=8))) as capped:
+        yield open_.url, capped.url
+    pool.stop()
+
+
+def beta_while_alpha_floods(url: str) -> tuple[Counter[int], Flood, dict[str, int]]:
+    """Ten short beta requests, 0.1 s apart, while 32 clients flood alpha (more than the pool holds)."""
+    stop = threading.Event()
+    thread, seen = flood(url, [body("alpha", 64)], concurrency=32, stop=stop)
+    peaks: dict[str, int] = {}
+    watcher = threading.Thread(target=lambda: peaks.update(watch(url, thread, stop, timeout_s=60)), daemon=True)
+    watcher.start()
+    time.sleep(1.0)  # the flood has filled what it may
+    beta: Counter[int] = Counter()
+    with httpx.Client(base_url=url, timeout=30) as client:
+        for _ in range(10):
+            answer = client.post("/v1/completions", json=body("beta"))
+            beta[answer.status_code] += 1
+            time.sleep(0.1)
+    stop.set()
+    watcher.join()
+    return beta, seen, peaks
+
+
+def test_without_a_share_cap_one_models_flood_fills_the_pool_and_others_get_503(shared):
+    url, _ = shared
+    beta, seen, peaks = beta_while_alpha_floods(url)
+    assert peaks["in_pool:alpha"] >= 12 and beta[503] > 0, (beta, seen, peaks)
+    ok, left, _ = wait_empty(url, 10.0)
+    assert ok, left
+    print(f"no share cap: alpha held up to {peaks['in_pool:alpha']} of 16, beta got {dict(beta)}")
+
+
+def test_a_share_cap_keeps_room_for_other_models_under_a_flood(shared):
+    _, url = shared
+    beta, seen, peaks = beta_while_alpha_floods(url)
+    assert beta == {200: 10}, (beta, seen, peaks)
+    assert peaks["in_pool:alpha"] <= 8 and seen.codes["model_share_full"] > 0 and 503 not in seen.statuses, seen
+    assert seen.retry_after == {"2": seen.statuses[429]}
+    assert rejected(url, "alpha", "share_full") >= seen.codes["model_share_full"]
+    ok, left, _ = wait_empty(url, 10.0)
+    assert ok, left
+    print(f"share cap 8: alpha held up to {peaks['in_pool:alpha']} of 16 ({dict(seen.statuses)}), beta got {dict(beta)}")
+
+
+def test_serve_flags_set_the_admission_limits(monkeypatch, tmp_path, keep_logging):
+    gateways: list[Any] = []
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: gateways.append(self.config.app.state.gateway))
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text("pool: {gpu: h100, num_gpus: 2}\nmodels:\n  - {name: m, arch: qwen2.5-0.5b}\n")
+    flags = ["--max-queued-per-model", "3", "--max-requests", "9", "--max-requests-per-model", "5",
+             "--max-buffered-tokens", "77"]
+    result = CliRunner().invoke(cli, ["serve", "--engine", "sim", "--fleet", str(fleet), "--no-warmup", *flags])
+    assert result.exit_code == 0, result.output
+    (gateway,) = gateways
+    assert (gateway.pool.max_queued_per_model, gateway.pool.max_requests) == (3, 9)
+    assert (gateway.settings.max_requests_per_model, gateway.settings.max_buffered_tokens) == (5, 77)

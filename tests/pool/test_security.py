@@ -27,7 +27,7 @@ from modelpool.cli import app as cli
 from pool.gateway import GatewaySettings, create_app
 from pool.gateway.auth import Secret
 from pool.gateway.server import BackgroundServer, free_port, uvicorn_config
-from tests.pool.sim_gateway import sim_pool
+from tests.pool.sim_gateway import LOGGERS, keep_logging, sim_pool  # noqa: F401 (a fixture)
 
 REPO = Path(__file__).resolve().parents[2]
 USER_KEY = "sk-user-7f3a9c1e5b84"
@@ -110,21 +110,6 @@ def test_without_an_admin_key_the_api_keys_guard_pool_endpoints(pool):
         assert httpx.get(f"{server.url}/pool/status", headers=bearer(USER_KEY)).status_code == 200
 
 
-WATCHED = ("", "uvicorn", "uvicorn.error", "uvicorn.access", "modelpool", "modelpool.gateway", "modelpool.pool",
-           "fastapi")
-
-
-@pytest.fixture
-def keep_logging() -> Iterator[None]:
-    """Each uvicorn config replaces uvicorn's log handlers (here with ones on a captured stream): put them back."""
-    loggers = [logging.getLogger(name) for name in WATCHED]
-    saved = [(logger.level, list(logger.handlers)) for logger in loggers]
-    yield
-    for logger, (level, handlers) in zip(loggers, saved):
-        logger.setLevel(level)
-        logger.handlers[:] = handlers
-
-
 class _Records(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
@@ -142,7 +127,7 @@ def test_keys_never_reach_logs_status_metrics_or_answers(pool, capfd, keep_loggi
     port = free_port()
     records = _Records()
     server = uvicorn.Server(uvicorn_config(gateway_app, "127.0.0.1", port, log_level="info"))  # as `modelpool serve`
-    for logger in map(logging.getLogger, WATCHED):
+    for logger in map(logging.getLogger, LOGGERS):
         logger.addHandler(records)
         logger.setLevel(logging.DEBUG)
     thread = threading.Thread(target=server.run, daemon=True)
