@@ -329,12 +329,10 @@ def serve_command(
     plan_log: Path | None = typer.Option(None, "--plan-log", help="Write every Plan as JSONL here."),
 ) -> None:
     """Serve the pool behind one OpenAI-compatible endpoint (default: the demo fleet on this machine)."""
-    import uvicorn
-
     from modelpool.config import FleetFileError
     from pool.gateway import GatewaySettings, create_app
     from pool.gateway.auth import ADMIN_KEY_ENV, API_KEY_ENV, read_keys
-    from pool.gateway.server import uvicorn_config
+    from pool.gateway.server import GatewayServer, uvicorn_config
 
     if engine not in ("torch", "vllm", "sim"):
         raise typer.BadParameter(f"unknown engine {engine!r}; choose torch, vllm or sim", param_hint="--engine")
@@ -371,7 +369,7 @@ def serve_command(
     try:
         if warmup:
             typer.echo(f"Warmed up in {warm_up(pool):.1f} s.")
-        server = uvicorn.Server(uvicorn_config(create_app(pool, settings), host, port, log_level="info"))
+        server = GatewayServer(uvicorn_config(create_app(pool, settings), host, port, log_level="info"))
         url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
         text = banner(dep, pool, url, policy, bool(settings.api_keys))
 

@@ -59,8 +59,12 @@ class InstanceActor:
 
 
 def start_actors(instances: Mapping[str, int], spec: EngineSpec, models: Mapping[str, str], *,
-                 use_gpus: bool, threads: int = 1) -> dict[str, Any]:
+                 use_gpus: bool, threads: int = 1, timeout_s: float | None = None) -> dict[str, Any]:
     """One actor per instance id (value: its GPU count); returns once every engine has loaded its models.
+
+    Past `timeout_s` (None: no limit) the actors started are killed and
+    `TimeoutError` is raised: a restart must not wait for ever on a cluster
+    that has no room left.
 
     An instance of several GPUs (tensor parallel) gets a placement group of
     that many GPU bundles packed on one node, and its actor holds them all;
@@ -87,5 +91,10 @@ def start_actors(instances: Mapping[str, int], spec: EngineSpec, models: Mapping
                 options["num_gpus"] = 1  # the actor's own bundle; the engine's workers take the rest
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
         actors[instance_id] = remote.options(**options).remote(instance_id, spec, dict(models), threads)
-    ray.get([actor.ready.remote() for actor in actors.values()])  # type: ignore[attr-defined]
+    try:
+        ray.get([actor.ready.remote() for actor in actors.values()], timeout=timeout_s)  # type: ignore[attr-defined]
+    except ray.exceptions.GetTimeoutError:
+        for actor in actors.values():
+            ray.kill(actor)  # type: ignore[arg-type]
+        raise TimeoutError(f"instances {sorted(actors)} did not start within {timeout_s} s") from None
     return actors

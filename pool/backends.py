@@ -1,17 +1,21 @@
-"""Where the controller's engine calls run: in this process, or in Ray actors.
+"""Where the controller's engine calls run: in this process (inline or on a thread per instance), or in Ray actors.
 
 Both answer `call(instance_id, method, args, meta) -> handle` at once and hand
 results back through `poll(timeout_s) -> [(handle, result or exception)]`,
-oldest call first.
+oldest call first. Each takes `replace(instance_id, engine or actor)` when a
+lost instance comes back.
 """
 
 from __future__ import annotations
 
 import itertools
+import queue
+import threading
 from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
+from pool.controller import InstanceDied
 from pool.engines.base import Engine
 
 
@@ -37,9 +41,17 @@ class InProcessBackend:
         self._done.clear()
         return out
 
+    def replace(self, instance_id: str, engine: Engine) -> None:
+        """A fresh engine for a lost instance."""
+        self.engines[instance_id] = engine
+
 
 class RayBackend:
-    """One Ray actor per instance (`pool.actor.InstanceActor`); calls on one actor run in order."""
+    """One Ray actor per instance (`pool.actor.InstanceActor`); calls on one actor run in order.
+
+    A call to an actor that died (killed, its process gone) ends with
+    `InstanceDied`, which the controller takes as the instance's loss.
+    """
 
     def __init__(self, actors: Mapping[str, Any]) -> None:
         import ray
@@ -47,33 +59,95 @@ class RayBackend:
         self._ray = ray
         self.actors = dict(actors)
         self._ids = itertools.count(1)
-        self._pending: dict[Any, int] = {}  # ObjectRef -> handle
+        self._pending: dict[Any, tuple[int, str]] = {}  # ObjectRef -> (handle, instance)
+        self._failed: list[tuple[int, Any]] = []  # calls that could not even be sent
 
     def call(self, instance_id: str, method: str, args: tuple[Any, ...], meta: dict[str, Any]) -> int:
         handle = next(self._ids)
         actor = self.actors.get(instance_id)
         if actor is None:
             raise KeyError(f"no actor for instance {instance_id!r}")
-        self._pending[actor.call.remote(method, *args)] = handle
+        try:
+            self._pending[actor.call.remote(method, *args)] = (handle, instance_id)
+        except self._ray.exceptions.RayActorError as exc:
+            self._failed.append((handle, InstanceDied(f"the actor of {instance_id} is gone: {exc}")))
         return handle
 
     def poll(self, timeout_s: float) -> list[tuple[int, Any]]:
+        out, self._failed = self._failed, []
         if not self._pending:
-            return []
+            return out
         refs = list(self._pending)
-        ready, _ = self._ray.wait(refs, num_returns=1, timeout=timeout_s)
+        ready, _ = self._ray.wait(refs, num_returns=1, timeout=0.0 if out else timeout_s)
         if ready:
             ready, _ = self._ray.wait(refs, num_returns=len(refs), timeout=0)
-        out = []
         for ref in ready:
-            handle = self._pending.pop(ref)
+            handle, instance_id = self._pending.pop(ref)
             try:
                 result = self._ray.get(ref)
-            except Exception as exc:  # RayActorError when the actor died; the engine's own errors too
+            except self._ray.exceptions.RayActorError as exc:
+                result = InstanceDied(f"the actor of {instance_id} died: {exc}")
+            except Exception as exc:  # the engine's own errors (RayTaskError wraps them)
                 result = exc
             out.append((handle, result))
         return sorted(out, key=lambda pair: pair[0])
 
+    def replace(self, instance_id: str, actor: Any) -> None:
+        """A fresh actor for a lost instance; calls still pending on the old one end as they end."""
+        self.actors[instance_id] = actor
+
     @property
     def in_flight(self) -> int:
-        return len(self._pending)
+        return len(self._pending) + len(self._failed)
+
+
+class ThreadBackend:
+    """Engines in this process, one worker thread per instance: calls on one instance run in order,
+    instances in parallel (the `sim` engine's sleeps and torch's kernels release the GIL)."""
+
+    def __init__(self, engines: Mapping[str, Engine]) -> None:
+        self.engines = dict(engines)
+        self._ids = itertools.count(1)
+        self._done: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
+        self._work: dict[str, queue.SimpleQueue[tuple[int, str, tuple[Any, ...]] | None]] = {}
+        self.in_flight = 0  # touched by the loop thread only
+        for iid, engine in self.engines.items():
+            work = self._work[iid] = queue.SimpleQueue()
+            threading.Thread(target=self._serve, args=(engine, work), name=f"modelpool-{iid}", daemon=True).start()
+
+    def _serve(self, engine: Engine, work: queue.SimpleQueue[tuple[int, str, tuple[Any, ...]] | None]) -> None:
+        while (item := work.get()) is not None:
+            handle, method, args = item
+            try:
+                result: Any = getattr(engine, method)(*args)
+            except Exception as exc:  # handed to the controller, which decides what it means
+                result = exc
+            self._done.put((handle, result))
+
+    def call(self, instance_id: str, method: str, args: tuple[Any, ...], meta: dict[str, Any]) -> int:
+        handle = next(self._ids)
+        self._work[instance_id].put((handle, method, args))
+        self.in_flight += 1
+        return handle
+
+    def poll(self, timeout_s: float) -> list[tuple[int, Any]]:
+        out = []
+        try:
+            out.append(self._done.get(timeout=timeout_s) if timeout_s > 0 and self.in_flight else self._done.get_nowait())
+            while True:
+                out.append(self._done.get_nowait())
+        except queue.Empty:
+            pass
+        self.in_flight -= len(out)
+        return sorted(out, key=lambda pair: pair[0])
+
+    def replace(self, instance_id: str, engine: Engine) -> None:
+        """A fresh engine (and worker) for a lost instance; the old worker ends after its current call."""
+        self._work[instance_id].put(None)
+        self.engines[instance_id] = engine
+        work = self._work[instance_id] = queue.SimpleQueue()
+        threading.Thread(target=self._serve, args=(engine, work), name=f"modelpool-{instance_id}", daemon=True).start()
+
+    def close(self) -> None:
+        for work in self._work.values():
+            work.put(None)

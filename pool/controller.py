@@ -5,18 +5,24 @@
 from outside - by the live loop in `pool.service` with Ray calls and a
 monotonic clock, or by the parity harness with a manual clock - in the order
 the simulator uses at one instant: arrivals, then completions, then one
-`schedule(now)`. It survives a failing call by writing the instance off.
+`schedule(now)`. It survives a failing call by writing the instance off:
+its requests go back to the scheduler's queue and resume elsewhere from
+prompt plus generated tokens, or on the same instance once `restore()` says
+a fresh engine is up there; `fail_stranded()` ends, with a clean error, the
+requests no instance is left to serve.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import IO, Any, Protocol
 
 from pool.engines.base import TokenOut
-from pool.runner import InstanceRunner, LiveRequest
-from scheduler import Cancelled, Clock, Event, InstanceLost, Plan, Request, Scheduler, StepDone, Stop
+from pool.runner import InstanceRunner, Issue, LiveRequest
+from scheduler import (Cancelled, Clock, Event, InstanceAdded, InstanceLost, Plan, Request, Scheduler, StepDone,
+                       Stop)
 
 log = logging.getLogger("modelpool.controller")
 
@@ -27,8 +33,23 @@ class Backend(Protocol):
     def call(self, instance_id: str, method: str, args: tuple[Any, ...], meta: dict[str, Any]) -> int: ...
 
 
+class InstanceDied(RuntimeError):
+    """A backend's word that the process behind an instance is gone (a Ray actor died, was killed)."""
+
+
 class RequestFailed(RuntimeError):
     """The pool could not serve a request (the reason is the scheduler's or the engine's)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """An engine call in flight: the runner waiting for it (None: nobody), the instance it runs on, and
+    both instances' generations when it was issued (a restart makes the results of older calls stale)."""
+
+    waiting: str | None
+    target: str
+    waiting_generation: int
+    target_generation: int
 
 
 class Controller:
@@ -41,7 +62,8 @@ class Controller:
         self.requests: dict[str, LiveRequest] = {}
         self.runners = {iid: InstanceRunner(iid, self._issuer(iid), self.requests, self._deliver) for iid in instance_ids}
         self.lost: set[str] = set()
-        self._calls: dict[int, str | None] = {}  # handle -> instance whose runner waits for it (None: nobody)
+        self.generation = {iid: 0 for iid in self.runners}  # bumped by each restore()
+        self._calls: dict[int, _Call] = {}
         self.num_plans = 0
 
     # ---- inputs --------------------------------------------------------------------
@@ -64,31 +86,101 @@ class Controller:
             self._issue(None, live.kv_home, "release", ([request_id],), {})
 
     def complete(self, handle: int, result: Any) -> bool:
-        """A call finished (`result` may be the exception it raised); True when the scheduler heard of it."""
-        instance_id = self._calls.pop(handle, "?")
-        if instance_id is None or instance_id == "?" or instance_id in self.lost:
-            if isinstance(result, BaseException) and instance_id is None:
-                log.warning("fire-and-forget call %s failed: %r", handle, result)
+        """A call finished (`result` may be the exception it raised); True when the scheduler heard of it.
+
+        A failed call writes off the instance it ran on (not the runner waiting
+        for it: a SwapIn waits for `export_kv` on the request's old instance);
+        a waiting runner elsewhere goes on without that instance's KV.
+        """
+        call = self._calls.pop(handle, None)
+        if call is None:
             return False
+        fresh_target = call.target_generation == self.generation[call.target] and call.target not in self.lost
+        heard = False
         if isinstance(result, BaseException):
-            log.error("instance %s: call failed, writing the instance off: %r", instance_id, result)
-            self.lose(instance_id, f"engine call failed: {result!r}")
-            return True
-        events = self.runners[instance_id].on_result(handle, result)
+            if call.waiting is None and not isinstance(result, InstanceDied):
+                log.warning("fire-and-forget call %s to %s failed: %r", handle, call.target, result)
+                return False
+            if fresh_target:
+                log.error("instance %s: call failed, writing the instance off: %r", call.target, result)
+                self.lose(call.target, f"engine call failed: {result!r}")
+                heard = True
+            if call.waiting is None or call.waiting == call.target:
+                return heard
+            result = []  # export_kv from a lost instance: nothing to import, its requests are failed or re-queued
+        if call.waiting is None or call.waiting in self.lost \
+                or call.waiting_generation != self.generation[call.waiting]:
+            return heard
+        events = self.runners[call.waiting].on_result(handle, result)
         for event in events:
             self._report(event)
-        return bool(events)
+        return heard or bool(events)
 
     def lose(self, instance_id: str, reason: str) -> None:
-        """The instance is gone: its requests go back to the queue and resume elsewhere."""
+        """The instance is gone: its requests go back to the queue and resume elsewhere.
+
+        A request the scheduler already placed on another instance whose KV
+        still sat here (a hand-off in transit) cannot be re-queued through the
+        scheduler's contract; it ends with a clean `RequestFailed`.
+        """
         if instance_id in self.lost:
             return
         self.lost.add(instance_id)
         self.runners[instance_id].reset()
+        sched_requests: Any = getattr(self.scheduler, "requests", {})
+        in_transit = []
         for live in self.requests.values():
             if live.kv_home == instance_id:
                 live.kv_home = None  # resume from prompt + produced tokens
+                placed = getattr(sched_requests.get(live.request_id), "instance_id", instance_id)
+                if placed not in (None, instance_id):
+                    in_transit.append(live.request_id)
         self._report(InstanceLost(instance_id, reason))
+        for request_id in in_transit:
+            self.fail(request_id, f"its KV was on instance {instance_id}, which was lost ({reason})")
+
+    def restore(self, instance_id: str) -> None:
+        """A fresh engine runs on a lost instance again: the scheduler hears `InstanceAdded`."""
+        if instance_id not in self.lost:
+            return
+        self.lost.discard(instance_id)
+        self.generation[instance_id] += 1
+        self.runners[instance_id].reset()
+        self._report(InstanceAdded(instance_id))
+
+    def fail(self, request_id: str, why: str) -> None:
+        """End a request with `RequestFailed(why)`: the scheduler drops it, its KV is freed."""
+        live = self.requests.get(request_id)
+        if live is None:
+            return
+        self.cancel(request_id, why)
+        if live.sink is not None and not live.finished:
+            live.sink(RequestFailed(why))
+
+    def fail_stranded(self, coming_back: Iterable[str] = ()) -> list[str]:
+        """Fail every request waiting to be placed that no instance left can prefill (none of its TP that is
+        not a decode-only instance); lost instances in `coming_back` count as left."""
+        if not self.lost:
+            return []
+        sched: Any = self.scheduler
+        back = set(coming_back)
+        can_prefill = {sched.instances[iid].spec.tp for iid in self.runners
+                       if (iid not in self.lost or iid in back) and sched.instances[iid].spec.role != "decode"}
+        stranded = [rid for rid, live in self.requests.items()
+                    if getattr(sched.requests.get(rid), "instance_id", None) is None
+                    and sched.models[live.model].tp not in can_prefill]
+        for request_id in stranded:
+            model = self.requests[request_id].model
+            self.fail(request_id, f"every instance that serves {model!r} was lost")
+        return stranded
+
+    def close(self, reason: str) -> None:
+        """The pool stops: every request is cancelled in the scheduler (its KV freed there); no engine calls."""
+        for request_id in list(self.requests):
+            live = self.requests.pop(request_id)
+            live.cancelled = True
+            self.scheduler.on_event(Cancelled(request_id, reason), self.clock.now())
+        self._calls.clear()
 
     # ---- the tick ------------------------------------------------------------------
     def tick(self) -> Plan:
@@ -113,7 +205,7 @@ class Controller:
         return plan
 
     # ---- plumbing ------------------------------------------------------------------
-    def _issuer(self, runner_id: str):  # type: ignore[no-untyped-def]
+    def _issuer(self, runner_id: str) -> Issue:
         def issue(instance_id: str, method: str, args: tuple[Any, ...], meta: dict[str, Any]) -> int:
             return self._issue(None if meta.get("fire_and_forget") else runner_id, instance_id, method, args, meta)
         return issue
@@ -122,7 +214,8 @@ class Controller:
                meta: dict[str, Any]) -> int:
         """Send a call to `instance_id`; its result goes to runner `waiting` (None: to nobody)."""
         handle = self.backend.call(instance_id, method, args, meta)
-        self._calls[handle] = waiting
+        self._calls[handle] = _Call(waiting, instance_id, self.generation.get(waiting, 0) if waiting else 0,
+                                    self.generation[instance_id])
         return handle
 
     def _report(self, event: Event) -> None:

@@ -6,6 +6,15 @@ its event loop). The loop is the reconcile tick: drain submissions and
 cancels -> collect finished engine calls -> `schedule(now)` -> carry the Plan
 out; an exception in a tick is logged and the loop goes on.
 
+A lost instance (its actor died, an engine call failed) is restarted with a
+fresh engine up to `max_restarts` times (`pool.restarts`); its requests wait
+in the scheduler's queue and resume from prompt plus generated tokens, on
+another instance or the restarted one. When no instance of a request's TP is
+left or coming back, the request ends with a clean `RequestFailed`. `stop()`
+ends every request still in the pool with `PoolClosed`, frees its KV in the
+scheduler and kills the actors; `start()` may then run the pool again, and
+`abort_all()` ends every request at once (a gateway shutting down).
+
 Admission is bounded: `max_queued_per_model` requests of one model may wait
 for their first token (`QueueFull` beyond that: HTTP 429) and
 `max_requests` may be in the pool at once (`PoolBusy`: HTTP 503). The pool
@@ -18,7 +27,6 @@ every `stats_interval_s` through the same backend, so /pool/status and
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import logging
 import queue
@@ -31,10 +39,11 @@ from pathlib import Path
 from typing import IO, Any
 
 from pool.actor import EngineSpec, make_engine, start_actors
-from pool.backends import InProcessBackend, RayBackend
+from pool.backends import InProcessBackend, RayBackend, ThreadBackend
 from pool.clock import MonotonicClock
 from pool.controller import Controller
 from pool.engines.base import Engine, SamplingParams, TokenOut
+from pool.restarts import Restarts
 from pool.runner import LiveRequest
 from scheduler import CostModel, InstanceSpec, ModelProfile, Plan, SwapIn, SwapOut, Switch, make_scheduler
 from scheduler.fleet import Arch, arch_from_hf_config
@@ -112,58 +121,13 @@ class _Tracked:
     started: bool = False  # its first token is out
 
 
-class ThreadBackend:
-    """Engines in this process, one worker thread per instance: calls on one instance run in order,
-    instances in parallel (the `sim` engine's sleeps and torch's kernels release the GIL)."""
-
-    def __init__(self, engines: Mapping[str, Engine]) -> None:
-        self.engines = dict(engines)
-        self._ids = itertools.count(1)
-        self._done: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
-        self._work: dict[str, queue.SimpleQueue[tuple[int, str, tuple[Any, ...]] | None]] = {}
-        self.in_flight = 0  # touched by the loop thread only
-        for iid, engine in self.engines.items():
-            work = self._work[iid] = queue.SimpleQueue()
-            threading.Thread(target=self._serve, args=(engine, work), name=f"modelpool-{iid}", daemon=True).start()
-
-    def _serve(self, engine: Engine, work: queue.SimpleQueue[tuple[int, str, tuple[Any, ...]] | None]) -> None:
-        while (item := work.get()) is not None:
-            handle, method, args = item
-            try:
-                result: Any = getattr(engine, method)(*args)
-            except Exception as exc:  # handed to the controller, which decides what it means
-                result = exc
-            self._done.put((handle, result))
-
-    def call(self, instance_id: str, method: str, args: tuple[Any, ...], meta: dict[str, Any]) -> int:
-        handle = next(self._ids)
-        self._work[instance_id].put((handle, method, args))
-        self.in_flight += 1
-        return handle
-
-    def poll(self, timeout_s: float) -> list[tuple[int, Any]]:
-        out = []
-        try:
-            out.append(self._done.get(timeout=timeout_s) if timeout_s > 0 and self.in_flight else self._done.get_nowait())
-            while True:
-                out.append(self._done.get_nowait())
-        except queue.Empty:
-            pass
-        self.in_flight -= len(out)
-        return sorted(out, key=lambda pair: pair[0])
-
-    def close(self) -> None:
-        for work in self._work.values():
-            work.put(None)
-
-
 class LivePool:
     def __init__(self, models: Sequence[ServedModel], instances: Sequence[InstanceSpec], policy: str,
                  costs: CostModel, *, engine: EngineSpec | None = None, backend: str = "ray",
                  address: str | None = None, policy_options: Mapping[str, Any] | None = None,
                  plan_log: IO[str] | None = None, poll_s: float = 0.002, max_queued_per_model: int | None = None,
                  max_requests: int | None = None, retry_after_s: float = 1.0, stats_interval_s: float = 0.5,
-                 num_recent_switches: int = 32) -> None:
+                 num_recent_switches: int = 32, max_restarts: int = 3, restart_timeout_s: float = 300.0) -> None:
         if backend not in ("ray", "inprocess", "threads"):
             raise ValueError(f"unknown backend {backend!r}; choose ray, inprocess or threads")
         self.models = {m.name: m for m in models}
@@ -180,14 +144,19 @@ class LivePool:
         self.max_requests = max_requests
         self.retry_after_s = retry_after_s
         self.stats_interval_s = stats_interval_s
+        self.max_restarts = max_restarts  # fresh engines per lost instance over the pool's life (0: write off)
+        self.restart_timeout_s = restart_timeout_s  # a restart slower than this gives the instance up
         self.clock = MonotonicClock()
         self.controller: Controller | None = None
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._held: list[tuple[str, Any]] = []  # taken off the inbox while waiting, handled first
         self._thread: threading.Thread | None = None
         self._running = False
+        self._epoch = 0  # bumped by each start(): threads of an earlier run see they are stale
         self._status: dict[str, Any] = {}
         self._actors: dict[str, Any] = {}
+        self._use_gpus = False
+        self.restarts = self._restarts()
         self.num_tick_errors = 0
         # admission and accounting (the lock guards these; sinks run outside it)
         self._lock = threading.Lock()
@@ -209,24 +178,26 @@ class LivePool:
 
     # ---- life cycle -------------------------------------------------------------------
     def start(self) -> LivePool:
-        paths = {name: str(m.path) for name, m in self.models.items()}
+        """Start (or, after `stop()`, restart) the instances and the loop; returns once every engine is up."""
+        if self.ready:
+            raise RuntimeError("the pool is running already")
         ids = [spec.instance_id for spec in self.instances]
+        self._epoch += 1
+        self._inbox, self._held, self._stats_calls, self.engine_stats = queue.SimpleQueue(), [], {}, {}
+        self._stats_at = float("-inf")
+        self.restarts = self._restarts()
         if self.backend_kind == "ray":
             import ray
 
             if not ray.is_initialized():
                 ray.init(address=self.address, include_dashboard=False, log_to_driver=False,
                          ignore_reinit_error=True)
-            gpus = float(ray.cluster_resources().get("GPU", 0))
-            self._actors = start_actors({spec.instance_id: spec.tp for spec in self.instances}, self.engine, paths,
-                                        use_gpus=gpus > 0)
+            self._use_gpus = float(ray.cluster_resources().get("GPU", 0)) > 0
+            self._actors = start_actors({spec.instance_id: spec.tp for spec in self.instances}, self.engine,
+                                        self._paths(), use_gpus=self._use_gpus)
             backend: Any = RayBackend(self._actors)
         else:
-            engines = {}
-            for iid in ids:
-                engines[iid] = make_engine(self.engine)
-                for name, path in paths.items():
-                    engines[iid].load(name, Path(path))
+            engines = {iid: self._new_engine() for iid in ids}
             backend = InProcessBackend(engines) if self.backend_kind == "inprocess" else ThreadBackend(engines)
         scheduler = make_scheduler(self.policy, {n: m.profile for n, m in self.models.items()}, self.instances,
                                    self.costs, **{"keep_ended": False, **self.policy_options})  # hold live requests only
@@ -236,31 +207,51 @@ class LivePool:
         self._backend = backend
         self._running = True
         self._status = self._snapshot(self.controller)
-        self._thread = threading.Thread(target=self._loop, name="modelpool-controller", daemon=True)
+        self._thread = threading.Thread(target=self._loop, args=(self._epoch,), name="modelpool-controller",
+                                        daemon=True)
         self._thread.start()
         return self
 
     def stop(self) -> None:
-        """Stop the loop and the instances; requests still in the pool end with `PoolClosed`."""
-        self._running = False
+        """Stop the loop and the instances; requests still in the pool end with `PoolClosed`, their KV freed."""
+        with self._lock:  # a restart finishing now sees this under the same lock (`_rebuilt`)
+            self._running = False
         if self._thread is not None:
             self._inbox.put(("wake", None))
             self._thread.join(timeout=10)
         close = getattr(getattr(self, "_backend", None), "close", None)
         if close is not None:
             close()
-        for actor in self._actors.values():
+        with self._lock:
+            actors, self._actors = list(self._actors.values()), {}
+        for actor in actors:
             import ray
 
             ray.kill(actor)
-        self._actors = {}
         with self._lock:
             orphans = list(self._tracked.values())
             self._tracked.clear()
             self._queued.clear()
             self._running_by_model.clear()
+        if self.controller is not None and (self._thread is None or not self._thread.is_alive()):
+            self.controller.close("the pool stopped")
+            self.engine_stats = {}  # those engines are gone
+            self._status = self._snapshot(self.controller)
         for tracked in orphans:
             _call_sink(tracked.sink, PoolClosed("the pool stopped before the request finished"))
+
+    def abort_all(self, reason: str) -> int:
+        """End every request in the pool now with `PoolClosed(reason)` (their KV is freed at the next step
+        boundary); returns how many there were. The pool keeps running."""
+        with self._lock:
+            ended = list(self._tracked.items())
+            self._tracked.clear()
+            self._queued.clear()
+            self._running_by_model.clear()
+        for request_id, tracked in ended:
+            self._inbox.put(("cancel", request_id))
+            _call_sink(tracked.sink, PoolClosed(reason))
+        return len(ended)
 
     def __enter__(self) -> LivePool:
         return self.start()
@@ -335,16 +326,68 @@ class LivePool:
         self._inbox.put(("cancel", request_id))
         return tracked is not None
 
+    def holds(self, request_id: str) -> bool:
+        """True while the request is in the pool (submitted, not yet ended)."""
+        with self._lock:
+            return request_id in self._tracked
+
     def load(self) -> dict[str, tuple[int, int]]:
         """model -> (requests waiting for their first token, requests generating)."""
         with self._lock:
             return {name: (self._queued[name], self._running_by_model[name]) for name in self.models}
 
+    def actors(self) -> dict[str, Any]:
+        """instance id -> its Ray actor handle now (empty for the in-process backends and once stopped)."""
+        with self._lock:
+            return dict(self._actors)
+
     def kill_instance(self, instance_id: str) -> None:
-        """Fault injection: kill an instance's actor (its requests resume elsewhere)."""
+        """Fault injection: kill an instance's actor (its requests resume elsewhere, or there once restarted)."""
         import ray
 
         ray.kill(self._actors[instance_id], no_restart=True)
+
+    # ---- restarts -------------------------------------------------------------------------
+    def _paths(self) -> dict[str, str]:
+        return {name: str(m.path) for name, m in self.models.items()}
+
+    def _new_engine(self) -> Engine:
+        engine = make_engine(self.engine)
+        for name, path in self._paths().items():
+            engine.load(name, Path(path))
+        return engine
+
+    def _rebuild(self, instance_id: str) -> Any:
+        """A fresh engine for `instance_id` (on a restart thread): a new actor, the old one killed first."""
+        if self.backend_kind != "ray":
+            return self._new_engine()
+        import ray
+
+        old = self._actors.get(instance_id)
+        if old is not None:
+            ray.kill(old, no_restart=True)  # an engine error leaves it alive; its device slot is needed
+        tp = next(spec.tp for spec in self.instances if spec.instance_id == instance_id)
+        return start_actors({instance_id: tp}, self.engine, self._paths(), use_gpus=self._use_gpus,
+                            timeout_s=self.restart_timeout_s)[instance_id]
+
+    def _restarts(self) -> Restarts:
+        epoch = self._epoch
+        return Restarts(self._rebuild, lambda iid, replacement: self._rebuilt(iid, replacement, epoch),
+                        self.max_restarts)
+
+    def _rebuilt(self, instance_id: str, replacement: Any, epoch: int) -> None:
+        """A restart thread's outcome: to the loop of the run it was started for, or (stale) away."""
+        is_actor = self.backend_kind == "ray" and not isinstance(replacement, BaseException)
+        with self._lock:
+            current = self._running and epoch == self._epoch
+            if current and is_actor:
+                self._actors[instance_id] = replacement  # stop() kills it from here on
+        if current:
+            self._inbox.put(("restored", (instance_id, replacement)))
+        elif is_actor:
+            import ray
+
+            ray.kill(replacement)
 
     def status(self) -> dict[str, Any]:
         return dict(self._status)
@@ -369,20 +412,23 @@ class LivePool:
         counter[tracked.model] -= 1
 
     # ---- the loop --------------------------------------------------------------------------
-    def _loop(self) -> None:
+    def _loop(self, epoch: int) -> None:
         assert self.controller is not None
-        controller = self.controller
-        while self._running:
+        controller, backend = self.controller, self._backend
+        while self._running and epoch == self._epoch:
             try:
                 changed = self._drain(controller)
-                for handle, result in self._backend.poll(0.0 if changed else self.poll_s):
+                for handle, result in backend.poll(0.0 if changed else self.poll_s):
                     if handle in self._stats_calls:
                         self._got_stats(self._stats_calls.pop(handle), result)
                     else:
                         changed |= controller.complete(handle, result)
+                if controller.lost:
+                    self.restarts.watch(controller.lost)
+                    changed |= bool(controller.fail_stranded(self.restarts.pending))
                 self._tally(controller.tick())
                 self._ask_stats(controller)
-                busy = changed or bool(getattr(self._backend, "in_flight", 0))
+                busy = changed or bool(getattr(backend, "in_flight", 0))
                 now = time.monotonic()
                 if not busy or now - self._status_at >= 0.01:
                     self._status, self._status_at = self._snapshot(controller), now
@@ -412,8 +458,18 @@ class LivePool:
                     item.sink(exc)
             elif kind == "cancel":
                 controller.cancel(item)
+            elif kind == "restored":
+                self._restore(controller, *item)
             else:
                 changed = False
+
+    def _restore(self, controller: Controller, instance_id: str, replacement: Any) -> None:
+        ok = not isinstance(replacement, BaseException)
+        self.restarts.done(instance_id, ok)
+        if ok:
+            self._backend.replace(instance_id, replacement)
+            controller.restore(instance_id)
+            log.warning("instance %s is back", instance_id)
 
     def _wait_inbox(self) -> None:
         try:
@@ -475,7 +531,8 @@ class LivePool:
         return {"policy": self.policy, "ready": self.ready, "instances": instances,
                 "queues": {m: len(q) for m, q in sched.queues.items()}, "models": models,
                 "requests_in_pool": len(controller.requests), "plans": controller.num_plans,
-                "tick_errors": self.num_tick_errors,
+                "tick_errors": self.num_tick_errors, "lost_instances": sorted(controller.lost),
+                "restarts": sum(self.restarts.num_restarts.values()),
                 "switches": sum(self.num_switches.values()), "recent_switches": list(self.recent_switches)}
 
 

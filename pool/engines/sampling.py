@@ -65,12 +65,18 @@ class OutputText:
     def __init__(self, tokenizer: Any, stop: Sequence[str], produced: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
-        self.ids: list[int] = list(produced)
-        self.text = self._decode(self.ids)
-        self.emitted = len(self.text)  # already streamed before a resume
-        self.prefix_offset = max(0, len(self.ids) - 6)
-        self.read_offset = len(self.ids)
+        self.ids: list[int] = []
+        self.text = ""
+        self.emitted = 0
+        self.prefix_offset = self.read_offset = 0
         self.stopped_at: int | None = None
+        # A resumed request (its instance was lost) replays the tokens already streamed, one push and one
+        # take_delta each as the engine did, so text, emitted length and offsets are exactly the uninterrupted
+        # run's: decoding them at once would count text held back for an unfinished UTF-8 character as sent.
+        # (A token that stopped the request is never among them: a stopped request does not resume.)
+        for token_id in produced:
+            self.push(token_id)
+            self.take_delta(False)
 
     def _decode(self, ids: Sequence[int]) -> str:
         if not ids or self.tokenizer is None:  # benchmark models have no tokenizer: ids only

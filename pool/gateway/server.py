@@ -1,13 +1,25 @@
-"""Running the gateway under uvicorn: in the foreground (`modelpool serve`) or on a background thread (tests, benchmarks)."""
+"""Running the gateway under uvicorn: in the foreground (`modelpool serve`) or on a background thread (tests, benchmarks).
+
+`GatewayServer` is uvicorn's server with one change at shutdown: once it
+stops listening, every request still in the gateway's pool ends at once
+with `PoolClosed` (a stream's last event is then a 503 error, a plain
+request gets a 503), so no client is cut mid-stream after the graceful
+timeout or waits for a server that is going away. The gateway owns its
+pool: `modelpool serve` stops the pool next; a restarted gateway on the
+same pool starts with nothing held.
+"""
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
 from typing import Any
 
 import uvicorn
+
+log = logging.getLogger("modelpool.gateway")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -22,6 +34,18 @@ def uvicorn_config(app: Any, host: str = "127.0.0.1", port: int = 8000, log_leve
                           timeout_keep_alive=30, timeout_graceful_shutdown=5)
 
 
+class GatewayServer(uvicorn.Server):
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        for server in self.servers:  # stop accepting first (uvicorn closes them again: harmless)
+            server.close()
+        gateway = getattr(getattr(self.config.app, "state", None), "gateway", None)
+        if gateway is not None:
+            ended = gateway.pool.abort_all("the gateway is shutting down")
+            if ended:
+                log.warning("gateway shutting down: ended %d request(s) in flight", ended)
+        await super().shutdown(sockets)
+
+
 class BackgroundServer:
     """uvicorn on a daemon thread; `url` once started; `stop()` shuts it down."""
 
@@ -31,7 +55,7 @@ class BackgroundServer:
             host, port = sock.getsockname()[:2]
         self.host = host
         self.port = port or free_port(host)
-        self.server = uvicorn.Server(uvicorn_config(app, host, self.port))
+        self.server = GatewayServer(uvicorn_config(app, host, self.port))
         sockets = [sock] if sock is not None else None
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": sockets}, name="modelpool-gateway",
                                        daemon=True)

@@ -1,34 +1,40 @@
-"""A failing engine call writes its instance off; its requests resume elsewhere with the same tokens."""
+"""Instance loss: a failing engine call or a killed Ray actor writes its instance off; its requests resume
+elsewhere (or on the restarted instance) with the same greedy tokens, or end with a clean error - never hang."""
 
 from __future__ import annotations
 
-from pathlib import Path
+import pytest
 
 from pool.actor import make_engine
 from pool.backends import InProcessBackend
-from pool.controller import Controller
+from pool.controller import Controller, RequestFailed
 from pool.engines.base import SamplingParams
 from pool.runner import LiveRequest
-from pool.service import served_model, slot_instances
+from pool.service import LivePool, served_model, slot_instances
 from scheduler import ManualClock, RequestStatus, make_scheduler
 from tests.factories import LinearCosts
+from tests.pool.fault_tools import (NOTHING, Sink, allocated, greedy_reference, homes, outcomes, run_streams,
+                                    stream_completion, wait_until)
 from tests.pool.test_live_pool import ENGINE, KV_BYTES, MODELS, NEW_TOKENS, PROMPTS, Collector, reference, tiny  # noqa: F401
 
 
 class Flaky:
-    """An engine that raises on its `fail_at`-th decode step, as a crashed device would."""
+    """An engine whose `fail_at`-th call of `method` raises, as a crashed device would."""
 
-    def __init__(self, engine, fail_at: int) -> None:
-        self.engine, self.fail_at, self.steps = engine, fail_at, 0
+    def __init__(self, engine, fail_at: int, method: str = "decode_step") -> None:
+        self.engine, self.fail_at, self.method, self.calls = engine, fail_at, method, 0
 
     def __getattr__(self, name):
-        return getattr(self.engine, name)
+        attr = getattr(self.engine, name)
+        if name != self.method:
+            return attr
 
-    def decode_step(self, ids):
-        self.steps += 1
-        if self.steps == self.fail_at:
-            raise RuntimeError("device fell off the bus")
-        return self.engine.decode_step(ids)
+        def call(*args):
+            self.calls += 1
+            if self.calls == self.fail_at:
+                raise RuntimeError("device fell off the bus")
+            return attr(*args)
+        return call
 
 
 def drive(controller: Controller, backend: InProcessBackend, clock: ManualClock, sinks, limit: int = 20000) -> None:
@@ -38,11 +44,13 @@ def drive(controller: Controller, backend: InProcessBackend, clock: ManualClock,
         clock.advance(0.001)
         for handle, result in backend.poll(0.0):
             controller.complete(handle, result)
+        controller.fail_stranded()  # as the live pool's loop does (no restarts here)
         controller.tick()
     raise AssertionError(f"requests did not finish: {[k for k, s in sinks.items() if not s.done.is_set()]}")
 
 
-def test_instance_lost_mid_decode_requests_resume_elsewhere(tiny, reference) -> None:  # noqa: F811
+def in_process(tiny, flaky: dict, policy: str, roles=None, **options):  # noqa: F811
+    """A controller over two in-process engines (slot0 wrapped in `Flaky(**flaky)`) with every request queued."""
     models = [served_model(name, path, dtype="float32") for name, path in tiny.items()]
     engines = {}
     for iid in ("slot0", "slot1"):
@@ -50,11 +58,11 @@ def test_instance_lost_mid_decode_requests_resume_elsewhere(tiny, reference) -> 
         for m in models:
             engine.load(m.name, m.path)
         engines[iid] = engine
-    engines["slot0"] = Flaky(engines["slot0"], fail_at=4)
+    engines["slot0"] = Flaky(engines["slot0"], **flaky)
     backend = InProcessBackend(engines)
     clock = ManualClock()
-    scheduler = make_scheduler("request-level", {m.name: m.profile for m in models}, slot_instances(2, models, KV_BYTES),
-                               LinearCosts())
+    scheduler = make_scheduler(policy, {m.name: m.profile for m in models},
+                               slot_instances(2, models, KV_BYTES, roles=roles), LinearCosts(), **options)
     controller = Controller(scheduler, backend, clock, ["slot0", "slot1"])
     sinks = {}
     for name in MODELS:
@@ -64,6 +72,11 @@ def test_instance_lost_mid_decode_requests_resume_elsewhere(tiny, reference) -> 
                                           SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True), clock.now(),
                                           sink=sinks[(name, k)]))
     controller.tick()
+    return controller, backend, clock, scheduler, sinks
+
+
+def test_instance_lost_mid_decode_requests_resume_elsewhere(tiny, reference) -> None:  # noqa: F811
+    controller, backend, clock, scheduler, sinks = in_process(tiny, {"fail_at": 4}, "request-level")
     drive(controller, backend, clock, sinks)
     assert controller.lost == {"slot0"}
     assert all(r.status is RequestStatus.FINISHED for r in scheduler.requests.values())
@@ -71,3 +84,210 @@ def test_instance_lost_mid_decode_requests_resume_elsewhere(tiny, reference) -> 
         assert sink.error is None and sink.tokens == reference[key], key
     resumed = [r for r in scheduler.requests.values() if r.reason == "engine call failed: RuntimeError('device fell off the bus')"]
     assert resumed, "the lost instance held requests that had to resume elsewhere"
+
+
+def test_prefill_instance_lost_during_kv_hand_off_spares_the_decoder(tiny, reference) -> None:  # noqa: F811
+    """The decoder's SwapIn waits for `export_kv` on the prefill instance, which fails: the prefill instance
+    is written off (not the decoder), the requests whose KV was on the way end with a clean error, the ones
+    already on the decoder finish with their uninterrupted tokens, and the queued ones (no prefill instance
+    left) fail at once instead of waiting for ever."""
+    controller, backend, clock, scheduler, sinks = in_process(
+        tiny, {"fail_at": 2, "method": "export_kv"}, "token-level", roles=["prefill", "decode"], fixed_turn_steps=3)
+    drive(controller, backend, clock, sinks)
+    assert controller.lost == {"slot0"}
+    errors = {key: str(sink.error) for key, sink in sinks.items() if sink.error is not None}
+    assert all(isinstance(sinks[key].error, RequestFailed) for key in errors)
+    in_transit = [key for key, why in errors.items() if "its KV was on instance slot0" in why]
+    assert in_transit, errors
+    finished = [key for key, sink in sinks.items() if sink.error is None]
+    assert finished, "the export that worked (the first) handed requests over that then finished"
+    for key in finished:
+        assert sinks[key].tokens == reference[key], key
+    assert all(r.done for r in scheduler.requests.values()) and not controller.requests
+    print(f"\nhand-off fault: {len(finished)} identical, {len(in_transit)} failed in transit, "
+          f"{len(errors) - len(in_transit)} failed unplaced; 0 hung")
+
+
+# ---- real Ray: an instance's actor killed in the middle of decoding ----------------------------------------
+LONG_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def long_reference(tiny) -> dict[tuple[str, int], list[int]]:  # noqa: F811
+    return greedy_reference(tiny, PROMPTS, LONG_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    yield ray
+    ray.shutdown()
+
+
+def ray_pool(tiny, num_instances: int, **options) -> LivePool:  # noqa: F811
+    models = [served_model(name, path, dtype="float32") for name, path in tiny.items()]
+    # short fixed turns: the models take turns every few tokens, so an instance holds part-decoded requests of
+    # several models at any moment
+    return LivePool(models, slot_instances(num_instances, models, KV_BYTES), "token-level", LinearCosts(),
+                    engine=ENGINE, backend="ray", stats_interval_s=0.1, policy_options={"fixed_turn_steps": 4},
+                    **options)
+
+
+def submit_all(pool: LivePool, tag: str = "") -> dict[tuple[str, int], Sink]:
+    sinks = {}
+    for name in MODELS:
+        for k, prompt in enumerate(PROMPTS):
+            sinks[(name, k)] = Sink()
+            pool.submit(f"{tag}{name}-{k}", name, prompt, SamplingParams(max_tokens=LONG_TOKENS, ignore_eos=True),
+                        sinks[(name, k)])
+    return sinks
+
+
+def kill_mid_decode(pool: LivePool, instance_id: str | None = None) -> tuple[str, dict[str, tuple[str, str, int]]]:
+    """Kill the actor of an instance that holds part-decoded requests of two models or more; returns it and
+    what it held."""
+    def victim() -> str | None:
+        by_instance: dict[str, set[str]] = {}
+        for home, model, produced in homes(pool).values():
+            if 1 <= produced < LONG_TOKENS - 4 and instance_id in (None, home):
+                by_instance.setdefault(home, set()).add(model)
+        return next((iid for iid, models in sorted(by_instance.items()) if len(models) >= 2), None)
+
+    wait_until(lambda: victim() is not None, 60, "an instance decoding requests of two models")
+    chosen = victim()
+    assert chosen is not None
+    held = {rid: h for rid, h in homes(pool).items() if h[0] == chosen}
+    pool.kill_instance(chosen)
+    return chosen, held
+
+
+def test_ray_actor_killed_mid_decode_requests_resume_on_the_other_instance(tiny, long_reference, ray_cluster) -> None:  # noqa: F811
+    with ray_pool(tiny, 2, max_restarts=0) as pool:
+        sinks = submit_all(pool)
+        killed, held = kill_mid_decode(pool)
+        result = outcomes(sinks, long_reference, lambda key: pool.holds(f"{key[0]}-{key[1]}"), 120)
+        counts = result.counts()
+        print(f"\nfault: killed {killed} holding {len(held)} requests of {len({h[1] for h in held.values()})} "
+              f"models; outcomes {counts}")
+        assert counts["hung"] == counts["lost"] == counts["wrong"] == 0, result
+        assert counts["identical"] + counts["clean_errors"] == len(sinks)
+        resumed = [rid for rid in held if rid in {f"{m}-{k}" for m, k in result.identical}]
+        assert resumed, f"no request that was on {killed} resumed elsewhere: {held}, {result}"
+        status = pool.status()
+        assert status["lost_instances"] == [killed] and status["restarts"] == 0
+        wait_until(lambda: allocated(pool) == NOTHING, 10, f"nothing allocated: {allocated(pool)}")
+        # the pool goes on serving on the instance that is left
+        again = submit_all(pool, "again-")
+        assert outcomes(again, long_reference, lambda key: True, 120).counts()["identical"] == len(again)
+
+
+def test_the_only_instance_killed_comes_back_and_its_requests_resume(tiny, long_reference, ray_cluster) -> None:  # noqa: F811
+    with ray_pool(tiny, 1) as pool:
+        sinks = submit_all(pool)
+        killed, held = kill_mid_decode(pool)
+        result = outcomes(sinks, long_reference, lambda key: pool.holds(f"{key[0]}-{key[1]}"), 120)
+        counts = result.counts()
+        print(f"\nfault: killed the only instance {killed} holding {len(held)} requests; outcomes {counts}")
+        assert counts == {"identical": len(sinks), "clean_errors": 0, "wrong": 0, "hung": 0, "lost": 0}, result
+        status = pool.status()
+        assert status["restarts"] == 1 and status["lost_instances"] == [] and status["tick_errors"] == 0
+        wait_until(lambda: allocated(pool) == NOTHING, 10, f"nothing allocated: {allocated(pool)}")
+
+
+def test_the_only_instance_killed_without_restarts_fails_every_request_cleanly(tiny, long_reference,  # noqa: F811
+                                                                               ray_cluster) -> None:
+    with ray_pool(tiny, 1, max_restarts=0) as pool:
+        sinks = submit_all(pool)
+        killed, held = kill_mid_decode(pool)
+        result = outcomes(sinks, long_reference, lambda key: pool.holds(f"{key[0]}-{key[1]}"), 60)
+        counts = result.counts()
+        print(f"\nfault: killed the only instance {killed} (no restarts) holding {len(held)} requests; outcomes {counts}")
+        assert counts["hung"] == counts["lost"] == counts["wrong"] == 0, result
+        assert counts["clean_errors"] >= len(held) and counts["identical"] + counts["clean_errors"] == len(sinks)
+        assert all("was lost" in str(sinks[key].error) for key in result.clean_errors)
+        # a request that comes later is not left waiting for an instance that will never come back
+        late = Sink()
+        pool.submit("late", MODELS[0], PROMPTS[0], SamplingParams(max_tokens=4), late)
+        assert late.done.wait(10) and isinstance(late.error, RequestFailed), late.error
+        wait_until(lambda: allocated(pool) == NOTHING, 10, f"nothing allocated: {allocated(pool)}")
+
+
+# ---- the same through the gateway: streaming clients over 127.0.0.1 ---------------------------------------
+STREAM_TIMEOUT_S = 90.0  # longest silence a client accepts before it calls its stream hung
+
+
+def stream_bodies() -> dict[tuple[str, int], dict]:
+    texts = ["Once upon a time", "The sea was calm and", "In a small village"]
+    return {(name, k): {"model": name, "prompt": text, "max_tokens": LONG_TOKENS, "temperature": 0,
+                        "ignore_eos": True} for name in MODELS for k, text in enumerate(texts[:2])}
+
+
+def tally(streams: dict, reference: dict) -> dict[str, int]:
+    counts = {"identical": 0, "clean_errors": 0, "wrong": 0, "hung": 0, "cut": 0}
+    for key, stream in streams.items():
+        kind = stream.kind
+        if kind == "finished":
+            counts["identical" if stream.text == reference[key].text else "wrong"] += 1
+        elif kind == "clean_error":
+            counts["clean_errors"] += 1
+        else:
+            counts[kind] += 1
+    return counts
+
+
+def test_gateway_streams_survive_a_killed_actor_or_end_with_an_error_event(tiny, ray_cluster) -> None:  # noqa: F811
+    """One instance, one restart allowed: the first kill resumes every stream on the restarted actor with the
+    text of an uninterrupted run; the second kill (no restart left) ends every stream with an SSE error event."""
+    from pool.gateway import create_app
+    from pool.gateway.server import BackgroundServer
+
+    pool = ray_pool(tiny, 1, max_restarts=1).start()
+    try:
+        with BackgroundServer(create_app(pool)) as server:
+            bodies = stream_bodies()
+            _, join = run_streams(server.url, bodies, STREAM_TIMEOUT_S)
+            reference = join()  # the uninterrupted run
+            assert all(s.kind == "finished" for s in reference.values()), reference
+            counts = {}
+            for fault in ("restarted", "written off"):
+                started, join = run_streams(server.url, bodies, STREAM_TIMEOUT_S)
+                assert all(event.wait(60) for event in started.values()), "streams did not start"
+                killed, held = kill_mid_decode(pool)
+                counts[fault] = tally(join(), reference)
+                print(f"\ngateway fault ({fault}): killed {killed} holding {len(held)} streams; outcomes {counts[fault]}")
+                assert counts[fault]["hung"] == counts[fault]["cut"] == counts[fault]["wrong"] == 0, counts
+            assert counts["restarted"]["identical"] == len(bodies)
+            assert counts["written off"]["clean_errors"] >= len(held)
+            late = stream_completion(server.url, bodies[(MODELS[0], 0)], STREAM_TIMEOUT_S)
+            assert late.kind == "clean_error" and late.error["code"] == "request_failed", late
+            wait_until(lambda: allocated(pool) == NOTHING, 10, f"nothing allocated: {allocated(pool)}")
+    finally:
+        pool.stop()
+
+
+def test_resumed_text_streams_exactly_the_uninterrupted_text(tiny, long_reference) -> None:  # noqa: F811
+    """A request resumed at any token (its instance lost) streams the rest of the uninterrupted run's text:
+    no text held back for an unfinished character before the fault is dropped or sent twice."""
+    from transformers import AutoTokenizer
+
+    from pool.engines.sampling import OutputText
+
+    def streamed(text: OutputText, ids: list[int], ends: bool) -> str:
+        out = ""
+        for n, token_id in enumerate(ids):
+            text.push(token_id)
+            out += text.take_delta(ends and n == len(ids) - 1)
+        return out
+
+    num_cuts = 0
+    for (name, _), tokens in long_reference.items():
+        tokenizer = AutoTokenizer.from_pretrained(tiny[name])
+        whole = streamed(OutputText(tokenizer, ()), tokens, True)
+        for cut in range(1, len(tokens), 3):
+            sent = streamed(OutputText(tokenizer, ()), tokens[:cut], False)  # what the client had before the fault
+            rest = streamed(OutputText(tokenizer, (), tokens[:cut]), tokens[cut:], True)  # from the resumed engine
+            assert sent + rest == whole, (name, cut)
+            num_cuts += 1
+    assert num_cuts > 100
