@@ -219,6 +219,7 @@ def test_a_flood_on_one_model_leaves_another_models_ttft_within_its_slo(served):
                         if line.startswith("data: "):
                             got.append(line)
                 assert got[-1] == "data: [DONE]" and sum('"text"' in g for g in got) == 16, got[-2:]
+                assert first is not None
                 ttfts.append(first)
                 time.sleep(0.2)
         return ttfts
