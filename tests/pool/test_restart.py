@@ -106,3 +106,53 @@ def test_gateway_restart_ends_streams_cleanly_and_the_new_one_serves(pool, refer
         assert tally(join(), reference)["identical"] == len(reference)
         wait_until(lambda: held_in(pool_status(again.url)) == NOTHING, 10, "nothing allocated after the restart")
     assert pool.status()["tick_errors"] == 0 and LONG_TOKENS > 0
+
+
+def test_modelpool_serve_stopped_mid_stream_ends_streams_cleanly_and_serves_again(demo_models) -> None:
+    """`modelpool serve --engine sim` as a process: SIGTERM with streams in flight ends each with an SSE error
+    event and the process exits 0; served again on the same port, it answers."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from pool.gateway.server import free_port
+
+    port, url = free_port(), ""
+    env = {**os.environ, "MODELPOOL_CACHE": str(next(iter(demo_models.values())).parent), "OMP_NUM_THREADS": "1"}
+    bodies = {(name, 0): {"model": name, "prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True}
+              for name in ("tiny-llama", "tiny-qwen2", "tiny-qwen3")}
+    for run in ("stopped mid-stream", "restarted"):
+        proc = subprocess.Popen([sys.executable, "-m", "modelpool.cli", "serve", "--engine", "sim", "--no-warmup",
+                                 "--port", str(port)], cwd=Path(__file__).resolve().parents[2], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            lines = []
+            while not any("OpenAI-compatible endpoint" in line for line in lines):
+                line = proc.stdout.readline()  # type: ignore[union-attr]
+                assert line, "serve did not come up:\n" + "".join(lines)
+                lines.append(line)
+            url = f"http://127.0.0.1:{port}"
+            if run == "restarted":
+                done = stream_completion(url, {**bodies[("tiny-llama", 0)], "max_tokens": 8}, TIMEOUT_S)
+                assert done.kind == "finished", done
+                continue
+            started, join = run_streams(url, bodies, TIMEOUT_S)
+            assert all(event.wait(60) for event in started.values()), "streams did not start"
+            proc.send_signal(signal.SIGTERM)
+            streams = join()
+            print(f"\nmodelpool serve SIGTERM with {len(streams)} streams in flight: "
+                  f"{[s.kind for s in streams.values()]}")
+            assert all(s.kind == "clean_error" and "shutting down" in s.error["message"] for s in streams.values()), \
+                streams
+        finally:
+            if proc.poll() is None and run == "restarted":
+                proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                raise
+        rest = proc.stdout.read()  # type: ignore[union-attr]
+        assert proc.returncode == 0 and "Traceback" not in rest, rest
