@@ -33,7 +33,6 @@ from datetime import date
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 

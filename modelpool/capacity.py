@@ -159,8 +159,7 @@ class RayWorkers:
 
         from sims.capacity_eval import evaluate, run_pool
 
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        env = {"env_vars": {"OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}}
+        env = {"env_vars": {"OMP_NUM_THREADS": "1"}}  # Ray's token auth stays on (see README, Security)
         self.started_ray = not ray.is_initialized()
         if self.started_ray:
             if self.address:

@@ -175,8 +175,7 @@ def main() -> None:
     else:
         import ray
 
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        env = {"env_vars": {"OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}}
+        env = {"env_vars": {"OMP_NUM_THREADS": "1"}}  # Ray's token auth stays on (see README, Security)
         if args.address:
             ray.init(address=args.address, log_to_driver=False, runtime_env=env)
         else:
