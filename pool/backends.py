@@ -3,7 +3,9 @@
 Both answer `call(instance_id, method, args, meta) -> handle` at once and hand
 results back through `poll(timeout_s) -> [(handle, result or exception)]`,
 oldest call first. Each takes `replace(instance_id, engine or actor)` when a
-lost instance comes back.
+lost instance comes back. The in-process ones also take `kill(instance_id)`
+(fault injection, as `ray.kill` is for actors): from then on every call to
+the instance, and any still queued for it, ends with `InstanceDied`.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ class InProcessBackend:
 
     def call(self, instance_id: str, method: str, args: tuple[Any, ...], meta: dict[str, Any]) -> int:
         handle = next(self._ids)
+        engine = self.engines[instance_id]
         try:
-            result: Any = getattr(self.engines[instance_id], method)(*args)
+            result: Any = _dead(instance_id) if engine is None else getattr(engine, method)(*args)
         except Exception as exc:  # handed to the controller, which decides what it means
             result = exc
         self._done.append((handle, result))
@@ -44,6 +47,9 @@ class InProcessBackend:
     def replace(self, instance_id: str, engine: Engine) -> None:
         """A fresh engine for a lost instance."""
         self.engines[instance_id] = engine
+
+    def kill(self, instance_id: str) -> None:
+        self.engines[instance_id] = None  # type: ignore[assignment]
 
 
 class RayBackend:
@@ -112,14 +118,22 @@ class ThreadBackend:
         self._work: dict[str, queue.SimpleQueue[tuple[int, str, tuple[Any, ...]] | None]] = {}
         self.in_flight = 0  # touched by the loop thread only
         for iid, engine in self.engines.items():
-            work = self._work[iid] = queue.SimpleQueue()
-            threading.Thread(target=self._serve, args=(engine, work), name=f"modelpool-{iid}", daemon=True).start()
+            self._start_worker(iid, engine)
 
-    def _serve(self, engine: Engine, work: queue.SimpleQueue[tuple[int, str, tuple[Any, ...]] | None]) -> None:
+    def _start_worker(self, instance_id: str, engine: Engine) -> None:
+        work = self._work[instance_id] = queue.SimpleQueue()
+        threading.Thread(target=self._serve, args=(instance_id, engine, work), name=f"modelpool-{instance_id}",
+                         daemon=True).start()
+
+    def _serve(self, instance_id: str, engine: Engine,
+               work: queue.SimpleQueue[tuple[int, str, tuple[Any, ...]] | None]) -> None:
         while (item := work.get()) is not None:
             handle, method, args = item
             try:
-                result: Any = getattr(engine, method)(*args)
+                if self.engines.get(instance_id) is not engine:  # killed, or replaced since: calls on it are gone
+                    result: Any = _dead(instance_id)
+                else:
+                    result = getattr(engine, method)(*args)
             except Exception as exc:  # handed to the controller, which decides what it means
                 result = exc
             self._done.put((handle, result))
@@ -145,9 +159,15 @@ class ThreadBackend:
         """A fresh engine (and worker) for a lost instance; the old worker ends after its current call."""
         self._work[instance_id].put(None)
         self.engines[instance_id] = engine
-        work = self._work[instance_id] = queue.SimpleQueue()
-        threading.Thread(target=self._serve, args=(engine, work), name=f"modelpool-{instance_id}", daemon=True).start()
+        self._start_worker(instance_id, engine)
+
+    def kill(self, instance_id: str) -> None:
+        self.engines[instance_id] = None  # type: ignore[assignment]
 
     def close(self) -> None:
         for work in self._work.values():
             work.put(None)
+
+
+def _dead(instance_id: str) -> InstanceDied:
+    return InstanceDied(f"the engine of {instance_id} was killed")

@@ -342,7 +342,11 @@ class LivePool:
             return dict(self._actors)
 
     def kill_instance(self, instance_id: str) -> None:
-        """Fault injection: kill an instance's actor (its requests resume elsewhere, or there once restarted)."""
+        """Fault injection: kill an instance's actor, or in-process engine (its requests resume elsewhere, or
+        there once restarted)."""
+        if self.backend_kind != "ray":
+            self._backend.kill(instance_id)
+            return
         import ray
 
         ray.kill(self._actors[instance_id], no_restart=True)

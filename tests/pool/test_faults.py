@@ -135,9 +135,9 @@ def ray_pool(tiny, num_instances: int, **options) -> LivePool:  # noqa: F811
                     **options)
 
 
-def submit_all(pool: LivePool, tag: str = "") -> dict[tuple[str, int], Sink]:
+def submit_all(pool: LivePool, tag: str = "", models=MODELS) -> dict[tuple[str, int], Sink]:
     sinks = {}
-    for name in MODELS:
+    for name in models:
         for k, prompt in enumerate(PROMPTS):
             sinks[(name, k)] = Sink()
             pool.submit(f"{tag}{name}-{k}", name, prompt, SamplingParams(max_tokens=LONG_TOKENS, ignore_eos=True),
@@ -291,3 +291,27 @@ def test_resumed_text_streams_exactly_the_uninterrupted_text(tiny, long_referenc
             assert sent + rest == whole, (name, cut)
             num_cuts += 1
     assert num_cuts > 100
+
+
+
+def test_sim_pool_killed_engine_restarts_then_is_written_off() -> None:
+    """The same faults on the in-process `threads` backend (sim engine: three models, one instance, one restart):
+    `kill_instance` there makes every call on the engine end with InstanceDied, as a dead actor's would."""
+    from tests.pool.sim_gateway import MODELS as SIM_MODELS
+    from tests.pool.sim_gateway import sim_pool
+
+    with sim_pool(num_instances=1, max_restarts=1) as pool:
+        reference = submit_all(pool, "ref-", SIM_MODELS)
+        assert all(sink.done.wait(60) and sink.error is None for sink in reference.values())  # uninterrupted
+        expected = {key: sink.tokens for key, sink in reference.items()}
+        counts = {}
+        for fault in ("restarted", "written off"):
+            sinks = submit_all(pool, f"{fault}-", SIM_MODELS)
+            killed, held = kill_mid_decode(pool)
+            counts[fault] = outcomes(sinks, expected, lambda key: pool.holds(f"{fault}-{key[0]}-{key[1]}"), 60).counts()
+            print(f"\nsim fault ({fault}): killed {killed} holding {len(held)} requests; outcomes {counts[fault]}")
+            assert counts[fault]["hung"] == counts[fault]["lost"] == counts[fault]["wrong"] == 0, counts
+        assert counts["restarted"]["identical"] == len(reference)
+        assert counts["written off"]["clean_errors"] >= len(held)
+        assert pool.status()["restarts"] == 1 and pool.status()["lost_instances"] == ["slot0"]
+        wait_until(lambda: allocated(pool) == NOTHING, 10, f"nothing allocated: {allocated(pool)}")
