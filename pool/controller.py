@@ -15,6 +15,7 @@ requests no instance is left to serve.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import IO, Any, Protocol
@@ -54,7 +55,7 @@ class _Call:
 
 class Controller:
     def __init__(self, scheduler: Scheduler, backend: Backend, clock: Clock, instance_ids: Iterable[str], *,
-                 plan_log: IO[str] | None = None) -> None:
+                 plan_log: IO[str] | None = None, max_losses_per_request: int = 2) -> None:
         self.scheduler = scheduler
         self.backend = backend
         self.clock = clock
@@ -63,6 +64,10 @@ class Controller:
         self.runners = {iid: InstanceRunner(iid, self._issuer(iid), self.requests, self._deliver) for iid in instance_ids}
         self.lost: set[str] = set()
         self.generation = {iid: 0 for iid in self.runners}  # bumped by each restore()
+        # a request on this many lost instances ends instead of resuming: it may be what kills them (a request
+        # that crashes every engine it reaches would otherwise take the whole pool down, restarts and all)
+        self.max_losses_per_request = max_losses_per_request
+        self._losses: Counter[str] = Counter()  # request id -> instances lost while its KV was there
         self._calls: dict[int, _Call] = {}
         self.num_plans = 0
 
@@ -78,6 +83,7 @@ class Controller:
 
     def cancel(self, request_id: str, reason: str = "cancelled by client") -> None:
         live = self.requests.pop(request_id, None)
+        self._losses.pop(request_id, None)
         if live is None or live.finished:
             return
         live.cancelled = True
@@ -121,23 +127,30 @@ class Controller:
 
         A request the scheduler already placed on another instance whose KV
         still sat here (a hand-off in transit) cannot be re-queued through the
-        scheduler's contract; it ends with a clean `RequestFailed`.
+        scheduler's contract; it ends with a clean `RequestFailed`, as does one
+        that has now been on `max_losses_per_request` lost instances.
         """
         if instance_id in self.lost:
             return
         self.lost.add(instance_id)
         self.runners[instance_id].reset()
         sched_requests: Any = getattr(self.scheduler, "requests", {})
-        in_transit = []
+        ended: dict[str, str] = {}
         for live in self.requests.values():
-            if live.kv_home == instance_id:
-                live.kv_home = None  # resume from prompt + produced tokens
-                placed = getattr(sched_requests.get(live.request_id), "instance_id", instance_id)
-                if placed not in (None, instance_id):
-                    in_transit.append(live.request_id)
+            if live.kv_home != instance_id:
+                continue
+            live.kv_home = None  # resume from prompt + produced tokens
+            rid = live.request_id
+            self._losses[rid] += 1
+            placed = getattr(sched_requests.get(rid), "instance_id", instance_id)
+            if placed not in (None, instance_id):
+                ended[rid] = f"its KV was on instance {instance_id}, which was lost ({reason})"
+            elif self._losses[rid] >= self.max_losses_per_request:
+                ended[rid] = (f"it was on {self._losses[rid]} instances that were lost, the last {instance_id} "
+                              f"({reason})")
         self._report(InstanceLost(instance_id, reason))
-        for request_id in in_transit:
-            self.fail(request_id, f"its KV was on instance {instance_id}, which was lost ({reason})")
+        for request_id, why in ended.items():
+            self.fail(request_id, why)
 
     def restore(self, instance_id: str) -> None:
         """A fresh engine runs on a lost instance again: the scheduler hears `InstanceAdded`."""
@@ -181,6 +194,7 @@ class Controller:
             live.cancelled = True
             self.scheduler.on_event(Cancelled(request_id, reason), self.clock.now())
         self._calls.clear()
+        self._losses.clear()
 
     # ---- the tick ------------------------------------------------------------------
     def tick(self) -> Plan:
@@ -193,6 +207,7 @@ class Controller:
             self.plan_log.write(plan.to_json() + "\n")
         for request_id, why in plan.failed:
             live = self.requests.pop(request_id, None)
+            self._losses.pop(request_id, None)
             if live is not None and live.sink is not None:
                 live.sink(RequestFailed(why))
         for instance_id, actions in plan.actions.items():
@@ -223,6 +238,7 @@ class Controller:
         if isinstance(event, StepDone):
             for request_id in event.finished_ids:
                 self.requests.pop(request_id, None)
+                self._losses.pop(request_id, None)
 
     def _deliver(self, live: LiveRequest, out: TokenOut) -> None:
         if live.sink is not None:

@@ -37,20 +37,27 @@ class Flaky:
         return call
 
 
-def drive(controller: Controller, backend: InProcessBackend, clock: ManualClock, sinks, limit: int = 20000) -> None:
+def drive(controller: Controller, backend: InProcessBackend, clock: ManualClock, sinks, limit: int = 20000,
+          restart=None) -> None:
+    """The live pool's loop on a manual clock; `restart(instance_id)`, when given, brings a lost instance back
+    at once with a fresh engine."""
     for _ in range(limit):
         if all(s.done.is_set() for s in sinks.values()):
             return
         clock.advance(0.001)
         for handle, result in backend.poll(0.0):
             controller.complete(handle, result)
-        controller.fail_stranded()  # as the live pool's loop does (no restarts here)
+        for instance_id in sorted(controller.lost) if restart else ():
+            backend.replace(instance_id, restart(instance_id))
+            controller.restore(instance_id)
+        controller.fail_stranded()
         controller.tick()
     raise AssertionError(f"requests did not finish: {[k for k, s in sinks.items() if not s.done.is_set()]}")
 
 
-def in_process(tiny, flaky: dict, policy: str, roles=None, **options):  # noqa: F811
-    """A controller over two in-process engines (slot0 wrapped in `Flaky(**flaky)`) with every request queued."""
+def in_process(tiny, flaky: dict | None, policy: str, roles=None, **options):  # noqa: F811
+    """A controller over two in-process engines (slot0 wrapped in `Flaky(**flaky)` unless None) with every
+    request queued."""
     models = [served_model(name, path, dtype="float32") for name, path in tiny.items()]
     engines = {}
     for iid in ("slot0", "slot1"):
@@ -58,7 +65,8 @@ def in_process(tiny, flaky: dict, policy: str, roles=None, **options):  # noqa: 
         for m in models:
             engine.load(m.name, m.path)
         engines[iid] = engine
-    engines["slot0"] = Flaky(engines["slot0"], **flaky)
+    if flaky is not None:
+        engines["slot0"] = Flaky(engines["slot0"], **flaky)
     backend = InProcessBackend(engines)
     clock = ManualClock()
     scheduler = make_scheduler(policy, {m.name: m.profile for m in models},
@@ -315,3 +323,50 @@ def test_sim_pool_killed_engine_restarts_then_is_written_off() -> None:
         assert counts["written off"]["clean_errors"] >= len(held)
         assert pool.status()["restarts"] == 1 and pool.status()["lost_instances"] == ["slot0"]
         wait_until(lambda: allocated(pool) == NOTHING, 10, f"nothing allocated: {allocated(pool)}")
+
+
+
+class Poisoned:
+    """An engine that fails every call that carries request `poison`: a request that crashes any engine."""
+
+    def __init__(self, engine, poison: str) -> None:
+        self.engine, self.poison = engine, poison
+
+    def __getattr__(self, name):
+        attr = getattr(self.engine, name)
+
+        def call(*args):
+            ids = [getattr(item, "request_id", item) for arg in args if isinstance(arg, list) for item in arg]
+            if self.poison in ids:
+                raise RuntimeError(f"engine crashed on {self.poison}")
+            return attr(*args)
+        return call
+
+
+def test_a_request_that_crashes_every_engine_ends_instead_of_taking_the_pool_down(tiny, reference) -> None:  # noqa: F811
+    """With restarts, a request that kills whatever engine runs it would be resumed for ever and bring every
+    instance down in turn; after two lost instances it ends with a clean error, and the pool serves on."""
+    poison = "tiny-qwen2-1"
+    controller, backend, clock, scheduler, sinks = in_process(tiny, None, "token-level", fixed_turn_steps=4)
+    models = [served_model(name, path, dtype="float32") for name, path in tiny.items()]
+
+    def fresh(instance_id: str) -> Poisoned:
+        engine = make_engine(ENGINE)
+        for m in models:
+            engine.load(m.name, m.path)
+        restarts.append(instance_id)
+        return Poisoned(engine, poison)
+
+    restarts: list[str] = []
+    for iid in ("slot0", "slot1"):
+        backend.replace(iid, Poisoned(backend.engines[iid], poison))
+    drive(controller, backend, clock, sinks, restart=fresh)
+    assert isinstance(sinks[("tiny-qwen2", 1)].error, RequestFailed)
+    assert "on 2 instances that were lost" in str(sinks[("tiny-qwen2", 1)].error)
+    errors = [key for key, sink in sinks.items() if sink.error is not None]
+    finished = [key for key, sink in sinks.items() if sink.error is None]
+    assert all(sinks[key].tokens == reference[key] for key in finished), finished
+    assert len(restarts) == 2 and not controller.lost and not controller.requests
+    print(f"\npoison request: {len(restarts)} instances lost and restarted, {len(finished)} identical, "
+          f"{len(errors)} clean errors (the poison and requests batched with it twice): {errors}")
+    assert len(finished) >= len(sinks) - 3
