@@ -321,6 +321,8 @@ def serve_command(
     max_buffered_tokens: int = typer.Option(1024, "--max-buffered-tokens", help="Unread tokens a stream may hold "
                                             "before its request is cancelled (slow_client)."),
     default_max_tokens: int = typer.Option(1024, "--default-max-tokens", help="max_tokens of a chat that sets none."),
+    max_restarts: int = typer.Option(3, "--max-restarts", min=0, help="Restarts of a lost instance (its actor "
+                                     "died or an engine call failed) before it is written off (0 = never)."),
     kv_mib: int | None = typer.Option(None, "--kv-mib", help="Device KV per instance in MiB (default: 128 on a "
                                       "CPU slot, what fits on a GPU)."),
     sim_time_scale: float = typer.Option(1.0, "--sim-time-scale", help="sim engine: multiply predicted times "
@@ -363,7 +365,7 @@ def serve_command(
     log_file = plan_log.open("w") if plan_log else None
     pool = LivePool(dep.models, dep.instances, policy, dep.costs, engine=dep.engine, backend=backend,
                     address=address, plan_log=log_file, max_queued_per_model=max_queued_per_model,
-                    max_requests=max_requests)
+                    max_requests=max_requests, max_restarts=max_restarts)
     typer.echo(f"Starting {len(dep.instances)} instance(s) with {len(dep.models)} model(s)...")
     pool.start()
     try:

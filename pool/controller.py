@@ -51,6 +51,7 @@ class _Call:
     target: str
     waiting_generation: int
     target_generation: int
+    request_ids: tuple[str, ...]  # the requests the call carries (suspects when it fails)
 
 
 class Controller:
@@ -64,10 +65,10 @@ class Controller:
         self.runners = {iid: InstanceRunner(iid, self._issuer(iid), self.requests, self._deliver) for iid in instance_ids}
         self.lost: set[str] = set()
         self.generation = {iid: 0 for iid in self.runners}  # bumped by each restore()
-        # a request on this many lost instances ends instead of resuming: it may be what kills them (a request
-        # that crashes every engine it reaches would otherwise take the whole pool down, restarts and all)
+        # a request in this many failed calls ends instead of resuming: it may be what kills the instances (a
+        # request that crashes every engine it reaches would otherwise take the whole pool down, restarts and all)
         self.max_losses_per_request = max_losses_per_request
-        self._losses: Counter[str] = Counter()  # request id -> instances lost while its KV was there
+        self._losses: Counter[str] = Counter()  # request id -> failed calls that carried it
         self._calls: dict[int, _Call] = {}
         self.num_plans = 0
 
@@ -109,7 +110,7 @@ class Controller:
                 return False
             if fresh_target:
                 log.error("instance %s: call failed, writing the instance off: %r", call.target, result)
-                self.lose(call.target, f"engine call failed: {result!r}")
+                self.lose(call.target, f"engine call failed: {result!r}", call.request_ids)
                 heard = True
             if call.waiting is None or call.waiting == call.target:
                 return heard
@@ -122,13 +123,14 @@ class Controller:
             self._report(event)
         return heard or bool(events)
 
-    def lose(self, instance_id: str, reason: str) -> None:
+    def lose(self, instance_id: str, reason: str, suspects: Iterable[str] = ()) -> None:
         """The instance is gone: its requests go back to the queue and resume elsewhere.
 
         A request the scheduler already placed on another instance whose KV
         still sat here (a hand-off in transit) cannot be re-queued through the
-        scheduler's contract; it ends with a clean `RequestFailed`, as does one
-        that has now been on `max_losses_per_request` lost instances.
+        scheduler's contract; it ends with a clean `RequestFailed`, as does a
+        suspect (carried by the call that failed) for the
+        `max_losses_per_request`-th time.
         """
         if instance_id in self.lost:
             return
@@ -136,18 +138,19 @@ class Controller:
         self.runners[instance_id].reset()
         sched_requests: Any = getattr(self.scheduler, "requests", {})
         ended: dict[str, str] = {}
+        for rid in suspects:
+            if rid in self.requests:
+                self._losses[rid] += 1
+                if self._losses[rid] >= self.max_losses_per_request:
+                    ended[rid] = (f"it was in the failing call of {self._losses[rid]} instances that were lost, "
+                                  f"the last {instance_id} ({reason})")
         for live in self.requests.values():
             if live.kv_home != instance_id:
                 continue
             live.kv_home = None  # resume from prompt + produced tokens
-            rid = live.request_id
-            self._losses[rid] += 1
-            placed = getattr(sched_requests.get(rid), "instance_id", instance_id)
+            placed = getattr(sched_requests.get(live.request_id), "instance_id", instance_id)
             if placed not in (None, instance_id):
-                ended[rid] = f"its KV was on instance {instance_id}, which was lost ({reason})"
-            elif self._losses[rid] >= self.max_losses_per_request:
-                ended[rid] = (f"it was on {self._losses[rid]} instances that were lost, the last {instance_id} "
-                              f"({reason})")
+                ended[live.request_id] = f"its KV was on instance {instance_id}, which was lost ({reason})"
         self._report(InstanceLost(instance_id, reason))
         for request_id, why in ended.items():
             self.fail(request_id, why)
@@ -230,7 +233,7 @@ class Controller:
         """Send a call to `instance_id`; its result goes to runner `waiting` (None: to nobody)."""
         handle = self.backend.call(instance_id, method, args, meta)
         self._calls[handle] = _Call(waiting, instance_id, self.generation.get(waiting, 0) if waiting else 0,
-                                    self.generation[instance_id])
+                                    self.generation[instance_id], _request_ids(args))
         return handle
 
     def _report(self, event: Event) -> None:
@@ -243,3 +246,17 @@ class Controller:
     def _deliver(self, live: LiveRequest, out: TokenOut) -> None:
         if live.sink is not None:
             live.sink(out)
+
+
+def _request_ids(args: tuple[Any, ...]) -> tuple[str, ...]:
+    """The request ids an engine call carries: ids, GenRequests (prefill) or KvExports (import_kv)."""
+    if not args or not isinstance(args[0], list | tuple):
+        return ()
+    out = []
+    for item in args[0]:
+        if isinstance(item, str):
+            out.append(item)
+        else:
+            request = getattr(item, "request", item)
+            out.append(getattr(request, "request_id", ""))
+    return tuple(rid for rid in out if rid)

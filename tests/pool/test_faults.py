@@ -362,7 +362,7 @@ def test_a_request_that_crashes_every_engine_ends_instead_of_taking_the_pool_dow
         backend.replace(iid, Poisoned(backend.engines[iid], poison))
     drive(controller, backend, clock, sinks, restart=fresh)
     assert isinstance(sinks[("tiny-qwen2", 1)].error, RequestFailed)
-    assert "on 2 instances that were lost" in str(sinks[("tiny-qwen2", 1)].error)
+    assert "failing call of 2 instances that were lost" in str(sinks[("tiny-qwen2", 1)].error)
     errors = [key for key, sink in sinks.items() if sink.error is not None]
     finished = [key for key, sink in sinks.items() if sink.error is None]
     assert all(sinks[key].tokens == reference[key] for key in finished), finished
@@ -370,3 +370,24 @@ def test_a_request_that_crashes_every_engine_ends_instead_of_taking_the_pool_dow
     print(f"\npoison request: {len(restarts)} instances lost and restarted, {len(finished)} identical, "
           f"{len(errors)} clean errors (the poison and requests batched with it twice): {errors}")
     assert len(finished) >= len(sinks) - 3
+
+
+@pytest.mark.slow
+def test_a_live_actor_whose_engine_fails_is_replaced_and_a_poison_request_ends(tiny, long_reference,  # noqa: F811
+                                                                               ray_cluster) -> None:
+    """Real Ray, an engine error (not a death): a prompt with a token id past the vocabulary (the pool API does
+    not check ids; the gateway does) makes the engine raise. Its instance is written off, the old actor (still
+    alive) killed and a fresh one started; the bad request, lost twice, ends with a clean error; the requests
+    batched with it resume on the new actor and finish with the uninterrupted tokens."""
+    with ray_pool(tiny, 1) as pool:
+        sinks = submit_all(pool)
+        bad = Sink()
+        pool.submit("bad", MODELS[1], [5, 10**6, 7], SamplingParams(max_tokens=8), bad)
+        result = outcomes(sinks, long_reference, lambda key: pool.holds(f"{key[0]}-{key[1]}"), 180)
+        assert bad.done.wait(60) and isinstance(bad.error, RequestFailed), bad.error
+        counts = result.counts()
+        print(f"\npoison prompt on a live actor: restarts {pool.status()['restarts']}, outcomes {counts}")
+        assert counts["hung"] == counts["lost"] == counts["wrong"] == 0, result
+        assert counts["identical"] >= len(sinks) - 3 and "failing call of 2 instances" in str(bad.error)
+        assert pool.status()["restarts"] == 2 and pool.status()["lost_instances"] == []
+        wait_until(lambda: allocated(pool) == NOTHING, 10, f"nothing allocated: {allocated(pool)}")
