@@ -91,7 +91,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="10000,100000,1000000", help="request counts, comma separated")
     parser.add_argument("--gpus", type=int, default=32, help="pool size (the shipped fleet is stable from ~24)")
-    parser.add_argument("--policy", default="token-level")
+    parser.add_argument("--policy", default="token-level", help="policies, comma separated")
     parser.add_argument("--fleet", default=str(ROOT / "models.yaml"))
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/sim_speed.json"))
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # internal: run one size, print JSON
@@ -101,26 +101,30 @@ def main() -> None:
         return
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     rows = []
-    header = (f"{'requests':>9} {'loop wall s':>11} {'loop CPU s':>10} {'req/s':>7} {'req/CPU s':>9} "
+    header = (f"{'policy':>13} {'requests':>9} {'loop wall s':>11} {'loop CPU s':>10} {'req/s':>7} {'req/CPU s':>9} "
               f"{'+metrics req/s':>14} {'steps/CPU s':>11} {'events/req':>10} {'SLO':>6} {'peak GiB':>8}")
     print(header)
-    for size in [int(s) for s in args.sizes.split(",")]:
+    for policy, size in [(p, int(s)) for p in args.policy.split(",") for s in args.sizes.split(",")]:
         out = subprocess.run([sys.executable, __file__, "--one", str(size), "--gpus", str(args.gpus),
-                              "--policy", args.policy, "--fleet", args.fleet], env=env, capture_output=True, text=True)
+                              "--policy", policy, "--fleet", args.fleet], env=env, capture_output=True, text=True)
         if out.returncode:
-            sys.exit(f"size {size} failed:\n{out.stderr}")
+            sys.exit(f"{policy} at {size} failed:\n{out.stderr[-3000:]}")
         row = json.loads(out.stdout.strip().splitlines()[-1])
         rows.append(row)
-        print(f"{row['requests']:>9,} {row['sim_s']:>11.1f} {row['sim_cpu_s']:>10.1f} {row['requests_per_s']:>7,.0f} "
+        _write(args.out, rows)  # after every row: a later failure keeps what was measured
+        print(f"{policy:>13} {row['requests']:>9,} {row['sim_s']:>11.1f} {row['sim_cpu_s']:>10.1f} {row['requests_per_s']:>7,.0f} "
               f"{row['requests_per_cpu_s']:>9,.0f} {row['requests_per_s_with_metrics']:>14,.0f} "
               f"{row['decode_steps_per_cpu_s']:>11,.0f} {row['events_per_request']:>10.1f} {row['slo_attainment']:>6.1%} "
               f"{row['peak_rss_gib']:>8.2f}", flush=True)
+    print(f"wrote {args.out}")
+
+
+def _write(path: str, rows: list[dict[str, object]]) -> None:
     report = {"date": datetime.date.today().isoformat(), "machine": _machine(), "commit": _commit(),
               "command": "OMP_NUM_THREADS=1 python benchmarks/sim_speed.py " + " ".join(sys.argv[1:]),
               "one_core": hasattr(os, "sched_setaffinity"), "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(report, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -146,27 +146,34 @@ def main() -> None:
     if args.write_vidur_trace:
         write_vidur_trace(workload, args.write_vidur_trace)
         print(f"wrote {args.write_vidur_trace}")
+    vidur_cpu_s = None
     if args.vidur_command:
         timing = run_vidur(args.vidur_command)
         args.vidur_event_loop_s, args.vidur_iterations = timing["event_loop_s"], timing["batches"]
+        vidur_cpu_s = timing["event_loop_cpu_s"]
         args.vidur_label = "measured in this run"
     runs = [run_once(workload) for _ in range(args.repeat)]
     loop_s = statistics.median(r["event_loop_s"] for r in runs)
     ours = {**runs[0], "event_loop_s": loop_s, "event_loop_cpu_s": statistics.median(r["event_loop_cpu_s"] for r in runs),
             "requests_per_s": len(workload) / loop_s, "iterations_per_s": runs[0]["iterations"] / loop_s,
             "all_event_loop_s": [round(r["event_loop_s"], 3) for r in runs]}
-    vidur = {"event_loop_s": args.vidur_event_loop_s, "requests_per_s": len(workload) / args.vidur_event_loop_s,
+    vidur = {"event_loop_s": args.vidur_event_loop_s, "event_loop_cpu_s": vidur_cpu_s,
+             "requests_per_s": len(workload) / args.vidur_event_loop_s,
              "iterations_per_s": args.vidur_iterations / args.vidur_event_loop_s, "source": args.vidur_label}
+    speedup = {"wall": ours["requests_per_s"] / vidur["requests_per_s"],
+               "cpu": vidur_cpu_s / ours["event_loop_cpu_s"] if vidur_cpu_s else None}
     print(f"workload: {len(workload)} requests over {workload.duration_s:.0f} s, mean prompt "
           f"{workload.input_tokens.mean():.0f}, mean output {workload.output_tokens.mean():.0f} tokens")
     print(f"{'':8} {'event loop s':>12} {'requests/s':>11} {'iterations/s':>13}")
     for name, row in (("ours", ours), (f"vidur ({args.vidur_label})", vidur)):
         print(f"{name:8} {row['event_loop_s']:>12.2f} {row['requests_per_s']:>11,.0f} {row['iterations_per_s']:>13,.0f}")
-    print(f"speed-up: {ours['requests_per_s'] / vidur['requests_per_s']:.1f}x requests/s; ours: {ours['completed']} "
+    cpu = f", {speedup['cpu']:.1f}x by event-loop CPU time" if speedup["cpu"] else ""
+    print(f"speed-up: {speedup['wall']:.1f}x requests/s{cpu}; ours: {ours['completed']} "
           f"completed, TTFT p50/p99 {ours['p50_ttft_ms']:.0f}/{ours['p99_ttft_ms']:.0f} ms, TPOT p50/p99 "
           f"{ours['p50_tpot_ms']:.1f}/{ours['p99_tpot_ms']:.1f} ms, busy {ours['gpu_busy_share']:.0%}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"ours": ours, "vidur": vidur, "command": " ".join(sys.argv)}, indent=2) + "\n")
+    args.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "ours": ours, "vidur": vidur, "speedup": speedup,
+                                    "command": " ".join(sys.argv)}, indent=2) + "\n")
 
 
 if __name__ == "__main__":
