@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -139,7 +140,13 @@ def write(data: bytes, name: str) -> Path:
     return path
 
 
-ROOT = Path(tempfile.mkdtemp(prefix="modelpool-reader-fuzz-"))
+ROOT = Path(tempfile.mkdtemp(prefix="modelpool-reader-fuzz-"))  # hypothesis runs many cases per test: one folder
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _remove_fuzz_files():
+    yield
+    shutil.rmtree(ROOT, ignore_errors=True)
 
 # ---- one fuzzer per reader -----------------------------------------------------------------------------
 AZURE = {"TIMESTAMP": "ts", "ContextTokens": "int", "GeneratedTokens": "int"}
