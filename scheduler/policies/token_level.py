@@ -82,6 +82,7 @@ class DecodeState:
     preempt: bool = False  # another model's newcomer (or a prompt, on a mixed instance) ends an open-ended turn
     mix: dict[str, tuple[int, int, float]] = field(default_factory=dict)  # model -> members, context estimate, step s
     load_s: float = 0.0  # sum of the step times in `mix`: the dispatcher's load figure
+    packed: list[tuple[str, tuple[str, ...], float]] | None = None  # `_pack`'s answer until the members change
 
 
 class TokenLevelPolicy(PolicyBase):
@@ -331,6 +332,11 @@ class TokenLevelPolicy(PolicyBase):
 
     def _pack(self, inst: InstanceState, state: DecodeState) -> list[Batch]:
         """Members in same-model batches (FCFS within a model) that each fit the device KV."""
+        if state.packed is None:
+            state.packed = [(b.model, tuple(b.ids), b.kv_bytes) for b in self._pack_members(inst, state)]
+        return [Batch(model, list(ids), kv_bytes) for model, ids, kv_bytes in state.packed]
+
+    def _pack_members(self, inst: InstanceState, state: DecodeState) -> list[Batch]:
         cap = inst.kv_capacity_bytes
         batches: list[Batch] = []
         open_batch: dict[str, Batch] = {}
@@ -462,6 +468,7 @@ class TokenLevelPolicy(PolicyBase):
         self._touched.add(inst.instance_id)
         state = self.decoders[inst.instance_id]
         state.members[req.request_id] = None
+        state.packed = None
         self._mix_update(state, req, +1)
         req.instance_id = inst.instance_id
         self._admit(inst, state, req)
@@ -529,6 +536,7 @@ class TokenLevelPolicy(PolicyBase):
         if iid in self.decoders and request.request_id in self.decoders[iid].members:
             state = self.decoders[iid]
             del state.members[request.request_id]
+            state.packed = None
             self._mix_update(state, request, -1)
         if iid in self.groups:
             for group in self.groups[iid]:
