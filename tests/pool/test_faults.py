@@ -89,7 +89,7 @@ def test_instance_lost_mid_decode_requests_resume_elsewhere(tiny, reference) -> 
     assert controller.lost == {"slot0"}
     assert all(r.status is RequestStatus.FINISHED for r in scheduler.requests.values())
     for key, sink in sinks.items():  # every token exactly once, equal to an uninterrupted run
-        assert sink.error is None and sink.tokens == reference[key], key
+        assert sink.error is None and sink.tokens == reference[key] and not sink.after_end, key
     resumed = [r for r in scheduler.requests.values() if r.reason == "engine call failed: RuntimeError('device fell off the bus')"]
     assert resumed, "the lost instance held requests that had to resume elsewhere"
 

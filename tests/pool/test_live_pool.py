@@ -4,37 +4,22 @@ from __future__ import annotations
 
 import io
 import json
-import threading
 from pathlib import Path
 
 import pytest
 
 from pool.actor import EngineSpec
-from pool.engines.base import SamplingParams, TokenOut
+from pool.engines.base import SamplingParams
 from pool.service import LivePool, served_model, slot_instances
 from tests.factories import LinearCosts
+from tests.pool.fault_tools import Sink
 
 MODELS = ("tiny-llama", "tiny-qwen2", "tiny-qwen3")
 KV_BYTES = 32 << 20
 ENGINE = EngineSpec("torch", {"dtype": "float32", "kv_bytes": KV_BYTES})
 
 
-class Collector:
-    """A request's sink: gathers tokens until the request ends."""
-
-    def __init__(self) -> None:
-        self.tokens: list[int] = []
-        self.error: BaseException | None = None
-        self.done = threading.Event()
-
-    def __call__(self, item: TokenOut | BaseException) -> None:
-        if isinstance(item, BaseException):
-            self.error = item
-            self.done.set()
-            return
-        self.tokens.append(item.token_id)
-        if item.finished:
-            self.done.set()
+Collector = Sink  # tokens, the error, and anything that arrives after the end (must stay empty)
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +56,7 @@ def run_requests(pool: LivePool, timeout_s: float = 120.0) -> dict[tuple[str, in
             pool.submit(f"{name}-{k}", name, prompt, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True), sink)
     for key, sink in sinks.items():
         assert sink.done.wait(timeout_s), f"{key} did not finish; pool status: {pool.status()}"
-        assert sink.error is None, f"{key}: {sink.error!r}"
+        assert sink.error is None and not sink.after_end, f"{key}: {sink.error!r} {sink.after_end}"
     return sinks
 
 
