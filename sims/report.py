@@ -83,7 +83,7 @@ def _floor(result: StudyResult, dedicated_gpus: int | None, policies: Mapping[st
     classes = {str(tp): {"prefill_load": _round(info.prefill_load, 4), "decode_load": _round(info.decode_floor_load, 4),
                          "instances": info.floor_instances, "gpus": info.floor_instances * tp}
                for tp, info in sorted(infos.items())}
-    gpus = sum(c["gpus"] for c in classes.values())
+    gpus = sum(info.floor_instances * tp for tp, info in infos.items())
     out: dict[str, Any] = {"gpus": gpus, "definition": FLOOR_TEXT, "classes": classes,
                            "ratio_to_dedicated": _round(gpus / dedicated_gpus, 4) if dedicated_gpus else None,
                            "policies_over_floor": {p: _round(e["gpus"] / gpus, 4) for p, e in policies.items()}}

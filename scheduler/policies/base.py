@@ -115,6 +115,7 @@ class PolicyBase:
         self.queues: dict[str, deque[str]] = {name: deque() for name in self.models}  # QUEUED, not yet placed
         self.instances: dict[str, InstanceState] = {}
         self._failed: list[tuple[str, str]] = []
+        self._kv_rooms: dict[str, float] = {}  # kv_room's answers
         for spec in instances:
             self.instances[spec.instance_id] = InstanceState(spec, self._kv_capacity(spec))
         self._touched.update(self.instances)
@@ -246,9 +247,14 @@ class PolicyBase:
         return ""
 
     def kv_room(self, model: str) -> float:
-        """The most device KV any instance could ever give one request of `model`."""
-        tp = self.models[model].tp
-        return max((i.kv_capacity_bytes for i in self.instances.values() if i.spec.tp == tp), default=0.0)
+        """The most device KV any instance could ever give one request of `model` (the instances are fixed at
+        construction, so it is computed once per model)."""
+        room = self._kv_rooms.get(model)
+        if room is None:
+            tp = self.models[model].tp
+            room = self._kv_rooms[model] = max(
+                (i.kv_capacity_bytes for i in self.instances.values() if i.spec.tp == tp), default=0.0)
+        return room
 
     def _fail(self, request: Request, why: str) -> None:
         self._release(request)

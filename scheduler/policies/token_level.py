@@ -82,7 +82,7 @@ class DecodeState:
     preempt: bool = False  # another model's newcomer (or a prompt, on a mixed instance) ends an open-ended turn
     mix: dict[str, tuple[int, int, float]] = field(default_factory=dict)  # model -> members, context estimate, step s
     load_s: float = 0.0  # sum of the step times in `mix`: the dispatcher's load figure
-    packed: list[tuple[str, tuple[str, ...], float]] | None = None  # `_pack`'s answer until the members change
+    packed: list[Batch] | None = None  # `_pack`'s answer until the members change (read-only: a turn copies one)
 
 
 class TokenLevelPolicy(PolicyBase):
@@ -131,7 +131,7 @@ class TokenLevelPolicy(PolicyBase):
         # other instance's state, so the others' plans would be empty. `full_scan` plans every instance.
         touched, self._touched = self._touched, set()
         order = self.instances if self.full_scan or len(touched) == len(self.instances) else \
-            sorted(touched, key=self._rank.__getitem__)
+            touched if len(touched) < 2 else sorted(touched, key=self._rank.__getitem__)
         out: dict[str, list[Action]] = {}
         for iid in order:
             inst = self.instances[iid]
@@ -310,16 +310,17 @@ class TokenLevelPolicy(PolicyBase):
         batches = self._pack(inst, state)
         if not batches:
             return []
-        due = {id(b): self._due_at(b) for b in batches}
-        batches.sort(key=lambda b: due[id(b)])
-        batch = state.current = batches[0]
+        if len(batches) > 1:
+            batches = sorted(batches, key=self._due_at)
+        first = batches[0]
+        batch = state.current = Batch(first.model, list(first.ids), first.kv_bytes)
         state.open_ended = len(batches) == 1 and self.fixed_turn_steps is None
         if self.fixed_turn_steps is not None:
             batch.steps = self.fixed_turn_steps
         elif state.open_ended:
             batch.steps = self.decode_steps(batch.ids)
         else:
-            self._assign_quotas(inst, batches)
+            batch.steps = self._first_quota_steps(inst, batches)
         state.steps_left = batch.steps
         state.next_model = batches[1].model if len(batches) > 1 else None
         kind = "open-ended" if state.open_ended else f"quota {batch.steps} steps"
@@ -331,12 +332,10 @@ class TokenLevelPolicy(PolicyBase):
         return [rid for rid in ids if rid in requests and not requests[rid].done and requests[rid].instance_id == iid]
 
     def _pack(self, inst: InstanceState, state: DecodeState) -> list[Batch]:
-        """Members in same-model batches (FCFS within a model) that each fit the device KV."""
-        if state.packed is None:
-            state.packed = [(b.model, tuple(b.ids), b.kv_bytes) for b in self._pack_members(inst, state)]
-        return [Batch(model, list(ids), kv_bytes) for model, ids, kv_bytes in state.packed]
-
-    def _pack_members(self, inst: InstanceState, state: DecodeState) -> list[Batch]:
+        """Members in same-model batches (FCFS within a model) that each fit the device KV; kept until the
+        members change, so the batches are read-only."""
+        if state.packed is not None:
+            return state.packed
         cap = inst.kv_capacity_bytes
         batches: list[Batch] = []
         open_batch: dict[str, Batch] = {}
@@ -349,29 +348,43 @@ class TokenLevelPolicy(PolicyBase):
                 batches.append(batch)
             batch.ids.append(rid)
             batch.kv_bytes += need
+        state.packed = batches
         return batches
 
     def _due_at(self, batch: Batch) -> float:
         """When the batch's most pressed member owes its next token: first token + tokens so far * TPOT SLO."""
         tpot = self.models[batch.model].tpot_slo_s
-        return min(self.first_token_at.get(rid, 0.0) + self.requests[rid].num_output_tokens * tpot
-                   for rid in batch.ids)
+        requests, first_token_at = self.requests, self.first_token_at
+        due = float("inf")
+        for rid in batch.ids:
+            at = first_token_at.get(rid, 0.0) + requests[rid].num_output_tokens * tpot
+            if at < due:
+                due = at
+        return due
 
-    def _assign_quotas(self, inst: InstanceState, batches: list[Batch]) -> None:
-        """Turn lengths from `decode_quotas` over the batches waiting now; c0 counts their switches and
-        the KV moves that cannot be avoided (none when every batch's KV fits the device together)."""
-        step_s, switch_s, move_s = [], 0.0, 0.0
+    def _first_quota_steps(self, inst: InstanceState, batches: list[Batch]) -> int:
+        """The first batch's turn length from `decode_quotas` over the batches waiting now; c0 counts their
+        switches and the KV moves that cannot be avoided (none when every batch's KV fits the device together)."""
+        costs, requests = self.costs, self.requests
+        step_s: list[float] = []
+        move_s = kv_bytes = 0.0
+        tpot = float("inf")
         for batch in batches:
-            context = sum(self.requests[rid].context_tokens for rid in batch.ids)
-            step_s.append(self.costs.decode_step_s(batch.model, len(batch.ids), context))
-            move_s += 2 * self.costs.kv_move_s(batch.model, context)
+            context = 0
+            for rid in batch.ids:
+                req = requests[rid]
+                context += req.prompt_tokens + req.num_output_tokens
+            step_s.append(costs.decode_step_s(batch.model, len(batch.ids), context))
+            move_s += 2 * costs.kv_move_s(batch.model, context)
+            kv_bytes += batch.kv_bytes
+            tpot = min(tpot, self.models[batch.model].tpot_slo_s)
+        switch_s = 0.0
         for model in {b.model for b in batches}:
-            switch_s += self.costs.switch_s(model)
-        if sum(b.kv_bytes for b in batches) <= inst.kv_capacity_bytes:
+            switch_s += costs.switch_s(model)
+        if kv_bytes <= inst.kv_capacity_bytes:
             move_s = 0.0
-        tpot = min(self.models[b.model].tpot_slo_s for b in batches)
-        for batch, quota, step in zip(batches, decode_quotas(step_s, tpot, switch_s + move_s, self.max_quota_s), step_s):
-            batch.steps = max(1, int(quota / step))
+        quota = decode_quotas(step_s, tpot, switch_s + move_s, self.max_quota_s)[0]
+        return max(1, int(quota / step_s[0]))
 
     def _run_turn(self, inst: InstanceState, state: DecodeState, batch: Batch, why: str,
                   switch_why: str = "") -> list[Action]:
@@ -455,14 +468,25 @@ class TokenLevelPolicy(PolicyBase):
                     self._join(inst, req)
 
     def _join_decoder(self, req: Request) -> None:
-        tp = self.models[req.model].tp
-        candidates = [iid for iid in self.decoders if self.instances[iid].spec.tp == tp and not self.instances[iid].lost]
-        if not candidates:
+        """Place a prefilled request on the decode instance of its TP where it adds least load (ties by id)."""
+        tp, model = self.models[req.model].tp, req.model
+        estimate = self._context_estimate(req)
+        # the load it adds where its model is not held yet: the same on every such instance
+        fresh = self.costs.decode_step_s(model, 1, estimate), \
+            self.costs.switch_s(model) * self.models[model].tpot_slo_s / self.round_target_s
+        best: tuple[float, str] | None = None
+        for iid, state in self.decoders.items():
+            inst = self.instances[iid]
+            if inst.spec.tp != tp or inst.lost:
+                continue
+            key = (self._decode_load_after(state, model, estimate, fresh), iid)
+            if best is None or key < best:
+                best = key
+        if best is None:
             req.instance_id = None
             self._fail(req, f"no decode instance of TP{tp} left")
             return
-        best = min(candidates, key=lambda iid: (self._decode_load_after(iid, req), iid))
-        self._join(self.instances[best], req)
+        self._join(self.instances[best[1]], req)
 
     def _join(self, inst: InstanceState, req: Request) -> None:
         self._touched.add(inst.instance_id)
@@ -486,16 +510,17 @@ class TokenLevelPolicy(PolicyBase):
         if start_by - now <= ttft / 2:
             return True
         batches = self._pack(inst, state)
-        return not batches or min(self._due_at(b) for b in batches) > now
+        return not batches or min(map(self._due_at, batches)) > now
 
-    def _decode_load_after(self, iid: str, req: Request) -> float:
-        """Decode instance choice: the sum of its batches' step times once `req` joins (the share of each
-        TPOT period it decodes), plus, for a model it does not hold yet, the switch that adds to every round."""
-        state = self.decoders[iid]
-        count, context, step_s = state.mix.get(req.model, (0, 0, 0.0))
-        added = self.costs.decode_step_s(req.model, int(count) + 1, int(context) + self._context_estimate(req)) - step_s
-        switch = 0.0 if count else self.costs.switch_s(req.model) * self.models[req.model].tpot_slo_s / self.round_target_s
-        return state.load_s + added + switch
+    def _decode_load_after(self, state: DecodeState, model: str, estimate: int, fresh: tuple[float, float]) -> float:
+        """Decode instance choice: the sum of its batches' step times once a request of `model` joins (the share
+        of each TPOT period it decodes), plus, for a model it does not hold yet, the switch that adds to every
+        round; `fresh` is (step time, switch share) of a model new to the instance."""
+        held = state.mix.get(model)
+        if held is None:
+            return state.load_s + fresh[0] + fresh[1]
+        count, context, step_s = held
+        return state.load_s + (self.costs.decode_step_s(model, count + 1, context + estimate) - step_s)
 
     @staticmethod
     def _context_estimate(req: Request) -> int:
