@@ -323,6 +323,9 @@ def serve_command(
     default_max_tokens: int = typer.Option(1024, "--default-max-tokens", help="max_tokens of a chat that sets none."),
     max_restarts: int = typer.Option(3, "--max-restarts", min=0, help="Restarts of a lost instance (its actor "
                                      "died or an engine call failed) before it is written off (0 = never)."),
+    call_timeout_s: float = typer.Option(300.0, "--call-timeout-s", min=0, help="An engine call unanswered this "
+                                         "long marks its instance hung: written off and restarted (0 = wait for "
+                                         "ever)."),
     kv_mib: int | None = typer.Option(None, "--kv-mib", help="Device KV per instance in MiB (default: 128 on a "
                                       "CPU slot, what fits on a GPU)."),
     sim_time_scale: float = typer.Option(1.0, "--sim-time-scale", help="sim engine: multiply predicted times "
@@ -365,7 +368,7 @@ def serve_command(
     log_file = plan_log.open("w") if plan_log else None
     pool = LivePool(dep.models, dep.instances, policy, dep.costs, engine=dep.engine, backend=backend,
                     address=address, plan_log=log_file, max_queued_per_model=max_queued_per_model,
-                    max_requests=max_requests, max_restarts=max_restarts)
+                    max_requests=max_requests, max_restarts=max_restarts, call_timeout_s=call_timeout_s or None)
     typer.echo(f"Starting {len(dep.instances)} instance(s) with {len(dep.models)} model(s)...")
     pool.start()
     try:

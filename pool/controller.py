@@ -9,7 +9,9 @@ the simulator uses at one instant: arrivals, then completions, then one
 its requests go back to the scheduler's queue and resume elsewhere from
 prompt plus generated tokens, or on the same instance once `restore()` says
 a fresh engine is up there; `fail_stranded()` ends, with a clean error, the
-requests no instance is left to serve.
+requests no instance is left to serve. An instance that does not answer a
+call within `call_timeout_s` (alive but hung: a stuck kernel or collective)
+is written off the same way.
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ class InstanceDied(RuntimeError):
     """A backend's word that the process behind an instance is gone (a Ray actor died, was killed)."""
 
 
+class CallTimedOut(InstanceDied):
+    """An engine call got no answer within the controller's `call_timeout_s`: its instance counts as dead."""
+
+
 class RequestFailed(RuntimeError):
     """The pool could not serve a request (the reason is the scheduler's or the engine's)."""
 
@@ -52,11 +58,16 @@ class _Call:
     waiting_generation: int
     target_generation: int
     request_ids: tuple[str, ...]  # the requests the call carries (suspects when it fails)
+    method: str
+    issued_at: float
 
 
 class Controller:
     def __init__(self, scheduler: Scheduler, backend: Backend, clock: Clock, instance_ids: Iterable[str], *,
-                 plan_log: IO[str] | None = None, max_losses_per_request: int = 2) -> None:
+                 plan_log: IO[str] | None = None, max_losses_per_request: int = 2,
+                 call_timeout_s: float | None = None) -> None:
+        if call_timeout_s is not None and not call_timeout_s > 0:
+            raise ValueError(f"call_timeout_s must be > 0 (or None: no limit), got {call_timeout_s}")
         self.scheduler = scheduler
         self.backend = backend
         self.clock = clock
@@ -70,6 +81,8 @@ class Controller:
         self.max_losses_per_request = max_losses_per_request
         self._losses: Counter[str] = Counter()  # request id -> failed calls that carried it
         self._calls: dict[int, _Call] = {}
+        # a call unanswered this long (queued behind the instance's earlier calls included) means a hung instance
+        self.call_timeout_s = call_timeout_s
         self.num_plans = 0
 
     # ---- inputs --------------------------------------------------------------------
@@ -202,6 +215,8 @@ class Controller:
     # ---- the tick ------------------------------------------------------------------
     def tick(self) -> Plan:
         now = self.clock.now()
+        if self.call_timeout_s is not None:
+            self._time_out_calls(now)
         plan = self.scheduler.schedule(now)
         if not plan:
             return plan
@@ -222,6 +237,16 @@ class Controller:
                 self._report(event)
         return plan
 
+    def _time_out_calls(self, now: float) -> None:
+        """End the calls unanswered past `call_timeout_s` as failed: each writes its instance off (a runner
+        waiting elsewhere, e.g. for `export_kv`, goes on without that KV); a late answer is ignored."""
+        assert self.call_timeout_s is not None
+        late = [(handle, call) for handle, call in self._calls.items() if now - call.issued_at > self.call_timeout_s]
+        for handle, call in late:
+            if handle in self._calls:
+                self.complete(handle, CallTimedOut(f"{call.target} did not answer {call.method} within "
+                                                   f"{self.call_timeout_s:g} s"))
+
     # ---- plumbing ------------------------------------------------------------------
     def _issuer(self, runner_id: str) -> Issue:
         def issue(instance_id: str, method: str, args: tuple[Any, ...], meta: dict[str, Any]) -> int:
@@ -233,7 +258,7 @@ class Controller:
         """Send a call to `instance_id`; its result goes to runner `waiting` (None: to nobody)."""
         handle = self.backend.call(instance_id, method, args, meta)
         self._calls[handle] = _Call(waiting, instance_id, self.generation.get(waiting, 0) if waiting else 0,
-                                    self.generation[instance_id], _request_ids(args))
+                                    self.generation[instance_id], _request_ids(args), method, self.clock.now())
         return handle
 
     def _report(self, event: Event) -> None:

@@ -6,7 +6,8 @@ its event loop). The loop is the reconcile tick: drain submissions and
 cancels -> collect finished engine calls -> `schedule(now)` -> carry the Plan
 out; an exception in a tick is logged and the loop goes on.
 
-A lost instance (its actor died, an engine call failed) is restarted with a
+A lost instance (its actor died, an engine call failed, or one got no answer
+within `call_timeout_s`: the actor is alive but hung) is restarted with a
 fresh engine up to `max_restarts` times (`pool.restarts`); its requests wait
 in the scheduler's queue and resume from prompt plus generated tokens, on
 another instance or the restarted one. When no instance of a request's TP is
@@ -127,7 +128,8 @@ class LivePool:
                  address: str | None = None, policy_options: Mapping[str, Any] | None = None,
                  plan_log: IO[str] | None = None, poll_s: float = 0.002, max_queued_per_model: int | None = None,
                  max_requests: int | None = None, retry_after_s: float = 1.0, stats_interval_s: float = 0.5,
-                 num_recent_switches: int = 32, max_restarts: int = 3, restart_timeout_s: float = 300.0) -> None:
+                 num_recent_switches: int = 32, max_restarts: int = 3, restart_timeout_s: float = 300.0,
+                 call_timeout_s: float | None = 300.0) -> None:
         if backend not in ("ray", "inprocess", "threads"):
             raise ValueError(f"unknown backend {backend!r}; choose ray, inprocess or threads")
         self.models = {m.name: m for m in models}
@@ -146,6 +148,7 @@ class LivePool:
         self.stats_interval_s = stats_interval_s
         self.max_restarts = max_restarts  # fresh engines per lost instance over the pool's life (0: write off)
         self.restart_timeout_s = restart_timeout_s  # a restart slower than this gives the instance up
+        self.call_timeout_s = call_timeout_s  # an engine call unanswered this long: its instance is hung (None: wait)
         self.clock = MonotonicClock()
         self.controller: Controller | None = None
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
@@ -203,7 +206,8 @@ class LivePool:
                                    self.costs, **{"keep_ended": False, **self.policy_options})  # hold live requests only
         self._infos = [ModelInfo(name, m.path, _max_model_len(m, scheduler), _vocab_size(m.path))
                        for name, m in self.models.items()]
-        self.controller = Controller(scheduler, backend, self.clock, ids, plan_log=self.plan_log)
+        self.controller = Controller(scheduler, backend, self.clock, ids, plan_log=self.plan_log,
+                                     call_timeout_s=self.call_timeout_s)
         self._backend = backend
         self._running = True
         self._status = self._snapshot(self.controller)
