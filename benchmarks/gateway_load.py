@@ -42,7 +42,8 @@ from pool.actor import EngineSpec  # noqa: E402
 from pool.engines.base import SamplingParams  # noqa: E402
 from pool.gateway import create_app  # noqa: E402
 from pool.gateway.server import free_port  # noqa: E402
-from pool.service import LivePool, ServedModel, slot_instances  # noqa: E402
+from pool.served import ServedModel, slot_instances  # noqa: E402
+from pool.service import LivePool  # noqa: E402
 from scheduler import ModelProfile  # noqa: E402
 
 PROMPT = "Summarise the plot of a long novel about the sea in a few sentences, please."

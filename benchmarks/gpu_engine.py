@@ -145,7 +145,8 @@ def bench_model(engine: TorchEngine, model: str, args, vocab: int, bw: dict[str,
         for graphs, fused in modes:
             engine.use_cuda_graphs, engine.fused_decode = graphs, fused
             row = {"batch": batch, "ctx": args.ctx, "graphs": graphs,
-                   "fused": engine._decoder(engine._model(model)).fused, "step_ms": decode_ms(engine, ids, args.steps)}
+                   "fused": engine._decoder(engine._models.require(model)).fused,
+                   "step_ms": decode_ms(engine, ids, args.steps)}
             if batch == min(args.batches) and not graphs:
                 out["kernels_per_step"] = kernels_per_step(engine, ids)
                 if args.compare_unfused and engine.streams.cuda:

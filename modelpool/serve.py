@@ -29,7 +29,8 @@ import typer
 
 from pool.actor import EngineSpec
 from pool.engines.base import SamplingParams
-from pool.service import LivePool, ServedModel, served_model, slot_instances
+from pool.served import ServedModel, served_model, slot_instances
+from pool.service import LivePool
 from scheduler import InstanceSpec, ModelProfile
 
 MiB, GiB = 1 << 20, 1 << 30

@@ -28,7 +28,6 @@ every `stats_interval_s` through the same backend, so /pool/status and
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import queue
 import threading
@@ -46,42 +45,14 @@ from pool.controller import Controller
 from pool.engines.base import Engine, SamplingParams, TokenOut
 from pool.restarts import Restarts
 from pool.runner import LiveRequest
-from scheduler import CostModel, InstanceSpec, ModelProfile, Plan, SwapIn, SwapOut, Switch, make_scheduler
-from scheduler.fleet import Arch, arch_from_hf_config
+from pool.served import ModelInfo, ServedModel, load_tokenizer, model_infos, served_model, slot_instances
+from scheduler import CostModel, InstanceSpec, Plan, SwapIn, SwapOut, Switch, make_scheduler
+
+# the served-model helpers lived here before pool.served; callers may still import them from pool.service
+__all__ = ["LivePool", "ModelInfo", "PoolBusy", "PoolClosed", "QueueFull", "ServedModel", "served_model",
+           "slot_instances"]
 
 log = logging.getLogger("modelpool.pool")
-
-
-@dataclass(frozen=True)
-class ServedModel:
-    name: str
-    path: Path
-    profile: ModelProfile
-
-
-def served_model(name: str, path: Path, *, ttft_s: float = 10.0, tpot_s: float = 0.1, tp: int = 1,
-                 dtype: str | None = None) -> ServedModel:
-    """A local model folder as the scheduler sees it (sizes from its config.json)."""
-    config = json.loads((Path(path) / "config.json").read_text())
-    fields = arch_from_hf_config(config)
-    if dtype:
-        fields["dtype"] = dtype
-    arch = Arch.model_validate(fields)
-    profile = ModelProfile(name, tp, arch.weight_bytes, arch.kv_bytes_per_token, arch.max_context, ttft_s, tpot_s)
-    return ServedModel(name, Path(path), profile)
-
-
-def slot_instances(num: int, models: Sequence[ServedModel], kv_bytes: int, roles: Sequence[str] | None = None,
-                   prefix: str = "slot") -> list[InstanceSpec]:
-    """Instances on CPU slots (or single GPUs) whose engines hold `kv_bytes` of KV and two model slots.
-
-    The scheduler is told 90% of the engine's KV so block rounding in the
-    engine never meets a request the scheduler thought would fit.
-    """
-    biggest = max(m.profile.weight_bytes for m in models)
-    memory = 0.9 * kv_bytes + 2 * biggest
-    return [InstanceSpec(f"{prefix}{k}", 1, memory, (roles[k] if roles else "mixed"))  # type: ignore[arg-type]
-            for k in range(num)]
 
 
 class PoolClosed(RuntimeError):
@@ -103,16 +74,6 @@ class QueueFull(RuntimeError):
         super().__init__(message)
         self.model = model
         self.retry_after_s = retry_after_s
-
-
-@dataclass(frozen=True, slots=True)
-class ModelInfo:
-    """A served model as clients see it."""
-
-    name: str
-    path: Path
-    max_model_len: int  # prompt + output tokens one request may hold
-    vocab_size: int
 
 
 @dataclass(slots=True)
@@ -204,8 +165,7 @@ class LivePool:
             backend = InProcessBackend(engines) if self.backend_kind == "inprocess" else ThreadBackend(engines)
         scheduler = make_scheduler(self.policy, {n: m.profile for n, m in self.models.items()}, self.instances,
                                    self.costs, **{"keep_ended": False, **self.policy_options})  # hold live requests only
-        self._infos = [ModelInfo(name, m.path, _max_model_len(m, scheduler), _vocab_size(m.path))
-                       for name, m in self.models.items()]
+        self._infos = model_infos(self.models, scheduler)
         self.controller = Controller(scheduler, backend, self.clock, ids, plan_log=self.plan_log,
                                      call_timeout_s=self.call_timeout_s)
         self._backend = backend
@@ -272,8 +232,7 @@ class LivePool:
     def model_infos(self) -> list[ModelInfo]:
         """Every served model with the longest request it can take (context, KV room, sliding window)."""
         if not self._infos:  # not started: the context alone
-            return [ModelInfo(name, m.path, _max_model_len(m, None), _vocab_size(m.path))
-                    for name, m in self.models.items()]
+            return model_infos(self.models, None)
         return list(self._infos)
 
     def tokenizer(self, model: str) -> Any:
@@ -282,15 +241,7 @@ class LivePool:
             if model not in self._tokenizers:
                 if model not in self.models:
                     raise KeyError(model)
-                from pool.engines.sim_engine import load_tokenizer_or_placeholder
-
-                path = self.models[model].path
-                if self.engine.kind == "sim":
-                    self._tokenizers[model] = load_tokenizer_or_placeholder(path)
-                else:
-                    from transformers import AutoTokenizer
-
-                    self._tokenizers[model] = AutoTokenizer.from_pretrained(path)
+                self._tokenizers[model] = load_tokenizer(self.models[model].path, self.engine.kind)
             return self._tokenizers[model]
 
     # ---- requests (thread-safe) -----------------------------------------------------------
@@ -549,30 +500,3 @@ def _call_sink(sink: Callable[[TokenOut | BaseException], None], item: TokenOut 
         sink(item)
     except Exception:  # a consumer's bug must not break the loop thread
         log.exception("a request's sink failed")
-
-
-def _read_config(path: Path) -> dict[str, Any]:
-    try:
-        return dict(json.loads((Path(path) / "config.json").read_text()))
-    except (OSError, ValueError):
-        return {}
-
-
-def _vocab_size(path: Path) -> int:
-    return int(_read_config(path).get("vocab_size") or 0)
-
-
-def _max_model_len(model: ServedModel, scheduler: Any) -> int:
-    """The context, cut to the KV one instance can give a request and to a sliding window (unsupported)."""
-    profile = model.profile
-    length = profile.max_context
-    room = getattr(scheduler, "kv_room", None)
-    if room is not None and profile.kv_bytes_per_token > 0:
-        length = min(length, int(room(model.name) // profile.kv_bytes_per_token))
-    cfg = _read_config(model.path)
-    window = cfg.get("sliding_window")
-    if cfg.get("model_type") in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
-        window = None
-    if isinstance(window, int) and window > 0:
-        length = min(length, window)
-    return max(0, length)

@@ -1,4 +1,4 @@
-"""The engine seam: the values an engine takes and returns, and the `Engine` Protocol.
+"""The engine seam: the values an engine takes and returns, the `Engine` Protocol, and `Table` (its lookups).
 
 The scheduler's actions map onto these calls one to one: Switch -> `activate`,
 Prefetch -> `prefetch`, Prefill -> `prefill`, Decode -> `decode_step` (once per
@@ -10,12 +10,13 @@ An engine never decides anything itself.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
 FinishReason = Literal["stop", "length"]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,3 +203,29 @@ class EngineError(RuntimeError):
 
 class OutOfKvMemory(EngineError):
     """Not enough free KV blocks for the call; nothing was changed."""
+
+
+class Table(dict[str, T]):
+    """An engine's models by name or requests by id; `require` is the lookup a caller may get wrong.
+
+    A plain dict otherwise. `require` raises EngineError, not KeyError, with
+    the message of the table's kind (`of_models`, `of_requests`).
+    """
+
+    def __init__(self, missing: Callable[[str, Mapping[str, T]], str]) -> None:
+        super().__init__()
+        self._missing = missing
+
+    @classmethod
+    def of_models(cls) -> Table[T]:
+        return cls(lambda name, loaded: f"model {name!r} is not loaded; loaded: {sorted(loaded)}")
+
+    @classmethod
+    def of_requests(cls) -> Table[T]:
+        return cls(lambda request_id, _: f"unknown request {request_id!r} (finished, released or never prefilled)")
+
+    def require(self, key: str) -> T:
+        try:
+            return self[key]
+        except KeyError:
+            raise EngineError(self._missing(key, self)) from None

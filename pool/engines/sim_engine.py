@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from pool.engines.base import (EngineError, EngineStats, FinishReason, GenRequest, KvExport, OutOfKvMemory,
-                               TokenOut)
+                               Table, TokenOut)
 
 SIM_LABEL = "[sim]"
 PLACEHOLDER_WORDS = ("lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit")
@@ -61,8 +61,8 @@ class SimEngine:
         self.kv_bytes = int(kv_bytes)
         self.time_scale = float(time_scale)
         self._kv_per_token = dict(kv_bytes_per_token or {})
-        self._models: dict[str, _SimModel] = {}
-        self._seqs: dict[str, _SimSeq] = {}
+        self._models: Table[_SimModel] = Table.of_models()
+        self._seqs: Table[_SimSeq] = Table.of_requests()
         self.active: str | None = None
         self.prefetched: str | None = None
         self.num_switches = 0
@@ -84,13 +84,13 @@ class SimEngine:
 
     def tokenizer(self, model: str) -> Any:
         """The folder's tokenizer when it has one (realistic prompt lengths), else `PlaceholderTokenizer`."""
-        entry = self._model(model)
+        entry = self._models.require(model)
         if entry.tokenizer is None:
             entry.tokenizer = load_tokenizer_or_placeholder(entry.path)
         return entry.tokenizer
 
     def activate(self, model: str) -> float:
-        self._model(model)
+        self._models.require(model)
         if self.active == model:
             return 0.0
         seconds = 0.0 if self.prefetched == model else self.costs.switch_s(model)
@@ -103,7 +103,7 @@ class SimEngine:
         return seconds
 
     def prefetch(self, model: str) -> None:
-        self._model(model)
+        self._models.require(model)
         if model != self.active:
             self.prefetched = model  # lands "in the background": activate() is then free
 
@@ -152,7 +152,7 @@ class SimEngine:
 
         if len(set(request_ids)) != len(request_ids):
             raise EngineError(f"duplicate request ids in export_kv: {list(request_ids)}")
-        seqs = [self._seq(rid) for rid in request_ids]
+        seqs = [self._seqs.require(rid) for rid in request_ids]
         out = []
         for seq in seqs:
             req = seq.request
@@ -170,7 +170,7 @@ class SimEngine:
         if len(set(ids)) != len(ids) or any(rid in self._seqs for rid in ids):
             raise EngineError(f"import_kv: duplicate or already admitted request ids in {ids}")
         for export in exports:
-            self._model(export.request.model)
+            self._models.require(export.request.model)
         for export in exports:
             req = export.request
             num_output = len(req.output_token_ids)
@@ -192,18 +192,6 @@ class SimEngine:
         if self.time_scale and seconds > 0:
             time.sleep(seconds * self.time_scale)
 
-    def _model(self, name: str) -> _SimModel:
-        try:
-            return self._models[name]
-        except KeyError:
-            raise EngineError(f"model {name!r} is not loaded; loaded: {sorted(self._models)}") from None
-
-    def _seq(self, request_id: str) -> _SimSeq:
-        try:
-            return self._seqs[request_id]
-        except KeyError:
-            raise EngineError(f"unknown request {request_id!r} (finished, released or never prefilled)") from None
-
     def _per_token(self, seq: _SimSeq) -> int:
         return self._models[seq.request.model].kv_bytes_per_token
 
@@ -217,7 +205,7 @@ class SimEngine:
 
     def _admit(self, request: GenRequest) -> _SimSeq:
         rid = request.request_id
-        self._model(request.model)
+        self._models.require(request.model)
         if request.model != self.active:
             raise EngineError(f"request {rid}: model {request.model!r} is not active (active: {self.active!r})")
         if rid in self._seqs:
@@ -231,7 +219,7 @@ class SimEngine:
         return _SimSeq(request, len(request.prompt_token_ids), produced, text)
 
     def _runnable(self, request_id: str) -> _SimSeq:
-        seq = self._seq(request_id)
+        seq = self._seqs.require(request_id)
         if seq.request.model != self.active:
             raise EngineError(f"request {request_id}: model {seq.request.model!r} is not active "
                               f"(active: {self.active!r})")
@@ -240,7 +228,7 @@ class SimEngine:
         return seq
 
     def _move(self, request_ids: Sequence[str], *, to_device: bool) -> None:
-        seqs = [self._seq(rid) for rid in request_ids]
+        seqs = [self._seqs.require(rid) for rid in request_ids]
         moving = [s for s in seqs if s.on_device != to_device]
         if to_device:
             self._need_device_kv(sum(self._kv_of(s) for s in moving))

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from pool.engines.base import EngineError, EngineStats, GenRequest, KvExport, TokenOut
+from pool.engines.base import EngineError, EngineStats, GenRequest, KvExport, Table, TokenOut
 from pool.engines.device import DeviceBuffer, Streams
 from pool.engines.forward import Decoder
 from pool.engines.kv import KvShape, host_pool
@@ -97,8 +97,8 @@ class TorchEngine:
         self.dtype = getattr(torch, self.config.dtype) if self.config.dtype else None
         self.weights = weight_cache or shared_weight_cache()
         self.streams = Streams(self.device)
-        self._models: dict[str, _Model] = {}
-        self._seqs: dict[str, _Seq] = {}
+        self._models: Table[_Model] = Table.of_models()
+        self._seqs: Table[_Seq] = Table.of_requests()
         self._buffer: DeviceBuffer | None = None
         self._slots: ModelSlots | None = None
         self._kv: KvStore | None = None
@@ -137,13 +137,13 @@ class TorchEngine:
         return list(self._models)
 
     def tokenizer(self, model: str) -> Any:
-        return self._model(model).tokenizer
+        return self._models.require(model).tokenizer
 
     def model_bytes(self, model: str) -> int:
-        return self._model(model).image.nbytes
+        return self._models.require(model).image.nbytes
 
     def activate(self, model: str) -> float:
-        image = self._model(model).image
+        image = self._models.require(model).image
         slots = self._ensure_buffer()
         if slots.active_model == model:
             return 0.0
@@ -153,10 +153,10 @@ class TorchEngine:
         return seconds
 
     def prefetch(self, model: str) -> None:
-        self._ensure_buffer().prefetch(self._model(model).image)
+        self._ensure_buffer().prefetch(self._models.require(model).image)
 
     def weights_pinned(self, model: str) -> bool:
-        return self._model(model).image.buffer.is_pinned()
+        return self._models.require(model).image.buffer.is_pinned()
 
     def weights_ready(self, model: str) -> bool:
         """True when `model`'s weights are wholly on the device (a prefetch has landed)."""
@@ -213,10 +213,10 @@ class TorchEngine:
 
     # ---- KV movement ---------------------------------------------------------------------------
     def save_kv(self, request_ids: Sequence[str]) -> None:
-        self._kv_store().save([self._seq(rid).kv for rid in request_ids])
+        self._kv_store().save([self._seqs.require(rid).kv for rid in request_ids])
 
     def restore_kv(self, request_ids: Sequence[str]) -> None:
-        self._kv_store().restore([self._seq(rid).kv for rid in request_ids])
+        self._kv_store().restore([self._seqs.require(rid).kv for rid in request_ids])
 
     def release(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
@@ -228,7 +228,7 @@ class TorchEngine:
         """Move requests out (see `KvExport`): KV read from host memory, or off the device; then forget them."""
         if len(set(request_ids)) != len(request_ids):
             raise EngineError(f"duplicate request ids in export_kv: {list(request_ids)}")
-        seqs = [self._seq(rid) for rid in request_ids]
+        seqs = [self._seqs.require(rid) for rid in request_ids]
         exports = [self._export(seq) for seq in seqs]  # nothing changes until all are copied out
         for seq in seqs:
             del self._seqs[seq.request.request_id]
@@ -276,18 +276,6 @@ class TorchEngine:
         )
 
     # ---- internals -------------------------------------------------------------------------------
-    def _model(self, name: str) -> _Model:
-        try:
-            return self._models[name]
-        except KeyError:
-            raise EngineError(f"model {name!r} is not loaded; loaded: {sorted(self._models)}") from None
-
-    def _seq(self, request_id: str) -> _Seq:
-        try:
-            return self._seqs[request_id]
-        except KeyError:
-            raise EngineError(f"unknown request {request_id!r} (finished, released or never prefilled)") from None
-
     def _ensure_buffer(self) -> ModelSlots:
         """The device buffer, made on first need: KV region | model slot | model slot."""
         if self._slots is None:
@@ -359,7 +347,7 @@ class TorchEngine:
         self.weight_bytes_h2d += nbytes
 
     def _admit(self, request: GenRequest) -> _Seq:
-        model = self._model(request.model)
+        model = self._models.require(request.model)
         active = self._ensure_buffer().active_model
         rid, params = request.request_id, request.sampling
         if active != request.model:
@@ -381,7 +369,7 @@ class TorchEngine:
                     text=OutputText(model.tokenizer, params.stop, request.output_token_ids), kv=SeqKv(model.kv_shape))
 
     def _runnable(self, request_id: str) -> _Seq:
-        seq = self._seq(request_id)
+        seq = self._seqs.require(request_id)
         active = self._slots.active_model if self._slots else None
         if seq.model.name != active:
             raise EngineError(f"request {request_id}: model {seq.model.name!r} is not active (active: {active!r})")

@@ -18,7 +18,7 @@ from typing import Any
 from pool.engines.base import SamplingParams
 from pool.gateway.errors import APIError, bad_request
 from pool.gateway.schemas import ChatCompletionRequest, CompletionRequest
-from pool.service import ModelInfo
+from pool.served import ModelInfo
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 

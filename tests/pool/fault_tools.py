@@ -1,7 +1,10 @@
-"""Shared pieces of the fault tests: long greedy references, outcome counting, waiting on a live pool."""
+"""Shared pieces of the fault tests: long greedy references, outcome counting, waiting on a live pool,
+stopping a `modelpool serve` process."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -203,3 +206,19 @@ def run_streams(url: str, bodies: Mapping[Any, dict[str, Any]], timeout_s: float
         return {key: results.get(key, Stream(failure="Timeout: the client thread never ended")) for key in bodies}
 
     return started, join
+
+
+# ---- `modelpool serve` as a process -----------------------------------------------------------------------
+def stop_serve(proc: subprocess.Popen[str], *, interrupt: bool = True, timeout_s: float = 60) -> None:
+    """Wait for a `modelpool serve` process to exit, first pressing Ctrl-C (SIGINT) if `interrupt` and it still runs.
+
+    Pass `interrupt=False` when it was already signalled (a second signal would cut its graceful shutdown short).
+    Not gone within `timeout_s`: killed, and TimeoutExpired raised.
+    """
+    if interrupt and proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise

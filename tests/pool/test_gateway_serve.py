@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import typer
 
 from modelpool.serve import CpuCosts, demo_deployment, fleet_deployment
 from pool.gateway.server import free_port
+from tests.pool.fault_tools import stop_serve
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -80,11 +80,6 @@ def test_modelpool_serve_with_no_arguments_answers_the_openai_client_with_real_t
         status = httpx.get(f"{url}/pool/status").json()
         assert set(status["instances"]) == {"slot0", "slot1"} and status["tick_errors"] == 0
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
+        stop_serve(proc)
     rest = proc.stdout.read()  # type: ignore[union-attr]
     assert proc.returncode == 0 and "Traceback" not in rest, "".join(lines) + rest

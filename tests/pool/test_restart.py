@@ -12,7 +12,7 @@ import pytest
 
 from pool.gateway import create_app
 from pool.gateway.server import BackgroundServer
-from tests.pool.fault_tools import NOTHING, allocated, run_streams, stream_completion, wait_until
+from tests.pool.fault_tools import NOTHING, allocated, run_streams, stop_serve, stream_completion, wait_until
 from tests.pool.test_faults import LONG_TOKENS, MODELS, ray_pool, stream_bodies, tally
 from tests.pool.test_live_pool import tiny  # noqa: F401
 from tests.pool.test_faults import ray_cluster  # noqa: F401
@@ -147,12 +147,6 @@ def test_modelpool_serve_stopped_mid_stream_ends_streams_cleanly_and_serves_agai
             assert all(s.kind == "clean_error" and "shutting down" in s.error["message"] for s in streams.values()), \
                 streams
         finally:
-            if proc.poll() is None and run == "restarted":
-                proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                raise
+            stop_serve(proc, interrupt=run == "restarted")  # "stopped mid-stream" was sent SIGTERM
         rest = proc.stdout.read()  # type: ignore[union-attr]
         assert proc.returncode == 0 and "Traceback" not in rest, rest

@@ -36,7 +36,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from pool.engines.base import EngineError, EngineStats, GenRequest, KvExport, OutOfKvMemory, TokenOut
+from pool.engines.base import EngineError, EngineStats, GenRequest, KvExport, OutOfKvMemory, Table, TokenOut
 from pool.engines.sampling import OutputText, random_seed
 from pool.engines.vllm_engine.config import VllmEngineConfig
 from pool.engines.vllm_engine.core import ChildCore, VllmCore
@@ -53,8 +53,8 @@ class VllmEngine:
         self.device = self.config.resolved_device()
         self.sleep_mode = self.config.sleep_mode if self.config.sleep_mode is not None else self.device == "cuda"
         self.isolate = self.config.isolate if self.config.isolate is not None else self.device == "cuda"
-        self._models: dict[str, ModelEngine] = {}
-        self._seqs: dict[str, Seq] = {}
+        self._models: Table[ModelEngine] = Table.of_models()
+        self._seqs: Table[Seq] = Table.of_requests()
         self.active_model: str | None = None
         self.num_switches = 0
         self.switch_s = 0.0
@@ -90,11 +90,11 @@ class VllmEngine:
         return list(self._models)
 
     def tokenizer(self, model: str) -> Any:
-        return self._model(model).tokenizer
+        return self._models.require(model).tokenizer
 
     def activate(self, model: str) -> float:
         """Make `model` the stepped engine; with sleep mode, sleep the old one and wake this one. Returns seconds."""
-        target = self._model(model)
+        target = self._models.require(model)
         if self.active_model == model:
             return 0.0
         start = time.perf_counter()
@@ -111,10 +111,10 @@ class VllmEngine:
 
     def prefetch(self, model: str) -> None:
         """A no-op: vLLM's wake_up is synchronous, so `activate` pays the whole copy."""
-        self._model(model)
+        self._models.require(model)
 
     def deactivate(self, model: str) -> None:
-        entry = self._model(model)
+        entry = self._models.require(model)
         if self.sleep_mode:
             entry.sleep()
         if self.active_model == model:
@@ -148,14 +148,14 @@ class VllmEngine:
             return []
         if len(set(request_ids)) != len(request_ids):
             raise EngineError(f"duplicate request ids in decode_step: {list(request_ids)}")
-        seqs = [self._seq(rid) for rid in request_ids]
+        seqs = [self._seqs.require(rid) for rid in request_ids]
         entry = [self._active(s.request.model, s.request.request_id) for s in seqs][0]
         return self._run(entry, seqs)
 
     # ---- KV: held, never moved ----------------------------------------------------------------
     def save_kv(self, request_ids: Sequence[str]) -> None:
         """CPU: the requests stay resident, paused. With sleep mode: they are held (resume by recompute)."""
-        seqs = [self._seq(rid) for rid in request_ids]
+        seqs = [self._seqs.require(rid) for rid in request_ids]
         if self.sleep_mode:
             for seq in seqs:
                 self._models[seq.request.model].hold([seq])
@@ -167,7 +167,7 @@ class VllmEngine:
     def restore_kv(self, request_ids: Sequence[str]) -> None:
         """Held requests are re-added by the next step that names them; here only the ids are checked."""
         for rid in request_ids:
-            self._seq(rid)
+            self._seqs.require(rid)
 
     def release(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
@@ -182,7 +182,7 @@ class VllmEngine:
 
         if len(set(request_ids)) != len(request_ids):
             raise EngineError(f"duplicate request ids in export_kv: {list(request_ids)}")
-        seqs = [self._seq(rid) for rid in request_ids]
+        seqs = [self._seqs.require(rid) for rid in request_ids]
         exports = [KvExport(request=replace(s.request, output_token_ids=tuple(s.output)), seed=s.seed or 0,
                             num_tokens=0, kv=np.empty(0, np.uint8), kv_dtype="uint8", kv_shape=(0,),
                             text=s.text.text, text_emitted=s.text.emitted,
@@ -201,7 +201,7 @@ class VllmEngine:
         seqs = []
         for export in exports:
             request = export.request
-            seq = self._admit(self._model(request.model), request)  # as a request resumed from its output
+            seq = self._admit(self._models.require(request.model), request)  # as a request resumed from its output
             seq.seed = None if request.sampling.greedy else export.seed
             seq.text.text, seq.text.emitted = export.text, export.text_emitted
             seq.text.prefix_offset, seq.text.read_offset = export.detok_offsets
@@ -235,20 +235,8 @@ class VllmEngine:
         )
 
     # ---- internals --------------------------------------------------------------------------------
-    def _model(self, name: str) -> ModelEngine:
-        try:
-            return self._models[name]
-        except KeyError:
-            raise EngineError(f"model {name!r} is not loaded; loaded: {sorted(self._models)}") from None
-
-    def _seq(self, request_id: str) -> Seq:
-        try:
-            return self._seqs[request_id]
-        except KeyError:
-            raise EngineError(f"unknown request {request_id!r} (finished, released or never prefilled)") from None
-
     def _active(self, model: str, request_id: str) -> ModelEngine:
-        entry = self._model(model)
+        entry = self._models.require(model)
         if model != self.active_model:
             raise EngineError(f"request {request_id}: model {model!r} is not active (active: {self.active_model!r})")
         return entry
