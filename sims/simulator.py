@@ -104,6 +104,7 @@ class _Device:
     prompt_left: dict[str, int] = field(default_factory=dict)  # chunked prefill: tokens still to compute
     batch: _Batch | None = None  # the last decode batch; dropped by any other action on the device
     lost: bool = False  # its pending events are dropped
+    prefill_move_s: float = 0.0  # the KV move that ends the prefill in flight (kv_to_host)
 
 
 # heap entry: (at, phase, sequence, event, device or None, records the event books or None)
@@ -211,7 +212,7 @@ class Simulator:
 
     def _book(self, event: StepDone, dev: _Device, records: list[RequestRecord], now: float) -> None:
         """Tokens become real when their step's completion is delivered."""
-        num_steps, step_s, batch = event.num_steps, 0.0, None
+        num_steps, step_s, batch, token_at = event.num_steps, 0.0, None, now
         if event.kind == "decode":
             turn = dev.turn
             assert turn is not None
@@ -229,7 +230,8 @@ class Simulator:
                 batch = None
         else:
             tail = records
-        first_at = now - (num_steps - 1) * step_s
+            token_at = now - dev.prefill_move_s  # with kv_to_host the token streamed before the KV move
+        first_at = token_at - (num_steps - 1) * step_s
         segment = (first_at, num_steps, step_s)
         for record in records:
             record.generated += num_steps
@@ -339,14 +341,19 @@ class Simulator:
                                          f"{sorted(dev.resident)} resident")
             took += self.costs.prefill_s(model, sum(r.prompt_tokens + r.generated for r in group), len(group))
         finished = []
+        move_s = 0.0  # kv_to_host: the KV of prompt and first token goes to host memory before the step is done
         for record in records:
             if record.generated + 1 >= record.output_tokens:
                 finished.append(record.request_id)
-            elif not action.kv_to_host:
+            elif action.kv_to_host:
+                move_s += self.costs.kv_move_s(record.model, record.prompt_tokens + record.generated + 1)
+            else:
                 dev.kv[record.request_id] = self._kv_bytes(record)
         self._check_kv(iid, dev)
-        self._push(t + took, COMPLETION, StepDone(iid, "prefill", action.request_ids, 1, tuple(finished)), dev, records)
-        return t + took
+        end = t + took + move_s if action.kv_to_host else t + took
+        dev.prefill_move_s = move_s
+        self._push(end, COMPLETION, StepDone(iid, "prefill", action.request_ids, 1, tuple(finished)), dev, records)
+        return end
 
     def _decode(self, iid: str, dev: _Device, action: Decode, t: float) -> float:
         if action.prefill_chunks:

@@ -88,9 +88,7 @@ class ManualBackend:
         start, step_s = self.turn[iid]
         return start + turn_step * step_s, self._tokens(ids)
 
-    def _save_kv(self, iid: str, now: float, ids: list[str], after_prefill: bool = False, **_: Any) -> tuple[float, None]:
-        if after_prefill:  # the simulator folds the prefill's KV move into the prefill
-            return now, None
+    def _save_kv(self, iid: str, now: float, ids: list[str], **_: Any) -> tuple[float, None]:
         return now + self._move(ids), None
 
     def _restore_kv(self, iid: str, now: float, ids: list[str], **_: Any) -> tuple[float, None]:

@@ -12,29 +12,31 @@ from sims.simulator import Simulator
 from tests.factories import LinearCosts, make_instances, make_models, make_workload
 from tests.parity.harness import run_pool
 
-SETUPS = {
-    "token-level": ["prefill", "decode", "decode"],
-    "request-level": None,
-    "dedicated": None,
-    "spatial": None,
+SETUPS = {  # policy, instance roles, policy options
+    "token-level": ("token-level", ["prefill", "decode", "decode"], {}),
+    "token-level, KV to host after the prefill": ("token-level", ["prefill", "decode", "decode"], {"first_tokens": 1}),
+    "request-level": ("request-level", None, {}),
+    "dedicated": ("dedicated", None, {}),
+    "spatial": ("spatial", None, {}),
 }
 
 
-@pytest.mark.parametrize("policy", list(SETUPS))
-def test_plan_logs_of_simulator_and_pool_are_identical(policy: str) -> None:
+@pytest.mark.parametrize("setup", list(SETUPS))
+def test_plan_logs_of_simulator_and_pool_are_identical(setup: str) -> None:
+    policy, roles, options = SETUPS[setup]
     models = make_models(3, weight_gb=20.0 if policy == "spatial" else 14.0)
-    instances = make_instances(3, roles=SETUPS[policy])
+    instances = make_instances(3, roles=roles)
     costs = LinearCosts()
     trace = make_workload(50, list(models), rate=4.0, seed=11, max_prompt=1500, max_output=200)
 
     sim_log = io.StringIO()
-    sim_sched = make_scheduler(policy, models, instances, costs)
+    sim_sched = make_scheduler(policy, models, instances, costs, **options)
     Simulator(sim_sched, costs, [r for r in make_workload(50, list(models), rate=4.0, seed=11, max_prompt=1500,
                                                            max_output=200)],
               kv_bytes_per_token={n: m.kv_bytes_per_token for n, m in models.items()}, plan_log=sim_log).run()
 
     pool_log = io.StringIO()
-    pool_sched = make_scheduler(policy, models, instances, costs, keep_ended=False)  # as the live pool runs it
+    pool_sched = make_scheduler(policy, models, instances, costs, keep_ended=False, **options)  # as the pool runs it
     controller = run_pool(pool_sched, costs, [i.instance_id for i in instances], trace, pool_log)
 
     sim_lines, pool_lines = sim_log.getvalue().splitlines(), pool_log.getvalue().splitlines()

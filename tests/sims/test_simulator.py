@@ -283,3 +283,25 @@ def test_the_event_loop_makes_no_reference_cycles(policy, roles) -> None:
             faults=[(20.0, "i1")], **options)
     assert gc.isenabled()
     assert gc.collect() == 0
+
+
+def test_a_prefill_that_moves_its_kv_to_host_takes_the_move_after_its_token() -> None:
+    """token-level with first_tokens=1 prefills with kv_to_host: the first token comes when the prefill ends,
+    the step (and the instance) is done once the prompt's KV is in host memory."""
+    models = make_models(1)
+    instances = make_instances(2, roles=("prefill", "decode"))
+
+    def first_segments(kv_per_token_s: float) -> tuple[float, float]:
+        sim, _ = run_sim("token-level", models, instances, [Request("r0", "m0", 0.0, 1000, 50)],
+                         LinearCosts(kv_per_token_s=kv_per_token_s),
+                         first_tokens=1)
+        record = sim.records["r0"]
+        assert record.finished_at is not None and record.generated == 50
+        return record.first_token_at, record.segments[1][0]  # the first token, the first decoded one
+
+    costs = LinearCosts(kv_per_token_s=1e-4)
+    first, decoded = first_segments(1e-4)
+    free_first, free_decoded = first_segments(0.0)
+    move_s = costs.kv_move_s("m0", 1001)  # prompt + first token
+    assert first == pytest.approx(costs.switch_s("m0") + costs.prefill_s("m0", 1000), abs=1e-12) == free_first
+    assert decoded - free_decoded >= 2 * move_s - 1e-12  # the decoder waits for the move out, then the move in
