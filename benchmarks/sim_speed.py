@@ -13,9 +13,11 @@ machine the CPU figure is the steadier one. `compiled` says whether the
 run used the mypyc build (setup.py). `--compare-compiled` builds it in a
 temporary copy of the tree and runs every size with both builds, one after
 the other, and prints the ratio: on a shared machine, quote ratios measured
-side by side.
+side by side (`--repeat N` alternates the builds N times and takes the ratio
+of the median CPU times).
 
-    OMP_NUM_THREADS=1 python benchmarks/sim_speed.py [--sizes 10000,100000,1000000] [--gpus 32] [--compare-compiled]
+    OMP_NUM_THREADS=1 python benchmarks/sim_speed.py [--sizes 10000,100000,1000000] [--gpus 32]
+        [--compare-compiled [--repeat 3]]
 """
 
 from __future__ import annotations
@@ -23,16 +25,19 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.machinery
+import itertools
 import json
 import os
 import platform
 import resource
 import runpy
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -106,6 +111,7 @@ def main() -> None:
                                           "results/sim_speed_compiled.json with --compare-compiled)")
     parser.add_argument("--compare-compiled", action="store_true",
                         help="build the mypyc modules in a temporary copy of the tree; run each size with both builds")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each size (and build)")
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # internal: run one size, print JSON
     parser.add_argument("--tree", help=argparse.SUPPRESS)  # internal: import the packages from this tree
     args = parser.parse_args()
@@ -131,15 +137,15 @@ def _measure(args: argparse.Namespace, trees: list[str], out_path: str) -> None:
               f"{'req/CPU s':>9} {'+metrics req/s':>14} {'steps/CPU s':>11} {'events/req':>10} {'SLO':>6} {'peak GiB':>8}")
     print(header)
     for policy, size in [(p, int(s)) for p in args.policy.split(",") for s in args.sizes.split(",")]:
-        pair = []
-        for tree in trees:
+        runs: list[list[dict[str, Any]]] = [[] for _ in trees]  # per tree
+        for _, (k, tree) in itertools.product(range(args.repeat), enumerate(trees)):
             out = subprocess.run([sys.executable, __file__, "--one", str(size), "--gpus", str(args.gpus),
                                   "--policy", policy, "--fleet", args.fleet, "--tree", tree],
                                  cwd=ROOT, env=env, capture_output=True, text=True)  # cwd: finds ../shared/traces
             if out.returncode:
                 sys.exit(f"{policy} at {size} failed:\n{out.stderr[-3000:]}")
             row = json.loads(out.stdout.strip().splitlines()[-1])
-            pair.append(row)
+            runs[k].append(row)
             rows.append(row)
             _write(out_path, rows)  # after every row: a later failure keeps what was measured
             print(f"{policy:>13} {'yes' if row['compiled'] else 'no':>8} {row['requests']:>9,} {row['sim_s']:>11.1f} "
@@ -147,15 +153,15 @@ def _measure(args: argparse.Namespace, trees: list[str], out_path: str) -> None:
                   f"{row['requests_per_s_with_metrics']:>14,.0f} {row['decode_steps_per_cpu_s']:>11,.0f} "
                   f"{row['events_per_request']:>10.1f} {row['slo_attainment']:>6.1%} {row['peak_rss_gib']:>8.2f}",
                   flush=True)
-        if len(pair) == 2:
-            pure, compiled = pair
-            if (pure["events"], pure["output_tokens"]) != (compiled["events"], compiled["output_tokens"]):
+        if len(trees) == 2:
+            pure, compiled = runs
+            if len({(r["events"], r["output_tokens"]) for r in pure + compiled}) > 1:
                 sys.exit(f"{policy} at {size}: the compiled build simulated something else")
-            ratio = round(pure["sim_cpu_s"] / compiled["sim_cpu_s"], 2)
-            compiled["cpu_speedup"] = ratio
+            cpu, wall = (statistics.median(r[key] for r in pure) / statistics.median(r[key] for r in compiled)
+                         for key in ("sim_cpu_s", "sim_s"))
+            compiled[-1]["cpu_speedup"] = round(cpu, 2)  # the medians' ratio, on the last compiled row
             _write(out_path, rows)
-            print(f"{'':>13} the compiled build: {ratio:.2f}x faster (loop CPU s), "
-                  f"{pure['sim_s'] / compiled['sim_s']:.2f}x (wall s)", flush=True)
+            print(f"{'':>13} the compiled build: {cpu:.2f}x faster (median loop CPU s), {wall:.2f}x (wall s)", flush=True)
     print(f"wrote {out_path}")
 
 
