@@ -1,7 +1,7 @@
 """Opt-in mypyc build: `MODELPOOL_MYPYC=1 pip install --no-build-isolation .` compiles the simulator's hot path.
 
 pyproject.toml holds the metadata; this file only adds the extension modules, and only when asked, so the
-default install, and every editable one, stays pure Python. The compiled modules make the same decisions
+default install stays pure Python, and an editable one always does. The compiled modules make the same decisions
 (tests/sims/test_compiled.py compares Plan logs byte for byte), ~1.7x faster (BENCHMARKS.md).
 `compiled_copy` builds the same modules in a copy of the tree, for that test and benchmarks/sim_speed.py.
 """
@@ -49,4 +49,8 @@ def compiled_copy(dest: Path) -> Path:
 
 
 if __name__ == "__main__":
-    setup(ext_modules=ext_modules() if os.environ.get("MODELPOOL_MYPYC") == "1" else [])
+    compile_ = os.environ.get("MODELPOOL_MYPYC") == "1"
+    if compile_ and "editable_wheel" in sys.argv:
+        sys.exit("MODELPOOL_MYPYC=1 is for `pip install .`: an editable install would leave compiled modules in "
+                 "the source tree, shadowing edits to them")
+    setup(ext_modules=ext_modules() if compile_ else [])
