@@ -9,23 +9,35 @@ the event loop, and including metrics), decode iterations/s (sum of StepDone
 num_steps over decode events: a closed-form turn of n steps counts n),
 events and plans, and the run's SLO attainment as a sanity check. Rates are
 given per wall second and per CPU second of the event loop: on a shared
-machine the CPU figure is the steadier one.
+machine the CPU figure is the steadier one. `compiled` says whether the
+run used the mypyc build (setup.py). `--compare-compiled` builds it in a
+temporary copy of the tree and runs every size with both builds, one after
+the other, and prints the ratio: on a shared machine, quote ratios measured
+side by side (`--repeat N` alternates the builds N times and takes the ratio
+of the median CPU times).
 
     OMP_NUM_THREADS=1 python benchmarks/sim_speed.py [--sizes 10000,100000,1000000] [--gpus 32]
+        [--compare-compiled [--repeat 3]]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.machinery
+import itertools
 import json
 import os
 import platform
 import resource
+import runpy
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -35,6 +47,7 @@ def one(size: int, gpus: int, policy: str, fleet_path: str) -> dict[str, object]
     """Run one size in this process and return its figures."""
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
+    import sims.simulator
     from modelpool.config import load_fleet
     from sims.run import fleet_workload_spec, simulate
     from sims.traces import load_workload
@@ -49,6 +62,7 @@ def one(size: int, gpus: int, policy: str, fleet_path: str) -> dict[str, object]
     num = len(workload)
     return {
         "requests": num, "traffic_s": round(workload.duration_s, 1), "policy": policy, "num_gpus": result.num_gpus,
+        "compiled": sims.simulator.__file__.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES)),
         "workload_s": round(load_s, 3), "sim_s": round(result.sim_wall_s, 3), "sim_cpu_s": round(result.sim_cpu_s, 3),
         "metrics_s": round(result.metrics_wall_s, 3),
         "requests_per_s": round(num / result.sim_wall_s, 1), "requests_per_cpu_s": round(num / result.sim_cpu_s, 1),
@@ -93,30 +107,62 @@ def main() -> None:
     parser.add_argument("--gpus", type=int, default=32, help="pool size (the shipped fleet is stable from ~24)")
     parser.add_argument("--policy", default="token-level", help="policies, comma separated")
     parser.add_argument("--fleet", default=str(ROOT / "models.yaml"))
-    parser.add_argument("--out", default=str(ROOT / "benchmarks/results/sim_speed.json"))
+    parser.add_argument("--out", help="JSON report (default results/sim_speed.json, "
+                                          "results/sim_speed_compiled.json with --compare-compiled)")
+    parser.add_argument("--compare-compiled", action="store_true",
+                        help="build the mypyc modules in a temporary copy of the tree; run each size with both builds")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each size (and build)")
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # internal: run one size, print JSON
+    parser.add_argument("--tree", help=argparse.SUPPRESS)  # internal: import the packages from this tree
     args = parser.parse_args()
     if args.one:
+        if args.tree:
+            sys.path.insert(0, args.tree)
         print(json.dumps(one(args.one, args.gpus, args.policy, args.fleet)))
         return
+    out_path = args.out or str(ROOT / "benchmarks/results" /
+                               ("sim_speed_compiled.json" if args.compare_compiled else "sim_speed.json"))
+    with tempfile.TemporaryDirectory(prefix="sim_speed-") as tmp:
+        trees = [str(ROOT)]
+        if args.compare_compiled:
+            print("building the mypyc modules (about a minute) ...", flush=True)
+            trees.append(str(runpy.run_path(str(ROOT / "setup.py"))["compiled_copy"](Path(tmp))))
+        _measure(args, trees, out_path)
+
+
+def _measure(args: argparse.Namespace, trees: list[str], out_path: str) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     rows = []
-    header = (f"{'policy':>13} {'requests':>9} {'loop wall s':>11} {'loop CPU s':>10} {'req/s':>7} {'req/CPU s':>9} "
-              f"{'+metrics req/s':>14} {'steps/CPU s':>11} {'events/req':>10} {'SLO':>6} {'peak GiB':>8}")
+    header = (f"{'policy':>13} {'compiled':>8} {'requests':>9} {'loop wall s':>11} {'loop CPU s':>10} {'req/s':>7} "
+              f"{'req/CPU s':>9} {'+metrics req/s':>14} {'steps/CPU s':>11} {'events/req':>10} {'SLO':>6} {'peak GiB':>8}")
     print(header)
     for policy, size in [(p, int(s)) for p in args.policy.split(",") for s in args.sizes.split(",")]:
-        out = subprocess.run([sys.executable, __file__, "--one", str(size), "--gpus", str(args.gpus),
-                              "--policy", policy, "--fleet", args.fleet], env=env, capture_output=True, text=True)
-        if out.returncode:
-            sys.exit(f"{policy} at {size} failed:\n{out.stderr[-3000:]}")
-        row = json.loads(out.stdout.strip().splitlines()[-1])
-        rows.append(row)
-        _write(args.out, rows)  # after every row: a later failure keeps what was measured
-        print(f"{policy:>13} {row['requests']:>9,} {row['sim_s']:>11.1f} {row['sim_cpu_s']:>10.1f} {row['requests_per_s']:>7,.0f} "
-              f"{row['requests_per_cpu_s']:>9,.0f} {row['requests_per_s_with_metrics']:>14,.0f} "
-              f"{row['decode_steps_per_cpu_s']:>11,.0f} {row['events_per_request']:>10.1f} {row['slo_attainment']:>6.1%} "
-              f"{row['peak_rss_gib']:>8.2f}", flush=True)
-    print(f"wrote {args.out}")
+        runs: list[list[dict[str, Any]]] = [[] for _ in trees]  # per tree
+        for _, (k, tree) in itertools.product(range(args.repeat), enumerate(trees)):
+            out = subprocess.run([sys.executable, __file__, "--one", str(size), "--gpus", str(args.gpus),
+                                  "--policy", policy, "--fleet", args.fleet, "--tree", tree],
+                                 cwd=ROOT, env=env, capture_output=True, text=True)  # cwd: finds ../shared/traces
+            if out.returncode:
+                sys.exit(f"{policy} at {size} failed:\n{out.stderr[-3000:]}")
+            row = json.loads(out.stdout.strip().splitlines()[-1])
+            runs[k].append(row)
+            rows.append(row)
+            _write(out_path, rows)  # after every row: a later failure keeps what was measured
+            print(f"{policy:>13} {'yes' if row['compiled'] else 'no':>8} {row['requests']:>9,} {row['sim_s']:>11.1f} "
+                  f"{row['sim_cpu_s']:>10.1f} {row['requests_per_s']:>7,.0f} {row['requests_per_cpu_s']:>9,.0f} "
+                  f"{row['requests_per_s_with_metrics']:>14,.0f} {row['decode_steps_per_cpu_s']:>11,.0f} "
+                  f"{row['events_per_request']:>10.1f} {row['slo_attainment']:>6.1%} {row['peak_rss_gib']:>8.2f}",
+                  flush=True)
+        if len(trees) == 2:
+            pure, compiled = runs
+            if len({(r["events"], r["output_tokens"]) for r in pure + compiled}) > 1:
+                sys.exit(f"{policy} at {size}: the compiled build simulated something else")
+            cpu, wall = (statistics.median(r[key] for r in pure) / statistics.median(r[key] for r in compiled)
+                         for key in ("sim_cpu_s", "sim_s"))
+            compiled[-1]["cpu_speedup"] = round(cpu, 2)  # the medians' ratio, on the last compiled row
+            _write(out_path, rows)
+            print(f"{'':>13} the compiled build: {cpu:.2f}x faster (median loop CPU s), {wall:.2f}x (wall s)", flush=True)
+    print(f"wrote {out_path}")
 
 
 def _write(path: str, rows: list[dict[str, object]]) -> None:

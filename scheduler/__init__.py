@@ -15,15 +15,17 @@ from typing import Any, Protocol
 
 from scheduler.clock import Clock, ManualClock
 from scheduler.costs import CostModel, InstanceSpec, ModelProfile, make_instances, model_profiles
+from scheduler.errors import IllegalTransition
 from scheduler.plan import (Action, Cancelled, Decode, Event, InstanceAdded, InstanceLost, KvMoved, Plan, Prefetch,
                             Prefill, StepDone, Stop, SwapIn, SwapOut, Switch, SwitchDone)
 from scheduler.policies import POLICIES
 from scheduler.quotas import decode_quotas
-from scheduler.request import TERMINAL, IllegalTransition, Request, RequestStatus, transition
+from scheduler.request import TERMINAL, Request, RequestStatus, transition
 
 
 class Scheduler(Protocol):
-    name: str
+    @property
+    def name(self) -> str: ...  # read-only: the policies declare it on the class
 
     def submit(self, request: Request, now: float) -> None: ...
 

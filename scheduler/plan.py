@@ -8,7 +8,7 @@ Plans serialise to one JSON line each: the audit trail and the parity artifact.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal, Union
 
 Ids = tuple[str, ...]
@@ -110,8 +110,8 @@ _OMITTED_WHEN_EMPTY = frozenset({"prefill_chunks"})  # fields added later: absen
 
 def action_to_dict(action: Action) -> dict[str, object]:
     out: dict[str, object] = {"op": type(action).__name__}
-    for name in action.__slots__:
-        value = getattr(action, name)
+    for f in fields(action):  # not __slots__: compiled (setup.py), the classes have none
+        name, value = f.name, getattr(action, f.name)
         if not value and name in _OMITTED_WHEN_EMPTY:
             continue
         out[name] = list(value) if isinstance(value, tuple) else value

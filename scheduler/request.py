@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from scheduler.errors import IllegalTransition
+
 
 class RequestStatus(enum.Enum):
     QUEUED = "queued"  # waiting for (re-)prefill
@@ -39,10 +41,6 @@ ALLOWED: dict[RequestStatus, frozenset[RequestStatus]] = {
     S.CANCELLED: frozenset(),
     S.FAILED: frozenset(),
 }
-
-
-class IllegalTransition(RuntimeError):
-    """A status change the lifecycle does not allow: a scheduler bug, never user input."""
 
 
 @dataclass(slots=True, eq=False)

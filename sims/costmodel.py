@@ -125,27 +125,30 @@ class RooflineCostModel:
     Per-model constants are built once; decode shapes are cached per (model, batch).
     """
 
-    def __init__(self, fleet: Fleet, gpu: str | None = None, profile: CalibrationProfile | None = None) -> None:
-        gpu_name = (gpu or fleet.pool.gpu).lower()
-        models = {entry.name: (entry.arch, entry.tp) for entry in fleet.models}
-        self._setup(models, gpu_name, fleet.gpu(gpu_name), profile)
+    def __init__(self, fleet: Fleet | Mapping[str, tuple[Arch, int]], gpu: str | GpuSpec | None = None,
+                 profile: CalibrationProfile | None = None, gpu_name: str = "") -> None:
+        """`fleet`'s models on `gpu` (a GPU type of the fleet or the catalogue; the pool's by default), or, from
+        `for_models`, models by name -> (arch, tp) on `gpu`, a catalogue key or a spec named `gpu_name`."""
+        if isinstance(fleet, Fleet):
+            models = {entry.name: (entry.arch, entry.tp) for entry in fleet.models}
+            gpu = gpu or fleet.pool.gpu
+            spec = gpu if isinstance(gpu, GpuSpec) else fleet.gpu(gpu)
+        elif gpu is None:
+            raise TypeError("a cost model without a fleet needs a GPU")
+        else:
+            models = dict(fleet)
+            spec = gpu if isinstance(gpu, GpuSpec) else GPUS[gpu.lower()]
+        self.profile = profile or _default_profile()
+        self.gpu_name, self.gpu = (gpu if isinstance(gpu, str) else gpu_name).lower(), spec
+        self.terms = self.profile.terms_for(self.gpu_name)
+        self._models = {name: model_constants(arch, tp, spec, self.terms) for name, (arch, tp) in models.items()}
+        self._shapes: dict[tuple[str, int], _DecodeShape] = {}
 
     @classmethod
     def for_models(cls, models: Mapping[str, tuple[Arch, int]], gpu: str | GpuSpec,
                    profile: CalibrationProfile | None = None, gpu_name: str = "") -> RooflineCostModel:
         """A cost model without a fleet: `models` maps names to (arch, tp); `gpu` a catalogue key or a spec."""
-        self = cls.__new__(cls)
-        spec = GPUS[gpu.lower()] if isinstance(gpu, str) else gpu
-        self._setup(models, (gpu if isinstance(gpu, str) else gpu_name).lower(), spec, profile)
-        return self
-
-    def _setup(self, models: Mapping[str, tuple[Arch, int]], gpu_name: str, gpu: GpuSpec,
-               profile: CalibrationProfile | None) -> None:
-        self.profile = profile or _default_profile()
-        self.gpu_name, self.gpu = gpu_name, gpu
-        self.terms = self.profile.terms_for(gpu_name)
-        self._models = {name: model_constants(arch, tp, gpu, self.terms) for name, (arch, tp) in models.items()}
-        self._shapes: dict[tuple[str, int], _DecodeShape] = {}
+        return cls(models, gpu, profile, gpu_name)
 
     def constants(self, model: str) -> ModelConstants:
         return self._models[model]

@@ -29,6 +29,7 @@ from typing import IO, Any, Protocol
 from scheduler import (Action, Decode, Event, InstanceLost, KvMoved, Prefetch, Prefill, Request, Scheduler, StepDone,
                        Stop, SwapIn, SwapOut, Switch, SwitchDone)
 from scheduler.costs import CostModel
+from sims.errors import InvariantViolation
 
 ARRIVAL, COMPLETION, FAULT = 0, 1, 2
 Segment = tuple[float, int, float]
@@ -40,10 +41,6 @@ _NEVER = 1 << 62  # the shortest remainder of an empty batch
 
 class SimCosts(CostModel, Protocol):
     def decode_turn_s(self, model: str, batch_size: int, context_tokens: int, num_steps: int) -> float: ...
-
-
-class InvariantViolation(AssertionError):
-    """A Plan asked for something physically impossible (a scheduler bug)."""
 
 
 @dataclass(slots=True)
@@ -112,8 +109,6 @@ _Entry = tuple[float, int, int, object, "_Device | None", "list[RequestRecord] |
 
 
 class Simulator:
-    reuse_batches = True  # the _Batch cache (a test turns it off to check it changes nothing)
-
     def __init__(self, scheduler: Scheduler, costs: SimCosts, requests: Iterable[Request], *,
                  kv_bytes_per_token: dict[str, int], kv_capacity: dict[str, float] | None = None,
                  plan_log: IO[str] | None = None, faults: Iterable[tuple[float, str]] = ()) -> None:
@@ -124,6 +119,7 @@ class Simulator:
         self.kv_bytes_per_token = kv_bytes_per_token
         self.kv_capacity = kv_capacity
         self.plan_log = plan_log
+        self.reuse_batches = True  # the _Batch cache (a test turns it off to check it changes nothing)
         self.records: dict[str, RequestRecord] = {}
         self.devices: dict[str, _Device] = {}
         self._heap: list[_Entry] = []

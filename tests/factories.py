@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from typing import Any
 
 from scheduler import InstanceSpec, ModelProfile, Request, make_scheduler
 from sims.simulator import Simulator
@@ -69,12 +70,19 @@ def make_workload(num: int, models: Sequence[str], *, rate: float = 2.0, seed: i
     return out
 
 
-def run_sim(policy: str, models: dict[str, ModelProfile], instances: list[InstanceSpec], requests: list[Request],
-            costs: LinearCosts | None = None, plan_log=None, faults=(), **options) -> tuple[Simulator, object]:
+def make_sim(policy: str, models: dict[str, ModelProfile], instances: list[InstanceSpec], requests: list[Request],
+             costs: LinearCosts | None = None, plan_log=None, faults=(), **options) -> tuple[Simulator, Any]:
+    """A simulator and its scheduler, not yet run (a test may set their knobs first)."""
     costs = costs or LinearCosts()
     sched = make_scheduler(policy, models, instances, costs, **options)
     capacity = {iid: inst.kv_capacity_bytes for iid, inst in sched.instances.items()}  # type: ignore[attr-defined]
     sim = Simulator(sched, costs, requests, kv_bytes_per_token={n: m.kv_bytes_per_token for n, m in models.items()},
                     kv_capacity=capacity, plan_log=plan_log, faults=faults)
+    return sim, sched
+
+
+def run_sim(policy: str, models: dict[str, ModelProfile], instances: list[InstanceSpec], requests: list[Request],
+            costs: LinearCosts | None = None, plan_log=None, faults=(), **options) -> tuple[Simulator, object]:
+    sim, sched = make_sim(policy, models, instances, requests, costs, plan_log, faults, **options)
     sim.run()
     return sim, sched

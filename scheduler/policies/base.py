@@ -7,7 +7,7 @@ after it on the same instance), finishing or moving KV to host after a
 prefill releases it when reported. So `kv_used_bytes <= kv_capacity_bytes`
 holds at every moment, counting what is already promised.
 
-A policy may set `skip_quiet_schedules = True` when its `_plan` reads
+A policy may set `self.skip_quiet_schedules = True` when its `_plan` reads
 nothing but state (not `now`) and plans no busy instance: then `schedule()`
 skips planning when the last plan was empty and nothing that could enable an
 action has happened since - the only news was a KvMoved or SwitchDone of an
@@ -33,6 +33,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter, sub
+from typing import ClassVar
 
 from scheduler.costs import CostModel, InstanceSpec, ModelProfile
 from scheduler.plan import (Action, Cancelled, Decode, Event, InstanceAdded, InstanceLost, KvMoved, Plan, Prefill,
@@ -85,9 +86,8 @@ class InstanceState:
 class PolicyBase:
     """Shared machinery; subclasses implement `_plan(now)` (and a few hooks)."""
 
-    name = "base"
-    skip_quiet_schedules = False  # see the module docstring
-    supports_chunked_prefill = False
+    name: ClassVar[str] = "base"
+    supports_chunked_prefill: ClassVar[bool] = False
 
     def __init__(self, models: Mapping[str, ModelProfile], instances: Sequence[InstanceSpec], costs: CostModel, *,
                  max_batch_size: int = 256, max_prefill_tokens: int = 8192, rng: random.Random | None = None,
@@ -103,6 +103,7 @@ class PolicyBase:
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
         self.chunked_prefill_tokens = chunked_prefill_tokens
+        self.skip_quiet_schedules = False  # see the module docstring
         self._dirty = True  # something happened since the last _plan that may enable an action
         self._touched: set[str] = set()  # instances whose state changed since the last _plan (see touch)
         self._queued_news = True  # a request joined a queue since the last _plan

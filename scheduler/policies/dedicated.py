@@ -15,8 +15,9 @@ rest of its token budget with prompt chunks (see `PolicyBase.chunked_step`).
 
 from __future__ import annotations
 
+import random
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import ClassVar
 
 from scheduler.costs import CostModel, InstanceSpec, ModelProfile
 from scheduler.plan import Action, Stop, Switch
@@ -52,13 +53,17 @@ def assign_replicas(models: Mapping[str, ModelProfile], instances: Sequence[Inst
 
 
 class DedicatedPolicy(PolicyBase):
-    name = "dedicated"
-    supports_chunked_prefill = True
-    skip_quiet_schedules = True  # _plan reads only state, plans only idle instances
+    name: ClassVar[str] = "dedicated"
+    supports_chunked_prefill: ClassVar[bool] = True
 
     def __init__(self, models: Mapping[str, ModelProfile], instances: Sequence[InstanceSpec], costs: CostModel, *,
-                 replicas: Mapping[str, int] | None = None, **kwargs: Any) -> None:
-        super().__init__(models, instances, costs, **kwargs)
+                 replicas: Mapping[str, int] | None = None,
+                 # PolicyBase's keywords spelled out, not **kwargs: mypyc miscompiles **kwargs beside int defaults
+                 max_batch_size: int = 256, max_prefill_tokens: int = 8192, rng: random.Random | None = None,
+                 chunked_prefill_tokens: int | None = None, keep_ended: bool = True) -> None:
+        super().__init__(models, instances, costs, max_batch_size=max_batch_size, max_prefill_tokens=max_prefill_tokens,
+                         rng=rng, chunked_prefill_tokens=chunked_prefill_tokens, keep_ended=keep_ended)
+        self.skip_quiet_schedules = True  # _plan reads only state, plans only idle instances
         self.owner = assign_replicas(self.models, instances, replicas)
         self.serving: dict[str, list[str]] = {}
         for iid, model in self.owner.items():

@@ -12,12 +12,14 @@ batch drains - the head-of-line blocking token-level scheduling removes.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from scheduler.plan import Action, Prefill, Stop, Switch
 from scheduler.policies.base import InstanceState, PolicyBase
 
 
 class RequestLevelPolicy(PolicyBase):
-    name = "request-level"
+    name: ClassVar[str] = "request-level"
 
     def _plan(self, now: float) -> dict[str, list[Action]]:
         out: dict[str, list[Action]] = {}

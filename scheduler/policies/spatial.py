@@ -17,8 +17,9 @@ weights). Weights never move after start.
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import ClassVar
 
 from scheduler.costs import CostModel, InstanceSpec, ModelProfile
 from scheduler.plan import Action, Stop, Switch
@@ -80,11 +81,15 @@ def place_models(models: Mapping[str, ModelProfile], instances: Sequence[Instanc
 
 
 class SpatialPolicy(PolicyBase):
-    name = "spatial"
+    name: ClassVar[str] = "spatial"
 
     def __init__(self, models: Mapping[str, ModelProfile], instances: Sequence[InstanceSpec], costs: CostModel, *,
-                 min_kv_tokens: int = 4096, **kwargs: Any) -> None:
-        super().__init__(models, instances, costs, **kwargs)
+                 min_kv_tokens: int = 4096,
+                 # PolicyBase's keywords spelled out, not **kwargs: mypyc miscompiles **kwargs beside int defaults
+                 max_batch_size: int = 256, max_prefill_tokens: int = 8192, rng: random.Random | None = None,
+                 chunked_prefill_tokens: int | None = None, keep_ended: bool = True) -> None:
+        super().__init__(models, instances, costs, max_batch_size=max_batch_size, max_prefill_tokens=max_prefill_tokens,
+                         rng=rng, chunked_prefill_tokens=chunked_prefill_tokens, keep_ended=keep_ended)
         self.placement = place_models(self.models, instances, min_kv_tokens)
         self.hosts: dict[str, list[str]] = {name: [] for name in self.models}
         for iid, names in self.placement.items():

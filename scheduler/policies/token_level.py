@@ -44,9 +44,10 @@ group unless a decode batch is behind its pace and the group can still wait
 
 from __future__ import annotations
 
+import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import ClassVar
 
 from scheduler.costs import CostModel, InstanceSpec, ModelProfile
 from scheduler.plan import Action, Decode, Event, KvMoved, Prefetch, Prefill, StepDone, Stop, SwapIn, SwapOut, Switch
@@ -86,20 +87,23 @@ class DecodeState:
 
 
 class TokenLevelPolicy(PolicyBase):
-    name = "token-level"
-    full_scan = False  # test knob: plan every instance, not only touched ones (the plans must be identical)
+    name: ClassVar[str] = "token-level"
 
     def __init__(self, models: Mapping[str, ModelProfile], instances: Sequence[InstanceSpec], costs: CostModel, *,
                  max_group_size: int = 8, max_quota_s: float = 2.0, round_target_s: float = 0.5,
                  switch_aversion: float = 1.0, first_tokens: int = 8, fixed_turn_steps: int | None = None,
-                 **kwargs: Any) -> None:
-        super().__init__(models, instances, costs, **kwargs)
+                 # PolicyBase's keywords spelled out, not **kwargs: mypyc miscompiles **kwargs beside int defaults
+                 max_batch_size: int = 256, max_prefill_tokens: int = 8192, rng: random.Random | None = None,
+                 chunked_prefill_tokens: int | None = None, keep_ended: bool = True) -> None:
+        super().__init__(models, instances, costs, max_batch_size=max_batch_size, max_prefill_tokens=max_prefill_tokens,
+                         rng=rng, chunked_prefill_tokens=chunked_prefill_tokens, keep_ended=keep_ended)
         self.max_group_size = max_group_size
         self.max_quota_s = max_quota_s
         self.round_target_s = round_target_s
         self.switch_aversion = switch_aversion
         self.first_tokens = first_tokens
         self.fixed_turn_steps = fixed_turn_steps  # test knob: every turn exactly this many steps
+        self.full_scan = False  # test knob: plan every instance, not only touched ones (the plans must be identical)
         self.groups: dict[str, list[Group]] = {}
         self.busy_until: dict[str, float] = {}  # prefill instance -> predicted end of its planned work
         self.first_token_at: dict[str, float] = {}  # request -> when its prefill (first token) ended

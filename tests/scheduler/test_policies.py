@@ -177,3 +177,21 @@ def test_unknown_model_and_oversized_requests_fail_cleanly() -> None:
 def test_unknown_policy_is_named() -> None:
     with pytest.raises(ValueError, match="unknown policy 'fifo'"):
         make_scheduler("fifo", make_models(1), make_instances(1), LinearCosts())
+
+
+def test_every_policy_takes_the_base_keywords_with_the_base_defaults() -> None:
+    """The policies spell PolicyBase's keywords out (no **kwargs, for mypyc): their defaults must not drift."""
+    import inspect
+
+    from scheduler import POLICIES
+    from scheduler.policies import PolicyBase
+
+    if not inspect.isfunction(PolicyBase.__init__):
+        pytest.skip("compiled with mypyc (setup.py): no Python signatures to read")
+    base = {name: p.default for name, p in inspect.signature(PolicyBase.__init__).parameters.items()
+            if p.kind is p.KEYWORD_ONLY}
+    assert base.keys() >= {"max_batch_size", "rng", "keep_ended"}
+    for cls in POLICIES.values():
+        params = inspect.signature(cls.__init__).parameters
+        assert not any(p.kind is p.VAR_KEYWORD for p in params.values()), cls.name
+        assert {name: params[name].default for name in base if name in params} == base, cls.name

@@ -8,7 +8,7 @@ import pytest
 
 from scheduler import Request, make_scheduler
 from sims.simulator import Simulator
-from tests.factories import LinearCosts, make_instances, make_models, make_workload, run_sim
+from tests.factories import LinearCosts, make_instances, make_models, make_sim, make_workload, run_sim
 
 
 def _log(policy: str, roles=None, seed: int = 7) -> tuple[str, dict]:
@@ -156,15 +156,15 @@ def test_the_executor_refuses_a_chunk_past_the_prompt() -> None:
         sim.run()
 
 
-def test_skipping_quiet_schedules_leaves_the_plan_log_unchanged(monkeypatch) -> None:
-    from scheduler.policies.dedicated import DedicatedPolicy
-
+def test_skipping_quiet_schedules_leaves_the_plan_log_unchanged() -> None:
     def log_of(skip: bool) -> str:
-        monkeypatch.setattr(DedicatedPolicy, "skip_quiet_schedules", skip)
         models = make_models(3)
         log = io.StringIO()
-        run_sim("dedicated", models, make_instances(4), make_workload(300, list(models), seed=5), plan_log=log,
-                faults=[(9.0, "i1")])
+        sim, sched = make_sim("dedicated", models, make_instances(4), make_workload(300, list(models), seed=5),
+                              plan_log=log, faults=[(9.0, "i1")])
+        assert sched.skip_quiet_schedules  # dedicated skips by default
+        sched.skip_quiet_schedules = skip
+        sim.run()
         return log.getvalue()
 
     assert log_of(True) == log_of(False)
@@ -183,19 +183,20 @@ def test_run_simulate_writes_the_plan_log() -> None:
     assert log.getvalue().count("\n") == result.num_plans > 0
 
 
-def test_reusing_decode_batches_changes_nothing(monkeypatch) -> None:
+def test_reusing_decode_batches_changes_nothing() -> None:
     """The executor's batch cache (O(1) planning of an unchanged batch) gives the same plans and records."""
 
     def run(reuse: bool) -> tuple[str, dict]:
-        monkeypatch.setattr(Simulator, "reuse_batches", reuse)
         out = []
         for policy, roles, options in (("dedicated", None, {"chunked_prefill_tokens": 512, "max_batch_size": 64}),
                                        ("dedicated", None, {}), ("token-level", ["prefill", "decode", "decode"], {}),
                                        ("spatial", None, {})):
             models = make_models(3)
             log = io.StringIO()
-            sim, _ = run_sim(policy, models, make_instances(3, roles=roles),
-                             make_workload(300, list(models), rate=4.0, seed=11), plan_log=log, **options)
+            sim, _ = make_sim(policy, models, make_instances(3, roles=roles),
+                              make_workload(300, list(models), rate=4.0, seed=11), plan_log=log, **options)
+            sim.reuse_batches = reuse
+            sim.run()
             out.append((log.getvalue(), {rid: (r.generated, r.first_token_at, r.finished_at, tuple(r.segments))
                                          for rid, r in sim.records.items()}))
         return str([o[0] for o in out]), {k: o[1] for k, o in enumerate(out)}
@@ -204,17 +205,16 @@ def test_reusing_decode_batches_changes_nothing(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("roles", [("prefill", "decode", "decode", "prefill", "decode"), ("mixed",) * 3 + ("decode",)])
-def test_token_level_planning_only_touched_instances_plans_exactly_what_a_full_scan_does(monkeypatch, roles) -> None:
+def test_token_level_planning_only_touched_instances_plans_exactly_what_a_full_scan_does(roles) -> None:
     """Token-level plans only instances whose state changed since its last plan: the Plan log must be byte-identical
     to planning every instance at every call, with mixed instances and a lost instance."""
-    from scheduler.policies.token_level import TokenLevelPolicy
-
     def log_of(full_scan: bool) -> str:
-        monkeypatch.setattr(TokenLevelPolicy, "full_scan", full_scan)
         models = make_models(4)
         log = io.StringIO()
-        run_sim("token-level", models, make_instances(len(roles), roles=roles), make_workload(400, list(models), seed=3),
-                plan_log=log, faults=[(40.0, "i1")])
+        sim, sched = make_sim("token-level", models, make_instances(len(roles), roles=roles),
+                              make_workload(400, list(models), seed=3), plan_log=log, faults=[(40.0, "i1")])
+        sched.full_scan = full_scan
+        sim.run()
         return log.getvalue()
 
     full = log_of(True)
