@@ -23,7 +23,7 @@ import heapq
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from operator import attrgetter, sub
+from operator import attrgetter
 from typing import IO, Any, Protocol
 
 from scheduler import (Action, Decode, Event, InstanceLost, KvMoved, Prefetch, Prefill, Request, Scheduler, StepDone,
@@ -33,9 +33,7 @@ from sims.errors import InvariantViolation
 
 ARRIVAL, COMPLETION, FAULT = 0, 1, 2
 Segment = tuple[float, int, float]
-# per-request columns read in C (map) rather than in Python loops: batches are tens of requests
-_MODEL, _PROMPT, _GENERATED, _OUTPUT, _REQUEST_ID = (
-    attrgetter(name) for name in ("model", "prompt_tokens", "generated", "output_tokens", "request_id"))
+_MODEL = attrgetter("model")
 _NEVER = 1 << 62  # the shortest remainder of an empty batch
 
 
@@ -257,7 +255,7 @@ class Simulator:
             entry[2] -= record.prompt_tokens + record.generated
         batch.records, batch.ids = records, tuple(kept)
         batch.groups = [g for g in batch.groups if g[1]]
-        batch.left = min(map(sub, map(_OUTPUT, records), map(_GENERATED, records)), default=_NEVER)
+        batch.left = _fewest_left(records)
 
     def device(self, instance_id: str) -> _Device:
         dev = self.devices.get(instance_id)
@@ -376,30 +374,27 @@ class Simulator:
             if len(ids) > known and ids[:known] == batch.ids:
                 joined = self._checked(iid, dev, ids[known:])
                 batch.ids, batch.records = ids, batch.records + joined
-                for model, group in _by_model(joined).items():
-                    entry = next((g for g in batch.groups if g[0] == model), None)
-                    if entry is None:
-                        entry = [model, 0, 0]
-                        batch.groups.append(entry)
-                    entry[1] += len(group)
-                    entry[2] += sum(map(_PROMPT, group)) + sum(map(_GENERATED, group))
-                batch.left = min(batch.left, min(map(sub, map(_OUTPUT, joined), map(_GENERATED, joined))))
+                _add_groups(batch.groups, joined)
+                batch.left = min(batch.left, _fewest_left(joined))
                 return batch
         records = self._checked(iid, dev, ids)
-        left = min(map(sub, map(_OUTPUT, records), map(_GENERATED, records)), default=_NEVER)
-        batch = _Batch(ids, records, [[model, len(group), sum(map(_PROMPT, group)) + sum(map(_GENERATED, group))]
-                                      for model, group in _by_model(records).items()], left)
+        groups: list[list] = []
+        _add_groups(groups, records)
+        batch = _Batch(ids, records, groups, _fewest_left(records))
         if dev.turn is None:
             dev.batch = batch
         return batch
 
     def _checked(self, iid: str, dev: _Device, ids: tuple[str, ...]) -> list[RequestRecord]:
         """The records of `ids`, after checking each one's model is resident and its KV on the device."""
-        records = list(map(self.records.__getitem__, ids))
-        if not all(map(dev.kv.__contains__, ids)) or not dev.resident.issuperset(map(_MODEL, records)):
-            bad = next(r for r in records if r.model not in dev.resident or r.request_id not in dev.kv)
-            raise InvariantViolation(f"{iid}: decode of {bad.request_id} ({bad.model}) with "
-                                     f"{sorted(dev.resident)} resident, KV on device: {bad.request_id in dev.kv}")
+        table, kv, resident = self.records, dev.kv, dev.resident
+        records = []
+        for rid in ids:
+            record = table[rid]
+            if rid not in kv or record.model not in resident:
+                raise InvariantViolation(f"{iid}: decode of {rid} ({record.model}) with {sorted(resident)} "
+                                         f"resident, KV on device: {rid in kv}")
+            records.append(record)
         return records
 
     def _iteration(self, iid: str, dev: _Device, action: Decode, t: float) -> float:
@@ -493,6 +488,30 @@ _APPLY: dict[type, Callable[[Simulator, str, _Device, Any, float], float]] = {
     Switch: Simulator._switch, Prefetch: Simulator._prefetch, Prefill: Simulator._prefill, Decode: Simulator._decode,
     SwapOut: Simulator._swap, SwapIn: Simulator._swap,
 }
+
+
+def _add_groups(groups: list[list], records: list[RequestRecord]) -> None:
+    """Count `records` into per-model [model, batch size, context tokens] entries, new models appended in
+    order of first appearance. (Plain loops: batches are a few requests, and the compiled build reads
+    the fields directly.)"""
+    for record in records:
+        for entry in groups:
+            if entry[0] == record.model:
+                break
+        else:
+            entry = [record.model, 0, 0]
+            groups.append(entry)
+        entry[1] += 1
+        entry[2] += record.prompt_tokens + record.generated
+
+
+def _fewest_left(records: list[RequestRecord]) -> int:
+    """The fewest tokens any of `records` has still to produce (_NEVER for none)."""
+    left = _NEVER
+    for record in records:
+        if record.output_tokens - record.generated < left:
+            left = record.output_tokens - record.generated
+    return left
 
 
 def _by_model(records: list[RequestRecord]) -> dict[str, list[RequestRecord]]:

@@ -32,7 +32,7 @@ from bisect import bisect_right
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from operator import attrgetter, sub
+from operator import attrgetter
 from typing import ClassVar
 
 from scheduler.costs import CostModel, InstanceSpec, ModelProfile
@@ -45,7 +45,6 @@ S = RequestStatus
 _EVENTFUL = frozenset({Switch, Prefill, Decode, SwapOut, SwapIn})  # actions the executor answers with an event
 _QUIET = (KvMoved, SwitchDone)  # events that cannot enable an action while their instance stays busy
 _FCFS = attrgetter("arrival_at", "request_id")
-_MAX_OUTPUT, _NUM_OUTPUT = attrgetter("max_output_tokens"), attrgetter("num_output_tokens")
 _REQUEST_ID = attrgetter("request_id")
 
 
@@ -383,8 +382,14 @@ class PolicyBase:
 
     def decode_steps(self, ids: Sequence[str]) -> int:
         """Steps until the first request of a batch reaches its token limit."""
-        batch = list(map(self.requests.__getitem__, ids))
-        return max(1, min(map(sub, map(_MAX_OUTPUT, batch), map(_NUM_OUTPUT, batch))))
+        if not ids:
+            raise ValueError("decode_steps of an empty batch")
+        requests, fewest = self.requests, 1 << 62
+        for rid in ids:
+            req = requests[rid]
+            if req.max_output_tokens - req.num_output_tokens < fewest:
+                fewest = req.max_output_tokens - req.num_output_tokens
+        return max(1, fewest)
 
     def running_on(self, inst: InstanceState) -> tuple[str, ...]:
         """RUNNING requests with KV on `inst`, oldest first (ties by id).
