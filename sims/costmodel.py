@@ -110,10 +110,13 @@ def model_constants(arch: Arch, tp: int, gpu: GpuSpec, terms: ProfileTerms) -> M
 
 @dataclass(frozen=True, slots=True)
 class _DecodeShape:
-    """One model at one batch size: step time = max(a_i + b_i * context) + fixed_s."""
+    """One model at one batch size: step time = max(mem_a + mem_b * context, flop_a + flop_b * context,
+    floor_s) + fixed_s (plain floats: read on every step-time prediction)."""
 
-    memory: Line
-    compute: Line
+    mem_a: float
+    mem_b: float
+    flop_a: float
+    flop_b: float
     floor_s: float
     fixed_s: float
 
@@ -171,8 +174,8 @@ class RooflineCostModel:
         if batch_size <= 0:
             return 0.0
         shape = self._shapes.get((model, batch_size)) or self._decode_shape(model, batch_size)
-        (mem_a, mem_b), (flop_a, flop_b) = shape.memory, shape.compute
-        return max(mem_a + mem_b * context_tokens, flop_a + flop_b * context_tokens, shape.floor_s) + shape.fixed_s
+        return max(shape.mem_a + shape.mem_b * context_tokens, shape.flop_a + shape.flop_b * context_tokens,
+                   shape.floor_s) + shape.fixed_s
 
     def switch_s(self, model: str) -> float:
         return self._models[model].switch_s
@@ -187,11 +190,16 @@ class RooflineCostModel:
         `batch_size` a step). Closed form: the sum of a convex piecewise-linear series."""
         if num_steps <= 0 or batch_size <= 0:
             return 0.0
-        lines, fixed_s = self._turn_lines(model, batch_size, context_tokens)
-        top = _top(lines, 0)
-        if top == _top(lines, num_steps - 1):  # one line tops both ends, hence (lines are linear) all steps
-            a, b = lines[top]
+        shape = self._shapes.get((model, batch_size)) or self._decode_shape(model, batch_size)
+        fixed_s = shape.fixed_s
+        mem_a, mem_b = shape.mem_a + shape.mem_b * context_tokens, shape.mem_b * batch_size
+        flop_a, flop_b = shape.flop_a + shape.flop_b * context_tokens, shape.flop_b * batch_size
+        top = _top_of_three(mem_a, mem_b, flop_a, flop_b, shape.floor_s, 0)
+        if top == _top_of_three(mem_a, mem_b, flop_a, flop_b, shape.floor_s, num_steps - 1):
+            # one line tops both ends, hence (lines are linear) all steps
+            a, b = (mem_a, mem_b) if top == 0 else (flop_a, flop_b) if top == 1 else (shape.floor_s, 0.0)
             return num_steps * (a + fixed_s + b * (num_steps - 1) / 2.0)
+        lines = ((mem_a, mem_b), (flop_a, flop_b), (shape.floor_s, 0.0))
         return sum(_segment_sum(a + fixed_s, b, start, end) for start, end, a, b in _envelope(lines, num_steps))
 
     def steps_within_s(self, model: str, batch_size: int, context_tokens: int, seconds: float) -> int:
@@ -221,8 +229,8 @@ class RooflineCostModel:
     def decode_bound(self, model: str, batch_size: int, context_tokens: int) -> Bound:
         """Which term sets the step time: HBM traffic, FLOPs or the host launch floor."""
         shape = self._shapes.get((model, batch_size)) or self._decode_shape(model, batch_size)
-        memory = shape.memory[0] + shape.memory[1] * context_tokens
-        compute = shape.compute[0] + shape.compute[1] * context_tokens
+        memory = shape.mem_a + shape.mem_b * context_tokens
+        compute = shape.flop_a + shape.flop_b * context_tokens
         if shape.floor_s > max(memory, compute):
             return "launch"
         return "compute" if compute > memory else "memory"
@@ -234,8 +242,8 @@ class RooflineCostModel:
         overhead = c.allreduce_fixed_s + batch_size * c.allreduce_s_per_token
         memory_a = c.stream_static_s + experts * c.stream_expert_s + batch_size * c.kv_write_s_per_token
         compute_a = batch_size * (c.gemm_s_per_token + c.lm_head_s_per_row)
-        shape = _DecodeShape(memory=(memory_a + overhead, c.kv_read_s_per_token),
-                             compute=(compute_a + overhead, c.attn_s_per_pair),
+        shape = _DecodeShape(mem_a=memory_a + overhead, mem_b=c.kv_read_s_per_token,
+                             flop_a=compute_a + overhead, flop_b=c.attn_s_per_pair,
                              floor_s=c.decode_floor_s, fixed_s=c.decode_fixed_s)
         self._shapes[(model, batch_size)] = shape
         return shape
@@ -243,15 +251,26 @@ class RooflineCostModel:
     def _turn_lines(self, model: str, batch_size: int, context_tokens: int) -> tuple[tuple[Line, ...], float]:
         """The step-time lines in the step index s of a turn (context = context_tokens + batch * s)."""
         shape = self._shapes.get((model, batch_size)) or self._decode_shape(model, batch_size)
-        (mem_a, mem_b), (flop_a, flop_b) = shape.memory, shape.compute
-        lines = ((mem_a + mem_b * context_tokens, mem_b * batch_size),
-                 (flop_a + flop_b * context_tokens, flop_b * batch_size), (shape.floor_s, 0.0))
+        lines = ((shape.mem_a + shape.mem_b * context_tokens, shape.mem_b * batch_size),
+                 (shape.flop_a + shape.flop_b * context_tokens, shape.flop_b * batch_size), (shape.floor_s, 0.0))
         return lines, shape.fixed_s
 
 
 @functools.cache
 def _default_profile() -> CalibrationProfile:
     return load_profile("default")
+
+
+def _top_of_three(a0: float, b0: float, a1: float, b1: float, a2: float, step: int) -> int:
+    """`_top` of the lines (a0, b0), (a1, b1), (a2, 0.0), without building them (once per decode turn)."""
+    best, value, slope = 0, a0 + b0 * step, b0
+    candidate = a1 + b1 * step
+    if candidate > value or (candidate == value and b1 > slope):
+        best, value, slope = 1, candidate, b1
+    candidate = a2 + 0.0 * step
+    if candidate > value or (candidate == value and 0.0 > slope):
+        best = 2
+    return best
 
 
 def _top(lines: tuple[Line, ...], step: int) -> int:

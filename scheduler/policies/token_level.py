@@ -53,9 +53,7 @@ from scheduler.costs import CostModel, InstanceSpec, ModelProfile
 from scheduler.plan import Action, Decode, Event, KvMoved, Prefetch, Prefill, StepDone, Stop, SwapIn, SwapOut, Switch
 from scheduler.policies.base import InstanceState, PolicyBase
 from scheduler.quotas import decode_quotas
-from scheduler.request import Request, RequestStatus
-
-S = RequestStatus
+from scheduler.request import RUNNING, SWAPPED, Request
 
 
 @dataclass(slots=True)
@@ -204,11 +202,19 @@ class TokenLevelPolicy(PolicyBase):
                 continue
             if iid not in ends:
                 ends[iid] = self._group_ends(inst, now)
-            index = next((k for k, g in enumerate(groups) if g.model == model and len(g.ids) < self.max_group_size), None)
-            if index is not None:
+            index = -1
+            for k, candidate in enumerate(groups):
+                if candidate.model == model and len(candidate.ids) < self.max_group_size:
+                    index = k
+                    break
+            if index >= 0:
                 done_at, group = ends[iid][index] + own_s, groups[index]
             else:
-                tail_model = next((g.model for g in reversed(groups) if g.ids), inst.active)
+                tail_model = inst.active
+                for candidate in reversed(groups):
+                    if candidate.ids:
+                        tail_model = candidate.model
+                        break
                 tail_at = ends[iid][-1] if ends[iid] else max(now, self.busy_until.get(iid, now))
                 free = tail_model == model or (not groups and inst.prefetched == model)
                 switch_s = 0.0 if free else self.costs.switch_s(model)
@@ -226,7 +232,9 @@ class TokenLevelPolicy(PolicyBase):
                 if group.model != model:
                     t += max(0.0, self.costs.switch_s(group.model) - previous_s)
                     model = group.model
-                tokens = sum(self.requests[rid].context_tokens for rid in group.ids)
+                tokens = 0
+                for rid in group.ids:
+                    tokens += self.requests[rid].context_tokens
                 previous_s = self.costs.prefill_s(group.model, tokens, len(group.ids))
                 t += previous_s
             out.append(t)
@@ -293,7 +301,7 @@ class TokenLevelPolicy(PolicyBase):
         if pending is None:
             return []
         stage, ids = pending
-        live = [rid for rid in ids if rid in self.requests and self.requests[rid].status is S.RUNNING]
+        live = [rid for rid in ids if rid in self.requests and self.requests[rid].status is RUNNING]
         if not live:
             return []
         if stage == "decode":
@@ -394,8 +402,10 @@ class TokenLevelPolicy(PolicyBase):
                   switch_why: str = "") -> list[Action]:
         """Swap in what the batch lacks (moving out only what must make room), switch, prefetch, decode."""
         acts: list[Action] = []
-        swap_in = [rid for rid in batch.ids if self.requests[rid].status is S.SWAPPED]
-        need = sum(self.kv_need_bytes(self.requests[rid]) for rid in swap_in)
+        swap_in = [rid for rid in batch.ids if self.requests[rid].status is SWAPPED]
+        need = 0.0
+        for rid in swap_in:
+            need += self.kv_need_bytes(self.requests[rid])
         if need > inst.kv_free_bytes:
             out = self._evictees(inst, state, set(batch.ids), need - inst.kv_free_bytes)
             acts.append(self._swap_out(inst, out, f"make room for {batch.model}'s batch"))
@@ -451,7 +461,7 @@ class TokenLevelPolicy(PolicyBase):
             if event.to == "host" and inst.spec.role == "prefill":  # the hand-off after the first tokens
                 for rid in event.request_ids:
                     req = self.requests.get(rid)
-                    if req is not None and req.status is S.SWAPPED:
+                    if req is not None and req.status is SWAPPED:
                         self._join_decoder(req)
             return
         if not isinstance(event, StepDone):
@@ -466,9 +476,9 @@ class TokenLevelPolicy(PolicyBase):
                     continue  # ended and forgotten (keep_ended=False)
                 if not req.done:
                     self.first_token_at[rid] = now
-                if req.status is S.SWAPPED:
+                if req.status is SWAPPED:
                     self._join_decoder(req)
-                elif req.status is S.RUNNING and inst.spec.role == "mixed":
+                elif req.status is RUNNING and inst.spec.role == "mixed":
                     self._join(inst, req)
 
     def _join_decoder(self, req: Request) -> None:
