@@ -38,6 +38,7 @@ from sims.profiles import CalibrationProfile, ProfileTerms, load_profile
 
 Bound = Literal["memory", "compute", "launch"]
 Line = tuple[float, float]  # (a, b): the value at step s is a + b * s
+TurnLines = tuple[Line, Line, Line]  # a decode turn's memory, compute and (flat) floor lines
 
 
 def expected_experts_touched(num_experts: int, experts_per_token: int, num_tokens: float) -> float:
@@ -194,8 +195,8 @@ class RooflineCostModel:
         fixed_s = shape.fixed_s
         mem_a, mem_b = shape.mem_a + shape.mem_b * context_tokens, shape.mem_b * batch_size
         flop_a, flop_b = shape.flop_a + shape.flop_b * context_tokens, shape.flop_b * batch_size
-        top = _top_of_three(mem_a, mem_b, flop_a, flop_b, shape.floor_s, 0)
-        if top == _top_of_three(mem_a, mem_b, flop_a, flop_b, shape.floor_s, num_steps - 1):
+        top = _top(mem_a, mem_b, flop_a, flop_b, shape.floor_s, 0)
+        if top == _top(mem_a, mem_b, flop_a, flop_b, shape.floor_s, num_steps - 1):
             # one line tops both ends, hence (lines are linear) all steps
             a, b = (mem_a, mem_b) if top == 0 else (flop_a, flop_b) if top == 1 else (shape.floor_s, 0.0)
             return num_steps * (a + fixed_s + b * (num_steps - 1) / 2.0)
@@ -248,7 +249,7 @@ class RooflineCostModel:
         self._shapes[(model, batch_size)] = shape
         return shape
 
-    def _turn_lines(self, model: str, batch_size: int, context_tokens: int) -> tuple[tuple[Line, ...], float]:
+    def _turn_lines(self, model: str, batch_size: int, context_tokens: int) -> tuple[TurnLines, float]:
         """The step-time lines in the step index s of a turn (context = context_tokens + batch * s)."""
         shape = self._shapes.get((model, batch_size)) or self._decode_shape(model, batch_size)
         lines = ((shape.mem_a + shape.mem_b * context_tokens, shape.mem_b * batch_size),
@@ -261,8 +262,9 @@ def _default_profile() -> CalibrationProfile:
     return load_profile("default")
 
 
-def _top_of_three(a0: float, b0: float, a1: float, b1: float, a2: float, step: int) -> int:
-    """`_top` of the lines (a0, b0), (a1, b1), (a2, 0.0), without building them (once per decode turn)."""
+def _top(a0: float, b0: float, a1: float, b1: float, a2: float, step: int) -> int:
+    """Index of the turn line on top at `step` among memory (a0, b0), compute (a1, b1) and the flat floor
+    (a2, 0.0); ties go to the steeper line, which stays on top after. Plain floats: once per decode turn."""
     best, value, slope = 0, a0 + b0 * step, b0
     candidate = a1 + b1 * step
     if candidate > value or (candidate == value and b1 > slope):
@@ -273,25 +275,15 @@ def _top_of_three(a0: float, b0: float, a1: float, b1: float, a2: float, step: i
     return best
 
 
-def _top(lines: tuple[Line, ...], step: int) -> int:
-    """Index of the line on top at `step` (ties go to the steeper line, which stays on top after)."""
-    best, best_key = 0, (lines[0][0] + lines[0][1] * step, lines[0][1])
-    for index in range(1, len(lines)):
-        a, b = lines[index]
-        key = (a + b * step, b)
-        if key > best_key:
-            best, best_key = index, key
-    return best
-
-
-def _envelope(lines: tuple[Line, ...], num_steps: int) -> list[tuple[int, int, float, float]]:
+def _envelope(lines: TurnLines, num_steps: int) -> list[tuple[int, int, float, float]]:
     """The upper envelope of `lines` over integer steps [0, num_steps) as (start, end, a, b)
     segments. The envelope is convex, so a segment ends where a steeper line first overtakes;
     lines are few (3), so this is O(1)."""
+    (mem_a, mem_b), (flop_a, flop_b), (floor_s, _) = lines
     segments: list[tuple[int, int, float, float]] = []
     step = 0
     while step < num_steps:
-        a, b = lines[_top(lines, step)]
+        a, b = lines[_top(mem_a, mem_b, flop_a, flop_b, floor_s, step)]
         crossings = [math.ceil((a - a_j) / (b_j - b)) for a_j, b_j in lines if b_j > b]
         end = min(num_steps, max(step + 1, min(crossings))) if crossings else num_steps
         segments.append((step, end, a, b))

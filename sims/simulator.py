@@ -344,7 +344,7 @@ class Simulator:
             else:
                 dev.kv[record.request_id] = self._kv_bytes(record)
         self._check_kv(iid, dev)
-        end = t + took + move_s if action.kv_to_host else t + took
+        end = t + took + move_s
         dev.prefill_move_s = move_s
         self._push(end, COMPLETION, StepDone(iid, "prefill", action.request_ids, 1, tuple(finished)), dev, records)
         return end
@@ -509,8 +509,7 @@ def _fewest_left(records: list[RequestRecord]) -> int:
     """The fewest tokens any of `records` has still to produce (_NEVER for none)."""
     left = _NEVER
     for record in records:
-        if record.output_tokens - record.generated < left:
-            left = record.output_tokens - record.generated
+        left = min(left, record.output_tokens - record.generated)
     return left
 
 

@@ -386,9 +386,9 @@ class PolicyBase:
             raise ValueError("decode_steps of an empty batch")
         requests, fewest = self.requests, 1 << 62
         for rid in ids:
-            req = requests[rid]
-            if req.max_output_tokens - req.num_output_tokens < fewest:
-                fewest = req.max_output_tokens - req.num_output_tokens
+            left = requests[rid].remaining_tokens
+            if left < fewest:
+                fewest = left
         return max(1, fewest)
 
     def running_on(self, inst: InstanceState) -> tuple[str, ...]:

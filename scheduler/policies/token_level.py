@@ -384,8 +384,7 @@ class TokenLevelPolicy(PolicyBase):
         for batch in batches:
             context = 0
             for rid in batch.ids:
-                req = requests[rid]
-                context += req.prompt_tokens + req.num_output_tokens
+                context += requests[rid].context_tokens
             step_s.append(costs.decode_step_s(batch.model, len(batch.ids), context))
             move_s += 2 * costs.kv_move_s(batch.model, context)
             kv_bytes += batch.kv_bytes
