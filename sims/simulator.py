@@ -41,7 +41,7 @@ class SimCosts(CostModel, Protocol):
     def decode_turn_s(self, model: str, batch_size: int, context_tokens: int, num_steps: int) -> float: ...
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class RequestRecord:
     """What happened to one request, enough for every latency metric."""
 
@@ -58,8 +58,16 @@ class RequestRecord:
     # requests of one step share the tuple
     segments: list[Segment] = field(default_factory=list)
 
+    def __init__(self, request_id: str, model: str, arrival_at: float, prompt_tokens: int, output_tokens: int,
+                 generated: int = 0, first_token_at: float | None = None, finished_at: float | None = None,
+                 failed: str = "", segments: list[Segment] | None = None) -> None:
+        self.request_id, self.model, self.arrival_at = request_id, model, arrival_at
+        self.prompt_tokens, self.output_tokens, self.generated = prompt_tokens, output_tokens, generated
+        self.first_token_at, self.finished_at, self.failed = first_token_at, finished_at, failed
+        self.segments = [] if segments is None else segments
 
-@dataclass(slots=True)
+
+@dataclass(slots=True, init=False)
 class _Batch:
     """A device's decode batch with its per-model sizes and KV contexts and its shortest remainder,
     reused while the scheduler passes the very same ids tuple again (a continuous batch that did not
@@ -70,8 +78,11 @@ class _Batch:
     groups: list[list]  # [model, batch size, context tokens]
     left: int  # tokens until its first request finishes
 
+    def __init__(self, ids: tuple[str, ...], records: list[RequestRecord], groups: list[list], left: int) -> None:
+        self.ids, self.records, self.groups, self.left = ids, records, groups, left
 
-@dataclass(slots=True)
+
+@dataclass(slots=True, init=False)
 class _Turn:
     """An in-flight Decode, kept so a Stop can cut it at a step boundary."""
 
@@ -82,6 +93,11 @@ class _Turn:
     seq: int
     records: list[RequestRecord]
     batch: _Batch | None = None  # its decoding part, when that is the device's cached batch
+
+    def __init__(self, start_at: float, step_s: float, max_steps: int, ids: tuple[str, ...], seq: int,
+                 records: list[RequestRecord], batch: _Batch | None = None) -> None:
+        self.start_at, self.step_s, self.max_steps, self.ids, self.seq = start_at, step_s, max_steps, ids, seq
+        self.records, self.batch = records, batch
 
 
 @dataclass(slots=True)

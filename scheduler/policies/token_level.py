@@ -62,12 +62,15 @@ class Group:
     ids: list[str] = field(default_factory=list)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class Batch:
     model: str
-    ids: list[str] = field(default_factory=list)
-    kv_bytes: float = 0.0
-    steps: int = 1
+    ids: list[str]
+    kv_bytes: float
+    steps: int
+
+    def __init__(self, model: str, ids: list[str] | None = None, kv_bytes: float = 0.0, steps: int = 1) -> None:
+        self.model, self.ids, self.kv_bytes, self.steps = model, [] if ids is None else ids, kv_bytes, steps
 
 
 @dataclass(slots=True)
