@@ -24,7 +24,7 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import IO, Any, Protocol
+from typing import IO, Protocol
 
 from scheduler import (Action, Decode, Event, InstanceLost, KvMoved, Prefetch, Prefill, Request, Scheduler, StepDone,
                        Stop, SwapIn, SwapOut, Switch, SwitchDone)
@@ -149,8 +149,7 @@ class Simulator:
     # ---- the loop ------------------------------------------------------------------
     def run(self, until: float = math.inf, progress: Callable[[float], None] | None = None) -> dict[str, RequestRecord]:
         """Advance to `until` (or the end); `progress(now)` is called every few thousand instants."""
-        heap, pop, cancelled = self._heap, heapq.heappop, self._cancelled_seq
-        schedule, deliver, arrive = self.scheduler.schedule, self._deliver, self._arrive
+        heap, pop, cancelled, scheduler = self._heap, heapq.heappop, self._cancelled_seq, self.scheduler
         arrivals, incoming = self._arrivals, self._next_arrival
         ticks = 0
         # The loop makes millions of acyclic objects (events, actions, tuples, records); the cyclic collector's
@@ -171,7 +170,7 @@ class Simulator:
                 if progress is not None and not ticks & 4095:
                     progress(t)
                 while incoming is not None and incoming.arrival_at <= t:
-                    arrive(incoming, t)
+                    self._arrive(incoming, t)
                     incoming = next(arrivals, None)
                 while heap and heap[0][0] <= t:
                     _, _, seq, event, dev, records = pop(heap)
@@ -180,8 +179,8 @@ class Simulator:
                     if cancelled and seq in cancelled:
                         cancelled.discard(seq)
                         continue
-                    deliver(event, t, dev, records)  # type: ignore[arg-type]
-                plan = schedule(t)
+                    self._deliver(event, t, dev, records)  # type: ignore[arg-type]
+                plan = scheduler.schedule(t)
                 if plan.actions or plan.failed:
                     self._carry_out(plan, t)
         finally:
@@ -287,13 +286,21 @@ class Simulator:
             return
         t = start = max(now, dev.free_at)
         for action in actions:
-            kind = type(action)
-            apply = _APPLY.get(kind)
-            if apply is None:
+            if isinstance(action, Decode):
+                t = self._decode(instance_id, dev, action, t)
+                continue
+            if isinstance(action, Prefetch):
+                t = self._prefetch(instance_id, dev, action, t)
+                continue
+            dev.batch = None  # weights or KV placement change: the next batch is checked afresh
+            if isinstance(action, Switch):
+                t = self._switch(instance_id, dev, action, t)
+            elif isinstance(action, (SwapOut, SwapIn)):
+                t = self._swap(instance_id, dev, action, t)
+            elif isinstance(action, Prefill):
+                t = self._prefill(instance_id, dev, action, t)
+            else:
                 raise InvariantViolation(f"{instance_id}: cannot execute {action!r}")
-            if kind is not Decode and kind is not Prefetch:
-                dev.batch = None  # weights or KV placement change: the next batch is checked afresh
-            t = apply(self, instance_id, dev, action, t)
         dev.busy_s += t - start
         dev.free_at = t
 
@@ -496,14 +503,6 @@ class Simulator:
         if used > self.kv_capacity[iid] * (1 + 1e-9):
             raise InvariantViolation(f"{iid}: {used / 1e9:.3f} GB of KV on a device that holds "
                                      f"{self.kv_capacity[iid] / 1e9:.3f} GB")
-
-
-# the executor of each action type; a class-level table (bound methods on the instance would make every
-# Simulator a reference cycle, kept with all its records until a full garbage collection)
-_APPLY: dict[type, Callable[[Simulator, str, _Device, Any, float], float]] = {
-    Switch: Simulator._switch, Prefetch: Simulator._prefetch, Prefill: Simulator._prefill, Decode: Simulator._decode,
-    SwapOut: Simulator._swap, SwapIn: Simulator._swap,
-}
 
 
 def _add_groups(groups: list[list], records: list[RequestRecord]) -> None:

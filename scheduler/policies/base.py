@@ -13,7 +13,8 @@ skips planning when the last plan was empty and nothing that could enable an
 action has happened since - the only news was a KvMoved or SwitchDone of an
 instance that still has planned work queued behind it (the middle of a
 SwapOut, Switch, SwapIn, Decode sequence), which changes only that busy
-instance - so the skipped call would have been empty too. (After a non-empty
+instance - so the skipped call would have been empty too. A policy whose
+`_after_event` turns such an event into news for others sets `_dirty` itself. (After a non-empty
 plan the next call always runs: a policy may plan again from the same state,
 e.g. stop a second holder while the first is still stopping.)
 
@@ -136,7 +137,7 @@ class PolicyBase:
 
     def on_event(self, event: Event, now: float) -> None:
         kind = type(event)
-        if isinstance(event, (Cancelled, InstanceLost, InstanceAdded)):
+        if isinstance(event, Cancelled) or isinstance(event, InstanceLost) or isinstance(event, InstanceAdded):
             self._dirty = self._queued_news = True
             self._touched.update(self.instances)
             if isinstance(event, Cancelled):

@@ -52,7 +52,7 @@ from typing import ClassVar
 from scheduler.costs import CostModel, InstanceSpec, ModelProfile
 from scheduler.plan import Action, Decode, Event, KvMoved, Prefetch, Prefill, StepDone, Stop, SwapIn, SwapOut, Switch
 from scheduler.policies.base import InstanceState, PolicyBase
-from scheduler.quotas import decode_quotas
+from scheduler.quotas import first_decode_quota
 from scheduler.request import RUNNING, SWAPPED, Request
 
 
@@ -105,6 +105,10 @@ class TokenLevelPolicy(PolicyBase):
         self.first_tokens = first_tokens
         self.fixed_turn_steps = fixed_turn_steps  # test knob: every turn exactly this many steps
         self.full_scan = False  # test knob: plan every instance, not only touched ones (the plans must be identical)
+        # _plan reads `now` only for idle instances and, on a busy one, plans a Stop only after news that sets
+        # cut_in/preempt; a SwitchDone or KvMoved that leaves its instance busy enables nothing else, except a
+        # hand-off's KvMoved placing requests on a decode instance, which _join marks as news
+        self.skip_quiet_schedules = True
         self.groups: dict[str, list[Group]] = {}
         self.busy_until: dict[str, float] = {}  # prefill instance -> predicted end of its planned work
         self.first_token_at: dict[str, float] = {}  # request -> when its prefill (first token) ended
@@ -397,7 +401,7 @@ class TokenLevelPolicy(PolicyBase):
             switch_s += costs.switch_s(model)
         if kv_bytes <= inst.kv_capacity_bytes:
             move_s = 0.0
-        quota = decode_quotas(step_s, tpot, switch_s + move_s, self.max_quota_s)[0]
+        quota = first_decode_quota(step_s, tpot, switch_s + move_s, self.max_quota_s)
         return max(1, int(quota / step_s[0]))
 
     def _run_turn(self, inst: InstanceState, state: DecodeState, batch: Batch, why: str,
@@ -506,6 +510,7 @@ class TokenLevelPolicy(PolicyBase):
 
     def _join(self, inst: InstanceState, req: Request) -> None:
         self._touched.add(inst.instance_id)
+        self._dirty = True  # news even when it comes with a quiet event (the hand-off's KvMoved)
         state = self.decoders[inst.instance_id]
         state.members[req.request_id] = None
         state.packed = None

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from scheduler import IllegalTransition, RequestStatus, decode_quotas, transition
-from scheduler.quotas import round_alpha
+from scheduler.quotas import first_decode_quota, round_alpha
 from tests.factories import make_request
 
 S = RequestStatus
@@ -44,6 +46,16 @@ def test_quotas_single_batch_and_empty() -> None:
 def test_quotas_reject_nonsense(args: tuple) -> None:
     with pytest.raises(ValueError, match="positive"):
         decode_quotas(*args)
+    with pytest.raises(ValueError, match="positive"):
+        first_decode_quota(*args)
+
+
+@given(st.lists(st.floats(1e-4, 0.5), min_size=1, max_size=5), st.floats(0.01, 1.0), st.floats(0.0, 5.0),
+       st.floats(0.5, 8.0))
+def test_first_quota_is_exactly_the_first_of_the_round(steps: list[float], tpot: float, c0: float, q_max: float) -> None:
+    quotas = decode_quotas(steps, tpot, c0, q_max)
+    assert first_decode_quota(steps, tpot, c0, q_max) == quotas[0]  # bit for bit: the token-level plans use it
+    assert len(quotas) == len(steps) and all(q >= 0 for q in quotas)
 
 
 def test_lifecycle_allows_the_normal_path() -> None:
