@@ -146,7 +146,7 @@ class RooflineCostModel:
         self.gpu_name, self.gpu = (gpu if isinstance(gpu, str) else gpu_name).lower(), spec
         self.terms = self.profile.terms_for(self.gpu_name)
         self._models = {name: model_constants(arch, tp, spec, self.terms) for name, (arch, tp) in models.items()}
-        self._shapes: dict[tuple[str, int], _DecodeShape] = {}
+        self._shapes: dict[str, list[_DecodeShape | None]] = {}  # model -> shape by batch size, built on demand
 
     @classmethod
     def for_models(cls, models: Mapping[str, tuple[Arch, int]], gpu: str | GpuSpec,
@@ -174,9 +174,14 @@ class RooflineCostModel:
     def decode_step_s(self, model: str, batch_size: int, context_tokens: int) -> float:
         if batch_size <= 0:
             return 0.0
-        shape = self._shapes.get((model, batch_size)) or self._decode_shape(model, batch_size)
-        return max(shape.mem_a + shape.mem_b * context_tokens, shape.flop_a + shape.flop_b * context_tokens,
-                   shape.floor_s) + shape.fixed_s
+        shape = self._shape(model, batch_size)
+        top = shape.mem_a + shape.mem_b * context_tokens
+        compute = shape.flop_a + shape.flop_b * context_tokens
+        if compute > top:  # max() by hand: plain floats, compiled
+            top = compute
+        if shape.floor_s > top:
+            top = shape.floor_s
+        return top + shape.fixed_s
 
     def switch_s(self, model: str) -> float:
         return self._models[model].switch_s
@@ -191,7 +196,7 @@ class RooflineCostModel:
         `batch_size` a step). Closed form: the sum of a convex piecewise-linear series."""
         if num_steps <= 0 or batch_size <= 0:
             return 0.0
-        shape = self._shapes.get((model, batch_size)) or self._decode_shape(model, batch_size)
+        shape = self._shape(model, batch_size)
         fixed_s = shape.fixed_s
         mem_a, mem_b = shape.mem_a + shape.mem_b * context_tokens, shape.mem_b * batch_size
         flop_a, flop_b = shape.flop_a + shape.flop_b * context_tokens, shape.flop_b * batch_size
@@ -229,7 +234,7 @@ class RooflineCostModel:
 
     def decode_bound(self, model: str, batch_size: int, context_tokens: int) -> Bound:
         """Which term sets the step time: HBM traffic, FLOPs or the host launch floor."""
-        shape = self._shapes.get((model, batch_size)) or self._decode_shape(model, batch_size)
+        shape = self._shape(model, batch_size)
         memory = shape.mem_a + shape.mem_b * context_tokens
         compute = shape.flop_a + shape.flop_b * context_tokens
         if shape.floor_s > max(memory, compute):
@@ -237,6 +242,14 @@ class RooflineCostModel:
         return "compute" if compute > memory else "memory"
 
     # ---- internals -------------------------------------------------------------------------------
+    def _shape(self, model: str, batch_size: int) -> _DecodeShape:
+        shapes = self._shapes.get(model)
+        if shapes is not None and batch_size < len(shapes):
+            shape = shapes[batch_size]
+            if shape is not None:
+                return shape
+        return self._decode_shape(model, batch_size)
+
     def _decode_shape(self, model: str, batch_size: int) -> _DecodeShape:
         c = self._models[model]
         experts = expected_experts_touched(c.num_experts, c.experts_per_token, batch_size)
@@ -246,12 +259,15 @@ class RooflineCostModel:
         shape = _DecodeShape(mem_a=memory_a + overhead, mem_b=c.kv_read_s_per_token,
                              flop_a=compute_a + overhead, flop_b=c.attn_s_per_pair,
                              floor_s=c.decode_floor_s, fixed_s=c.decode_fixed_s)
-        self._shapes[(model, batch_size)] = shape
+        shapes = self._shapes.setdefault(model, [])
+        if len(shapes) <= batch_size:
+            shapes.extend([None] * (batch_size + 1 - len(shapes)))
+        shapes[batch_size] = shape
         return shape
 
     def _turn_lines(self, model: str, batch_size: int, context_tokens: int) -> tuple[TurnLines, float]:
         """The step-time lines in the step index s of a turn (context = context_tokens + batch * s)."""
-        shape = self._shapes.get((model, batch_size)) or self._decode_shape(model, batch_size)
+        shape = self._shape(model, batch_size)
         lines = ((shape.mem_a + shape.mem_b * context_tokens, shape.mem_b * batch_size),
                  (shape.flop_a + shape.flop_b * context_tokens, shape.flop_b * batch_size), (shape.floor_s, 0.0))
         return lines, shape.fixed_s

@@ -24,17 +24,20 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import IO, Protocol
+from typing import IO, Final, Protocol
 
 from scheduler import (Action, Decode, Event, InstanceLost, KvMoved, Prefetch, Prefill, Request, Scheduler, StepDone,
                        Stop, SwapIn, SwapOut, Switch, SwitchDone)
 from scheduler.costs import CostModel
 from sims.errors import InvariantViolation
 
-ARRIVAL, COMPLETION, FAULT = 0, 1, 2
+ARRIVAL: Final = 0  # phases at one instant, in order (Final: C constants when compiled)
+COMPLETION: Final = 1
+FAULT: Final = 2
 Segment = tuple[float, int, float]
 _MODEL = attrgetter("model")
-_NEVER = 1 << 62  # the shortest remainder of an empty batch
+_NEVER: Final = 1 << 62  # the shortest remainder of an empty batch
+_INF: Final = math.inf
 
 
 class SimCosts(CostModel, Protocol):
@@ -160,10 +163,10 @@ class Simulator:
             while True:
                 while cancelled and heap and heap[0][2] in cancelled:
                     cancelled.discard(pop(heap)[2])
-                t = incoming.arrival_at if incoming is not None else math.inf
+                t = incoming.arrival_at if incoming is not None else _INF
                 if heap and heap[0][0] < t:
                     t = heap[0][0]
-                if t == math.inf or t > until:
+                if t == _INF or t > until:
                     break
                 self.now = t
                 ticks += 1

@@ -34,7 +34,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import ClassVar
+from typing import ClassVar, Final
 
 from scheduler.costs import CostModel, InstanceSpec, ModelProfile
 from scheduler.plan import (Action, Cancelled, Decode, Event, InstanceAdded, InstanceLost, KvMoved, Plan, Prefill,
@@ -43,8 +43,8 @@ from scheduler.request import (CANCELLED, FAILED, FINISHED, PREFILLING, QUEUED, 
                                RequestStatus, transition)
 
 S = RequestStatus
-_EVENTFUL = frozenset({Switch, Prefill, Decode, SwapOut, SwapIn})  # actions the executor answers with an event
-_QUIET = (KvMoved, SwitchDone)  # events that cannot enable an action while their instance stays busy
+_EVENTFUL: Final = frozenset({Switch, Prefill, Decode, SwapOut, SwapIn})  # actions the executor answers with an event
+_QUIET: Final = (KvMoved, SwitchDone)  # events that cannot enable an action while their instance stays busy
 _FCFS = attrgetter("arrival_at", "request_id")
 _REQUEST_ID = attrgetter("request_id")
 
@@ -187,11 +187,12 @@ class PolicyBase:
         if not self._dirty and not self._failed and self.skip_quiet_schedules:
             return Plan(at=now)
         actions = self._plan(now)
-        self._dirty = any(actions.values())  # a call that planned something may plan more with nothing new
+        self._dirty = False  # a call that planned something may plan more with nothing new
         plan_actions: dict[str, tuple[Action, ...]] = {}
         for iid, acts in actions.items():
             if not acts:
                 continue
+            self._dirty = True
             inst = self.instances[iid]
             for act in acts:
                 kind = type(act)

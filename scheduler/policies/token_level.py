@@ -47,13 +47,15 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Final
 
 from scheduler.costs import CostModel, InstanceSpec, ModelProfile
 from scheduler.plan import Action, Decode, Event, KvMoved, Prefetch, Prefill, StepDone, Stop, SwapIn, SwapOut, Switch
 from scheduler.policies.base import InstanceState, PolicyBase
 from scheduler.quotas import first_decode_quota
 from scheduler.request import RUNNING, SWAPPED, Request
+
+_INF: Final = float("inf")
 
 
 @dataclass(slots=True)
@@ -330,7 +332,7 @@ class TokenLevelPolicy(PolicyBase):
         if not batches:
             return []
         if len(batches) > 1:
-            batches = sorted(batches, key=self._due_at)
+            batches = self._by_due(batches)
         first = batches[0]
         batch = state.current = Batch(first.model, list(first.ids), first.kv_bytes)
         state.open_ended = len(batches) == 1 and self.fixed_turn_steps is None
@@ -370,11 +372,23 @@ class TokenLevelPolicy(PolicyBase):
         state.packed = batches
         return batches
 
+    def _by_due(self, batches: list[Batch]) -> list[Batch]:
+        """`batches` sorted by `_due_at`, ties in their order (an insertion sort: an instance holds a few)."""
+        out: list[Batch] = []
+        dues: list[float] = []
+        for batch in batches:
+            due, at = self._due_at(batch), len(out)
+            while at and dues[at - 1] > due:
+                at -= 1
+            out.insert(at, batch)
+            dues.insert(at, due)
+        return out
+
     def _due_at(self, batch: Batch) -> float:
         """When the batch's most pressed member owes its next token: first token + tokens so far * TPOT SLO."""
         tpot = self.models[batch.model].tpot_slo_s
         requests, first_token_at = self.requests, self.first_token_at
-        due = float("inf")
+        due = _INF
         for rid in batch.ids:
             at = first_token_at.get(rid, 0.0) + requests[rid].num_output_tokens * tpot
             if at < due:
@@ -387,7 +401,7 @@ class TokenLevelPolicy(PolicyBase):
         costs, requests = self.costs, self.requests
         step_s: list[float] = []
         move_s = kv_bytes = 0.0
-        tpot = float("inf")
+        tpot = _INF
         for batch in batches:
             context = 0
             for rid in batch.ids:
@@ -397,8 +411,8 @@ class TokenLevelPolicy(PolicyBase):
             kv_bytes += batch.kv_bytes
             tpot = min(tpot, self.models[batch.model].tpot_slo_s)
         switch_s = 0.0
-        for model in {b.model for b in batches}:
-            switch_s += costs.switch_s(model)
+        for model in dict.fromkeys([b.model for b in batches]):  # each model once, in a fixed order (a set's
+            switch_s += costs.switch_s(model)                    # would follow string hashes: sums could differ)
         if kv_bytes <= inst.kv_capacity_bytes:
             move_s = 0.0
         quota = first_decode_quota(step_s, tpot, switch_s + move_s, self.max_quota_s)
