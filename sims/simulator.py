@@ -70,6 +70,15 @@ class RequestRecord:
         self.segments = [] if segments is None else segments
 
 
+class _Group:
+    """One model's part of a decode batch: how many requests, how many KV context tokens they hold."""
+
+    __slots__ = ("model", "size", "context")
+
+    def __init__(self, model: str) -> None:
+        self.model, self.size, self.context = model, 0, 0
+
+
 @dataclass(slots=True, init=False)
 class _Batch:
     """A device's decode batch with its per-model sizes and KV contexts and its shortest remainder,
@@ -78,10 +87,10 @@ class _Batch:
 
     ids: tuple[str, ...]
     records: list[RequestRecord]
-    groups: list[list]  # [model, batch size, context tokens]
+    groups: list[_Group]  # per model, in order of first appearance
     left: int  # tokens until its first request finishes
 
-    def __init__(self, ids: tuple[str, ...], records: list[RequestRecord], groups: list[list], left: int) -> None:
+    def __init__(self, ids: tuple[str, ...], records: list[RequestRecord], groups: list[_Group], left: int) -> None:
         self.ids, self.records, self.groups, self.left = ids, records, groups, left
 
 
@@ -237,7 +246,7 @@ class Simulator:
             if batch is not None and batch is dev.batch:
                 batch.left -= num_steps
                 for group in batch.groups:
-                    group[2] += num_steps * group[1]
+                    group.context += num_steps * group.size
             else:
                 batch = None
         else:
@@ -268,11 +277,11 @@ class Simulator:
         for place in places:
             record = records.pop(place)
             del kept[place]
-            entry = next(g for g in batch.groups if g[0] == record.model)
-            entry[1] -= 1
-            entry[2] -= record.prompt_tokens + record.generated
+            entry = next(g for g in batch.groups if g.model == record.model)
+            entry.size -= 1
+            entry.context -= record.prompt_tokens + record.generated
         batch.records, batch.ids = records, tuple(kept)
-        batch.groups = [g for g in batch.groups if g[1]]
+        batch.groups = [g for g in batch.groups if g.size]
         batch.left = _fewest_left(records)
 
     def device(self, instance_id: str) -> _Device:
@@ -383,8 +392,8 @@ class Simulator:
         batch = self._batch(iid, dev, action.request_ids)
         steps = min(action.max_steps, batch.left)
         took = 0.0
-        for model, size, context in batch.groups:
-            took += self.costs.decode_turn_s(model, size, context, steps)
+        for group in batch.groups:
+            took += self.costs.decode_turn_s(group.model, group.size, group.context, steps)
         dev.turn = _Turn(t, took / steps, steps, batch.ids, -1, batch.records, batch)
         return self._finish_turn(iid, dev, steps, steps == batch.left)
 
@@ -404,7 +413,7 @@ class Simulator:
                 batch.left = min(batch.left, _fewest_left(joined))
                 return batch
         records = self._checked(iid, dev, ids)
-        groups: list[list] = []
+        groups: list[_Group] = []
         _add_groups(groups, records)
         batch = _Batch(ids, records, groups, _fewest_left(records))
         if dev.turn is None:
@@ -454,8 +463,8 @@ class Simulator:
             totals[1] += 1
         self._check_kv(iid, dev)
         took = 0.0
-        for model, size, context in batch.groups:
-            took += self.costs.decode_step_s(model, size, context)
+        for group in batch.groups:
+            took += self.costs.decode_step_s(group.model, group.size, group.context)
         for model, (tokens, prompts) in chunks.items():
             took += self.costs.prefill_s(model, tokens, prompts)
         may_finish = batch.left <= 1
@@ -508,19 +517,18 @@ class Simulator:
                                      f"{self.kv_capacity[iid] / 1e9:.3f} GB")
 
 
-def _add_groups(groups: list[list], records: list[RequestRecord]) -> None:
-    """Count `records` into per-model [model, batch size, context tokens] entries, new models appended in
-    order of first appearance. (Plain loops: batches are a few requests, and the compiled build reads
-    the fields directly.)"""
+def _add_groups(groups: list[_Group], records: list[RequestRecord]) -> None:
+    """Count `records` into per-model groups, new models appended in order of first appearance. (Plain
+    loops: batches are a few requests, and the compiled build reads the fields directly.)"""
     for record in records:
         for entry in groups:
-            if entry[0] == record.model:
+            if entry.model == record.model:
                 break
         else:
-            entry = [record.model, 0, 0]
+            entry = _Group(record.model)
             groups.append(entry)
-        entry[1] += 1
-        entry[2] += record.prompt_tokens + record.generated
+        entry.size += 1
+        entry.context += record.prompt_tokens + record.generated
 
 
 def _fewest_left(records: list[RequestRecord]) -> int:
