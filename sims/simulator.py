@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import IO, Final, Protocol
 
-from scheduler import (Action, Decode, Event, InstanceLost, KvMoved, Prefetch, Prefill, Request, Scheduler, StepDone,
-                       Stop, SwapIn, SwapOut, Switch, SwitchDone)
+from scheduler import (Action, Decode, Event, InstanceLost, KvMoved, Plan, Prefetch, Prefill, Request, Scheduler,
+                       StepDone, Stop, SwapIn, SwapOut, Switch, SwitchDone)
 from scheduler.costs import CostModel
 from sims.errors import InvariantViolation
 
@@ -201,13 +201,13 @@ class Simulator:
                 gc.enable()
         return self.records
 
-    def _carry_out(self, plan: object, now: float) -> None:
+    def _carry_out(self, plan: Plan, now: float) -> None:
         self.num_plans += 1
         if self.plan_log is not None:
-            self.plan_log.write(plan.to_json() + "\n")  # type: ignore[attr-defined]
-        for request_id, why in plan.failed:  # type: ignore[attr-defined]
+            self.plan_log.write(plan.to_json() + "\n")
+        for request_id, why in plan.failed:
             self.records[request_id].failed = why
-        for instance_id, actions in plan.actions.items():  # type: ignore[attr-defined]
+        for instance_id, actions in plan.actions.items():
             self._execute(instance_id, actions, now)
 
     def _push(self, at: float, phase: int, event: object, dev: _Device | None = None,
