@@ -72,6 +72,9 @@ def simulate(fleet: Fleet, workload: Workload, policy: str, *, num_gpus: int | N
     costs = costs or RooflineCostModel(fleet)
     profiles = model_profiles(fleet)
     instances = build_instances(fleet, policy, num_gpus, prefill_fraction, gpus_by_tp)
+    # like the live pool, the scheduler forgets requests once they end (same plans; the records keep what happened):
+    # its request table stays the size of what is in flight, not of the whole trace
+    options.setdefault("keep_ended", False)
     scheduler = make_scheduler(policy, profiles, instances, costs, max_batch_size=fleet.pool.max_batch_size,
                                max_prefill_tokens=fleet.pool.max_prefill_tokens, **options)
     truncated = [0]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 
+import numpy as np
 import pytest
 
 from scheduler import Request, make_scheduler
@@ -172,6 +173,30 @@ def test_skipping_quiet_schedules_leaves_the_plan_log_unchanged(policy, roles) -
     skipped = log_of(True)
     assert skipped.count("\n") > 300 and '"SwapIn"' in skipped or policy == "dedicated"
     assert skipped == log_of(False)
+
+
+@pytest.mark.parametrize("policy", ["dedicated", "token-level"])
+def test_the_scheduler_forgetting_ended_requests_changes_no_plan(policy) -> None:
+    """simulate() runs the scheduler with keep_ended=False, as the live pool does: the same Plan log and records."""
+    from modelpool.config import parse_fleet
+    from sims.run import simulate
+    from sims.workload import Workload
+
+    fleet = parse_fleet("pool: {gpu: h200, num_gpus: 4}\nmodels:\n  - {name: a, arch: qwen2.5-1.5b}\n"
+                        "  - {name: b, arch: qwen2.5-3b}\n  - {name: c, arch: qwen2.5-1.5b}\n")
+    rng = np.random.default_rng(7)
+    n = 600
+    workload = Workload.from_columns(np.sort(rng.uniform(0, 60, n)), rng.integers(0, 3, n), rng.integers(50, 900, n),
+                                     rng.integers(1, 400, n), models=("a", "b", "c"), source="test")
+
+    def run(keep_ended: bool) -> tuple[str, list]:
+        log = io.StringIO()
+        result = simulate(fleet, workload, policy, plan_log=log, keep_ended=keep_ended)
+        return log.getvalue(), [(r.generated, r.first_token_at, r.finished_at, r.segments) for r in result.records.values()]
+
+    kept, forgotten = run(True), run(False)
+    assert kept[0].count("\n") > 500 and sum(g for g, *_ in kept[1]) > 10_000
+    assert forgotten == kept
 
 
 def test_run_simulate_writes_the_plan_log() -> None:
