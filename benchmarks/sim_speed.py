@@ -131,6 +131,7 @@ def main() -> None:
 
 
 def _measure(args: argparse.Namespace, trees: list[str], out_path: str) -> None:
+    commit = _commit()  # before the report (under benchmarks/results) makes the tree dirty
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     rows = []
     header = (f"{'policy':>13} {'compiled':>8} {'requests':>9} {'loop wall s':>11} {'loop CPU s':>10} {'req/s':>7} "
@@ -147,7 +148,7 @@ def _measure(args: argparse.Namespace, trees: list[str], out_path: str) -> None:
             row = json.loads(out.stdout.strip().splitlines()[-1])
             runs[k].append(row)
             rows.append(row)
-            _write(out_path, rows)  # after every row: a later failure keeps what was measured
+            _write(out_path, rows, commit)  # after every row: a later failure keeps what was measured
             print(f"{policy:>13} {'yes' if row['compiled'] else 'no':>8} {row['requests']:>9,} {row['sim_s']:>11.1f} "
                   f"{row['sim_cpu_s']:>10.1f} {row['requests_per_s']:>7,.0f} {row['requests_per_cpu_s']:>9,.0f} "
                   f"{row['requests_per_s_with_metrics']:>14,.0f} {row['decode_steps_per_cpu_s']:>11,.0f} "
@@ -160,13 +161,13 @@ def _measure(args: argparse.Namespace, trees: list[str], out_path: str) -> None:
             cpu, wall = (statistics.median(r[key] for r in pure) / statistics.median(r[key] for r in compiled)
                          for key in ("sim_cpu_s", "sim_s"))
             compiled[-1]["cpu_speedup"] = round(cpu, 2)  # the medians' ratio, on the last compiled row
-            _write(out_path, rows)
+            _write(out_path, rows, commit)
             print(f"{'':>13} the compiled build: {cpu:.2f}x faster (median loop CPU s), {wall:.2f}x (wall s)", flush=True)
     print(f"wrote {out_path}")
 
 
-def _write(path: str, rows: list[dict[str, object]]) -> None:
-    report = {"date": datetime.date.today().isoformat(), "machine": _machine(), "commit": _commit(),
+def _write(path: str, rows: list[dict[str, object]], commit: str) -> None:
+    report = {"date": datetime.date.today().isoformat(), "machine": _machine(), "commit": commit,
               "command": "OMP_NUM_THREADS=1 python benchmarks/sim_speed.py " + " ".join(sys.argv[1:]),
               "one_core": hasattr(os, "sched_setaffinity"), "rows": rows}
     Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,7 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import IO, Final, Protocol
+from typing import IO, Any, Final, Protocol
 
 from scheduler import (Action, Decode, Event, InstanceLost, KvMoved, Plan, Prefetch, Prefill, Request, Scheduler,
                        StepDone, Stop, SwapIn, SwapOut, Switch, SwitchDone)
@@ -34,7 +34,10 @@ from sims.errors import InvariantViolation
 ARRIVAL: Final = 0  # phases at one instant, in order (Final: C constants when compiled)
 COMPLETION: Final = 1
 FAULT: Final = 2
-Segment = tuple[float, int, float]
+# (first token time, tokens, seconds between them). Typed as a variable-length tuple on purpose: compiled, a
+# fixed-length one is an unboxed C struct, boxed anew (tuple and floats) into every record's list, while the
+# requests of one step should share one tuple.
+Segment = tuple[float, ...]
 _MODEL = attrgetter("model")
 _NEVER: Final = 1 << 62  # the shortest remainder of an empty batch
 _INF: Final = math.inf
@@ -131,7 +134,9 @@ class _Device:
 
 
 # heap entry: (at, phase, sequence, event, device or None, records the event books or None)
-_Entry = tuple[float, int, int, object, "_Device | None", "list[RequestRecord] | None"]
+# Typed as a variable-length tuple on purpose: compiled, a fixed-length tuple type is an unboxed struct, and each
+# read of heap[0] would unbox (and type-check) all six fields; the loop reads the fields it needs one by one.
+_Entry = tuple[Any, ...]
 
 
 class Simulator:
@@ -173,8 +178,10 @@ class Simulator:
                 while cancelled and heap and heap[0][2] in cancelled:
                     cancelled.discard(pop(heap)[2])
                 t = incoming.arrival_at if incoming is not None else _INF
-                if heap and heap[0][0] < t:
-                    t = heap[0][0]
+                if heap:
+                    first: float = heap[0][0]
+                    if first < t:
+                        t = first
                 if t == _INF or t > until:
                     break
                 self.now = t
@@ -184,14 +191,18 @@ class Simulator:
                 while incoming is not None and incoming.arrival_at <= t:
                     self._arrive(incoming, t)
                     incoming = next(arrivals, None)
-                while heap and heap[0][0] <= t:
-                    _, _, seq, event, dev, records = pop(heap)
+                while heap:
+                    at: float = heap[0][0]
+                    if at > t:
+                        break
+                    entry = pop(heap)
+                    dev: _Device | None = entry[4]
                     if dev is not None and dev.lost:
                         continue
-                    if cancelled and seq in cancelled:
-                        cancelled.discard(seq)
+                    if cancelled and entry[2] in cancelled:
+                        cancelled.discard(entry[2])
                         continue
-                    self._deliver(event, t, dev, records)  # type: ignore[arg-type]
+                    self._deliver(entry[3], t, dev, entry[5])
                 plan = scheduler.schedule(t)
                 if plan.actions or plan.failed:
                     self._carry_out(plan, t)
@@ -253,7 +264,7 @@ class Simulator:
             tail = records
             token_at = now - dev.prefill_move_s  # with kv_to_host the token streamed before the KV move
         first_at = token_at - (num_steps - 1) * step_s
-        segment = (first_at, num_steps, step_s)
+        segment: Segment = (first_at, num_steps, step_s)  # one object, shared by the step's requests
         for record in records:
             record.generated += num_steps
             record.segments.append(segment)

@@ -508,19 +508,20 @@ class TokenLevelPolicy(PolicyBase):
         # the load it adds where its model is not held yet: the same on every such instance
         fresh = self.costs.decode_step_s(model, 1, estimate), \
             self.costs.switch_s(model) * self.models[model].tpot_slo_s / self.round_target_s
-        best: tuple[float, str] | None = None
+        best: str | None = None  # the least (load, id), in plain variables: no tuple per candidate
+        best_load = 0.0
         for iid, state in self.decoders.items():
             inst = self.instances[iid]
             if inst.spec.tp != tp or inst.lost:
                 continue
-            key = (self._decode_load_after(state, model, estimate, fresh), iid)
-            if best is None or key < best:
-                best = key
+            load = self._decode_load_after(state, model, estimate, fresh)
+            if best is None or load < best_load or (load == best_load and iid < best):
+                best, best_load = iid, load
         if best is None:
             req.instance_id = None
             self._fail(req, f"no decode instance of TP{tp} left")
             return
-        self._join(self.instances[best[1]], req)
+        self._join(self.instances[best], req)
 
     def _join(self, inst: InstanceState, req: Request) -> None:
         self._touched.add(inst.instance_id)

@@ -39,7 +39,10 @@ runs = {}
 for policy in policies:
     log = io.StringIO()
     result = simulate(fleet, workload, policy, num_gpus=64, plan_log=log)
-    runs[policy] = {"plans": log.getvalue(), "metrics": json.dumps(result.metrics, sort_keys=True, default=repr)}
+    segments = [s for r in result.records.values() for s in r.segments]
+    runs[policy] = {"plans": log.getvalue(), "metrics": json.dumps(result.metrics, sort_keys=True, default=repr),
+                    # the requests of one step share one segment tuple (kept in memory for every request)
+                    "segments": len(segments), "segment_objects": len({id(s) for s in segments})}
 print(json.dumps({"files": files, "requests": len(workload), "runs": runs}))
 """
 
@@ -81,3 +84,5 @@ def test_compiled_build_gives_byte_identical_plan_logs_and_metrics(tmp_path: Pat
         assert theirs["plans"].count("\n") > 1000, policy
         assert ours["plans"] == theirs["plans"], f"{policy}: the Plan logs differ"
         assert ours["metrics"] == theirs["metrics"], f"{policy}: the metrics differ"
+        # compiled code must not box a segment anew for each request (it did: 40% more memory)
+        assert ours["segments"] == theirs["segments"] > ours["segment_objects"] == theirs["segment_objects"], policy
