@@ -119,7 +119,8 @@ class _Turn:
 class _Device:
     model: str | None = None
     resident: set[str] = field(default_factory=set)
-    prefetch: tuple[str, float] | None = None  # model, ready_at
+    spare: str | None = None  # the model in the spare slot (prefetched, or switched away from) ...
+    spare_ready_at: float = 0.0  # ... and when its copy is done
     free_at: float = 0.0
     kv: dict[str, float] = field(default_factory=dict)  # request -> device KV bytes
     turn: _Turn | None = None
@@ -340,8 +341,8 @@ class Simulator:
         return t + took
 
     def _prefetch(self, iid: str, dev: _Device, action: Prefetch, t: float) -> float:
-        if dev.prefetch is None or dev.prefetch[0] != action.model:  # else it is in the spare slot already
-            dev.prefetch = (action.model, t + self.costs.switch_s(action.model))
+        if dev.spare != action.model:  # else it is in the spare slot already
+            dev.spare, dev.spare_ready_at = action.model, t + self.costs.switch_s(action.model)
         return t
 
     def _swap(self, iid: str, dev: _Device, action: SwapOut | SwapIn, t: float) -> float:
@@ -366,10 +367,10 @@ class Simulator:
         """Two model slots, as in the engine: a model in the spare slot (prefetched, or the one switched away
         from last) only changes roles, once its copy is done; any other is copied into the spare slot. Either
         way the model switched away from stays in the other slot, ready."""
-        spare, dev.prefetch = dev.prefetch, None
-        took = max(0.0, spare[1] - t) if spare is not None and spare[0] == model else self.costs.switch_s(model)
+        took = max(0.0, dev.spare_ready_at - t) if dev.spare == model else self.costs.switch_s(model)
+        dev.spare = None
         if dev.model is not None and dev.model != model:
-            dev.prefetch = (dev.model, t)
+            dev.spare, dev.spare_ready_at = dev.model, t
         return took
 
     def _prefill(self, iid: str, dev: _Device, action: Prefill, t: float) -> float:
