@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.machinery
 import itertools
 import json
 import os
@@ -47,9 +46,8 @@ def one(size: int, gpus: int, policy: str, fleet_path: str) -> dict[str, object]
     """Run one size in this process and return its figures."""
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
-    import sims.simulator
     from modelpool.config import load_fleet
-    from sims.run import fleet_workload_spec, simulate
+    from sims.run import compiled, fleet_workload_spec, simulate
     from sims.traces import load_workload
 
     fleet = load_fleet(Path(fleet_path))
@@ -62,7 +60,7 @@ def one(size: int, gpus: int, policy: str, fleet_path: str) -> dict[str, object]
     num = len(workload)
     return {
         "requests": num, "traffic_s": round(workload.duration_s, 1), "policy": policy, "num_gpus": result.num_gpus,
-        "compiled": sims.simulator.__file__.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES)),
+        "compiled": compiled(),
         "workload_s": round(load_s, 3), "sim_s": round(result.sim_wall_s, 3), "sim_cpu_s": round(result.sim_cpu_s, 3),
         "metrics_s": round(result.metrics_wall_s, 3),
         "requests_per_s": round(num / result.sim_wall_s, 1), "requests_per_cpu_s": round(num / result.sim_cpu_s, 1),

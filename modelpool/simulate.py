@@ -30,7 +30,7 @@ def simulate_command(
 ) -> None:
     """Simulate a policy on a fleet and a trace; print latency and SLO figures."""
     from sims.metrics import request_rows
-    from sims.run import fleet_workload_spec, simulate
+    from sims.run import compiled, fleet_workload_spec, simulate
     from sims.workload import TraceError
 
     try:
@@ -63,9 +63,13 @@ def simulate_command(
                 log.close()
     wall = time.perf_counter() - started
     metrics = {**result.metrics, "policy": policy, "num_gpus": result.num_gpus, "trace": spec,
-               "num_requests": len(workload), "wall_s": round(wall, 3), "notes": result.notes + list(workload.notes)}
+               "num_requests": len(workload), "wall_s": round(wall, 3), "compiled": compiled(),
+               "notes": result.notes + list(workload.notes)}
     console.print(_summary_table(metrics))
     console.print(f"{len(workload)} requests, {workload.duration_s:.0f} s of traffic simulated in {wall:.1f} s")
+    if not metrics["compiled"] and wall > 60:
+        console.print("the compiled build simulates several times faster: "
+                      "MODELPOOL_MYPYC=1 pip install --no-build-isolation .  (needs mypy and a C compiler; README)")
     if out:
         out.mkdir(parents=True, exist_ok=True)
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2, default=float))

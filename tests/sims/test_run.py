@@ -51,6 +51,7 @@ def test_simulate_cli_writes_metrics_and_requests(tmp_path: pathlib.Path) -> Non
     assert res.exit_code == 0, res.output
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["policy"] == "token-level" and metrics["num_gpus"] <= 24
+    assert metrics["compiled"] is False  # the tests run the source tree
     assert {"mean_ttft_ms", "p99_tpot_ms", "request_goodput", "output_throughput"} <= set(metrics)
     lines = (out / "requests.csv").read_text().splitlines()
     assert len(lines) == metrics["num_requests"] + 1
