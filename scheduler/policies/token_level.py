@@ -400,21 +400,24 @@ class TokenLevelPolicy(PolicyBase):
         switches and the KV moves that cannot be avoided (none when every batch's KV fits the device together)."""
         costs, requests = self.costs, self.requests
         step_s: list[float] = []
-        move_s = kv_bytes = 0.0
+        contexts: list[int] = []
+        kv_bytes = 0.0
         tpot = _INF
         for batch in batches:
             context = 0
             for rid in batch.ids:
                 context += requests[rid].context_tokens
+            contexts.append(context)
             step_s.append(costs.decode_step_s(batch.model, len(batch.ids), context))
-            move_s += 2 * costs.kv_move_s(batch.model, context)
             kv_bytes += batch.kv_bytes
             tpot = min(tpot, self.models[batch.model].tpot_slo_s)
         switch_s = 0.0
         for model in dict.fromkeys([b.model for b in batches]):  # each model once, in a fixed order (a set's
             switch_s += costs.switch_s(model)                    # would follow string hashes: sums could differ)
-        if kv_bytes <= inst.kv_capacity_bytes:
-            move_s = 0.0
+        move_s = 0.0
+        if kv_bytes > inst.kv_capacity_bytes:  # each batch's KV goes out and comes back once a round
+            for batch, context in zip(batches, contexts):
+                move_s += 2 * costs.kv_move_s(batch.model, context)
         quota = first_decode_quota(step_s, tpot, switch_s + move_s, self.max_quota_s)
         return max(1, int(quota / step_s[0]))
 
