@@ -120,16 +120,16 @@ def main() -> None:
         return
     out_path = args.out or str(ROOT / "benchmarks/results" /
                                ("sim_speed_compiled.json" if args.compare_compiled else "sim_speed.json"))
+    commit = _commit()  # before anything else: the build takes a minute, the report lands under benchmarks/
     with tempfile.TemporaryDirectory(prefix="sim_speed-") as tmp:
         trees = [str(ROOT)]
         if args.compare_compiled:
             print("building the mypyc modules (about a minute) ...", flush=True)
             trees.append(str(runpy.run_path(str(ROOT / "setup.py"))["compiled_copy"](Path(tmp))))
-        _measure(args, trees, out_path)
+        _measure(args, trees, out_path, commit)
 
 
-def _measure(args: argparse.Namespace, trees: list[str], out_path: str) -> None:
-    commit = _commit()  # before the report (under benchmarks/results) makes the tree dirty
+def _measure(args: argparse.Namespace, trees: list[str], out_path: str, commit: str) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     rows = []
     header = (f"{'policy':>13} {'compiled':>8} {'requests':>9} {'loop wall s':>11} {'loop CPU s':>10} {'req/s':>7} "
