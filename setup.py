@@ -2,7 +2,7 @@
 
 pyproject.toml holds the metadata; this file only adds the extension modules, and only when asked, so the
 default install stays pure Python, and an editable one always does. The compiled modules make the same decisions
-(tests/sims/test_compiled.py compares Plan logs byte for byte), ~1.7x faster (BENCHMARKS.md).
+(tests/sims/test_compiled.py compares Plan logs byte for byte), 3-5x faster (BENCHMARKS.md).
 `compiled_copy` builds the same modules in a copy of the tree, for that test and benchmarks/sim_speed.py.
 """
 

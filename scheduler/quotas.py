@@ -27,29 +27,27 @@ def decode_quotas(step_times_s: Sequence[float], tpot_slo_s: float, switch_time_
     """
     if not step_times_s:
         return []
-    n_min, inverse_sum = _round_terms(step_times_s, tpot_slo_s, switch_time_s, max_quota_s)
-    return [_quota(tpot_slo_s / d, n_min, inverse_sum, switch_time_s, max_quota_s) for d in step_times_s]
+    n_min, inverse_sum, alpha = _round_terms(step_times_s, tpot_slo_s, switch_time_s, max_quota_s)
+    return [_quota(tpot_slo_s / d, n_min, inverse_sum, alpha, switch_time_s, max_quota_s) for d in step_times_s]
 
 
 def first_decode_quota(step_times_s: Sequence[float], tpot_slo_s: float, switch_time_s: float,
                        max_quota_s: float = 4.0) -> float:
     """`decode_quotas(...)[0]` without the others' (a turn is planned for the first batch only)."""
-    if not step_times_s:
-        raise ValueError("first_decode_quota of no batches")
-    n_min, inverse_sum = _round_terms(step_times_s, tpot_slo_s, switch_time_s, max_quota_s)
-    return _quota(tpot_slo_s / step_times_s[0], n_min, inverse_sum, switch_time_s, max_quota_s)
+    n_min, inverse_sum, alpha = _round_terms(step_times_s, tpot_slo_s, switch_time_s, max_quota_s)
+    return _quota(tpot_slo_s / step_times_s[0], n_min, inverse_sum, alpha, switch_time_s, max_quota_s)
 
 
 def round_alpha(step_times_s: Sequence[float], tpot_slo_s: float, switch_time_s: float,
                 max_quota_s: float = 4.0) -> float:
     """The round's pace factor alpha (mean time per token / TPOT SLO)."""
-    n_min, inverse_sum = _round_terms(step_times_s, tpot_slo_s, switch_time_s, max_quota_s)
-    return max(switch_time_s / (n_min * max_quota_s) + inverse_sum, 0.5)
+    return _round_terms(step_times_s, tpot_slo_s, switch_time_s, max_quota_s)[2]
 
 
 def _round_terms(step_times_s: Sequence[float], tpot_slo_s: float, switch_time_s: float,
-                 max_quota_s: float) -> tuple[float, float]:
-    """(min_i n_i, sum_j 1/n_j) of a round, its inputs checked. One plain loop: a turn boundary computes this."""
+                 max_quota_s: float) -> tuple[float, float, float]:
+    """(min_i n_i, sum_j 1/n_j, alpha) of a round, its inputs checked. One plain loop: a turn boundary computes
+    this."""
     if tpot_slo_s <= 0 or max_quota_s <= 0 or switch_time_s < 0 or not step_times_s or min(step_times_s) <= 0:
         raise ValueError(f"need positive step times, TPOT SLO and max quota and c0 >= 0; got "
                          f"d={list(step_times_s)}, tpot={tpot_slo_s}, c0={switch_time_s}, q_max={max_quota_s}")
@@ -59,11 +57,11 @@ def _round_terms(step_times_s: Sequence[float], tpot_slo_s: float, switch_time_s
         inverse_sum += 1.0 / n
         if n < n_min:
             n_min = n
-    return n_min, inverse_sum
+    return n_min, inverse_sum, max(switch_time_s / (n_min * max_quota_s) + inverse_sum, 0.5)
 
 
-def _quota(n_i: float, n_min: float, inverse_sum: float, switch_time_s: float, max_quota_s: float) -> float:
-    alpha = max(switch_time_s / (n_min * max_quota_s) + inverse_sum, 0.5)
+def _quota(n_i: float, n_min: float, inverse_sum: float, alpha: float, switch_time_s: float,
+           max_quota_s: float) -> float:
     if switch_time_s == 0 or alpha == inverse_sum:  # no c0, or one too small to move alpha: the c0 -> 0 limit
         return max_quota_s * n_min / n_i
     return switch_time_s / (n_i * (alpha - inverse_sum))

@@ -196,16 +196,13 @@ class RooflineCostModel:
         `batch_size` a step). Closed form: the sum of a convex piecewise-linear series."""
         if num_steps <= 0 or batch_size <= 0:
             return 0.0
-        shape = self._shape(model, batch_size)
-        fixed_s = shape.fixed_s
-        mem_a, mem_b = shape.mem_a + shape.mem_b * context_tokens, shape.mem_b * batch_size
-        flop_a, flop_b = shape.flop_a + shape.flop_b * context_tokens, shape.flop_b * batch_size
-        top = _top(mem_a, mem_b, flop_a, flop_b, shape.floor_s, 0)
-        if top == _top(mem_a, mem_b, flop_a, flop_b, shape.floor_s, num_steps - 1):
+        lines, fixed_s = self._turn_lines(model, batch_size, context_tokens)
+        (mem_a, mem_b), (flop_a, flop_b), (floor_s, _) = lines
+        top = _top(mem_a, mem_b, flop_a, flop_b, floor_s, 0)
+        if top == _top(mem_a, mem_b, flop_a, flop_b, floor_s, num_steps - 1):
             # one line tops both ends, hence (lines are linear) all steps
-            a, b = (mem_a, mem_b) if top == 0 else (flop_a, flop_b) if top == 1 else (shape.floor_s, 0.0)
+            a, b = lines[top]
             return num_steps * (a + fixed_s + b * (num_steps - 1) / 2.0)
-        lines = ((mem_a, mem_b), (flop_a, flop_b), (shape.floor_s, 0.0))
         return sum(_segment_sum(a + fixed_s, b, start, end) for start, end, a, b in _envelope(lines, num_steps))
 
     def steps_within_s(self, model: str, batch_size: int, context_tokens: int, seconds: float) -> int:

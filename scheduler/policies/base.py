@@ -187,12 +187,12 @@ class PolicyBase:
         if not self._dirty and not self._failed and self.skip_quiet_schedules:
             return Plan(at=now)
         actions = self._plan(now)
-        self._dirty = False  # a call that planned something may plan more with nothing new
+        self._dirty = False
         plan_actions: dict[str, tuple[Action, ...]] = {}
         for iid, acts in actions.items():
             if not acts:
                 continue
-            self._dirty = True
+            self._dirty = True  # a call that planned something may plan more with nothing new
             inst = self.instances[iid]
             for act in acts:
                 kind = type(act)

@@ -332,7 +332,7 @@ class TokenLevelPolicy(PolicyBase):
         if not batches:
             return []
         if len(batches) > 1:
-            batches = self._by_due(batches)
+            batches = sorted(batches, key=self._due_at)
         first = batches[0]
         batch = state.current = Batch(first.model, list(first.ids), first.kv_bytes)
         state.open_ended = len(batches) == 1 and self.fixed_turn_steps is None
@@ -371,18 +371,6 @@ class TokenLevelPolicy(PolicyBase):
             batch.kv_bytes += need
         state.packed = batches
         return batches
-
-    def _by_due(self, batches: list[Batch]) -> list[Batch]:
-        """`batches` sorted by `_due_at`, ties in their order (an insertion sort: an instance holds a few)."""
-        out: list[Batch] = []
-        dues: list[float] = []
-        for batch in batches:
-            due, at = self._due_at(batch), len(out)
-            while at and dues[at - 1] > due:
-                at -= 1
-            out.insert(at, batch)
-            dues.insert(at, due)
-        return out
 
     def _due_at(self, batch: Batch) -> float:
         """When the batch's most pressed member owes its next token: first token + tokens so far * TPOT SLO."""
@@ -511,20 +499,19 @@ class TokenLevelPolicy(PolicyBase):
         # the load it adds where its model is not held yet: the same on every such instance
         fresh = self.costs.decode_step_s(model, 1, estimate), \
             self.costs.switch_s(model) * self.models[model].tpot_slo_s / self.round_target_s
-        best: str | None = None  # the least (load, id), in plain variables: no tuple per candidate
-        best_load = 0.0
+        best: tuple[float, str] | None = None
         for iid, state in self.decoders.items():
             inst = self.instances[iid]
             if inst.spec.tp != tp or inst.lost:
                 continue
-            load = self._decode_load_after(state, model, estimate, fresh)
-            if best is None or load < best_load or (load == best_load and iid < best):
-                best, best_load = iid, load
+            key = (self._decode_load_after(state, model, estimate, fresh), iid)
+            if best is None or key < best:
+                best = key
         if best is None:
             req.instance_id = None
             self._fail(req, f"no decode instance of TP{tp} left")
             return
-        self._join(self.instances[best], req)
+        self._join(self.instances[best[1]], req)
 
     def _join(self, inst: InstanceState, req: Request) -> None:
         self._touched.add(inst.instance_id)
