@@ -34,7 +34,16 @@ of it, so dispatch predicts finish times; a Prefetch planned after the compute
 it should overlap started when that compute ended, so it comes first; a mixed
 instance moved each prompt's KV to host and back. `max_quota_s` is 2 s
 (the paper's Q_max is 4 s); `first_tokens` is 8 (the artifact hands off after
-the first token; 1 restores that).
+the first token; 1 restores that). A quota turn lasts at least `min_turn_tpot`
+(1) TPOT SLO periods of the round (0 restores the formula alone): with alpha
+floored at 0.5 and a small c0 (two small models, both held in the two weight
+slots) the formula gives turns of 2-4 steps, each a switch and a round trip to
+the scheduler in the live pool, which bought nothing - the floor leaves SLO
+attainment as it was and lowers mean TPOT and p99 ITL, as switches (and the KV
+moves of crowded instances) get rarer (BENCHMARKS.md, "Simulator speed").
+The floor only lengthens short turns: each batch still gets at least
+TPOT/d_i tokens per turn, so with k batches in a round, floored turns keep
+every batch's pace while its step takes at most 1/k of a TPOT period.
 
 A "mixed" instance (for classes too small to split well) does both and keeps
 a prompt's KV where it was prefilled: at a turn boundary it prefills its head
@@ -44,6 +53,7 @@ group unless a decode batch is behind its pace and the group can still wait
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -94,7 +104,8 @@ class TokenLevelPolicy(PolicyBase):
 
     def __init__(self, models: Mapping[str, ModelProfile], instances: Sequence[InstanceSpec], costs: CostModel, *,
                  max_group_size: int = 8, max_quota_s: float = 2.0, round_target_s: float = 0.5,
-                 switch_aversion: float = 1.0, first_tokens: int = 8, fixed_turn_steps: int | None = None,
+                 switch_aversion: float = 1.0, first_tokens: int = 8, min_turn_tpot: float = 1.0,
+                 fixed_turn_steps: int | None = None,
                  # PolicyBase's keywords spelled out, not **kwargs: mypyc miscompiles **kwargs beside int defaults
                  max_batch_size: int = 256, max_prefill_tokens: int = 8192, rng: random.Random | None = None,
                  chunked_prefill_tokens: int | None = None, keep_ended: bool = True) -> None:
@@ -105,6 +116,9 @@ class TokenLevelPolicy(PolicyBase):
         self.round_target_s = round_target_s
         self.switch_aversion = switch_aversion
         self.first_tokens = first_tokens
+        if min_turn_tpot < 0:
+            raise ValueError(f"min_turn_tpot must be >= 0 (TPOT SLO periods), got {min_turn_tpot}")
+        self.min_turn_tpot = min_turn_tpot
         self.fixed_turn_steps = fixed_turn_steps  # test knob: every turn exactly this many steps
         self.full_scan = False  # test knob: plan every instance, not only touched ones (the plans must be identical)
         # _plan reads `now` only for idle instances and, on a busy one, plans a Stop only after news that sets
@@ -385,7 +399,8 @@ class TokenLevelPolicy(PolicyBase):
 
     def _first_quota_steps(self, inst: InstanceState, batches: list[Batch]) -> int:
         """The first batch's turn length from `decode_quotas` over the batches waiting now; c0 counts their
-        switches and the KV moves that cannot be avoided (none when every batch's KV fits the device together)."""
+        switches and the KV moves that cannot be avoided (none when every batch's KV fits the device together).
+        The turn lasts at least `min_turn_tpot` TPOT SLO periods (see the module docstring)."""
         costs, requests = self.costs, self.requests
         step_s: list[float] = []
         contexts: list[int] = []
@@ -407,7 +422,7 @@ class TokenLevelPolicy(PolicyBase):
             for batch, context in zip(batches, contexts):
                 move_s += 2 * costs.kv_move_s(batch.model, context)
         quota = first_decode_quota(step_s, tpot, switch_s + move_s, self.max_quota_s)
-        return max(1, int(quota / step_s[0]))
+        return max(1, int(quota / step_s[0]), math.ceil(self.min_turn_tpot * tpot / step_s[0]))
 
     def _run_turn(self, inst: InstanceState, state: DecodeState, batch: Batch, why: str,
                   switch_why: str = "") -> list[Action]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from scheduler import (Decode, KvMoved, Prefetch, Prefill, StepDone, Stop, SwapIn, SwapOut, Switch, SwitchDone,
-                       make_scheduler)
+                       decode_quotas, make_scheduler)
 from tests.factories import LinearCosts, make_instances, make_models, make_request
 
 
@@ -159,6 +159,46 @@ def test_token_level_decode_turns_go_to_the_batch_due_first() -> None:
     sched.on_event(KvMoved("i1", ("b",), "device"), 2.3)
     sched.on_event(StepDone("i1", "decode", ("b",), acts[3].max_steps), 3.0)
     assert ops(sched.schedule(3.0), "i1") == ["Switch", "Prefetch", "Decode"]  # back to m0: its KV never left
+
+
+def _first_quota_turn(min_turn_tpot: float):
+    """Two one-request batches of small models (switches of 5 ms) on one decode instance: the first quota turn."""
+    models = make_models(2)
+    costs = LinearCosts(switch_s=0.005)
+    sched = make_scheduler("token-level", models, make_instances(2, roles=["prefill", "decode"]), costs,
+                           first_tokens=1, min_turn_tpot=min_turn_tpot)
+    for rid, model in (("a", "m0"), ("b", "m1")):
+        sched.submit(make_request(rid, model, 0.0, max_output_tokens=500), 0.0)
+    sched.schedule(0.0)
+    sched.on_event(SwitchDone("i0", "m0"), 0.01)
+    sched.on_event(StepDone("i0", "prefill", ("a",), 1), 0.02)
+    sched.schedule(0.02)  # a's open-ended turn on i1
+    sched.on_event(SwitchDone("i0", "m1"), 0.03)
+    sched.on_event(StepDone("i0", "prefill", ("b",), 1), 0.04)
+    assert ops(sched.schedule(0.04), "i1") == ["Stop"]  # b arrived: the quota turns begin
+    sched.on_event(SwitchDone("i1", "m0"), 0.04)
+    sched.on_event(KvMoved("i1", ("a",), "device"), 0.04)
+    sched.on_event(StepDone("i1", "decode", ("a",), 2), 0.05)
+    decode = sched.schedule(0.05).actions["i1"][-1]
+    assert isinstance(decode, Decode) and len(decode.request_ids) == 1 and "quota" in decode.reason
+    first = decode.request_ids[0]  # the batch due first; the other one waits
+    order = sorted(("a", "b"), key=lambda rid: rid != first)
+    step_s = [costs.decode_step_s(sched.requests[r].model, 1, sched.requests[r].context_tokens) for r in order]
+    return decode.max_steps, step_s, models["m0"].tpot_slo_s
+
+
+def test_token_level_quota_turns_last_at_least_the_floor() -> None:
+    """The formula alone gives a 5 ms-switch round turns shorter than a step here; the floor (one TPOT SLO period by
+    default) makes the turn last that long, and min_turn_tpot=0 restores the formula's length."""
+    steps, step_s, tpot = _first_quota_turn(0.0)
+    formula_steps = max(1, int(decode_quotas(step_s, tpot, 2 * 0.005, 2.0)[0] / step_s[0]))
+    assert steps == formula_steps and steps * step_s[0] < tpot / 2
+    steps, step_s, tpot = _first_quota_turn(1.0)
+    assert steps * step_s[0] >= tpot > (steps - 1) * step_s[0]
+    steps, step_s, tpot = _first_quota_turn(2.5)
+    assert steps * step_s[0] >= 2.5 * tpot > (steps - 1) * step_s[0]
+    with pytest.raises(ValueError, match="min_turn_tpot must be >= 0"):
+        _token_level(min_turn_tpot=-1)
 
 
 def test_token_level_needs_prefill_and_decode_instances() -> None:
