@@ -6,6 +6,7 @@ import csv
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -27,6 +28,9 @@ def simulate_command(
     out: Path | None = typer.Option(None, "--out", help="Folder for metrics.json and requests.csv."),
     plan_log: Path | None = typer.Option(None, "--plan-log", help="Write every Plan as JSONL here."),
     skip_bad_rows: bool = typer.Option(False, "--skip-bad-rows", help="Skip (and count) malformed trace rows."),
+    policy_option: list[str] = typer.Option([], "--policy-option", "-o", metavar="KEY=VALUE",
+                                            help="A keyword of the policy, repeatable: e.g. -o min_turn_tpot=0 "
+                                                 "(token-level's quota formula alone), -o first_tokens=1."),
 ) -> None:
     """Simulate a policy on a fleet and a trace; print latency and SLO figures."""
     from sims.metrics import request_rows
@@ -35,8 +39,9 @@ def simulate_command(
 
     try:
         fleet = load_fleet(fleet_path)
-    except FleetFileError as exc:
-        typer.echo(str(exc), err=True)
+        options = policy_options(policy, policy_option)
+    except (FleetFileError, ValueError) as exc:
+        typer.echo(f"error: {exc}" if isinstance(exc, ValueError) else str(exc), err=True)
         raise typer.Exit(1) from None
     spec = fleet_workload_spec(fleet, duration) if trace == "fleet" else trace
     names = [m.name for m in fleet.models]
@@ -54,15 +59,20 @@ def simulate_command(
         task = bar.add_task(f"{policy} on {len(workload)} requests", total=workload.duration_s)
         try:
             result = simulate(fleet, workload, policy, num_gpus=gpus, plan_log=log,
-                              progress=lambda now: bar.update(task, completed=min(now, workload.duration_s)))
+                              progress=lambda now: bar.update(task, completed=min(now, workload.duration_s)), **options)
         except ValueError as exc:
             typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(1) from None
+        except TypeError as exc:  # an unknown policy keyword, under the compiled build (see policy_options)
+            if not options or "keyword argument" not in str(exc):
+                raise
+            typer.echo(f"error: --policy-option: {exc}", err=True)
             raise typer.Exit(1) from None
         finally:
             if log:
                 log.close()
     wall = time.perf_counter() - started
-    metrics = {**result.metrics, "policy": policy, "num_gpus": result.num_gpus, "trace": spec,
+    metrics = {**result.metrics, "policy": policy, "policy_options": options, "num_gpus": result.num_gpus, "trace": spec,
                "num_requests": len(workload), "wall_s": round(wall, 3), "compiled": compiled(),
                "notes": result.notes + list(workload.notes)}
     console.print(_summary_table(metrics))
@@ -80,6 +90,41 @@ def simulate_command(
                 writer.writeheader()
                 writer.writerows(rows)
         console.print(f"wrote {out / 'metrics.json'} and {out / 'requests.csv'}")
+
+
+# set by `simulate` from the fleet file (or by the simulator itself), not from the command line
+_FIXED_OPTIONS = {"rng", "max_batch_size", "max_prefill_tokens", "keep_ended"}
+
+
+def policy_options(policy: str, pairs: list[str]) -> dict[str, Any]:
+    """`KEY=VALUE` strings as keyword arguments of `policy`'s class; a value is read as JSON (numbers, true,
+    false, null) and else kept as a string. Unknown or fixed keys are refused by name."""
+    import inspect
+
+    from scheduler import POLICIES
+
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    params = inspect.signature(POLICIES[policy].__init__).parameters.values()
+    # the compiled build's constructors show only (*args, **kwargs): the policy itself then refuses unknown keys
+    opaque = any(p.kind is p.VAR_KEYWORD for p in params)
+    accepted = [p.name for p in params if p.kind is p.KEYWORD_ONLY and p.name not in _FIXED_OPTIONS]
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ValueError(f"--policy-option {pair!r}: expected KEY=VALUE")
+        if key in _FIXED_OPTIONS:
+            raise ValueError(f"--policy-option {key}: set from the fleet file's pool section or by the simulator, "
+                             f"not here")
+        if key not in accepted and not opaque:
+            raise ValueError(f"--policy-option {key}: {policy} takes {', '.join(accepted) or 'no options'}")
+        try:
+            options[key] = json.loads(text)
+        except json.JSONDecodeError:
+            options[key] = text
+    return options
 
 
 def _summary_table(m: dict) -> Table:

@@ -62,3 +62,28 @@ def test_simulate_cli_writes_metrics_and_requests(tmp_path: pathlib.Path) -> Non
 def test_simulate_cli_names_a_bad_trace(tmp_path: pathlib.Path) -> None:
     res = CliRunner().invoke(app, ["simulate", "--fleet", str(ROOT / "models.yaml"), "--trace", "nosuch"])
     assert res.exit_code == 1 and "unknown trace 'nosuch'" in res.output
+
+
+def test_simulate_cli_passes_policy_options(tmp_path: pathlib.Path) -> None:
+    """-o KEY=VALUE reaches the policy: token-level's formula alone (min_turn_tpot=0) makes more, shorter turns
+    than the default floor on the same trace, and metrics.json records the options."""
+    runs = {}
+    for name, extra in (("floor", []), ("formula", ["-o", "min_turn_tpot=0"])):
+        res = CliRunner().invoke(app, ["simulate", "--fleet", str(ROOT / "models.yaml"), "--duration", "60",
+                                       "--gpus", "24", "--out", str(tmp_path / name), *extra])
+        assert res.exit_code == 0, res.output
+        runs[name] = json.loads((tmp_path / name / "metrics.json").read_text())
+    assert runs["floor"]["policy_options"] == {} and runs["formula"]["policy_options"] == {"min_turn_tpot": 0}
+    assert runs["formula"]["num_switches"] > runs["floor"]["num_switches"]
+    assert runs["formula"]["num_requests"] == runs["floor"]["num_requests"]
+
+
+@pytest.mark.parametrize("option, message", [
+    ("nosuch=1", "--policy-option nosuch: token-level takes max_group_size,"),
+    ("max_batch_size=3", "--policy-option max_batch_size: set from the fleet file's pool section"),
+    ("min_turn_tpot", "--policy-option 'min_turn_tpot': expected KEY=VALUE"),
+    ("min_turn_tpot=-1", "min_turn_tpot must be >= 0"),
+])
+def test_simulate_cli_names_a_bad_policy_option(option: str, message: str) -> None:
+    res = CliRunner().invoke(app, ["simulate", "--fleet", str(ROOT / "models.yaml"), "--duration", "10", "-o", option])
+    assert res.exit_code == 1 and message in res.output, res.output
