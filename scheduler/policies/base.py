@@ -114,6 +114,9 @@ class PolicyBase:
         self.keep_ended = keep_ended
         self._ended: list[str] = []
         self.queues: dict[str, deque[str]] = {name: deque() for name in self.models}  # QUEUED, not yet placed
+        # models whose queue may hold requests: every model a request was queued for since its queue was last
+        # seen empty (a policy that drains queues prunes it; scanning all queues per arrival costs a fleet's size)
+        self.queued_models: dict[str, None] = {}
         self.instances: dict[str, InstanceState] = {}
         self._failed: list[tuple[str, str]] = []
         self._kv_rooms: dict[str, float] = {}  # kv_room's answers
@@ -133,6 +136,7 @@ class PolicyBase:
             return
         request.kv_reserved_bytes = 0.0
         self.queues[request.model].append(request.request_id)
+        self.queued_models[request.model] = None
         self._queued_news = True
 
     def on_event(self, event: Event, now: float) -> None:
@@ -354,6 +358,7 @@ class PolicyBase:
             if req.status is not QUEUED:
                 transition(req, QUEUED, why)
             self.queues[req.model].appendleft(req.request_id)  # oldest ends up first
+            self.queued_models[req.model] = None
             self._queued_news = True
         inst.on_device.clear()
         inst.prefilling.clear()

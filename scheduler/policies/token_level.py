@@ -187,15 +187,18 @@ class TokenLevelPolicy(PolicyBase):
         return out
 
     def _dispatch_prefill(self, now: float) -> None:
-        waiting = [m for m, q in self.queues.items() if q]
+        queues = self.queues
+        waiting = [m for m in self.queued_models if queues[m]]
+        stuck: list[str] = []
         ends: dict[str, list[float]] = {}  # per prefill instance, predicted end of each queued group
         while waiting:
-            model = min(waiting, key=self._head_arrival)
-            queue = self.queues[model]
+            model = waiting[0] if len(waiting) == 1 else min(waiting, key=self._head_arrival)
+            queue = queues[model]
             req = self.requests[queue[0]]
             choice = self._pick_prefill_instance(req, now, ends)
             if choice is None:  # every prefill instance of its TP is lost; wait for one (InstanceAdded)
                 waiting.remove(model)
+                stuck.append(model)
                 continue
             inst_id, group = choice
             queue.popleft()
@@ -211,6 +214,7 @@ class TokenLevelPolicy(PolicyBase):
             state = self.decoders.get(inst_id)
             if state is not None and state.open_ended:  # a mixed instance: let the turn boundary weigh the prompt
                 state.preempt, state.steps_left = True, 0
+        self.queued_models = dict.fromkeys(stuck)  # every other queue is empty now
 
     def _pick_prefill_instance(self, req: Request, now: float,
                                ends: dict[str, list[float]]) -> tuple[str, Group | None] | None:
@@ -514,19 +518,19 @@ class TokenLevelPolicy(PolicyBase):
         # the load it adds where its model is not held yet: the same on every such instance
         fresh = self.costs.decode_step_s(model, 1, estimate), \
             self.costs.switch_s(model) * self.models[model].tpot_slo_s / self.round_target_s
-        best: tuple[float, str] | None = None
+        best_load, best_id = _INF, None  # the least load, ties to the smallest id (compared by hand: no tuples)
         for iid, state in self.decoders.items():
             inst = self.instances[iid]
             if inst.spec.tp != tp or inst.lost:
                 continue
-            key = (self._decode_load_after(state, model, estimate, fresh), iid)
-            if best is None or key < best:
-                best = key
-        if best is None:
+            load = self._decode_load_after(state, model, estimate, fresh)
+            if best_id is None or load < best_load or (load == best_load and iid < best_id):
+                best_load, best_id = load, iid
+        if best_id is None:
             req.instance_id = None
             self._fail(req, f"no decode instance of TP{tp} left")
             return
-        self._join(self.instances[best[1]], req)
+        self._join(self.instances[best_id], req)
 
     def _join(self, inst: InstanceState, req: Request) -> None:
         self._touched.add(inst.instance_id)
