@@ -44,12 +44,12 @@ from pool.gateway import create_app  # noqa: E402
 from pool.gateway.server import free_port  # noqa: E402
 from pool.served import ServedModel, slot_instances  # noqa: E402
 from pool.service import LivePool  # noqa: E402
-from scheduler import ModelProfile  # noqa: E402
+from scheduler import CostModel, ModelProfile  # noqa: E402
 
 PROMPT = "Summarise the plot of a long novel about the sea in a few sentences, please."
 
 
-class FixedCosts:
+class FixedCosts(CostModel):
     """Every prefill 5 ms, every decode step 2 ms, switches 10 ms."""
 
     def prefill_s(self, model: str, num_tokens: int, num_requests: int = 1) -> float:

@@ -31,7 +31,7 @@ from pool.actor import EngineSpec
 from pool.engines.base import SamplingParams
 from pool.served import ServedModel, served_model, slot_instances
 from pool.service import LivePool
-from scheduler import InstanceSpec, ModelProfile
+from scheduler import CostModel, InstanceSpec, ModelProfile
 
 MiB, GiB = 1 << 20, 1 << 30
 CPU_SLOT_KV_BYTES = 128 * MiB
@@ -39,7 +39,7 @@ GPU_HEADROOM_BYTES = 2 * GiB  # activations, CUDA graphs, allocator slack
 DEMO_TTFT_S, DEMO_TPOT_S = 10.0, 0.5  # SLOs at CPU pace: SmolLM2 decodes ~8 tokens/s on one core
 
 
-class CpuCosts:
+class CpuCosts(CostModel):
     """Step times of the torch engine on one CPU core (float32), fitted on the 2-core dev VM.
 
     SmolLM2-135M there: decode ~0.11-0.13 s/token (weights streamed at ~4.5

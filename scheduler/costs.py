@@ -1,8 +1,8 @@
 """What a policy needs to know about models and instances, and the cost seam.
 
 `ModelProfile` and `InstanceSpec` are the scheduler's compact view of a fleet;
-`CostModel` is the Protocol a policy uses to predict step and switch times
-(sims.costmodel implements it from a roofline; the live pool may pass the same
+`CostModel` is the base class of what a policy uses to predict step and switch
+times (sims.costmodel's roofline subclasses it; the live pool may pass the same
 or one fitted to measured times).
 """
 
@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal
+
+from mypy_extensions import mypyc_attr
 
 from scheduler.fleet import GB, Fleet
 
@@ -39,22 +41,35 @@ class InstanceSpec:
     role: Role = "mixed"
 
 
-class CostModel(Protocol):
+@mypyc_attr(allow_interpreted_subclasses=True)
+class CostModel:
+    """The cost seam: what a policy (and the simulator) asks to predict step, switch and KV-move times.
+    Implementations subclass it and override the four abstract methods (a base class rather than a Protocol:
+    in the compiled build the policies' calls into a compiled cost model are then native calls)."""
+
     def prefill_s(self, model: str, num_tokens: int, num_requests: int = 1) -> float:
         """Time to prefill `num_tokens` prompt tokens over `num_requests` prompts."""
-        ...
+        raise NotImplementedError
 
     def decode_step_s(self, model: str, batch_size: int, context_tokens: int) -> float:
         """Time of one decode step for `batch_size` requests holding `context_tokens` in total."""
-        ...
+        raise NotImplementedError
 
     def switch_s(self, model: str) -> float:
         """Time to bring `model`'s weights from the host cache onto an instance."""
-        ...
+        raise NotImplementedError
 
     def kv_move_s(self, model: str, num_tokens: int) -> float:
         """Time to move `num_tokens` tokens of KV between host and device."""
-        ...
+        raise NotImplementedError
+
+    def decode_turn_s(self, model: str, batch_size: int, context_tokens: int, num_steps: int) -> float:
+        """Time of `num_steps` decode steps, each adding one token per request (context grows by `batch_size`
+        a step). Step by step here; a cost model with a closed form overrides it (the simulator's hot path)."""
+        total = 0.0
+        for step in range(num_steps):
+            total += self.decode_step_s(model, batch_size, context_tokens + step * batch_size)
+        return total
 
 
 def model_profiles(fleet: Fleet) -> dict[str, ModelProfile]:

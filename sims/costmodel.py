@@ -2,7 +2,7 @@
 
 Per (model, GPU) a step takes the larger of its compute time and its memory
 time, each at an efficiency a calibration profile measured (sims.profiles),
-plus overheads. Implements scheduler.costs.CostModel. Assumptions:
+plus overheads. A scheduler.costs.CostModel. Assumptions:
 
 - A step streams every weight it touches once from HBM (weights do not fit
   in L2). An untied input-embedding table is gathered (a few rows), not
@@ -33,6 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+from scheduler.costs import CostModel
 from scheduler.fleet import GPUS, Arch, Fleet, GpuSpec
 from sims.profiles import CalibrationProfile, ProfileTerms, load_profile
 
@@ -122,7 +123,7 @@ class _DecodeShape:
     fixed_s: float
 
 
-class RooflineCostModel:
+class RooflineCostModel(CostModel):
     """Roofline step, switch and KV-move times for every model of a fleet on one GPU type.
 
     Times are in seconds. `context_tokens` counts the KV tokens of the whole batch.

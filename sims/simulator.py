@@ -24,7 +24,7 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import IO, Final, Protocol
+from typing import IO, Final
 
 from scheduler import (Action, Decode, Event, InstanceLost, KvMoved, Plan, Prefetch, Prefill, Request, Scheduler,
                        StepDone, Stop, SwapIn, SwapOut, Switch, SwitchDone)
@@ -41,10 +41,6 @@ Segment = tuple[float, ...]
 _MODEL = attrgetter("model")
 _NEVER: Final = 1 << 62  # the shortest remainder of an empty batch
 _INF: Final = math.inf
-
-
-class SimCosts(CostModel, Protocol):
-    def decode_turn_s(self, model: str, batch_size: int, context_tokens: int, num_steps: int) -> float: ...
 
 
 @dataclass(slots=True, init=False)
@@ -154,7 +150,7 @@ class _Entry:
 
 
 class Simulator:
-    def __init__(self, scheduler: Scheduler, costs: SimCosts, requests: Iterable[Request], *,
+    def __init__(self, scheduler: Scheduler, costs: CostModel, requests: Iterable[Request], *,
                  kv_bytes_per_token: dict[str, int], kv_capacity: dict[str, float] | None = None,
                  plan_log: IO[str] | None = None, faults: Iterable[tuple[float, str]] = ()) -> None:
         self.scheduler = scheduler
