@@ -75,7 +75,8 @@ class Request:
 
     @property
     def done(self) -> bool:
-        return self.status in TERMINAL
+        status = self.status  # TERMINAL by identity: read on every decision
+        return status is FINISHED or status is CANCELLED or status is FAILED
 
 
 def transition(request: Request, to: RequestStatus, reason: str = "") -> None:

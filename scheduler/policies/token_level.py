@@ -131,6 +131,7 @@ class TokenLevelPolicy(PolicyBase):
         self.handoff: dict[str, tuple[str, list[str]]] = {}  # prefill instance -> ("decode" | "move", requests)
         self.decoders: dict[str, DecodeState] = {}
         self._rank = {iid: k for k, iid in enumerate(self.instances)}
+        self._ids = list(self.instances)  # by rank
         for inst in self.instances.values():
             if inst.spec.role in ("prefill", "mixed"):
                 self.groups[inst.instance_id] = []
@@ -155,8 +156,15 @@ class TokenLevelPolicy(PolicyBase):
         # Only touched instances can plan something (see PolicyBase.touch); planning one instance changes no
         # other instance's state, so the others' plans would be empty. `full_scan` plans every instance.
         touched, self._touched = self._touched, set()
-        order = self.instances if self.full_scan or len(touched) == len(self.instances) else \
-            touched if len(touched) < 2 else sorted(touched, key=self._rank.__getitem__)
+        if self.full_scan or len(touched) == len(self.instances):
+            order = list(self.instances)
+        elif len(touched) < 2:
+            order = list(touched)
+        else:  # in instance order: by rank, sorted as plain ints (a key function costs a call per id)
+            rank, ids = self._rank, self._ids
+            ranks = [rank[iid] for iid in touched]
+            ranks.sort()
+            order = [ids[k] for k in ranks]
         out: dict[str, list[Action]] = {}
         for iid in order:
             inst = self.instances[iid]
@@ -368,7 +376,12 @@ class TokenLevelPolicy(PolicyBase):
 
     def _live(self, inst: InstanceState, ids: list[str]) -> list[str]:
         requests, iid = self.requests, inst.instance_id
-        return [rid for rid in ids if rid in requests and not requests[rid].done and requests[rid].instance_id == iid]
+        live = []
+        for rid in ids:
+            req = requests.get(rid)
+            if req is not None and not req.done and req.instance_id == iid:
+                live.append(rid)
+        return live
 
     def _pack(self, inst: InstanceState, state: DecodeState) -> list[Batch]:
         """Members in same-model batches (FCFS within a model) that each fit the device KV; kept until the
