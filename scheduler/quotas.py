@@ -48,10 +48,12 @@ def _round_terms(step_times_s: Sequence[float], tpot_slo_s: float, switch_time_s
                  max_quota_s: float) -> tuple[float, float, float]:
     """(min_i n_i, sum_j 1/n_j, alpha) of a round, its inputs checked. One plain loop: a turn boundary computes
     this."""
-    if tpot_slo_s <= 0 or max_quota_s <= 0 or switch_time_s < 0 or not step_times_s or min(step_times_s) <= 0:
+    n_min, inverse_sum, d_min = math.inf, 0.0, math.inf
+    for d in step_times_s:
+        d_min = min(d_min, d)
+    if tpot_slo_s <= 0 or max_quota_s <= 0 or switch_time_s < 0 or not d_min > 0 or d_min == math.inf:
         raise ValueError(f"need positive step times, TPOT SLO and max quota and c0 >= 0; got "
                          f"d={list(step_times_s)}, tpot={tpot_slo_s}, c0={switch_time_s}, q_max={max_quota_s}")
-    n_min, inverse_sum = math.inf, 0.0
     for d in step_times_s:
         n = tpot_slo_s / d
         inverse_sum += 1.0 / n

@@ -201,8 +201,9 @@ class RooflineCostModel(CostModel):
         (mem_a, mem_b), (flop_a, flop_b), (floor_s, _) = lines
         top = _top(mem_a, mem_b, flop_a, flop_b, floor_s, 0)
         if top == _top(mem_a, mem_b, flop_a, flop_b, floor_s, num_steps - 1):
-            # one line tops both ends, hence (lines are linear) all steps
-            a, b = lines[top]
+            # one line tops both ends, hence (lines are linear) all steps; picked by hand, not lines[top]
+            # (compiled, indexing the tuple by a variable boxes all of it)
+            a, b = (mem_a, mem_b) if top == 0 else (flop_a, flop_b) if top == 1 else (floor_s, 0.0)
             return num_steps * (a + fixed_s + b * (num_steps - 1) / 2.0)
         return sum(_segment_sum(a + fixed_s, b, start, end) for start, end, a, b in _envelope(lines, num_steps))
 

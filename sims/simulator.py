@@ -23,7 +23,6 @@ import heapq
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from operator import attrgetter
 from typing import IO, Final
 
 from scheduler import (Action, Decode, Event, InstanceLost, KvMoved, Plan, Prefetch, Prefill, Request, Scheduler,
@@ -38,7 +37,6 @@ FAULT: Final = 2
 # fixed-length one is an unboxed C struct, boxed anew (tuple and floats) into every record's list, while the
 # requests of one step should share one tuple.
 Segment = tuple[float, ...]
-_MODEL = attrgetter("model")
 _NEVER: Final = 1 << 62  # the shortest remainder of an empty batch
 _INF: Final = math.inf
 
@@ -164,6 +162,7 @@ class Simulator:
         self.records: dict[str, RequestRecord] = {}
         self.devices: dict[str, _Device] = {}
         self._heap: list[_Entry] = []
+        self._heappush = heapq.heappush  # bound once: a module attribute read per push costs a lookup
         self._seq = 0
         self._cancelled_seq: set[int] = set()
         self.now = 0.0
@@ -234,7 +233,7 @@ class Simulator:
     def _push(self, at: float, phase: int, event: Event, dev: _Device | None = None,
               records: list[RequestRecord] | None = None) -> int:
         self._seq += 1
-        heapq.heappush(self._heap, _Entry(at, phase, self._seq, event, dev, records))
+        self._heappush(self._heap, _Entry(at, phase, self._seq, event, dev, records))
         return self._seq
 
     def _arrive(self, request: Request, now: float) -> None:
@@ -291,7 +290,9 @@ class Simulator:
     def _shrink(batch: _Batch, finished: tuple[str, ...]) -> None:
         """Drop requests that just finished (and were just booked) from a cached batch."""
         ids = batch.ids
-        places = sorted((ids.index(rid) for rid in finished if rid in ids), reverse=True)
+        places = [ids.index(rid) for rid in finished if rid in ids]
+        if len(places) > 1:
+            places.sort(reverse=True)
         if not places:
             return
         records, kept = list(batch.records), list(ids)
@@ -357,12 +358,11 @@ class Simulator:
     def _swap(self, iid: str, dev: _Device, action: SwapOut | SwapIn, t: float) -> float:
         took = 0.0
         out = type(action) is SwapOut
-        kv_move_s = self.costs.kv_move_s
         turn = dev.turn  # a Decode earlier in this same plan adds its tokens before the move happens
         for rid in action.request_ids:
             record = self.records[rid]
             ahead = turn.max_steps if turn is not None and rid in turn.ids else 0
-            took += kv_move_s(record.model, record.prompt_tokens + record.generated + ahead)
+            took += self.costs.kv_move_s(record.model, record.prompt_tokens + record.generated + ahead)
             if out:
                 dev.kv_moved_bytes += dev.kv.pop(rid, 0.0)
             else:
@@ -562,9 +562,14 @@ def _fewest_left(records: list[RequestRecord]) -> int:
 
 def _by_model(records: list[RequestRecord]) -> dict[str, list[RequestRecord]]:
     """The records grouped by model, models in order of first appearance (one group, usually)."""
-    models = set(map(_MODEL, records))
-    if len(models) <= 1:
-        return {models.pop(): records} if models else {}
+    if not records:
+        return {}
+    first = records[0].model
+    for record in records:
+        if record.model != first:
+            break
+    else:
+        return {first: records}
     groups: dict[str, list[RequestRecord]] = {}
     for record in records:
         groups.setdefault(record.model, []).append(record)

@@ -332,9 +332,10 @@ class TokenLevelPolicy(PolicyBase):
         """After a prefill that kept its KV: decode the first tokens where weights and KV already are, then
         (in the next plan, which may go on to the next prompts) move the KV to host for a decode instance.
         The time those tokens bank against the TPOT SLO hides the hand-off."""
-        pending = self.handoff.pop(inst.instance_id, None)
+        pending = self.handoff.get(inst.instance_id)
         if pending is None:
             return []
+        del self.handoff[inst.instance_id]
         stage, ids = pending
         live = [rid for rid in ids if rid in self.requests and self.requests[rid].status is RUNNING]
         if not live:
@@ -358,7 +359,7 @@ class TokenLevelPolicy(PolicyBase):
         if not batches:
             return []
         if len(batches) > 1:
-            batches = sorted(batches, key=self._due_at)
+            batches = self._by_due(batches)
         first = batches[0]
         batch = state.current = Batch(first.model, list(first.ids), first.kv_bytes)
         state.open_ended = len(batches) == 1 and self.fixed_turn_steps is None
@@ -403,6 +404,19 @@ class TokenLevelPolicy(PolicyBase):
         state.packed = batches
         return batches
 
+    def _by_due(self, batches: list[Batch]) -> list[Batch]:
+        """`batches` sorted by `_due_at`, stably (an insertion sort on plain floats: a round has a few batches)."""
+        dues: list[float] = []
+        out: list[Batch] = []
+        for batch in batches:
+            due = self._due_at(batch)
+            k = len(out)
+            while k > 0 and dues[k - 1] > due:
+                k -= 1
+            dues.insert(k, due)
+            out.insert(k, batch)
+        return out
+
     def _due_at(self, batch: Batch) -> float:
         """When the batch's most pressed member owes its next token: first token + tokens so far * TPOT SLO."""
         tpot = self.models[batch.model].tpot_slo_s
@@ -432,8 +446,11 @@ class TokenLevelPolicy(PolicyBase):
             kv_bytes += batch.kv_bytes
             tpot = min(tpot, self.models[batch.model].tpot_slo_s)
         switch_s = 0.0
-        for model in dict.fromkeys([b.model for b in batches]):  # each model once, in a fixed order (a set's
-            switch_s += costs.switch_s(model)                    # would follow string hashes: sums could differ)
+        seen: list[str] = []  # each model once, in batch order (a set's would follow string hashes: sums could differ)
+        for batch in batches:
+            if batch.model not in seen:
+                seen.append(batch.model)
+                switch_s += costs.switch_s(batch.model)
         move_s = 0.0
         if kv_bytes > inst.kv_capacity_bytes:  # each batch's KV goes out and comes back once a round
             for batch, context in zip(batches, contexts):
@@ -477,7 +494,9 @@ class TokenLevelPolicy(PolicyBase):
     def _swap_out(self, inst: InstanceState, ids: list[str], why: str) -> SwapOut:
         for rid in ids:
             self._release(self.requests[rid])
-        return SwapOut(tuple(sorted(ids, key=lambda r: (self.requests[r].arrival_at, r))), reason=why)
+        if len(ids) > 1:
+            ids = sorted(ids, key=self._fcfs_key)
+        return SwapOut(tuple(ids), reason=why)
 
     def _use(self, inst: InstanceState, model: str, why: str) -> list[Action]:
         """Make `model` current: a Switch unless it already is (free when it was prefetched in time)."""
