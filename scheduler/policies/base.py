@@ -57,7 +57,7 @@ class InstanceState:
     active: str | None = None  # model whose weights are current
     resident: set[str] = field(default_factory=set)  # all models with weights on the device
     prefetched: str | None = None
-    inflight: deque[Action] = field(default_factory=deque)  # eventful actions not yet reported
+    inflight: list[Action] = field(default_factory=list)  # eventful actions not yet reported, oldest first (a few)
     idle: bool = True  # nothing in flight and not lost (kept by inflight_changed)
     decoding: bool = False  # the last action in flight is a Decode (kept by inflight_changed)
     kv_used_bytes: float = 0.0
@@ -154,7 +154,7 @@ class PolicyBase:
         inst = self.instances[event.instance_id]
         if inst.lost:
             return  # a late report from an instance already written off
-        action = inst.inflight.popleft()
+        action = inst.inflight.pop(0)
         inst.inflight_changed()
         self._touched.add(inst.instance_id)
         if kind is StepDone:
@@ -226,7 +226,7 @@ class PolicyBase:
 
     def _add_instance(self, instance_id: str) -> None:
         inst = self.instances[instance_id]
-        inst.lost, inst.inflight, inst.active, inst.prefetched = False, deque(), None, None
+        inst.lost, inst.inflight, inst.active, inst.prefetched = False, [], None, None
         inst.inflight_changed()
         inst.resident.clear()
         inst.on_device.clear()

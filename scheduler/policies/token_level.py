@@ -131,6 +131,10 @@ class TokenLevelPolicy(PolicyBase):
         self.handoff: dict[str, tuple[str, list[str]]] = {}  # prefill instance -> ("decode" | "move", requests)
         self.decoders: dict[str, DecodeState] = {}
         self._rank = {iid: k for k, iid in enumerate(self.instances)}
+        self._prefillers: dict[int, list[InstanceState]] = {}  # prefill and mixed instances per TP, in order
+        for inst in self.instances.values():
+            if inst.spec.role in ("prefill", "mixed"):
+                self._prefillers.setdefault(inst.spec.tp, []).append(inst)
         self._ids = list(self.instances)  # by rank
         for inst in self.instances.values():
             if inst.spec.role in ("prefill", "mixed"):
@@ -228,35 +232,37 @@ class TokenLevelPolicy(PolicyBase):
                                ends: dict[str, list[float]]) -> tuple[str, Group | None] | None:
         """The instance (and group to join, None = a new one at the tail) where `req`'s prefill is predicted
         to finish first: joining a group of its model saves a switch, a shorter queue saves waiting."""
-        model, tp = req.model, self.models[req.model].tp
+        model = req.model
         own_s = self.costs.prefill_s(model, req.context_tokens)
-        best: tuple[float, str, Group | None] | None = None
-        for iid, groups in self.groups.items():
-            inst = self.instances[iid]
-            if inst.lost or inst.spec.tp != tp:
+        best_at, best_id, best_group = _INF, None, None  # the earliest end, ties to the first instance
+        for inst in self._prefillers.get(self.models[model].tp, []):
+            if inst.lost:
                 continue
-            if iid not in ends:
-                ends[iid] = self._group_ends(inst, now)
+            iid = inst.instance_id
+            groups = self.groups[iid]
+            inst_ends = ends.get(iid)
+            if inst_ends is None:
+                inst_ends = ends[iid] = self._group_ends(inst, now)
             index = -1
             for k, candidate in enumerate(groups):
                 if candidate.model == model and len(candidate.ids) < self.max_group_size:
                     index = k
                     break
             if index >= 0:
-                done_at, group = ends[iid][index] + own_s, groups[index]
+                done_at, group = inst_ends[index] + own_s, groups[index]
             else:
                 tail_model = inst.active
                 for candidate in reversed(groups):
                     if candidate.ids:
                         tail_model = candidate.model
                         break
-                tail_at = ends[iid][-1] if ends[iid] else max(now, self.busy_until.get(iid, now))
+                tail_at = inst_ends[-1] if inst_ends else max(now, self.busy_until.get(iid, now))
                 free = tail_model == model or (not groups and inst.prefetched == model)
                 switch_s = 0.0 if free else self.costs.switch_s(model)
                 done_at, group = tail_at + (1.0 + self.switch_aversion) * switch_s + own_s, None
-            if best is None or done_at < best[0]:
-                best = (done_at, iid, group)
-        return None if best is None else (best[1], best[2])
+            if best_id is None or done_at < best_at:
+                best_at, best_id, best_group = done_at, iid, group
+        return None if best_id is None else (best_id, best_group)
 
     def _group_ends(self, inst: InstanceState, now: float) -> list[float]:
         """Predicted finish of each queued group (a switch is hidden as far as the previous prefill lasts)."""
