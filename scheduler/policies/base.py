@@ -310,7 +310,7 @@ class PolicyBase:
             if req is None:
                 continue  # ended and forgotten (keep_ended=False)
             status = req.status
-            if status in TERMINAL:
+            if req.done:
                 continue
             req.num_output_tokens += steps
             if (finished and rid in finished) or req.num_output_tokens >= req.max_output_tokens:
@@ -387,7 +387,7 @@ class PolicyBase:
             batch.append(req)
         return batch
 
-    def decode_steps(self, ids: Sequence[str]) -> int:
+    def decode_steps(self, ids: tuple[str, ...]) -> int:
         """Steps until the first request of a batch reaches its token limit."""
         if not ids:
             raise ValueError("decode_steps of an empty batch")

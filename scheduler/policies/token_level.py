@@ -132,9 +132,12 @@ class TokenLevelPolicy(PolicyBase):
         self.decoders: dict[str, DecodeState] = {}
         self._rank = {iid: k for k, iid in enumerate(self.instances)}
         self._prefillers: dict[int, list[InstanceState]] = {}  # prefill and mixed instances per TP, in order
+        self._decoders_by_tp: dict[int, list[InstanceState]] = {}  # decode and mixed instances per TP, in order
         for inst in self.instances.values():
             if inst.spec.role in ("prefill", "mixed"):
                 self._prefillers.setdefault(inst.spec.tp, []).append(inst)
+            if inst.spec.role in ("decode", "mixed"):
+                self._decoders_by_tp.setdefault(inst.spec.tp, []).append(inst)
         self._ids = list(self.instances)  # by rank
         for inst in self.instances.values():
             if inst.spec.role in ("prefill", "mixed"):
@@ -347,9 +350,10 @@ class TokenLevelPolicy(PolicyBase):
         if not live:
             return []
         if stage == "decode":
-            steps = min(self.first_tokens - 1, self.decode_steps(live))
+            ids_now = tuple(live)
+            steps = min(self.first_tokens - 1, self.decode_steps(ids_now))
             self.handoff[inst.instance_id] = ("move", live)
-            return [Decode(tuple(live), steps, reason=f"first {steps + 1} tokens before the hand-off")]
+            return [Decode(ids_now, steps, reason=f"first {steps + 1} tokens before the hand-off")]
         return [self._swap_out(inst, live, "hand the KV over to a decode instance")]
 
     def _decode_step(self, inst: InstanceState) -> list[Action]:
@@ -372,7 +376,7 @@ class TokenLevelPolicy(PolicyBase):
         if self.fixed_turn_steps is not None:
             batch.steps = self.fixed_turn_steps
         elif state.open_ended:
-            batch.steps = self.decode_steps(batch.ids)
+            batch.steps = self.decode_steps(tuple(batch.ids))
         else:
             batch.steps = self._first_quota_steps(inst, batches)
         state.steps_left = batch.steps
@@ -462,26 +466,31 @@ class TokenLevelPolicy(PolicyBase):
             for batch, context in zip(batches, contexts):
                 move_s += 2 * costs.kv_move_s(batch.model, context)
         quota = first_decode_quota(step_s, tpot, switch_s + move_s, self.max_quota_s)
-        return max(1, int(quota / step_s[0]), math.ceil(self.min_turn_tpot * tpot / step_s[0]))
+        return max(max(1, int(quota / step_s[0])), math.ceil(self.min_turn_tpot * tpot / step_s[0]))  # 2-arg max: native
 
     def _run_turn(self, inst: InstanceState, state: DecodeState, batch: Batch, why: str,
                   switch_why: str = "") -> list[Action]:
         """Swap in what the batch lacks (moving out only what must make room), switch, prefetch, decode."""
         acts: list[Action] = []
-        swap_in = [rid for rid in batch.ids if self.requests[rid].status is SWAPPED]
+        requests = self.requests
+        swap_in: list[Request] = []
         need = 0.0
-        for rid in swap_in:
-            need += self.kv_need_bytes(self.requests[rid])
+        for rid in batch.ids:
+            req = requests[rid]
+            if req.status is SWAPPED:
+                swap_in.append(req)
+                need += self.kv_need_bytes(req)
         if need > inst.kv_free_bytes:
             out = self._evictees(inst, state, set(batch.ids), need - inst.kv_free_bytes)
             acts.append(self._swap_out(inst, out, f"make room for {batch.model}'s batch"))
         acts += self._use(inst, batch.model, switch_why or f"{batch.model}'s turn")
-        for rid in swap_in:
-            self._reserve(inst, self.requests[rid])
+        for req in swap_in:
+            self._reserve(inst, req)
         if swap_in:
-            acts.append(SwapIn(tuple(swap_in), reason=f"KV of {batch.model}'s batch"))
+            acts.append(SwapIn(tuple([r.request_id for r in swap_in]), reason=f"KV of {batch.model}'s batch"))
         acts += self._prefetch(inst, state.next_model, "model of the batch due next")  # the copy overlaps the turn
-        acts.append(Decode(tuple(batch.ids), min(state.steps_left, self.decode_steps(batch.ids)), reason=why))
+        ids = tuple(batch.ids)
+        acts.append(Decode(ids, min(state.steps_left, self.decode_steps(ids)), reason=why))
         return acts
 
     def _evictees(self, inst: InstanceState, state: DecodeState, keep: set[str], free_bytes: float) -> list[str]:
@@ -557,11 +566,11 @@ class TokenLevelPolicy(PolicyBase):
         fresh = self.costs.decode_step_s(model, 1, estimate), \
             self.costs.switch_s(model) * self.models[model].tpot_slo_s / self.round_target_s
         best_load, best_id = _INF, None  # the least load, ties to the smallest id (compared by hand: no tuples)
-        for iid, state in self.decoders.items():
-            inst = self.instances[iid]
-            if inst.spec.tp != tp or inst.lost:
+        for inst in self._decoders_by_tp.get(tp, []):
+            if inst.lost:
                 continue
-            load = self._decode_load_after(state, model, estimate, fresh)
+            iid = inst.instance_id
+            load = self._decode_load_after(self.decoders[iid], model, estimate, fresh)
             if best_id is None or load < best_load or (load == best_load and iid < best_id):
                 best_load, best_id = load, iid
         if best_id is None:
