@@ -299,7 +299,9 @@ class Simulator:
         for place in places:
             record = records.pop(place)
             del kept[place]
-            entry = next(g for g in batch.groups if g.model == record.model)
+            for entry in batch.groups:
+                if entry.model == record.model:
+                    break
             entry.size -= 1
             entry.context -= record.prompt_tokens + record.generated
         batch.records, batch.ids = records, tuple(kept)

@@ -68,10 +68,13 @@ from scheduler.request import RUNNING, SWAPPED, Request
 _INF: Final = float("inf")
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class Group:
     model: str
-    ids: list[str] = field(default_factory=list)
+    ids: list[str]
+
+    def __init__(self, model: str, ids: list[str] | None = None) -> None:  # written out: compiled, it is native
+        self.model, self.ids = model, [] if ids is None else ids
 
 
 @dataclass(slots=True, init=False)
