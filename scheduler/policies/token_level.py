@@ -232,7 +232,7 @@ class TokenLevelPolicy(PolicyBase):
             state = self.decoders.get(inst_id)
             if state is not None and state.open_ended:  # a mixed instance: let the turn boundary weigh the prompt
                 state.preempt, state.steps_left = True, 0
-        self.queued_models = dict.fromkeys(stuck)  # every other queue is empty now
+        self.queued_models = {m: None for m in stuck}  # every other queue is empty now
 
     def _pick_prefill_instance(self, req: Request, now: float,
                                ends: dict[str, list[float]]) -> tuple[str, Group | None] | None:
