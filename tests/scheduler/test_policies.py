@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler import (Decode, KvMoved, Prefetch, Prefill, StepDone, Stop, SwapIn, SwapOut, Switch, SwitchDone,
+from scheduler import (Decode, InstanceAdded, InstanceLost, KvMoved, Prefetch, Prefill, StepDone, Stop, SwapIn, SwapOut, Switch, SwitchDone,
                        decode_quotas, make_scheduler)
 from tests.factories import LinearCosts, make_instances, make_models, make_request
 
@@ -124,6 +124,24 @@ def test_token_level_prefill_instance_decodes_the_first_tokens_then_hands_off() 
     sched.on_event(KvMoved("i0", ("a", "c"), "host"), 0.71)
     assert sched.requests["a"].instance_id == "i1"  # joined the decode instance once its KV reached host memory
     assert ops(sched.schedule(0.71), "i1") == ["Switch", "SwapIn", "Decode"]
+
+
+def test_token_level_keeps_prompts_queued_while_no_prefill_instance_lives() -> None:
+    # dispatch reads only the queues that got requests (queued_models): a model left queued because every
+    # prefill instance of its TP is lost must stay there and go out once one comes back, after newer arrivals
+    sched = _token_level(first_tokens=1)
+    sched.on_event(InstanceLost("i0", "test"), 0.0)
+    sched.submit(make_request("a", "m0", 0.1), 0.1)
+    assert "i0" not in sched.schedule(0.1).actions
+    assert list(sched.queues["m0"]) == ["a"] and "m0" in sched.queued_models
+    sched.submit(make_request("b", "m1", 0.2), 0.2)
+    assert "i0" not in sched.schedule(0.2).actions
+    assert list(sched.queues["m1"]) == ["b"] and set(sched.queued_models) == {"m0", "m1"}
+    sched.on_event(InstanceAdded("i0"), 0.3)
+    acts = sched.schedule(0.3).actions["i0"]
+    assert [type(a) for a in acts] == [Switch, Prefetch, Prefill] and acts[2].request_ids == ("a",)
+    assert [g.model for g in sched.groups["i0"]] == ["m1"]  # b waits in the next group, a before it (FCFS)
+    assert not sched.queued_models and not any(sched.queues.values())
 
 
 def test_token_level_decode_turns_go_to_the_batch_due_first() -> None:
