@@ -28,6 +28,7 @@ from typing import IO, Final
 from scheduler import (Action, Decode, Event, InstanceLost, KvMoved, Plan, Prefetch, Prefill, Request, Scheduler,
                        StepDone, Stop, SwapIn, SwapOut, Switch, SwitchDone)
 from scheduler.costs import CostModel
+from scheduler.policies.base import PolicyBase
 from sims.errors import InvariantViolation
 
 ARRIVAL: Final = 0  # phases at one instant, in order (Final: C constants when compiled)
@@ -152,6 +153,9 @@ class Simulator:
                  kv_bytes_per_token: dict[str, int], kv_capacity: dict[str, float] | None = None,
                  plan_log: IO[str] | None = None, faults: Iterable[tuple[float, str]] = ()) -> None:
         self.scheduler = scheduler
+        # the same object when it is one of our policies: compiled, calls through this typed reference are native
+        # (through the Protocol they are generic method calls, with their arguments boxed and parsed)
+        self._policy: PolicyBase | None = scheduler if isinstance(scheduler, PolicyBase) else None
         self.costs = costs
         self._arrivals = iter(requests)
         self._next_arrival: Request | None = next(self._arrivals, None)
@@ -175,7 +179,8 @@ class Simulator:
     # ---- the loop ------------------------------------------------------------------
     def run(self, until: float = math.inf, progress: Callable[[float], None] | None = None) -> dict[str, RequestRecord]:
         """Advance to `until` (or the end); `progress(now)` is called every few thousand instants."""
-        heap, pop, cancelled, scheduler = self._heap, heapq.heappop, self._cancelled_seq, self.scheduler
+        heap, pop, cancelled, scheduler, policy = self._heap, heapq.heappop, self._cancelled_seq, self.scheduler, \
+            self._policy
         arrivals, incoming = self._arrivals, self._next_arrival
         ticks = 0
         # The loop makes millions of acyclic objects (events, actions, tuples, records); the cyclic collector's
@@ -212,7 +217,7 @@ class Simulator:
                         cancelled.discard(entry.seq)
                         continue
                     self._deliver(entry.event, t, dev, entry.records)
-                plan = scheduler.schedule(t)
+                plan = policy.schedule(t) if policy is not None else scheduler.schedule(t)
                 if plan.actions or plan.failed:
                     self._carry_out(plan, t)
         finally:
@@ -239,7 +244,10 @@ class Simulator:
     def _arrive(self, request: Request, now: float) -> None:
         self.records[request.request_id] = RequestRecord(
             request.request_id, request.model, request.arrival_at, request.prompt_tokens, request.max_output_tokens)
-        self.scheduler.submit(request, now)
+        if self._policy is not None:
+            self._policy.submit(request, now)
+        else:
+            self.scheduler.submit(request, now)
 
     def _deliver(self, event: Event, now: float, dev: _Device | None, records: list[RequestRecord] | None) -> None:
         self.num_events += 1
@@ -249,7 +257,10 @@ class Simulator:
             lost = self.devices.pop(event.instance_id, None)
             if lost is not None:
                 lost.lost = True
-        self.scheduler.on_event(event, now)
+        if self._policy is not None:
+            self._policy.on_event(event, now)
+        else:
+            self.scheduler.on_event(event, now)
 
     def _book(self, event: StepDone, dev: _Device, records: list[RequestRecord], now: float) -> None:
         """Tokens become real when their step's completion is delivered."""
