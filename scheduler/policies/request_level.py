@@ -34,7 +34,9 @@ class RequestLevelPolicy(PolicyBase):
                 if acts:
                     out[inst.instance_id] = acts
         # 2. models still waiting: interrupt a holder with room, or switch a free instance over
-        waiting = sorted((m for m, q in self.queues.items() if q), key=self._head_arrival)
+        queued = [m for m in self.queued_models if self.queues[m]]  # every model with a queue is among them
+        self.queued_models = {m: None for m in queued}
+        waiting = sorted(queued, key=self._head_arrival)
         for model in waiting:
             victim = self.stop_to_admit(model, holders.get(model, ()))
             if victim is not None:
