@@ -487,6 +487,15 @@ class PolicyBase:
             return [Decode(tuple(running), self.decode_steps(running), reason=f"continue batch of {len(running)}")]
         return []
 
+    def waiting_models(self) -> list[str]:
+        """Models with queued requests (from `queued_models`, which every queued request's model is in); the
+        models whose queue has emptied are dropped from it."""
+        queues = self.queues
+        waiting = [m for m in self.queued_models if queues[m]]
+        if len(waiting) < len(self.queued_models):
+            self.queued_models = {m: None for m in waiting}
+        return waiting
+
     def _head_arrival(self, model: str) -> tuple[float, str]:
         queue = self.queues[model]
         return (self.requests[queue[0]].arrival_at, model) if queue else (float("inf"), model)

@@ -34,9 +34,7 @@ class RequestLevelPolicy(PolicyBase):
                 if acts:
                     out[inst.instance_id] = acts
         # 2. models still waiting: interrupt a holder with room, or switch a free instance over
-        queued = [m for m in self.queued_models if self.queues[m]]  # every model with a queue is among them
-        self.queued_models = {m: None for m in queued}
-        waiting = sorted(queued, key=self._head_arrival)
+        waiting = sorted(self.waiting_models(), key=self._head_arrival)
         for model in waiting:
             victim = self.stop_to_admit(model, holders.get(model, ()))
             if victim is not None:

@@ -134,19 +134,16 @@ class TokenLevelPolicy(PolicyBase):
         self.handoff: dict[str, tuple[str, list[str]]] = {}  # prefill instance -> ("decode" | "move", requests)
         self.decoders: dict[str, DecodeState] = {}
         self._rank = {iid: k for k, iid in enumerate(self.instances)}
+        self._ids = list(self.instances)  # by rank
         self._prefillers: dict[int, list[InstanceState]] = {}  # prefill and mixed instances per TP, in order
         self._decoders_by_tp: dict[int, list[InstanceState]] = {}  # decode and mixed instances per TP, in order
         for inst in self.instances.values():
             if inst.spec.role in ("prefill", "mixed"):
+                self.groups[inst.instance_id] = []
                 self._prefillers.setdefault(inst.spec.tp, []).append(inst)
             if inst.spec.role in ("decode", "mixed"):
-                self._decoders_by_tp.setdefault(inst.spec.tp, []).append(inst)
-        self._ids = list(self.instances)  # by rank
-        for inst in self.instances.values():
-            if inst.spec.role in ("prefill", "mixed"):
-                self.groups[inst.instance_id] = []
-            if inst.spec.role in ("decode", "mixed"):
                 self.decoders[inst.instance_id] = DecodeState()
+                self._decoders_by_tp.setdefault(inst.spec.tp, []).append(inst)
         for model in self.models.values():
             roles = {i.spec.role for i in self.instances.values() if i.spec.tp == model.tp}
             if not ({"prefill", "mixed"} & roles and {"decode", "mixed"} & roles):
@@ -206,7 +203,7 @@ class TokenLevelPolicy(PolicyBase):
 
     def _dispatch_prefill(self, now: float) -> None:
         queues = self.queues
-        waiting = [m for m in self.queued_models if queues[m]]
+        waiting = self.waiting_models()
         stuck: list[str] = []
         ends: dict[str, list[float]] = {}  # per prefill instance, predicted end of each queued group
         while waiting:
