@@ -348,7 +348,8 @@ def _assumptions(result: StudyResult, ctx: Context) -> list[dict[str, str]]:
     if lengths in ("sharegpt", "arxiv"):
         out.append({"what": "prompt and output lengths", "status": "measured",
                     "value": f"drawn from the {lengths} length pairs (a measured distribution of real requests)",
-                    "source": "shared/traces (Vidur's processed length files)"})
+                    "source": "ShareGPT pairs shipped in sims/data (Sarathi-Serve, Apache-2.0)" if lengths == "sharegpt"
+                    else "arxiv-summarization pairs (Vidur's processed traces, MIT)"})
     out += [
         {"what": "workload", "status": "input",
          "value": f"{len(w)} requests over {w.duration_s:g} s ({w.rate_per_s:.2f} req/s)", "source": w.source},

@@ -1,4 +1,4 @@
-"""Readers for the per-request traces in shared/traces and for the generic format.
+"""Readers for the public per-request traces (`sims.trace_store` catalogues them) and for the generic format.
 
 Every reader returns a `Workload` with arrivals re-based to the first request
 (except the generic format, whose timestamps are kept as written). A row that
@@ -17,13 +17,15 @@ become 1 (counted in `Workload.num_clamped_tokens`).
 | read_azure_functions | azure-functions-2019-invitro-sample/1000_inv.csv | one per function |
 | read_generic | CSV/JSONL: timestamp_s, model, input_tokens, output_tokens | as written |
 
-`Rows`, `Cells`, `read_csv_rows` and `read_jsonl_rows` are the shared
-machinery that turns cells into checked numpy columns (sims.servegen uses them).
+Any file may be gzip-compressed (`.gz`, e.g. `trace.csv.gz`). `Rows`,
+`Cells`, `read_csv_rows` and `read_jsonl_rows` are the shared machinery that
+turns cells into checked numpy columns (sims.servegen uses them).
 """
 
 from __future__ import annotations
 
 import csv
+import gzip
 import io
 import json
 import re
@@ -162,12 +164,18 @@ def _epoch_s(cell: Any, cache: dict[str, float]) -> float:
 # -- file access ------------------------------------------------------------------
 
 
+def _compressed(path: Path) -> bool:
+    return path.suffix.lower() == ".gz"
+
+
 def text_of(path: Path) -> str:
     try:
         data = path.read_bytes()
+        if _compressed(path):
+            data = gzip.decompress(data)
     except FileNotFoundError:
         raise TraceError(f"trace file not found: {path}") from None
-    except OSError as error:
+    except (OSError, EOFError) as error:  # gzip.BadGzipFile is an OSError
         raise TraceError(f"cannot read trace file {path}: {error}") from None
     # Undecodable bytes become U+FFFD, which the cell checks then report with their line.
     return data.decode("utf-8-sig", errors="replace")
@@ -235,13 +243,23 @@ def read_jsonl_rows(path: Path, required: Sequence[str], skip_bad_rows: bool) ->
     return rows
 
 
+def open_text(path: Path) -> io.TextIOWrapper:
+    """A (possibly gzipped) trace file as a text stream, for sniffing its format; bad bytes become U+FFFD."""
+    try:
+        raw = gzip.open(path) if _compressed(path) else open(path, "rb")
+    except OSError as error:
+        raise TraceError(f"cannot read trace file {path}: {error}") from None
+    return io.TextIOWrapper(raw, encoding="utf-8-sig", errors="replace", newline="")
+
+
 def is_jsonl(path: Path) -> bool:
-    if path.suffix.lower() in (".jsonl", ".json", ".ndjson"):
+    suffix = Path(path.stem).suffix if _compressed(path) else path.suffix
+    if suffix.lower() in (".jsonl", ".json", ".ndjson"):
         return True
     try:
-        with open(path, "rb") as file:
-            return file.read(4096).lstrip()[:1] == b"{"
-    except OSError as error:
+        with open_text(path) as file:
+            return file.read(4096).lstrip()[:1] == "{"
+    except (OSError, EOFError) as error:  # gzip.BadGzipFile is an OSError
         raise TraceError(f"cannot read trace file {path}: {error}") from None
 
 

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -54,6 +53,7 @@ from sims.synthetic import (
 )
 from sims.trace_readers import (
     is_jsonl,
+    open_text,
     read_alibaba_genai,
     read_azure_functions,
     read_azure_llm,
@@ -62,6 +62,7 @@ from sims.trace_readers import (
     read_mooncake,
     read_vidur,
 )
+from sims.trace_store import CATALOGUE, SHIPPED, locate, search_dirs
 from sims.workload import GENERIC_COLUMNS, TraceError, Workload
 
 # -- format detection ---------------------------------------------------------------
@@ -75,20 +76,24 @@ def detect_format(path: Path) -> str:
         raise TraceError(f"{path}: a folder, but not a ServeGen model folder (no chunk-<i>-trace.csv)")
     if not path.is_file():
         raise TraceError(f"trace file not found: {path}")
-    if is_jsonl(path):
-        with open(path, encoding="utf-8", errors="replace") as file:
-            line = next((line for line in file if line.strip()), "{}")
+    jsonl = is_jsonl(path)
+    try:
+        with open_text(path) as file:
+            if jsonl:
+                line = next((line for line in file if line.strip()), "{}")
+            else:
+                header = {name.strip() for name in next(csv.reader(file), [])}
+    except csv.Error as error:
+        raise TraceError(f"{path}:1: column '(row)': unreadable CSV header: {error}") from None
+    except (OSError, EOFError) as error:  # gzip.BadGzipFile is an OSError
+        raise TraceError(f"cannot read trace file {path}: {error}") from None
+    if jsonl:
         try:
             first = json.loads(line)
         except ValueError:
             return "generic"  # its reader reports the bad line
         mooncake = isinstance(first, dict) and {"timestamp", "input_length", "output_length"} <= first.keys()
         return "mooncake" if mooncake else "generic"
-    with open(path, newline="", encoding="utf-8", errors="replace") as file:
-        try:
-            header = {name.strip() for name in next(csv.reader(file), [])}
-        except csv.Error as error:
-            raise TraceError(f"{path}:1: column '(row)': unreadable CSV header: {error}") from None
     for fmt, columns in (("azure-llm", {"TIMESTAMP", "ContextTokens", "GeneratedTokens"}),
                          ("vidur", {"arrived_at", "num_prefill_tokens", "num_decode_tokens"}),
                          ("alibaba-genai", {"gmt_create", "checkpoint_model_version_id"}),
@@ -165,11 +170,7 @@ class _Context:
         return value
 
     def path(self, relative: str) -> Path:
-        root = self.root or _default_traces_dir()
-        path = root / relative
-        if not path.exists():
-            raise TraceError(f"trace file not found: {path} (traces folder {root}; set MODELPOOL_TRACES to move it)")
-        return path
+        return locate(relative, self.root)
 
     def window(self) -> tuple[float, float | None]:
         start_s = self.number("start", 0.0)
@@ -187,26 +188,17 @@ class _Context:
         return self.models
 
 
-def _default_traces_dir() -> Path:
-    env = os.environ.get("MODELPOOL_TRACES")
-    candidates = [Path(env)] if env else [Path(__file__).resolve().parents[1] / "../shared/traces",
-                                          Path.cwd() / "../shared/traces"]
-    for candidate in candidates:
-        if candidate.is_dir():
-            return candidate.resolve()
-    raise TraceError(f"traces folder not found (looked in {', '.join(map(str, candidates))}); set MODELPOOL_TRACES")
-
-
-_LENGTH_FILES = {
-    "sharegpt": "sharegpt-lengths/sharegpt_8k_filtered_stats_llama2_tokenizer.csv",
-    "arxiv": "vidur-processed-traces/arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv",
-}
+def _length_pairs(name: str, context: _Context) -> LengthDistribution:
+    trace = CATALOGUE[name]
+    if trace.shipped:  # the same pairs in the same order as the upstream file: the same draws
+        return replace(read_length_pairs(SHIPPED / trace.shipped), name=name)
+    return read_length_pairs(context.path(trace.paths[0]))
 
 
 def _lengths(choice: str, context: _Context) -> LengthDistribution:
     """sharegpt | arxiv | azure-conv | azure-code | mooncake | fixed:IN:OUT | file:PATH (lengths CSV or any trace)."""
-    if choice in _LENGTH_FILES:
-        return read_length_pairs(context.path(_LENGTH_FILES[choice]))
+    if choice in ("sharegpt", "arxiv"):
+        return _length_pairs(choice, context)
     if choice.startswith("fixed:"):
         try:
             num_in, num_out = (int(part) for part in choice.split(":")[1:])
@@ -286,10 +278,13 @@ def _servegen_dirs(context: _Context) -> list[Path]:
         if "/" in entry:
             category, entry = entry.split("/", 1)
         if category is None:
-            found = sorted(context.path("servegen").glob(f"*/{entry}"))
+            found = sorted({path.relative_to(folder).as_posix() for folder in search_dirs(context.root)
+                            for path in (folder / "servegen").glob(f"*/{entry}")})
             if len(found) != 1:
-                raise TraceError(f"servegen model {entry!r}: found {len(found)} folders servegen/*/{entry}")
-            dirs.append(found[0])
+                known = ", ".join(name for name in CATALOGUE if name.startswith("servegen:"))
+                raise TraceError(f"servegen model {entry!r}: found {len(found)} folders servegen/*/{entry} "
+                                 f"(name its category; catalogued: {known})")
+            dirs.append(context.path(found[0]))
         else:
             dirs.append(context.path(f"servegen/{category}/{entry}"))
     return dirs
@@ -377,9 +372,10 @@ def load_workload(
 ) -> Workload:
     """Read or generate the workload a spec names (grammar in the module docstring), mapped onto `models`.
 
-    `traces_dir` defaults to $MODELPOOL_TRACES, else ../shared/traces from
-    the repository root or the working directory. The same spec, models and
-    seed always give the same workload.
+    Trace files are looked up in `traces_dir` alone when given, else in the
+    user cache and then $MODELPOOL_TRACES or ../shared/traces
+    (`sims.trace_store.search_dirs`). The same spec, models and seed always
+    give the same workload.
     """
     parsed = parse_spec(spec)
     source = SOURCES.get(parsed.name)

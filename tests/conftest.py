@@ -1,10 +1,13 @@
-"""Test-wide settings: one thread per process on the 2-core machines, Ray without auth tokens."""
+"""Test-wide settings: one thread per process on the 2-core machines, Ray without auth tokens, an empty trace cache."""
 
 from __future__ import annotations
 
 import os
+import tempfile
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# the user's own fetched traces (~/.cache/modelpool/traces) must not change what a test reads
+os.environ.setdefault("MODELPOOL_TRACES_CACHE", tempfile.mkdtemp(prefix="modelpool-test-traces-"))
