@@ -61,11 +61,13 @@ from modelpool.capacity import capacity_command  # noqa: E402
 from modelpool.estimate import estimate_command  # noqa: E402
 from modelpool.serve import serve_command  # noqa: E402
 from modelpool.simulate import simulate_command  # noqa: E402
+from modelpool.traces import app as traces_app  # noqa: E402
 
 app.command("simulate")(simulate_command)
 app.command("estimate")(estimate_command)
 app.command("capacity")(capacity_command)
 app.command("serve")(serve_command)
+app.add_typer(traces_app, name="traces")
 
 if __name__ == "__main__":
     app()
