@@ -4,7 +4,9 @@ For a batch of `batch` requests of `input_tokens` prompt and `output_tokens`
 output tokens: prefill time and TTFT, decode step time and TPOT as context
 grows, tokens per second, weight and KV-cache memory, and the switch time.
 Every number comes from sims.costmodel with a calibration profile; the report
-says which profile terms are measured on that GPU and which are estimates.
+says which profile terms are measured on that GPU, which are estimated from
+datasheet ratios (an efficiency measured on another GPU applied to this GPU's
+datasheet figures), which are carried over unchanged, and which are assumed.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ def estimate_report(fleet: Fleet | None, model: str, gpu: str | None, tp: int | 
     usable_bytes = spec.memory_gb * GB * utilisation * tp
     kv_bytes = max(0.0, usable_bytes - arch.weight_bytes)
     kv_tokens = math.floor(kv_bytes / kv_per_token)
+    bases = calibration.bases(gpu_name)
     return {
         "model": model, "arch": arch_name, "gpu": gpu_name, "tp": tp, "profile": calibration.name,
         "batch": batch, "input_tokens": input_tokens, "output_tokens": output_tokens,
@@ -64,6 +67,9 @@ def estimate_report(fleet: Fleet | None, model: str, gpu: str | None, tp: int | 
         "max_concurrent_requests": kv_tokens // (input_tokens + output_tokens),
         "batch_fits": batch * (input_tokens + output_tokens) <= kv_tokens,
         "provenance": {term: calibration.status(term, gpu_name) for term in TERM_NAMES},
+        "basis": bases, "measured_elsewhere_on": sorted({g for basis in ("datasheet ratio", "carried over")
+                                                        for term in bases[basis]
+                                                        for g in calibration.entry(term, gpu_name).gpus}),
     }
 
 
@@ -91,8 +97,9 @@ def render_estimate(report: dict[str, Any], width: int = 88) -> str:
     r = report
     ms = lambda s: f"{s * 1e3:,.2f} ms"  # noqa: E731
     gb = lambda b: f"{b / GB:,.2f} GB"  # noqa: E731
-    measured = sorted(term for term, status in r["provenance"].items() if status == "measured")
-    estimated = sorted(term for term, status in r["provenance"].items() if status == "estimated")
+    basis = r["basis"]
+    elsewhere = ", ".join(g.upper() for g in r["measured_elsewhere_on"]) or "another GPU"
+    terms = lambda key: ", ".join(sorted(basis[key])) or "none"  # noqa: E731
     rows = [
         ("TTFT (one prompt, no queue)", ms(r["ttft_s"])),
         (f"prefill of the batch ({r['batch']} x {r['input_tokens']} tokens)", ms(r["prefill_s"])),
@@ -107,7 +114,10 @@ def render_estimate(report: dict[str, Any], width: int = 88) -> str:
          f"{gb(r['kv_capacity_bytes'])} = {r['kv_capacity_tokens']:,} tokens ({r['kv_bytes_per_token'] / 1024:,.0f} KiB/token)"),
         (f"concurrent requests of {r['input_tokens'] + r['output_tokens']} tokens",
          f"{r['max_concurrent_requests']:,}" + ("" if r["batch_fits"] else f"  (batch {r['batch']} does NOT fit)")),
-        ("profile terms estimated on this GPU", ", ".join(estimated) if measured else "all (none measured on this GPU)"),
+        (f"profile terms measured on {r['gpu'].upper()}", terms("measured")),
+        (f"estimated from datasheet ratios (efficiencies measured on {elsewhere})", terms("datasheet ratio")),
+        (f"carried over unchanged (times measured on {elsewhere})", terms("carried over")),
+        ("assumed (measured on no GPU)", terms("assumed")),
     ]
     arch = f" ({r['arch']})" if r["arch"] and r["arch"] != r["model"] else ""
     table = Table(title=f"{r['model']}{arch} on {r['tp']} x {r['gpu'].upper()}, batch {r['batch']}, "

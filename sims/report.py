@@ -20,6 +20,7 @@ from scheduler.fleet import Fleet
 from sims.capacity import POLICY_ORDER
 from sims.capacity_eval import Context
 from sims.capacity_study import NO_SCALE, StudyResult
+from sims.profiles import BASES, TERM_NAMES
 
 HOURS_PER_MONTH = 730.0
 SCHEMA_VERSION = 1
@@ -335,13 +336,24 @@ def _assumptions(result: StudyResult, ctx: Context) -> list[dict[str, str]]:
         {"what": "GPU price", "status": "estimated" if "estimat" in spec.source else "input",
          "value": f"${spec.usd_per_hour:g} per GPU-hour, {HOURS_PER_MONTH:g} hours a month", "source": spec.source},
     ]
+    bases = profile.bases(gpu)
+    elsewhere = ", ".join(sorted({g for basis in ("datasheet ratio", "carried over") for term in bases[basis]
+                                  for g in profile.entry(term, gpu).gpus})) or "another GPU"
+    labels = {"measured": f"measured on {gpu}",
+              "datasheet ratio": f"estimated from datasheet ratios (efficiencies measured on {elsewhere})",
+              "carried over": f"carried over unchanged from {elsewhere}", "assumed": "assumed (measured on no GPU)"}
+    groups = [f"{labels[basis]}: {', '.join(bases[basis]) or 'none'}" for basis in BASES]
+    out.append({"what": f"cost model profile on {gpu.upper()}",
+                "status": "measured" if len(bases["measured"]) == len(TERM_NAMES) else "estimated",
+                "value": f"profile {profile.name}; " + "; ".join(groups),
+                "source": "the profile's provenance (sims/profiles; `modelpool estimate` prints the same split)"})
     for term in ("eff_compute", "eff_mem", "eff_kv", "eff_pcie", "eff_nvlink", "decode_fixed_s", "prefill_fixed_s",
                  "allreduce_latency_s"):
-        entry = profile.provenance[term]
-        status = profile.status(term, gpu)
-        where = f" (measured on {', '.join(entry.gpus)}; an extrapolation on {gpu})" if entry.status == "measured" \
-            and status == "estimated" else ""
-        out.append({"what": f"cost model: {term}", "status": status,
+        entry = profile.entry(term, gpu)
+        basis = profile.basis(term, gpu)
+        where = {"datasheet ratio": f" (measured on {', '.join(entry.gpus)}; on {gpu} estimated from datasheet ratios)",
+                 "carried over": f" (measured on {', '.join(entry.gpus)}; carried over unchanged to {gpu})"}.get(basis, "")
+        out.append({"what": f"cost model: {term}", "status": profile.status(term, gpu),
                     "value": f"{getattr(costs.terms, term):g}", "source": entry.source + where})
     w = ctx.workload
     lengths = next((part.split("=", 1)[1] for part in w.source.split(";") if part.startswith("lengths=")), None)

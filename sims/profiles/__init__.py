@@ -3,7 +3,8 @@
 A profile is JSON shipped as package data (`h200-cudagraph.json`, ...) or any
 file on disk. Every number carries its provenance: "measured" on the GPUs it
 names (and where), or "estimated". On a GPU the measurement did not cover, a
-"measured" number is an extrapolation and reports as "estimated".
+"measured" number is an extrapolation and reports as "estimated"; `basis` says
+how: an efficiency carried by the GPU's datasheet ratios, or a time carried over.
 `sims.profiles.fit` regenerates the shipped files from ANCHORS.md's figures.
 """
 
@@ -20,6 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 Fraction = Annotated[float, Field(gt=0, le=1)]
 Seconds = Annotated[float, Field(ge=0)]
 Status = Literal["measured", "estimated"]
+Basis = Literal["measured", "datasheet ratio", "carried over", "assumed"]
+BASES: tuple[Basis, ...] = ("measured", "datasheet ratio", "carried over", "assumed")
 
 
 class _Frozen(BaseModel):
@@ -90,11 +93,32 @@ class CalibrationProfile(_Frozen):
         override = self.gpu_overrides.get(gpu.lower())
         return ProfileTerms.model_validate(self.terms.model_dump() | override) if override else self.terms
 
+    def entry(self, term: str, gpu: str) -> Provenance:
+        """The provenance of `term` on GPU type `gpu` (its override's, if it has one)."""
+        key = f"{gpu.lower()}.{term}"
+        return self.provenance[key] if key in self.provenance else self.provenance[term]
+
     def status(self, term: str, gpu: str) -> Status:
         """'measured' only when `term` was measured on `gpu` itself; anything else is an estimate there."""
-        key = f"{gpu.lower()}.{term}"
-        entry = self.provenance[key] if key in self.provenance else self.provenance[term]
+        entry = self.entry(term, gpu)
         return "measured" if entry.status == "measured" and gpu.lower() in entry.gpus else "estimated"
+
+    def basis(self, term: str, gpu: str) -> Basis:
+        """How `term` is known on `gpu`: 'measured' there; 'datasheet ratio' (an efficiency measured on
+        other GPUs, applied to this GPU's datasheet figure); 'carried over' (a time or setting measured on
+        other GPUs, used unchanged); 'assumed' (measured nowhere)."""
+        if self.status(term, gpu) == "measured":
+            return "measured"
+        if self.entry(term, gpu).status != "measured":
+            return "assumed"
+        return "datasheet ratio" if term.startswith("eff_") else "carried over"
+
+    def bases(self, gpu: str) -> dict[Basis, list[str]]:
+        """The terms on `gpu` grouped by `basis` (every basis present, possibly empty)."""
+        groups: dict[Basis, list[str]] = {basis: [] for basis in BASES}
+        for term in TERM_NAMES:
+            groups[self.basis(term, gpu)].append(term)
+        return groups
 
 
 SHIPPED = ("default", "h200-cudagraph", "h200-eager")

@@ -15,7 +15,7 @@ from scheduler.catalog import ARCHS
 from scheduler.costs import CostModel
 from scheduler.fleet import GPUS, Arch, Fleet
 from sims.costmodel import RooflineCostModel, expected_experts_touched
-from sims.profiles import CalibrationProfile, load_profile
+from sims.profiles import TERM_NAMES, CalibrationProfile, load_profile
 from sims.profiles.fit import DECODE, EAGER_DECODE, PREFILL, SWAP, benchmark_arch, build_profiles, error_table
 
 
@@ -211,6 +211,18 @@ def test_provenance_is_measured_only_on_the_measured_gpu(tmp_path):
         load_profile("no-such-profile")
 
 
+def test_basis_says_measured_datasheet_ratio_carried_over_or_assumed():
+    profile = load_profile("default")
+    h20 = profile.bases("h20")
+    assert h20["measured"] == []
+    assert set(h20["datasheet ratio"]) == {"eff_compute", "eff_mem", "eff_kv", "eff_pcie"}  # H200 shares of datasheet rates
+    assert {"decode_fixed_s", "prefill_fixed_s", "launch_s_per_layer"} <= set(h20["carried over"])
+    assert set(h20["assumed"]) == {"eff_nvlink", "allreduce_latency_s"}
+    assert sorted(sum(h20.values(), [])) == sorted(TERM_NAMES)
+    assert profile.basis("eff_pcie", "h100") == "measured"  # its own override, measured on an H100
+    assert profile.basis("eff_mem", "h200") == "measured" and profile.basis("eff_nvlink", "h200") == "assumed"
+
+
 def test_cost_model_from_a_fleet_satisfies_the_scheduler_protocol():
     fleet = Fleet.model_validate({"pool": {"gpu": "h20", "num_gpus": 4},
                                   "models": [{"name": "chat", "arch": "qwen2.5-7b"}, {"name": "big", "arch": "qwen2.5-72b", "tp": 4}]})
@@ -231,8 +243,22 @@ def test_estimate_report_for_a_catalogue_arch():
     assert report["kv_capacity_bytes"] == pytest.approx(usable - report["weight_bytes"])
     assert report["max_concurrent_requests"] == report["kv_capacity_tokens"] // (1024 + 257)
     assert report["provenance"]["eff_mem"] == "measured"
+    assert report["basis"]["datasheet ratio"] == [] and report["measured_elsewhere_on"] == []
     assert "TPOT" in render_estimate(report)
     json.dumps(report)
+
+
+def test_estimate_says_which_terms_come_from_datasheet_ratios_off_the_measured_gpu():
+    report = estimate_report(None, "qwen2.5-7b", "h20", None, 1, 512, 256)
+    assert report["basis"]["measured"] == [] and "eff_mem" in report["basis"]["datasheet ratio"]
+    assert report["measured_elsewhere_on"] == ["h200"]
+    text = render_estimate(report, width=200)
+    assert "profile terms measured on H20 " in text and "estimated from datasheet ratios (efficiencies measured on H200)" in text
+    datasheet_line = next(line for line in text.splitlines() if "datasheet ratios" in line)
+    assert "eff_mem" in datasheet_line and "decode_fixed_s" not in datasheet_line
+    assert "carried over unchanged" in text and "assumed" in text
+    h100 = estimate_report(None, "qwen2.5-7b", "h100", None, 1, 512, 256)
+    assert h100["basis"]["measured"] == ["eff_pcie"] and "eff_pcie" not in h100["basis"]["datasheet ratio"]
 
 
 def test_estimate_command_prints_json_and_rejects_unknown_models():

@@ -68,6 +68,12 @@ def test_json_carries_everything_the_report_shows(written: tuple[pathlib.Path, d
     statuses = {a["status"] for a in report["assumptions"]}
     assert {"measured", "estimated", "input"} <= statuses
     assert any("eff_compute" in a["what"] and a["status"] == "estimated" for a in report["assumptions"])  # not an H20
+    profile_row = next(a for a in report["assumptions"] if a["what"] == "cost model profile on H20")
+    assert profile_row["status"] == "estimated" and "profile default" in profile_row["value"]
+    assert "measured on h20: none" in profile_row["value"]
+    assert "estimated from datasheet ratios (efficiencies measured on h200): eff_compute" in profile_row["value"]
+    mem = next(a for a in report["assumptions"] if a["what"] == "cost model: eff_mem")
+    assert "on h20 estimated from datasheet ratios" in mem["source"]
     assert report["tries"] and report["what_if"][0]["tpot_slo_factor"] == 2.0
 
 
