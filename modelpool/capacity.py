@@ -29,8 +29,8 @@ POLICIES = "dedicated,request-level,spatial,token-level"
 
 def capacity_command(
     fleet_path: Path = typer.Option(Path("models.yaml"), "--fleet", "-f", help="Fleet file."),
-    trace: str = typer.Option("fleet", "--trace", "-t", help="Trace spec (see `sims.traces`); `fleet` = Poisson "
-                              "arrivals at each model's traffic hint with ShareGPT lengths."),
+    trace: str = typer.Option("fleet", "--trace", "-t", help="A CSV/JSONL path, a trace name (`modelpool traces`) or "
+                              "spec (`sims.traces`); `fleet` = Poisson at each model's traffic hint, ShareGPT lengths."),
     duration: float = typer.Option(600.0, "--duration", help="Seconds of workload for `fleet` and synthetic traces."),
     seed: int = typer.Option(0, "--seed", help="Seed for generated workloads."),
     slo_target: float = typer.Option(0.99, "--slo-target", min=0.0, max=1.0, help="Share of requests (or of service "

@@ -20,7 +20,8 @@ console = Console()
 
 def simulate_command(
     fleet_path: Path = typer.Option(Path("models.yaml"), "--fleet", "-f", help="Fleet file."),
-    trace: str = typer.Option("fleet", "--trace", "-t", help="Trace spec (see `sims.traces`); `fleet` = Poisson at each model's traffic hint with ShareGPT lengths."),
+    trace: str = typer.Option("fleet", "--trace", "-t", help="A CSV/JSONL path, a trace name (`modelpool traces`) or "
+                              "spec (`sims.traces`); `fleet` = Poisson at each model's traffic hint, ShareGPT lengths."),
     policy: str = typer.Option("token-level", "--policy", "-p", help="dedicated | request-level | spatial | token-level"),
     gpus: int | None = typer.Option(None, "--gpus", help="GPUs in the pool (default: the fleet's pool.num_gpus)."),
     duration: float = typer.Option(600.0, "--duration", help="Seconds of workload for `fleet` and synthetic traces."),

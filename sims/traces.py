@@ -2,7 +2,10 @@
 
 Grammar: `NAME[:ARGUMENT][;KEY=VALUE]...`. Options may also follow the name
 or argument after commas (`poisson:rate=0.1,cv=4`); `file:PATH` takes
-everything up to the first ';' as the path. Names:
+everything up to the first ';' as the path, and so does a bare `PATH` that
+is no name below (an existing file or folder, or one with a '/' or a
+.csv/.jsonl/.json/.ndjson/.gz suffix). `modelpool traces` lists where each
+named trace comes from and fetches it. Names:
 
 | spec | what |
 |---|---|
@@ -12,7 +15,7 @@ everything up to the first ';' as the path. Names:
 | servegen:CAT/MODEL[,MODEL...] | ServeGen client models, e.g. servegen:language/m-large,m-mid (options clients, by) |
 | azure-functions | Azure Functions 2019 sample, one model per function (option functions) |
 | alibaba-genai | Alibaba GenAI 2026 (Stable Diffusion): arrivals + base-model ids, lengths from `lengths` |
-| file:PATH | generic CSV/JSONL, any of the formats above (detected by header), or a ServeGen model folder |
+| PATH, file:PATH | generic CSV/JSONL (gzipped too), any of the formats above (detected by header), or a ServeGen model folder |
 | poisson;rate=R | Poisson arrivals, R req/s per model, or R1:R2:... one per model |
 | gamma;rate=R,cv=C | Gamma renewal arrivals with inter-arrival CV C |
 | zipf;total_rate=R,s=S | Zipf popularity across models (first model busiest), Poisson or cv=C |
@@ -377,10 +380,11 @@ def load_workload(
     (`sims.trace_store.search_dirs`). The same spec, models and seed always
     give the same workload.
     """
-    parsed = parse_spec(spec)
+    parsed = parse_spec(_file_spec(spec))
     source = SOURCES.get(parsed.name)
     if source is None:
-        raise TraceError(f"trace spec {spec!r}: unknown trace {parsed.name!r}; known: {', '.join(SOURCES)}")
+        raise TraceError(f"trace spec {spec!r}: unknown trace {parsed.name!r}; known: {', '.join(SOURCES)}, "
+                         "or a path to a CSV/JSONL file")
     unknown = sorted(set(parsed.options) - source.options)
     if unknown:
         raise TraceError(f"trace spec {spec!r}: unknown option {unknown[0]!r} for {parsed.name}; "
@@ -402,6 +406,20 @@ def load_workload(
     if len(workload) == 0:
         raise TraceError(f"trace spec {spec!r}: selects no requests")
     return replace(workload, source=parsed.text)
+
+
+_TRACE_SUFFIXES = (".csv", ".jsonl", ".json", ".ndjson", ".gz")
+
+
+def _file_spec(spec: str) -> str:
+    """`PATH[;options]` as `file:PATH[;options]` when PATH is no trace name and names a file or folder, or looks
+    like a path (a '/' or a trace file's suffix): a missing file is then reported as such. Names win over paths."""
+    head = spec.strip().split(";")[0].strip()
+    name = head.split(":")[0].split(",")[0].strip().lower()
+    if name in SOURCES or not head:
+        return spec
+    path = Path(head).expanduser()
+    return f"file:{spec.strip()}" if path.exists() or "/" in head or path.suffix.lower() in _TRACE_SUFFIXES else spec
 
 
 def _targets(spec: TraceSpec, models: Sequence[str] | None) -> tuple[str, ...] | None:

@@ -87,3 +87,12 @@ def test_simulate_cli_passes_policy_options(tmp_path: pathlib.Path) -> None:
 def test_simulate_cli_names_a_bad_policy_option(option: str, message: str) -> None:
     res = CliRunner().invoke(app, ["simulate", "--fleet", str(ROOT / "models.yaml"), "--duration", "10", "-o", option])
     assert res.exit_code == 1 and message in res.output, res.output
+
+
+def test_simulate_cli_takes_a_path_as_its_trace(tmp_path: pathlib.Path) -> None:
+    trace = tmp_path / "my_trace.csv"
+    trace.write_text("timestamp_s,model,input_tokens,output_tokens\n0.0,qwen2.5-7b-chat,512,64\n"
+                     "1.5,llama-3.2-3b-chat,256,32\n3.0,qwen2.5-7b-chat,1024,16\n")
+    res = CliRunner().invoke(app, ["simulate", "--fleet", str(ROOT / "models.yaml"), "--trace", str(trace)])
+    assert res.exit_code == 0, res.output
+    assert "completed / failed" in res.output and "3 requests" in res.output

@@ -95,3 +95,24 @@ def test_gzipped_traces_read_like_plain_ones(tmp_path: Path) -> None:
     broken.write_bytes(b"not gzip at all")
     with pytest.raises(TraceError, match=r"cannot read trace file .*broken.csv.gz"):
         load_workload(f"file:{broken}")
+
+
+# -- a path is a trace ---------------------------------------------------------------
+
+
+def test_a_bare_path_is_read_like_file_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    Path("mine.csv").write_text(GENERIC)
+    bare, prefixed = load_workload("mine.csv;scale=2"), load_workload(f"file:{tmp_path}/mine.csv;scale=2")
+    assert np.array_equal(bare.arrival_s, prefixed.arrival_s) and bare.models == ("a", "b")
+    Path("kimi.jsonl").write_text('{"timestamp": 0, "input_length": 5, "output_length": 2, "hash_ids": [1]}\n'
+                                  '{"timestamp": 1500, "input_length": 7, "output_length": 3, "hash_ids": [1, 2]}\n')
+    mooncake = load_workload(f"{tmp_path}/kimi.jsonl", models=["x"])  # sniffed as Mooncake, mapped onto x
+    assert mooncake.arrival_s.tolist() == [0.0, 1.5] and mooncake.models == ("x",)
+    Path("bad.csv").write_text(GENERIC + "2.0,a,-3,1\n")
+    with pytest.raises(TraceError, match=r"bad.csv:4: column 'input_tokens': negative: '-3'"):
+        load_workload("bad.csv")
+    with pytest.raises(TraceError, match=r"trace file not found: nothere.csv"):
+        load_workload("nothere.csv")
+    with pytest.raises(TraceError, match=r"unknown trace 'nothere'; known: .*, or a path to a CSV/JSONL file"):
+        load_workload("nothere")
