@@ -23,7 +23,8 @@ def simulate_command(
     trace: str = typer.Option("fleet", "--trace", "-t", help="A CSV/JSONL path, a trace name (`modelpool traces`) or "
                               "spec (`sims.traces`); `fleet` = Poisson at each model's traffic hint, ShareGPT lengths."),
     policy: str = typer.Option("token-level", "--policy", "-p", help="dedicated | request-level | spatial | token-level"),
-    gpus: int | None = typer.Option(None, "--gpus", help="GPUs in the pool (default: the fleet's pool.num_gpus)."),
+    gpus: int | None = typer.Option(None, "--gpus", help="GPUs in the pool (default: the fleet's pool.num_gpus, or "
+                                    "the fewest the policy can run on when that is more: dedicated, one per model)."),
     duration: float = typer.Option(600.0, "--duration", help="Seconds of workload for `fleet` and synthetic traces."),
     seed: int = typer.Option(0, "--seed", help="Seed for generated workloads."),
     out: Path | None = typer.Option(None, "--out", help="Folder for metrics.json and requests.csv."),
@@ -35,7 +36,7 @@ def simulate_command(
 ) -> None:
     """Simulate a policy on a fleet and a trace; print latency and SLO figures."""
     from sims.metrics import request_rows
-    from sims.run import compiled, fleet_workload_spec, simulate
+    from sims.run import compiled, fleet_workload_spec, pool_size, simulate
     from sims.workload import TraceError
 
     try:
@@ -57,6 +58,9 @@ def simulate_command(
     except TraceError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
+    gpus, sized = pool_size(fleet, policy, gpus)
+    if sized:
+        console.print(f"note: {sized}")
     log = plan_log.open("w") if plan_log else None
     started = time.perf_counter()
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed:.0f}/{task.total:.0f} s simulated"),
@@ -79,7 +83,7 @@ def simulate_command(
     wall = time.perf_counter() - started
     metrics = {**result.metrics, "policy": policy, "policy_options": options, "num_gpus": result.num_gpus, "trace": spec,
                "num_requests": len(workload), "wall_s": round(wall, 3), "compiled": compiled(),
-               "notes": result.notes + list(workload.notes)}
+               "notes": ([sized] if sized else []) + result.notes + list(workload.notes)}
     console.print(_summary_table(metrics))
     console.print(f"{len(workload)} requests, {workload.duration_s:.0f} s of traffic simulated in {wall:.1f} s")
     if not metrics["compiled"] and wall > 60:

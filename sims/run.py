@@ -51,6 +51,29 @@ def fleet_workload_spec(fleet: Fleet, duration_s: float = 600.0, lengths: str = 
     return f"poisson;rate={rates};lengths={lengths};duration={duration_s:g}"
 
 
+def min_gpus(fleet: Fleet, policy: str) -> int:
+    """The fewest GPUs `make_instances` can cut for `policy`: one instance per model (dedicated), two per TP class
+    (token-level: a prefill and a decode instance), else one per TP class."""
+    if policy == "dedicated":
+        return sum(m.tp for m in fleet.models)
+    return sum(tp * (2 if policy == "token-level" else 1) for tp in {m.tp for m in fleet.models})
+
+
+def pool_size(fleet: Fleet, policy: str, num_gpus: int | None) -> tuple[int, str | None]:
+    """GPUs to simulate and, when the fleet's pool.num_gpus is too small for the policy, a note saying so.
+
+    A count given explicitly is kept as it is (too small, the simulation's error names what it needs).
+    """
+    if num_gpus is not None:
+        return num_gpus, None
+    need = min_gpus(fleet, policy)
+    if need <= fleet.pool.num_gpus:
+        return fleet.pool.num_gpus, None
+    what = "one instance per model" if policy == "dedicated" else "its smallest layout"
+    return need, (f"{policy} needs {need} GPUs for {what}; the fleet's pool.num_gpus is {fleet.pool.num_gpus}: "
+                  f"simulating {need} (--gpus N to choose; `modelpool capacity` finds the count that meets the SLO)")
+
+
 def build_instances(fleet: Fleet, policy: str, num_gpus: int | None = None,
                     prefill_fraction: float | None = None, gpus_by_tp: dict[int, int] | None = None) -> list[InstanceSpec]:
     return make_instances(fleet, num_gpus, split=policy == "token-level", prefill_fraction=prefill_fraction,

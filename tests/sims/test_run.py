@@ -96,3 +96,15 @@ def test_simulate_cli_takes_a_path_as_its_trace(tmp_path: pathlib.Path) -> None:
     res = CliRunner().invoke(app, ["simulate", "--fleet", str(ROOT / "models.yaml"), "--trace", str(trace)])
     assert res.exit_code == 0, res.output
     assert "completed / failed" in res.output and "3 requests" in res.output
+
+
+def test_simulate_cli_sizes_dedicated_to_one_instance_per_model() -> None:
+    res = CliRunner().invoke(app, ["simulate", "--fleet", str(ROOT / "models.yaml"), "--policy", "dedicated",
+                                   "--duration", "20"])
+    assert res.exit_code == 0, res.output
+    assert "dedicated needs 57 GPUs for one instance per model; the fleet's pool.num_gpus is 16: simulating 57" \
+        in " ".join(res.output.split())
+    assert "dedicated on 57 GPUs" in res.output
+    small = CliRunner().invoke(app, ["simulate", "--fleet", str(ROOT / "models.yaml"), "--policy", "dedicated",
+                                     "--gpus", "40", "--duration", "20"])
+    assert small.exit_code == 1 and "40 GPUs cannot hold one instance per model (need 57)" in small.output
