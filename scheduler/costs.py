@@ -3,14 +3,16 @@
 `ModelProfile` and `InstanceSpec` are the scheduler's compact view of a fleet;
 `CostModel` is the base class of what a policy uses to predict step and switch
 times (sims.costmodel's roofline subclasses it; the live pool may pass the same
-or one fitted to measured times).
+or one fitted to measured times). `CopyLinks` is what the simulator's executor
+asks when copies share host links (a cost model makes one per simulation).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 from mypy_extensions import mypyc_attr
 
@@ -39,6 +41,15 @@ class InstanceSpec:
     tp: int
     memory_bytes: float  # usable device memory over its tp GPUs
     role: Role = "mixed"
+
+
+class CopyLinks(Protocol):
+    """The host links of one simulation's instances: when a copy ends, given the copies that share its link."""
+
+    def copy_end_at(self, instance_id: str, to_device: bool, start_at: float, alone_s: float, now: float) -> float:
+        """The end of a copy on `instance_id`'s link(s) (`to_device`: host to device) that takes `alone_s`
+        alone and starts at `start_at` (>= `now`, the simulated time of the call)."""
+        ...
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -70,6 +81,12 @@ class CostModel:
         for step in range(num_steps):
             total += self.decode_step_s(model, batch_size, context_tokens + step * batch_size)
         return total
+
+    def host_links(self, instances: Sequence[InstanceSpec], gpu_of: Mapping[str, int] | None = None) -> CopyLinks | None:
+        """Fresh state of the host links `instances` copy over, for one simulation (`gpu_of`: instances placed
+        by hand, by first GPU index). None (here): every copy has a link of its own, never contended, and
+        takes switch_s / kv_move_s as they are."""
+        return None
 
 
 def model_profiles(fleet: Fleet) -> dict[str, ModelProfile]:

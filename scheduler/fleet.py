@@ -179,6 +179,12 @@ class PoolSpec(_Frozen):
     host_cache_gb: PosFloat = Field(default=64.0, description="Pinned host-memory model cache per node in GB (the artifact uses 64 GiB).")
     host_kv_gb: PosFloat = Field(default=256.0, description="Host memory for swapped-out KV caches per node in GB.")
     gpus_per_node: PosInt = Field(default=8, description="GPUs per host (bounds tensor parallelism).")
+    gpus_per_host_link: Annotated[int, Field(ge=0)] = Field(
+        default=0, description="GPUs behind one host-to-device PCIe link, for the simulator: copies (weight switches, "
+                               "prefetches, KV moves) that overlap on a link split its bandwidth. 1: every GPU has its "
+                               "own link, shared by the instances on it and by one instance's overlapping copies; 2 or "
+                               "more: that many consecutive GPUs share one (a PCIe switch's uplink). 0: copies are "
+                               "never contended (each at the full link rate).")
     max_batch_size: PosInt = Field(default=256, description="Most requests decoded in one batch.")
     max_prefill_tokens: PosInt = Field(default=8192, description="Most prompt tokens prefilled in one step.")
     default_slo: Slo = Field(default_factory=Slo, description="SLOs for models that set none.")
@@ -235,6 +241,9 @@ def fleet_problems(pool: PoolSpec, gpus: dict[str, GpuSpec],
     if gpu_key not in catalogue:
         problems.append((("pool", "gpu"), f"unknown GPU {pool.gpu!r}; known: {', '.join(sorted(catalogue))}"))
         return problems
+    if pool.gpus_per_host_link > pool.gpus_per_node:
+        problems.append((("pool", "gpus_per_host_link"), f"{pool.gpus_per_host_link} GPUs per host link exceeds "
+                         f"pool.gpus_per_node {pool.gpus_per_node}: a PCIe link does not span hosts"))
     usable = catalogue[gpu_key].memory_gb * GB * pool.gpu_memory_utilization
     seen: dict[str, int] = {}
     for index, entry in models:

@@ -230,7 +230,8 @@ def _simulate(ctx: Context, fleet: Fleet, workload: Workload, policy: str, layou
     scheduler = make_scheduler(policy, profiles, instances, costs, max_batch_size=fleet.pool.max_batch_size,
                                max_prefill_tokens=fleet.pool.max_prefill_tokens, **options)
     sim = Simulator(scheduler, costs, requests_from(workload, fleet, [0]),
-                    kv_bytes_per_token={name: p.kv_bytes_per_token for name, p in profiles.items()})
+                    kv_bytes_per_token={name: p.kv_bytes_per_token for name, p in profiles.items()},
+                    links=costs.host_links(instances))
     if stop_below is None:
         records = sim.run()
     else:

@@ -23,18 +23,25 @@ plus overheads. A scheduler.costs.CostModel. Assumptions:
 - Switch: each GPU copies its own shard from pinned host memory over its own
   PCIe link, all in parallel. Norms, rotary, sampling, activation traffic are
   left to the fitted fixed terms.
+- The live pool's host time (controller tick, backend hop, token delivery) adds
+  decode_host_s to every decode step and prefill_host_s to every prefill, after
+  the GPU time and the launch floor: the host waits for each step's token.
+- Host links: with pool.gpus_per_host_link >= 1, `host_links` gives the
+  simulator the links its instances copy over (sims.links), where overlapping
+  copies split the bandwidth; else every copy runs at the full link rate.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from scheduler.costs import CostModel
+from scheduler.costs import CopyLinks, CostModel, InstanceSpec
 from scheduler.fleet import GPUS, Arch, Fleet, GpuSpec
+from sims.links import HostLinks, link_spans
 from sims.profiles import CalibrationProfile, ProfileTerms, load_profile
 
 Bound = Literal["memory", "compute", "launch"]
@@ -69,11 +76,15 @@ class ModelConstants:
     allreduce_fixed_s: float  # latency of a step's all-reduces (0 at tp 1)
     allreduce_s_per_token: float
     prefill_overhead_s: float
-    decode_fixed_s: float
+    prefill_request_s: float  # per prompt
+    prefill_host_s: float  # the live pool's host time per prefill, after the GPU time and the floor
+    decode_fixed_s: float  # with the live pool's host time per step
     prefill_floor_s: float  # host launch floor (0 with CUDA graphs)
     decode_floor_s: float
     switch_s: float
     h2d_s_per_byte: float
+    kv_s_per_byte: float  # KV moves (at eff_kv_move)
+    kv_move_fixed_s: float  # per request moved
 
 
 def model_constants(arch: Arch, tp: int, gpu: GpuSpec, terms: ProfileTerms) -> ModelConstants:
@@ -102,11 +113,15 @@ def model_constants(arch: Arch, tp: int, gpu: GpuSpec, terms: ProfileTerms) -> M
         allreduce_fixed_s=2 * layers * terms.allreduce_latency_s if tp > 1 else 0.0,
         allreduce_s_per_token=2 * layers * allreduce_bytes / (gpu.nvlink_gb_s * 1e9 * terms.eff_nvlink),
         prefill_overhead_s=terms.prefill_fixed_s + layers * terms.prefill_layer_s,
-        decode_fixed_s=terms.decode_fixed_s,
+        prefill_request_s=terms.prefill_request_s,
+        prefill_host_s=terms.prefill_host_s,
+        decode_fixed_s=terms.decode_fixed_s + terms.decode_host_s,
         prefill_floor_s=0.0 if terms.prefill_cuda_graphs else layers * terms.launch_s_per_layer,
         decode_floor_s=0.0 if terms.decode_cuda_graphs else layers * terms.launch_s_per_layer,
         switch_s=arch.weight_bytes / tp / (gpu.h2d_gb_s * 1e9 * terms.eff_pcie) + terms.switch_fixed_s,
         h2d_s_per_byte=1.0 / (gpu.h2d_gb_s * 1e9 * terms.eff_pcie),
+        kv_s_per_byte=1.0 / (gpu.h2d_gb_s * 1e9 * (terms.eff_kv_move or terms.eff_pcie)),
+        kv_move_fixed_s=terms.kv_move_fixed_s,
     )
 
 
@@ -131,13 +146,15 @@ class RooflineCostModel(CostModel):
     """
 
     def __init__(self, fleet: Fleet | Mapping[str, tuple[Arch, int]], gpu: str | GpuSpec | None = None,
-                 profile: CalibrationProfile | None = None, gpu_name: str = "") -> None:
+                 profile: CalibrationProfile | None = None, gpu_name: str = "", gpus_per_host_link: int = 0) -> None:
         """`fleet`'s models on `gpu` (a GPU type of the fleet or the catalogue; the pool's by default), or, from
-        `for_models`, models by name -> (arch, tp) on `gpu`, a catalogue key or a spec named `gpu_name`."""
+        `for_models`, models by name -> (arch, tp) on `gpu`, a catalogue key or a spec named `gpu_name`.
+        `gpus_per_host_link` as the pool setting (a fleet's own pool setting wins)."""
         if isinstance(fleet, Fleet):
             models = {entry.name: (entry.arch, entry.tp) for entry in fleet.models}
             gpu = gpu or fleet.pool.gpu
             spec = gpu if isinstance(gpu, GpuSpec) else fleet.gpu(gpu)
+            gpus_per_host_link = fleet.pool.gpus_per_host_link
         elif gpu is None:
             raise TypeError("a cost model without a fleet needs a GPU")
         else:
@@ -147,13 +164,15 @@ class RooflineCostModel(CostModel):
         self.gpu_name, self.gpu = (gpu if isinstance(gpu, str) else gpu_name).lower(), spec
         self.terms = self.profile.terms_for(self.gpu_name)
         self._models = {name: model_constants(arch, tp, spec, self.terms) for name, (arch, tp) in models.items()}
+        self.gpus_per_host_link = gpus_per_host_link
         self._shapes: dict[str, list[_DecodeShape | None]] = {}  # model -> shape by batch size, built on demand
 
     @classmethod
     def for_models(cls, models: Mapping[str, tuple[Arch, int]], gpu: str | GpuSpec,
-                   profile: CalibrationProfile | None = None, gpu_name: str = "") -> RooflineCostModel:
+                   profile: CalibrationProfile | None = None, gpu_name: str = "",
+                   gpus_per_host_link: int = 0) -> RooflineCostModel:
         """A cost model without a fleet: `models` maps names to (arch, tp); `gpu` a catalogue key or a spec."""
-        return cls(models, gpu, profile, gpu_name)
+        return cls(models, gpu, profile, gpu_name, gpus_per_host_link)
 
     def constants(self, model: str) -> ModelConstants:
         return self._models[model]
@@ -169,8 +188,9 @@ class RooflineCostModel(CostModel):
                    + c.attn_s_per_pair * num_tokens * num_tokens / (2.0 * requests))
         experts = expected_experts_touched(c.num_experts, c.experts_per_token, num_tokens)
         memory = c.stream_static_s + experts * c.stream_expert_s + num_tokens * c.kv_write_s_per_token
-        gpu = max(compute, memory) + c.allreduce_fixed_s + num_tokens * c.allreduce_s_per_token + c.prefill_overhead_s
-        return max(gpu, c.prefill_floor_s)
+        gpu = (max(compute, memory) + c.allreduce_fixed_s + num_tokens * c.allreduce_s_per_token + c.prefill_overhead_s
+               + requests * c.prefill_request_s)
+        return max(gpu, c.prefill_floor_s) + c.prefill_host_s
 
     def decode_step_s(self, model: str, batch_size: int, context_tokens: int) -> float:
         if batch_size <= 0:
@@ -189,7 +209,14 @@ class RooflineCostModel(CostModel):
 
     def kv_move_s(self, model: str, num_tokens: int) -> float:
         c = self._models[model]
-        return num_tokens * c.kv_bytes_per_token_gpu * c.h2d_s_per_byte
+        return num_tokens * c.kv_bytes_per_token_gpu * c.kv_s_per_byte + c.kv_move_fixed_s
+
+    def host_links(self, instances: Sequence[InstanceSpec], gpu_of: Mapping[str, int] | None = None) -> CopyLinks | None:
+        """The instances' host links (sims.links) when the pool shares them (gpus_per_host_link >= 1), else None."""
+        if self.gpus_per_host_link < 1:
+            return None
+        shared = (self.terms.eff_pcie_shared or self.terms.eff_pcie) / self.terms.eff_pcie
+        return HostLinks(link_spans(instances, self.gpus_per_host_link, gpu_of), shared)
 
     # ---- turns: many steps at once ---------------------------------------------------------------
     def decode_turn_s(self, model: str, batch_size: int, context_tokens: int, num_steps: int) -> float:

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import importlib.machinery
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import IO, Any
 
 from scheduler import InstanceSpec, Request, make_instances, make_scheduler, model_profiles
 from scheduler.fleet import Fleet
 from sims.costmodel import RooflineCostModel
+from sims.links import gpus_of
 from sims.metrics import summarize
 from sims.simulator import RequestRecord, Simulator
 from sims.workload import Workload, request_id
@@ -99,10 +100,13 @@ def requests_from(workload: Workload, fleet: Fleet, counter: list[int]) -> Itera
 def simulate(fleet: Fleet, workload: Workload, policy: str, *, num_gpus: int | None = None,
              prefill_fraction: float | None = None, gpus_by_tp: dict[int, int] | None = None,
              costs: RooflineCostModel | None = None, plan_log: IO[str] | None = None,
-             progress: Callable[[float], None] | None = None, **options: Any) -> SimResult:
+             progress: Callable[[float], None] | None = None, instances: list[InstanceSpec] | None = None,
+             gpu_of: Mapping[str, int] | None = None, **options: Any) -> SimResult:
+    """`instances` replaces the cut of the fleet's GPUs (a live pool's layout), and `gpu_of` places
+    instances on GPUs by index (instances on one GPU share its host link; see sims.links)."""
     costs = costs or RooflineCostModel(fleet)
     profiles = model_profiles(fleet)
-    instances = build_instances(fleet, policy, num_gpus, prefill_fraction, gpus_by_tp)
+    instances = instances or build_instances(fleet, policy, num_gpus, prefill_fraction, gpus_by_tp)
     # like the live pool, the scheduler forgets requests once they end (same plans; the records keep what happened):
     # its request table stays the size of what is in flight, not of the whole trace
     options.setdefault("keep_ended", False)
@@ -110,11 +114,12 @@ def simulate(fleet: Fleet, workload: Workload, policy: str, *, num_gpus: int | N
                                max_prefill_tokens=fleet.pool.max_prefill_tokens, **options)
     truncated = [0]
     sim = Simulator(scheduler, costs, requests_from(workload, fleet, truncated),
-                    kv_bytes_per_token={name: p.kv_bytes_per_token for name, p in profiles.items()}, plan_log=plan_log)
+                    kv_bytes_per_token={name: p.kv_bytes_per_token for name, p in profiles.items()}, plan_log=plan_log,
+                    links=costs.host_links(instances, gpu_of))
     started, cpu_started = time.perf_counter(), time.process_time()
     records = sim.run(progress=progress)
     sim_wall_s, sim_cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
-    gpus = sum(spec.tp for spec in instances)
+    gpus = len({gpu for used in gpus_of(instances, gpu_of).values() for gpu in used})
     duration = max(workload.duration_s, max((r.finished_at or 0.0) for r in records.values()) if records else 0.0)
     metrics = summarize(records.values(), {n: (p.ttft_slo_s, p.tpot_slo_s) for n, p in profiles.items()},
                         duration_s=workload.duration_s, devices=sim.devices, num_gpus=gpus,

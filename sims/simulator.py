@@ -14,6 +14,11 @@ device and the records its event books (no id lookups on delivery), the
 requests of one event share one segment tuple, nobody finishes in a turn
 shorter than its batch's shortest remainder (no per-request check then), and
 a lost device's pending events are dropped by its flag.
+
+Copies (switches, prefetches, KV moves) take the cost model's times; when the
+cost model shares host links (`CostModel.host_links`), the executor asks the
+links when each copy ends instead (`links`), so overlapping copies slow each
+other. Without shared links (the default) nothing else changes.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from typing import IO, Final
 
 from scheduler import (Action, Decode, Event, InstanceLost, KvMoved, Plan, Prefetch, Prefill, Request, Scheduler,
                        StepDone, Stop, SwapIn, SwapOut, Switch, SwitchDone)
-from scheduler.costs import CostModel
+from scheduler.costs import CopyLinks, CostModel
 from scheduler.policies.base import PolicyBase
 from sims.errors import InvariantViolation
 
@@ -151,12 +156,14 @@ class _Entry:
 class Simulator:
     def __init__(self, scheduler: Scheduler, costs: CostModel, requests: Iterable[Request], *,
                  kv_bytes_per_token: dict[str, int], kv_capacity: dict[str, float] | None = None,
-                 plan_log: IO[str] | None = None, faults: Iterable[tuple[float, str]] = ()) -> None:
+                 plan_log: IO[str] | None = None, faults: Iterable[tuple[float, str]] = (),
+                 links: CopyLinks | None = None) -> None:
         self.scheduler = scheduler
         # the same object when it is one of our policies: compiled, calls through this typed reference are native
         # (through the Protocol they are generic method calls, with their arguments boxed and parsed)
         self._policy: PolicyBase | None = scheduler if isinstance(scheduler, PolicyBase) else None
         self.costs = costs
+        self.links = links  # shared host links (costs.host_links), or None: every copy at its time alone
         self._arrivals = iter(requests)
         self._next_arrival: Request | None = next(self._arrivals, None)
         self.kv_bytes_per_token = kv_bytes_per_token
@@ -352,7 +359,7 @@ class Simulator:
         dev.free_at = t
 
     def _switch(self, iid: str, dev: _Device, action: Switch, t: float) -> float:
-        took = self._switch_time(dev, action.model, t)
+        took = self._switch_time(iid, dev, action.model, t)
         if action.evict:
             dev.resident = {action.model}
         else:
@@ -365,7 +372,8 @@ class Simulator:
 
     def _prefetch(self, iid: str, dev: _Device, action: Prefetch, t: float) -> float:
         if dev.spare != action.model:  # else it is in the spare slot already
-            dev.spare, dev.spare_ready_at = action.model, t + self.costs.switch_s(action.model)
+            dev.spare = action.model
+            dev.spare_ready_at = self._copy_end(iid, True, t, self.costs.switch_s(action.model))
         return t
 
     def _swap(self, iid: str, dev: _Device, action: SwapOut | SwapIn, t: float) -> float:
@@ -382,14 +390,26 @@ class Simulator:
                 dev.kv[rid] = self._kv_bytes(record)
                 dev.kv_moved_bytes += dev.kv[rid]
         self._check_kv(iid, dev)
-        self._push(t + took, COMPLETION, KvMoved(iid, action.request_ids, "host" if out else "device"), dev)
-        return t + took
+        end = self._copy_end(iid, not out, t, took)
+        self._push(end, COMPLETION, KvMoved(iid, action.request_ids, "host" if out else "device"), dev)
+        return end
 
-    def _switch_time(self, dev: _Device, model: str, t: float) -> float:
+    def _copy_end(self, iid: str, to_device: bool, t: float, alone_s: float) -> float:
+        """When a copy of `alone_s` seconds alone that starts at `t` ends (later, on a shared host link)."""
+        if self.links is None:
+            return t + alone_s
+        return self.links.copy_end_at(iid, to_device, t, alone_s, self.now)
+
+    def _switch_time(self, iid: str, dev: _Device, model: str, t: float) -> float:
         """Two model slots, as in the engine: a model in the spare slot (prefetched, or the one switched away
         from last) only changes roles, once its copy is done; any other is copied into the spare slot. Either
         way the model switched away from stays in the other slot, ready."""
-        took = max(0.0, dev.spare_ready_at - t) if dev.spare == model else self.costs.switch_s(model)
+        if dev.spare == model:
+            took = max(0.0, dev.spare_ready_at - t)
+        else:
+            took = self.costs.switch_s(model)
+            if self.links is not None:
+                took = self.links.copy_end_at(iid, True, t, took, self.now) - t
         dev.spare = None
         if dev.model is not None and dev.model != model:
             dev.spare, dev.spare_ready_at = dev.model, t
@@ -413,6 +433,8 @@ class Simulator:
             else:
                 dev.kv[record.request_id] = self._kv_bytes(record)
         self._check_kv(iid, dev)
+        if move_s and self.links is not None:
+            move_s = self.links.copy_end_at(iid, False, t + took, move_s, self.now) - (t + took)
         end = t + took + move_s
         dev.prefill_move_s = move_s
         self._push(end, COMPLETION, StepDone(iid, "prefill", action.request_ids, 1, tuple(finished)), dev, records)

@@ -46,9 +46,32 @@ class ProfileTerms(_Frozen):
     prefill_cuda_graphs: bool = Field(description="Prefill steps replay CUDA graphs, so the host launch floor does not apply.")
     switch_fixed_s: Seconds = Field(description="Per switch overhead on top of copying the weight shard (allocation, bookkeeping).")
     allreduce_latency_s: Seconds = Field(description="Latency of one small tensor-parallel all-reduce over NVLink.")
+    # What the live pool pays beyond the engine's microbenchmarks (`modelpool calibrate` measures them). The
+    # defaults charge nothing more, so a profile without them reads as before (their provenance: DEFAULTED).
+    prefill_request_s: Seconds = Field(default=0.0, description="Per prompt overhead of a prefill step (the engine "
+                                                                "runs attention and sampling prompt by prompt).")
+    prefill_host_s: Seconds = Field(default=0.0, description="Host time the live pool adds to each prefill step "
+                                                             "beyond the engine's own (controller tick, backend hop, "
+                                                             "token delivery, contention for the interpreter).")
+    decode_host_s: Seconds = Field(default=0.0, description="Host time the live pool adds to each decode step beyond "
+                                                            "the engine's own: the first token to the next at the "
+                                                            "sink, less the engine's decode step.")
+    eff_kv_move: Fraction | None = Field(default=None, description="Achieved share of nominal host link bandwidth "
+                                                                   "when KV moves between host and device memory "
+                                                                   "(paged block copies); None: eff_pcie.")
+    kv_move_fixed_s: Seconds = Field(default=0.0, description="Per request overhead of a KV move (its blocks' copies "
+                                                              "are issued one request at a time).")
+    eff_pcie_shared: Fraction | None = Field(default=None, description="Achieved share of nominal host link bandwidth, "
+                                                                       "all copies together, while two or more copies "
+                                                                       "overlap on one link (pool.gpus_per_host_link); "
+                                                                       "None: eff_pcie (the link splits without loss).")
 
 
 TERM_NAMES: tuple[str, ...] = tuple(ProfileTerms.model_fields)
+DEFAULTED: dict[str, str] = {  # terms a profile may leave out, and the provenance they then get
+    name: f"not measured for this profile: the default ({field.default}) "
+          + ("charges nothing more" if name.endswith("_s") else "takes eff_pcie")
+    for name, field in ProfileTerms.model_fields.items() if not field.is_required()}
 
 
 class Provenance(_Frozen):
@@ -57,6 +80,21 @@ class Provenance(_Frozen):
     status: Status = Field(description="'measured' (fitted to measurements on `gpus`) or 'estimated'.")
     source: str = Field(min_length=1, description="The measurement (e.g. the ANCHORS.md line) or the reasoning behind the estimate.")
     gpus: tuple[str, ...] = Field(default=(), description="GPU types the measurement was taken on; elsewhere the number is an extrapolation.")
+
+
+class CalibrationRun(_Frozen):
+    """How `modelpool calibrate` measured a profile: where, when, with what."""
+
+    command: str = Field(min_length=1, description="The command line that measured it.")
+    device: str = Field(min_length=1, description="The device measured: torch's name for it (e.g. 'NVIDIA H200') or 'cpu'.")
+    gpu: str = Field(min_length=1, description="The GPU type (lower-case catalogue key) the measurements count for.")
+    measured_at: str = Field(min_length=1, description="When (ISO 8601, UTC).")
+    software: dict[str, str] = Field(default_factory=dict, description="Versions: torch, CUDA, modelpool commit.")
+    quick: bool = Field(default=False, description="A --quick smoke run: fewer points, fewer repeats.")
+    shapes: tuple[str, ...] = Field(default=(), description="The model shapes measured (fleet arch names).")
+    wall_s: float = Field(default=0.0, ge=0, description="Seconds the calibration took.")
+    figures: dict[str, float] = Field(default_factory=dict, description="Figures measured alongside that are not "
+                                                                        "cost-model terms (graph capture time ...).")
 
 
 class CalibrationProfile(_Frozen):
@@ -69,6 +107,23 @@ class CalibrationProfile(_Frozen):
         default_factory=dict, description="Per GPU type (lower-case catalogue name): terms that replace `terms` on that GPU.")
     provenance: dict[str, Provenance] = Field(
         description="For every term, and for every override as '<gpu>.<term>', where the number comes from.")
+    calibration: CalibrationRun | None = Field(
+        default=None, description="How the profile was measured, when `modelpool calibrate` wrote it.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _defaulted_provenance(cls, data: object) -> object:
+        """A term left at its default (DEFAULTED) gets the provenance that says so."""
+        if not isinstance(data, dict):
+            return data
+        terms = data.get("terms")
+        given = set(terms) if isinstance(terms, dict) else set(getattr(terms, "model_fields_set", ()))
+        provenance = data.get("provenance")
+        if not isinstance(provenance, dict):
+            return data
+        added = {term: {"status": "estimated", "source": source} for term, source in DEFAULTED.items()
+                 if term not in given and term not in provenance}
+        return {**data, "provenance": {**provenance, **added}} if added else data
 
     @model_validator(mode="after")
     def _check(self) -> CalibrationProfile:
