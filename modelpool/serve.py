@@ -30,7 +30,7 @@ import typer
 from pool.actor import EngineSpec
 from pool.engines.base import SamplingParams
 from pool.served import ServedModel, served_model, slot_instances
-from pool.service import LivePool
+from pool.service import BACKENDS, LivePool
 from scheduler import CostModel, InstanceSpec, ModelProfile
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -81,6 +81,26 @@ class Deployment:
     backend: str
     device: str  # 'cpu' | 'cuda' | 'sim'
     notes: list[str] = field(default_factory=list)
+    devices: dict[str, str] = field(default_factory=dict)  # instance id -> torch device (in-process backends)
+    gpu_share: float = 1.0  # of a GPU each instance takes (Ray: the actor's num_gpus)
+
+
+def gpu_layout(num_gpus: int, num_instances: int | None, policy: str) -> tuple[int, dict[str, str], float]:
+    """(instances, instance id -> device, share of a GPU each) for one-GPU instances spread over `num_gpus`.
+
+    The default is one instance per GPU, and under token-level at least two
+    (a prefill and a decode instance) even on one GPU; instances go round-robin
+    over the GPUs and each GPU's memory is split evenly among its instances.
+    """
+    count = num_instances or (max(num_gpus, 2) if policy == "token-level" else num_gpus)
+    per_gpu = -(-count // num_gpus)
+    return count, {f"slot{k}": f"cuda:{k % num_gpus}" for k in range(count)}, 1.0 / per_gpu
+
+
+def gpu_kv_bytes(usable_bytes: int, per_gpu: int, biggest_model_bytes: int) -> int:
+    """Device KV of each of `per_gpu` instances sharing one GPU: what is left of its usable memory after
+    every instance's two model slots and headroom, split evenly."""
+    return (usable_bytes - per_gpu * (2 * biggest_model_bytes + GPU_HEADROOM_BYTES)) // per_gpu
 
 
 def demo_deployment(engine: str, num_gpus: int, num_instances: int | None, kv_mib: int | None) -> Deployment:
@@ -107,7 +127,10 @@ def demo_deployment(engine: str, num_gpus: int, num_instances: int | None, kv_mi
         spec = EngineSpec("torch", {"dtype": "float32", "kv_bytes": kv})
         costs = CpuCosts({m.name: m.profile for m in models})
     instances = slot_instances(count, models, kv)
-    return _finish(Deployment(models, instances, costs, spec, "ray", "cuda" if on_gpu else "cpu", notes), engine)
+    devices = {i.instance_id: f"cuda:{k % num_gpus}" for k, i in enumerate(instances)} if on_gpu else {}
+    share = 1.0 / -(-count // num_gpus) if on_gpu else 1.0
+    return _finish(Deployment(models, instances, costs, spec, "ray", "cuda" if on_gpu else "cpu", notes,
+                              devices=devices, gpu_share=share), engine)
 
 
 def fleet_deployment(fleet_path: Path, engine: str, num_gpus: int, num_instances: int | None, policy: str,
@@ -136,15 +159,17 @@ def fleet_deployment(fleet_path: Path, engine: str, num_gpus: int, num_instances
                                  "(use --engine vllm)", param_hint="--fleet")
     models = [served_model(e.name, base / str(e.weights), ttft_s=fleet.slo(e).ttft_s, tpot_s=fleet.slo(e).tpot_s,
                            tp=e.tp, dtype=None if num_gpus else "float32") for e in fleet.models]
-    count = num_instances or (num_gpus or 2)
+    count, devices, share = gpu_layout(num_gpus, num_instances, policy) if num_gpus else (num_instances or 2, {}, 1.0)
     roles = _roles(count, policy, fleet.pool.prefill_fraction) if num_gpus else None
     if num_gpus:
         usable = int(fleet.gpu().memory_gb * 1e9 * fleet.pool.gpu_memory_utilization)
         biggest = int(max(m.profile.weight_bytes for m in models))
-        kv = kv_mib * MiB if kv_mib else usable - 2 * biggest - GPU_HEADROOM_BYTES
+        per_gpu = round(1 / share)
+        kv = kv_mib * MiB if kv_mib else gpu_kv_bytes(usable, per_gpu, biggest)
         if kv <= 0:
-            raise typer.BadParameter(f"two copies of the largest model ({biggest / 1e9:.1f} GB) leave no KV room on "
-                                     f"one {fleet.pool.gpu}", param_hint="--fleet")
+            raise typer.BadParameter(f"{per_gpu} instance(s) with two copies each of the largest model "
+                                     f"({biggest / 1e9:.1f} GB) leave no KV room on one {fleet.pool.gpu}",
+                                     param_hint="--fleet")
         options = {"device": "cuda", "kv_bytes": kv, "max_host_kv_bytes": int(fleet.pool.host_kv_gb * 1e9
                                                                                / fleet.pool.gpus_per_node)}
         costs = RooflineCostModel.for_models({m.name: (e.arch, e.tp) for m, e in zip(models, fleet.models)},
@@ -155,7 +180,7 @@ def fleet_deployment(fleet_path: Path, engine: str, num_gpus: int, num_instances
         costs = CpuCosts({m.name: m.profile for m in models})
     spec = EngineSpec(engine, options)
     return _finish(Deployment(models, slot_instances(count, models, kv, roles), costs, spec, "ray",
-                              "cuda" if num_gpus else "cpu"), engine)
+                              "cuda" if num_gpus else "cpu", devices=devices, gpu_share=share), engine)
 
 
 def _finish(dep: Deployment, engine: str, time_scale: float = 1.0) -> Deployment:
@@ -234,6 +259,12 @@ def _gpu_key() -> str:
     return "h100"
 
 
+def _has_ray() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("ray") is not None
+
+
 def count_gpus(backend: str, address: str | None) -> int:
     if backend == "ray":
         import ray
@@ -306,8 +337,9 @@ def serve_command(
     port: int = typer.Option(8000, "--port", "-p"),
     policy: str = typer.Option("token-level", "--policy", help="dedicated | request-level | spatial | token-level"),
     instances: int | None = typer.Option(None, "--instances", help="Instances: default 2 CPU slots, or every GPU."),
-    backend: str | None = typer.Option(None, "--backend", help="ray | threads | inprocess (default: ray; threads "
-                                       "for --engine sim)."),
+    backend: str | None = typer.Option(None, "--backend", help="ray | processes | threads | inprocess (default: "
+                                       "ray, or processes where Ray is not installed; threads for --engine sim). "
+                                       "processes: one OS process per instance on this machine."),
     api_key: list[str] = typer.Option([], "--api-key", help="Require this Bearer key on /v1/* (repeatable; also "
                                       "env MODELPOOL_API_KEY)."),
     api_key_file: Path | None = typer.Option(None, "--api-key-file", help="File with one API key per line."),
@@ -344,7 +376,9 @@ def serve_command(
         raise typer.BadParameter(f"unknown engine {engine!r}; choose torch, vllm or sim", param_hint="--engine")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    backend = backend or ("threads" if engine == "sim" else "ray")
+    backend = backend or ("threads" if engine == "sim" else "ray" if _has_ray() else "processes")
+    if backend not in BACKENDS:
+        raise typer.BadParameter(f"unknown backend {backend!r}; choose {', '.join(BACKENDS)}", param_hint="--backend")
     if backend == "ray":
         ray_init(address, instances or 2)
     num_gpus = count_gpus(backend, address) if engine != "sim" else 0
@@ -368,7 +402,7 @@ def serve_command(
         fingerprint="modelpool-sim" if dep.engine.kind == "sim" else None)
     log_file = plan_log.open("w") if plan_log else None
     pool = LivePool(dep.models, dep.instances, policy, dep.costs, engine=dep.engine, backend=backend,
-                    address=address, plan_log=log_file, max_queued_per_model=max_queued_per_model,
+                    address=address, plan_log=log_file, devices=dep.devices, gpu_share=dep.gpu_share, max_queued_per_model=max_queued_per_model,
                     max_requests=max_requests, max_restarts=max_restarts, call_timeout_s=call_timeout_s or None)
     typer.echo(f"Starting {len(dep.instances)} instance(s) with {len(dep.models)} model(s)...")
     pool.start()

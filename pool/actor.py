@@ -38,7 +38,8 @@ def make_engine(spec: EngineSpec) -> Engine:
 class InstanceActor:
     """The engine behind one instance; `call` runs one engine method (calls run one at a time)."""
 
-    def __init__(self, instance_id: str, spec: EngineSpec, models: Mapping[str, str], threads: int = 1) -> None:
+    def __init__(self, instance_id: str, spec: EngineSpec, models: Mapping[str, str], threads: int = 1,
+                 max_tokens: int | None = None) -> None:
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
         try:
             import torch
@@ -50,6 +51,9 @@ class InstanceActor:
         self.engine = make_engine(spec)
         for name, path in models.items():
             self.engine.load(name, Path(path))
+        warm_up = getattr(self.engine, "warm_up", None)
+        if warm_up is not None:  # decode graphs before serving: none is captured on the request path
+            warm_up(max_tokens)
 
     def call(self, method: str, *args: Any) -> Any:
         return getattr(self.engine, method)(*args)
@@ -59,7 +63,8 @@ class InstanceActor:
 
 
 def start_actors(instances: Mapping[str, int], spec: EngineSpec, models: Mapping[str, str], *,
-                 use_gpus: bool, threads: int = 1, timeout_s: float | None = None) -> dict[str, Any]:
+                 use_gpus: bool, threads: int = 1, timeout_s: float | None = None, gpu_share: float = 1.0,
+                 max_tokens: int | None = None) -> dict[str, Any]:
     """One actor per instance id (value: its GPU count); returns once every engine has loaded its models.
 
     Past `timeout_s` (None: no limit) the actors started are killed and
@@ -69,7 +74,8 @@ def start_actors(instances: Mapping[str, int], spec: EngineSpec, models: Mapping
     An instance of several GPUs (tensor parallel) gets a placement group of
     that many GPU bundles packed on one node, and its actor holds them all;
     the engine then spreads the model over them (the vLLM engine does; the
-    torch engine runs one device per instance and refuses TP > 1).
+    torch engine runs one device per instance and refuses TP > 1). A one-GPU
+    instance asks for `gpu_share` of its GPU (0.5: two instances share one).
     """
     import ray
     from ray.util.placement_group import placement_group
@@ -84,13 +90,13 @@ def start_actors(instances: Mapping[str, int], spec: EngineSpec, models: Mapping
                                    "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(threads),
                                                                 "TOKENIZERS_PARALLELISM": "false"}}}
         if use_gpus:
-            options["num_gpus"] = num_gpus
+            options["num_gpus"] = num_gpus if num_gpus > 1 else gpu_share
             if num_gpus > 1:
                 group = placement_group([{"GPU": 1, "CPU": 0.5}] * num_gpus, strategy="STRICT_PACK")
                 ray.get(group.ready())
                 options["num_gpus"] = 1  # the actor's own bundle; the engine's workers take the rest
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
-        actors[instance_id] = remote.options(**options).remote(instance_id, spec, dict(models), threads)
+        actors[instance_id] = remote.options(**options).remote(instance_id, spec, dict(models), threads, max_tokens)
     try:
         ray.get([actor.ready.remote() for actor in actors.values()], timeout=timeout_s)  # type: ignore[attr-defined]
     except ray.exceptions.GetTimeoutError:

@@ -19,6 +19,7 @@ from typing import Any
 
 from pool.controller import InstanceDied
 from pool.engines.base import Engine
+from pool.engines.device import GATE
 
 
 class InProcessBackend:
@@ -109,7 +110,8 @@ class RayBackend:
 
 class ThreadBackend:
     """Engines in this process, one worker thread per instance: calls on one instance run in order,
-    instances in parallel (the `sim` engine's sleeps and torch's kernels release the GIL)."""
+    instances in parallel (the `sim` engine's sleeps and torch's kernels release the GIL). Each call
+    holds `GATE` shared, so an engine capturing CUDA graphs meanwhile has the device to itself."""
 
     def __init__(self, engines: Mapping[str, Engine]) -> None:
         self.engines = dict(engines)
@@ -125,23 +127,44 @@ class ThreadBackend:
         threading.Thread(target=self._serve, args=(instance_id, engine, work), name=f"modelpool-{instance_id}",
                          daemon=True).start()
 
-    def _serve(self, instance_id: str, engine: Engine,
-               work: queue.SimpleQueue[tuple[int, str, tuple[Any, ...]] | None]) -> None:
+    def _serve(self, instance_id: str, engine: Engine, work: queue.SimpleQueue[Any]) -> None:
         while (item := work.get()) is not None:
+            if isinstance(item, threading.Event):  # retire(): free the engine's memory here, between calls
+                close = getattr(engine, "close", None)
+                if close is not None:
+                    close()
+                del engine
+                item.set()
+                self._answer_dead(instance_id, work)
+                return
             handle, method, args = item
             try:
                 if self.engines.get(instance_id) is not engine:  # killed, or replaced since: calls on it are gone
                     result: Any = _dead(instance_id)
                 else:
-                    result = getattr(engine, method)(*args)
+                    with GATE.shared():
+                        result = getattr(engine, method)(*args)
             except Exception as exc:  # handed to the controller, which decides what it means
                 result = exc
+            del args
             self._done.put((handle, result))
+
+    def _answer_dead(self, instance_id: str, work: queue.SimpleQueue[Any]) -> None:
+        while True:
+            try:
+                item = work.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, tuple):
+                self._done.put((item[0], _dead(instance_id)))
 
     def call(self, instance_id: str, method: str, args: tuple[Any, ...], meta: dict[str, Any]) -> int:
         handle = next(self._ids)
-        self._work[instance_id].put((handle, method, args))
         self.in_flight += 1
+        if self.engines.get(instance_id) is None:  # killed or retired: no worker will run it
+            self._done.put((handle, _dead(instance_id)))
+        else:
+            self._work[instance_id].put((handle, method, args))
         return handle
 
     def poll(self, timeout_s: float) -> list[tuple[int, Any]]:
@@ -160,6 +183,15 @@ class ThreadBackend:
         self._work[instance_id].put(None)
         self.engines[instance_id] = engine
         self._start_worker(instance_id, engine)
+
+    def retire(self, instance_id: str, timeout_s: float = 30.0) -> bool:
+        """Write a lost instance's engine off and free its device memory (after the call it may be running):
+        its later calls end with `InstanceDied`. True once freed; False if its worker is still stuck in a
+        call after `timeout_s` (a hung kernel: the memory cannot be taken back)."""
+        self.engines[instance_id] = None  # type: ignore[assignment]
+        freed = threading.Event()
+        self._work[instance_id].put(freed)
+        return freed.wait(timeout_s)
 
     def kill(self, instance_id: str) -> None:
         self.engines[instance_id] = None  # type: ignore[assignment]

@@ -40,6 +40,7 @@ from typing import IO, Any
 
 from pool.actor import EngineSpec, make_engine, start_actors
 from pool.backends import InProcessBackend, RayBackend, ThreadBackend
+from pool.procs import ProcessBackend, start_workers
 from pool.clock import MonotonicClock
 from pool.controller import Controller
 from pool.engines.base import Engine, SamplingParams, TokenOut
@@ -53,6 +54,8 @@ __all__ = ["LivePool", "ModelInfo", "PoolBusy", "PoolClosed", "QueueFull", "Serv
            "slot_instances"]
 
 log = logging.getLogger("modelpool.pool")
+
+BACKENDS = ("ray", "processes", "threads", "inprocess")
 
 
 class PoolClosed(RuntimeError):
@@ -90,9 +93,10 @@ class LivePool:
                  plan_log: IO[str] | None = None, poll_s: float = 0.002, max_queued_per_model: int | None = None,
                  max_requests: int | None = None, retry_after_s: float = 1.0, stats_interval_s: float = 0.5,
                  num_recent_switches: int = 32, max_restarts: int = 3, restart_timeout_s: float = 300.0,
-                 call_timeout_s: float | None = 300.0) -> None:
-        if backend not in ("ray", "inprocess", "threads"):
-            raise ValueError(f"unknown backend {backend!r}; choose ray, inprocess or threads")
+                 call_timeout_s: float | None = 300.0, devices: Mapping[str, str] | None = None,
+                 gpu_share: float = 1.0) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; choose {', '.join(BACKENDS)}")
         self.models = {m.name: m for m in models}
         self.instances = list(instances)
         self.policy = policy
@@ -110,6 +114,10 @@ class LivePool:
         self.max_restarts = max_restarts  # fresh engines per lost instance over the pool's life (0: write off)
         self.restart_timeout_s = restart_timeout_s  # a restart slower than this gives the instance up
         self.call_timeout_s = call_timeout_s  # an engine call unanswered this long: its instance is hung (None: wait)
+        self.devices = dict(devices or {})  # instance id -> torch device of its engine (default: the engine spec's)
+        self.gpu_share = gpu_share  # of a GPU each Ray actor asks for (0.5: two instances on one GPU)
+        # decode graphs are captured ahead for requests up to the longest context served
+        self.max_tokens = max((m.profile.max_context for m in models), default=None)
         self.clock = MonotonicClock()
         self.controller: Controller | None = None
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
@@ -158,10 +166,14 @@ class LivePool:
                          ignore_reinit_error=True)
             self._use_gpus = float(ray.cluster_resources().get("GPU", 0)) > 0
             self._actors = start_actors({spec.instance_id: spec.tp for spec in self.instances}, self.engine,
-                                        self._paths(), use_gpus=self._use_gpus)
+                                        self._paths(), use_gpus=self._use_gpus, gpu_share=self.gpu_share,
+                                        max_tokens=self.max_tokens)
             backend: Any = RayBackend(self._actors)
+        elif self.backend_kind == "processes":
+            backend = ProcessBackend(start_workers({iid: self.devices.get(iid, "") for iid in ids}, self.engine,
+                                                   self._paths(), max_tokens=self.max_tokens))
         else:
-            engines = {iid: self._new_engine() for iid in ids}
+            engines = {iid: self._new_engine(iid) for iid in ids}
             backend = InProcessBackend(engines) if self.backend_kind == "inprocess" else ThreadBackend(engines)
         scheduler = make_scheduler(self.policy, {n: m.profile for n, m in self.models.items()}, self.instances,
                                    self.costs, **{"keep_ended": False, **self.policy_options})  # hold live requests only
@@ -310,16 +322,33 @@ class LivePool:
     def _paths(self) -> dict[str, str]:
         return {name: str(m.path) for name, m in self.models.items()}
 
-    def _new_engine(self) -> Engine:
-        engine = make_engine(self.engine)
+    def _engine_spec(self, instance_id: str) -> EngineSpec:
+        device = self.devices.get(instance_id)
+        if not device or self.engine.kind != "torch":
+            return self.engine
+        return EngineSpec(self.engine.kind, {**self.engine.options, "device": device})
+
+    def _new_engine(self, instance_id: str) -> Engine:
+        """An engine with every model loaded and its decode graphs captured (outside any backend call)."""
+        engine = make_engine(self._engine_spec(instance_id))
         for name, path in self._paths().items():
             engine.load(name, Path(path))
+        warm_up = getattr(engine, "warm_up", None)
+        if warm_up is not None:
+            warm_up(self.max_tokens)
         return engine
 
     def _rebuild(self, instance_id: str) -> Any:
-        """A fresh engine for `instance_id` (on a restart thread): a new actor, the old one killed first."""
+        """A fresh engine for `instance_id` (on a restart thread), built once the lost one has freed its
+        device memory: a new worker (thread or process) or actor, the old one stopped or killed first."""
         if self.backend_kind != "ray":
-            return self._new_engine()
+            retire = getattr(self._backend, "retire", None)
+            if retire is not None and not retire(instance_id, timeout_s=min(60.0, self.restart_timeout_s)):
+                log.warning("instance %s: the lost engine is still in a call; its memory is not free yet", instance_id)
+            if self.backend_kind == "processes":
+                return start_workers({instance_id: self.devices.get(instance_id, "")}, self.engine, self._paths(),
+                                     max_tokens=self.max_tokens, timeout_s=self.restart_timeout_s)[instance_id]
+            return self._new_engine(instance_id)
         import ray
 
         old = self._actors.get(instance_id)
@@ -327,6 +356,7 @@ class LivePool:
             ray.kill(old, no_restart=True)  # an engine error leaves it alive; its device slot is needed
         tp = next(spec.tp for spec in self.instances if spec.instance_id == instance_id)
         return start_actors({instance_id: tp}, self.engine, self._paths(), use_gpus=self._use_gpus,
+                            gpu_share=self.gpu_share, max_tokens=self.max_tokens,
                             timeout_s=self.restart_timeout_s)[instance_id]
 
     def _restarts(self) -> Restarts:

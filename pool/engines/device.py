@@ -9,7 +9,11 @@ the same code paths run in tests.
 
 from __future__ import annotations
 
+import threading
 import weakref
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,8 +89,23 @@ class BumpAllocator:
         return self.capacity_bytes - self._top
 
 
+_HELD: Counter[str] = Counter()  # device -> bytes of the DeviceBuffers alive in this process
+_HELD_LOCK = threading.Lock()
+
+
+def held_device_bytes(device: str | torch.device | None = None) -> int:
+    """Bytes of engine device buffers alive in this process (on `device`, or on all)."""
+    with _HELD_LOCK:
+        return _HELD[str(device)] if device is not None else sum(_HELD.values())
+
+
+def _release(key: str, nbytes: int) -> None:
+    with _HELD_LOCK:
+        _HELD[key] -= nbytes
+
+
 class DeviceBuffer:
-    """One byte tensor on the device, carved into named regions."""
+    """One byte tensor on the device, carved into named regions; counted in `held_device_bytes` until freed."""
 
     def __init__(self, layout: dict[str, int], device: torch.device) -> None:
         self.allocator = BumpAllocator(sum(align_up(n) for n in layout.values()))
@@ -94,6 +113,11 @@ class DeviceBuffer:
         self.storage = torch.empty(self.allocator.capacity_bytes, dtype=torch.uint8, device=device)
         if device.type == "cpu":
             self.storage.zero_()  # fault the pages in now, not inside the first switch
+        key = str(self.storage.device)
+        with _HELD_LOCK:
+            _HELD[key] += self.nbytes
+        # counted until the memory itself goes: the storage outlives this tensor while any view of it is alive
+        weakref.finalize(self.storage.untyped_storage(), _release, key, self.nbytes)
 
     def region(self, name: str) -> torch.Tensor:
         r = self.regions[name]
@@ -124,6 +148,53 @@ def pinned_empty(nbytes: int, pin: bool, owner: object | None = None) -> torch.T
         except (AttributeError, RuntimeError):
             pass
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+# ---- one process, several engines ------------------------------------------------------
+class DeviceGate:
+    """Engine calls share the device; a CUDA-graph capture needs it alone (shared/exclusive lock).
+
+    `torch.cuda.graph` synchronises the device and captures on a process-wide
+    stream: another engine of the same process that launches work during a
+    capture breaks it. Each engine call holds the gate shared (the threads
+    backend does it for every call), a capture holds it exclusive; a waiting
+    capture goes before new calls.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._shared = 0
+        self._exclusive = False
+        self._waiting = 0
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._exclusive and not self._waiting)
+            self._shared += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._shared -= 1
+                self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            self._waiting += 1
+            self._cond.wait_for(lambda: not self._exclusive and not self._shared)
+            self._waiting -= 1
+            self._exclusive = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()
+
+
+GATE = DeviceGate()
 
 
 # ---- streams and events ----------------------------------------------------------

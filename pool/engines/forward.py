@@ -94,11 +94,29 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
+class SharedTensors:
+    """The tensors besides weights and KV that a forward pass reads, one set per (shape, device slot).
+
+    Every decoder of one shape in one slot reads these same tensors, so a CUDA
+    graph captured through one of them replays for all (the graph bakes in
+    their addresses). The per-model part (Qwen3's q/k norms, stacked per head)
+    is written here by `Decoder.bind()` whenever another model takes the slot.
+    """
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> None:
+        self.inv_freq = torch.tensor(spec.inv_freq, dtype=torch.float32, device=device)
+        self.heads = torch.arange(spec.num_kv_heads, device=device)
+        rows = spec.num_heads + spec.num_kv_heads
+        self.qk_norms = (torch.ones(spec.num_layers, rows, spec.head_dim, dtype=dtype, device=device)
+                         if spec.qk_norm else None)
+        self.owner: object = None  # (decoder, load) whose norms are in qk_norms
+
+
 class Decoder:
-    """One model's forward pass, bound to its weight views and its KV row view."""
+    """One model's forward pass, bound to its weight views, its KV row view and its shape's shared tensors."""
 
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], kv: torch.Tensor,
-                 fused: bool | None = None) -> None:
+                 fused: bool | None = None, shared: SharedTensors | None = None) -> None:
         self.spec = spec
         # Decode through the fused Triton kernels (CUDA; `pool.engines.fused`), else plain torch ops.
         self.fused = fused_ops.usable(kv.device) if fused is None else fused
@@ -108,16 +126,26 @@ class Decoder:
             _Layer(*(weights.get(f"{n}.{part}") for part in _Layer.__slots__))  # type: ignore[arg-type]
             for n in range(spec.num_layers)
         ]
-        device = self.embed.device
-        self.inv_freq = torch.tensor(spec.inv_freq, dtype=torch.float32, device=device)
+        self.shared = shared or SharedTensors(spec, self.embed.dtype, self.embed.device)
+        self.inv_freq, self.heads = self.shared.inv_freq, self.shared.heads
         self.scale = spec.head_dim**-0.5
-        self.heads = torch.arange(spec.num_kv_heads, device=device)
         # Qwen3 normalises q and k per head; one weight of [q heads + kv heads, head_dim] does both at once.
-        self.qk_norms: list[torch.Tensor | None] = [
-            torch.cat([layer.q_norm.expand(spec.num_heads, -1), layer.k_norm.expand(spec.num_kv_heads, -1)])
-            if layer.q_norm is not None and layer.k_norm is not None else None
-            for layer in self.layers
-        ]
+        norms = self.shared.qk_norms
+        self.qk_norms: list[torch.Tensor | None] = [None if norms is None else norms[n] for n in range(spec.num_layers)]
+        if shared is None:
+            self.bind()
+
+    def bind(self, load: int = 0) -> None:
+        """Put this model's per-model shared tensors in place, read from its weights; `load` names the copy
+        of the weights in the slot (a no-op while the tensors are from that copy already)."""
+        norms = self.shared.qk_norms
+        if norms is None or self.shared.owner == (self, load):
+            return
+        s = self.spec
+        for n, layer in enumerate(self.layers):
+            norms[n, : s.num_heads].copy_(layer.q_norm.expand(s.num_heads, -1))  # type: ignore[union-attr]
+            norms[n, s.num_heads :].copy_(layer.k_norm.expand(s.num_kv_heads, -1))  # type: ignore[union-attr]
+        self.shared.owner = (self, load)
 
     # ---- shared pieces ----
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,16 +1,25 @@
-"""CUDA graphs for decode steps (CUDA only; the engine never builds this on CPU).
+"""CUDA graphs for decode steps, captured ahead of serving (the capture itself is CUDA only).
 
-A graph is captured per (model, device slot, batch bucket, block-table
-bucket): the weights of a model always sit at the same offsets inside a slot
-and the KV view never moves, so a graph stays valid whenever that model is
-back in that slot. Inputs are copied into the graph's static tensors; rows
-past the real batch point at a scratch block that no request owns.
+A graph bakes in every address it touches, so one graph serves every model
+of one shape (architecture and dtype) in one device slot: such models put
+each weight at the same offset of the slot, read the same KV view and the
+same per-shape tensors (`forward.SharedTensors`). The engine captures, when
+it warms up, one graph per (shape, slot, batch bucket, block-table width)
+from a fixed set (`GraphBuckets`, vLLM's way: padded batch sizes, a few
+table widths), so nothing is captured on the request path; a step outside
+the set runs eagerly and is counted as a miss.
+
+Captures in one process are serialised with every other engine's calls
+through `device.GATE`: `torch.cuda.graph` synchronises the device and
+captures on a process-wide stream, so an engine on another thread that
+launches work meanwhile breaks the capture (seen on the H200 with two
+engines on one GPU).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+import time
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,8 +32,30 @@ def bucket(n: int, sizes: Sequence[int]) -> int | None:
     return next((s for s in sorted(sizes) if s >= n), None)
 
 
-def blocks_bucket(n: int, minimum: int = 4) -> int:
-    return max(minimum, 1 << (n - 1).bit_length())
+@dataclass(frozen=True, slots=True)
+class GraphBuckets:
+    """The padded batch sizes and block-table widths decode graphs are captured for."""
+
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    block_widths: tuple[int, ...] = (16, 64, 256)
+
+    def __post_init__(self) -> None:
+        for name in ("batch_sizes", "block_widths"):
+            values = getattr(self, name)
+            if not values or any(v < 1 for v in values) or list(values) != sorted(set(values)):
+                raise ValueError(f"GraphBuckets.{name} = {values!r}: give distinct sizes >= 1 in increasing order")
+
+    def pick(self, batch: int, num_blocks: int) -> tuple[int, int] | None:
+        """(padded batch, table width) a step of `batch` requests of up to `num_blocks` blocks replays, or None."""
+        padded, width = bucket(batch, self.batch_sizes), bucket(num_blocks, self.block_widths)
+        return None if padded is None or width is None else (padded, width)
+
+    def shapes(self, max_blocks: int) -> list[tuple[int, int]]:
+        """Every (batch, width) to capture for requests of at most `max_blocks` blocks (widths past the
+        first that covers it are never picked)."""
+        widths = [w for w in self.block_widths if w < max_blocks] + [bucket(max_blocks, self.block_widths)
+                                                                      or self.block_widths[-1]]
+        return [(b, w) for w in dict.fromkeys(widths) for b in self.batch_sizes]
 
 
 @dataclass(slots=True)
@@ -35,31 +66,50 @@ class _Captured:
 
 
 class DecodeGraphs:
-    """Captures lazily and replays; least recently used graphs beyond `max_graphs` are dropped."""
+    """Captured decode graphs by key; `replay` returns None for a key never captured (run eagerly then)."""
 
-    def __init__(self, max_graphs: int = 64, warmup_steps: int = 2) -> None:
-        self.max_graphs = max_graphs
+    def __init__(self, warmup_steps: int = 2) -> None:
         self.warmup_steps = warmup_steps
         self.pool = torch.cuda.graph_pool_handle()
-        self._graphs: OrderedDict[Hashable, _Captured] = OrderedDict()
+        self._graphs: dict[Hashable, _Captured] = {}
+        # every graph writes its logits into one buffer per vocab size (rows: the batch): graphs replay one at
+        # a time and each step's logits are sampled before the next replay, so one buffer serves them all
+        self._logits: dict[tuple[int, torch.device], torch.Tensor] = {}
         self.num_captures = 0
+        self.capture_s = 0.0
+        self.num_replays = 0
+        self.num_misses = 0  # steps that found no graph and ran eagerly
 
-    def run(self, key: Hashable, decoder: Decoder, inputs: DecodeInputs) -> torch.Tensor:
-        """Logits for `inputs` (already padded to a bucket), replaying a graph captured on first use."""
+    def capture_all(self, items: Iterable[tuple[Hashable, Callable[[], tuple[Decoder, DecodeInputs]]]]) -> int:
+        """Capture every `(key, make)` not captured yet; `make()` gives the decoder and padded dummy inputs.
+        Runs with every other engine of the process held off (`GATE.exclusive`); returns graphs captured."""
+        from pool.engines.device import GATE
+
+        count = 0
+        with GATE.exclusive():
+            for key, make in items:
+                if key in self._graphs:
+                    continue
+                started = time.perf_counter()
+                self._graphs[key] = self._capture(*make())
+                self.capture_s += time.perf_counter() - started
+                self.num_captures += 1
+                count += 1
+        return count
+
+    def replay(self, key: Hashable, inputs: DecodeInputs) -> torch.Tensor | None:
+        """Logits for `inputs` (padded to the key's bucket) from the graph of `key`; None when there is none."""
         captured = self._graphs.get(key)
         if captured is None:
-            captured = self._capture(decoder, inputs)
-            self._graphs[key] = captured
-            while len(self._graphs) > self.max_graphs:
-                self._graphs.popitem(last=False)
-        self._graphs.move_to_end(key)
+            self.num_misses += 1
+            return None
         captured.static.packed.copy_(inputs.packed, non_blocking=True)
         captured.graph.replay()
+        self.num_replays += 1
         return captured.logits
 
     def _capture(self, decoder: Decoder, inputs: DecodeInputs) -> _Captured:
-        # Static inputs start as the caller's (padded) inputs; warm-up steps write K/V
-        # for them, which is harmless: the same values are written again on replay.
+        # Warm-up steps write K/V for the dummy inputs into the scratch block, which no request owns.
         static = DecodeInputs(inputs.packed.clone(), inputs.batch, inputs.max_blocks)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -67,14 +117,19 @@ class DecodeGraphs:
             for _ in range(self.warmup_steps):
                 decoder.decode(static)
         torch.cuda.current_stream().wait_stream(side)
+        vocab = decoder.spec.vocab_size
+        out = self._logits.get((vocab, static.packed.device))
+        if out is None or out.shape[0] < inputs.batch:
+            out = torch.empty(max(64, inputs.batch), vocab, dtype=torch.float32, device=static.packed.device)
+            self._logits[(vocab, static.packed.device)] = out
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = decoder.decode(static)
-        self.num_captures += 1
-        return _Captured(graph, static, logits)
+            out[: inputs.batch].copy_(decoder.decode(static))
+        return _Captured(graph, static, out[: inputs.batch])
 
     def clear(self) -> None:
         self._graphs.clear()
+        self._logits.clear()
 
     def __len__(self) -> int:
         return len(self._graphs)

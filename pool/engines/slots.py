@@ -28,6 +28,7 @@ class ModelSlots:
         self.on_copy = on_copy
         self.holder: list[str | None] = [None] * len(slots)
         self.ready: list[Any] = [None] * len(slots)  # event of the copy into each slot
+        self.loads: list[int] = [0] * len(slots)  # copies into each slot so far (names the weights there)
         self.current: int | None = None
         self.prefetched: str | None = None  # copied (or copying) ahead of its activation
 
@@ -109,4 +110,5 @@ class ModelSlots:
             self.slots[slot][: image.nbytes].copy_(image.buffer, non_blocking=True)
         self.ready[slot] = self.streams.record(weights)
         self.holder[slot] = image.name
+        self.loads[slot] += 1
         self.on_copy(image.nbytes)

@@ -12,6 +12,8 @@ Requests are admitted by `prefill` (or `import_kv`) and freed by `release`,
 from __future__ import annotations
 
 import json
+import time
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -20,13 +22,15 @@ from typing import Any
 import torch
 
 from pool.engines.base import EngineError, EngineStats, GenRequest, KvExport, Table, TokenOut
-from pool.engines.device import DeviceBuffer, Streams
-from pool.engines.forward import Decoder
+from pool.engines.device import DeviceBuffer, Streams, held_device_bytes
+from pool.engines.forward import Decoder, DecodeInputs, SharedTensors
+from pool.engines.graphs import GraphBuckets
 from pool.engines.kv import KvShape, host_pool
 from pool.engines.kvstore import (KvStore, SeqKv, allocate_all, decode_inputs, free_host, prefill_inputs, read_host,
                                   write_tokens)
 from pool.engines.sampling import OutputText, finish_reason, random_seed, sample
 from pool.engines.slots import ModelSlots
+from pool.engines.timings import StepTimings
 from pool.engines.weights import HostWeightCache, ModelImage, shared_weight_cache
 
 MiB = 1 << 20
@@ -49,14 +53,15 @@ class TorchEngineConfig:
     max_host_kv_bytes: int = 1024 * MiB  # cap on host KV slabs
     host_kv_prealloc_bytes: int = 0  # host KV slabs made up front (pinning mid-swap costs ~0.3 s/GiB)
     max_model_bytes: int | None = None  # each model slot; None: the largest model loaded when first needed
-    cuda_graphs: bool = True  # capture decode steps as CUDA graphs (CUDA only)
-    graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # batch buckets for graphs
-    max_graphs: int = 64  # captured graphs kept (LRU)
+    cuda_graphs: bool = True  # replay decode steps from CUDA graphs captured by warm_up() (CUDA only)
+    graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # padded batch sizes graphs are captured for
+    graph_block_widths: tuple[int, ...] = (16, 64, 256, 1024)  # block-table widths graphs are captured for
 
     def __post_init__(self) -> None:
         if self.dtype is not None and not isinstance(getattr(torch, self.dtype, None), torch.dtype):
             raise ValueError(f"TorchEngineConfig.dtype = {self.dtype!r} is not a torch dtype")
-        for name in ("block_size", "device_slab_bytes", "host_slab_bytes", "max_graphs"):
+        GraphBuckets(self.graph_batch_sizes, self.graph_block_widths)  # raises on a bad set
+        for name in ("block_size", "device_slab_bytes", "host_slab_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TorchEngineConfig.{name} = {getattr(self, name)!r} must be >= 1")
         for name in ("kv_bytes", "max_host_kv_bytes", "host_kv_prealloc_bytes"):
@@ -105,15 +110,18 @@ class TorchEngine:
         self._host_kv = host_pool(self.config.host_slab_bytes, self.config.max_host_kv_bytes, self.streams.cuda)
         self._host_kv.reserve(-(-self.config.host_kv_prealloc_bytes // self.config.host_slab_bytes))
         self._decoders: dict[tuple[str, int, bool | None], Decoder] = {}
+        self._shared: dict[tuple[Any, torch.dtype, int], SharedTensors] = {}  # (spec, dtype, slot) -> tensors
         self._graphs: Any = None
+        self.buckets = GraphBuckets(self.config.graph_batch_sizes, self.config.graph_block_widths)
         self.use_cuda_graphs = self.streams.cuda and self.config.cuda_graphs  # may be switched off later
         self.fused_decode: bool | None = None  # fused Triton decode kernels; None: wherever they run (CUDA)
         if self.use_cuda_graphs:
             from pool.engines.graphs import DecodeGraphs
 
-            self._graphs = DecodeGraphs(self.config.max_graphs)
+            self._graphs = DecodeGraphs()
         self.weight_bytes_h2d = self.num_switches = 0
         self.switch_s = 0.0
+        self.timings = StepTimings(self.streams.cuda)
 
     # ---- models -------------------------------------------------------------------------
     def load(self, model: str, path: Path) -> None:
@@ -143,6 +151,7 @@ class TorchEngine:
         return self._models.require(model).image.nbytes
 
     def activate(self, model: str) -> float:
+        self.timings.other()
         image = self._models.require(model).image
         slots = self._ensure_buffer()
         if slots.active_model == model:
@@ -153,6 +162,7 @@ class TorchEngine:
         return seconds
 
     def prefetch(self, model: str) -> None:
+        self.timings.other()
         self._ensure_buffer().prefetch(self._models.require(model).image)
 
     def weights_pinned(self, model: str) -> bool:
@@ -173,6 +183,7 @@ class TorchEngine:
 
     # ---- generation -----------------------------------------------------------------------
     def prefill(self, requests: Sequence[GenRequest]) -> list[TokenOut]:
+        started = time.perf_counter()
         seqs = [self._admit(r) for r in requests]
         if not seqs:
             return []
@@ -182,9 +193,12 @@ class TorchEngine:
         kv.grow([s.kv for s in seqs], [len(s.tokens) for s in seqs])
         self._seqs.update((s.request.request_id, s) for s in seqs)
         inputs = prefill_inputs([s.tokens for s in seqs], [s.kv for s in seqs], self.device)
-        return self._emit(seqs, self._decoder(seqs[0].model).prefill(inputs))
+        out = self._emit(seqs, self._decoder(seqs[0].model).prefill(inputs))
+        self.timings.prefill(sum(len(s.tokens) for s in seqs) - len(seqs), len(seqs), time.perf_counter() - started)
+        return out
 
     def decode_step(self, request_ids: Sequence[str]) -> list[TokenOut]:
+        entered_at = time.perf_counter()
         seqs = [self._runnable(rid) for rid in request_ids]
         if not seqs:
             return []
@@ -197,28 +211,71 @@ class TorchEngine:
         decoder = self._decoder(model)
         last, positions = [s.tokens[-1] for s in seqs], [len(s.tokens) - 1 for s in seqs]
         max_blocks = max(len(k.blocks) for k in kvs)
-        graph_batch = self._graph_batch(batch)
-        if graph_batch is None:
-            logits = decoder.decode(decode_inputs(last, kvs, positions, self.device, batch, max_blocks))
-        else:
-            from pool.engines.graphs import blocks_bucket
+        picked = self.buckets.pick(batch, max_blocks) if self.use_cuda_graphs and self._graphs is not None else None
+        logits, forward = None, None
+        if picked is not None:
+            padded, width = picked
+            inputs = decode_inputs(last, kvs, positions, self.device, padded, width, kv.scratch(model.kv_shape))
+            timer = self.timings.forward_begin()
+            logits = self._graphs.replay(self._graph_key(model, decoder, padded, width), inputs)
+            if logits is not None:
+                logits, forward = logits[:batch], self.timings.forward_end(timer)
+        if logits is None:
+            inputs = decode_inputs(last, kvs, positions, self.device, batch, max_blocks)
+            timer = self.timings.forward_begin()
+            logits = decoder.decode(inputs)
+            forward = self.timings.forward_end(timer) if not self.streams.cuda else None  # eager CUDA: untimed
+        out = self._emit(seqs, logits)
+        self.timings.decode(tuple(request_ids), entered_at, forward)
+        return out
 
-            max_blocks = blocks_bucket(max_blocks)
-            inputs = decode_inputs(last, kvs, positions, self.device, graph_batch, max_blocks,
-                                   kv.scratch(model.kv_shape))
-            slot = self._slots.current  # type: ignore[union-attr]
-            key = (model.name, slot, decoder.fused, graph_batch, max_blocks)
-            logits = self._graphs.run(key, decoder, inputs)[:batch]
-        return self._emit(seqs, logits)
+    # ---- CUDA graphs --------------------------------------------------------------------------
+    def warm_up(self, max_tokens: int | None = None) -> int:
+        """Capture the decode graphs of every loaded model's shape in both device slots, for requests of
+        up to `max_tokens` tokens (None: the widest table set), so that serving never captures; returns
+        how many were captured (0 on CPU or with graphs off). Call it outside any other call of this engine."""
+        if self._graphs is None or not self.use_cuda_graphs or not self._models:
+            return 0
+        slots = self._ensure_buffer()
+        kv = self._kv_store()
+        max_blocks = (self.buckets.block_widths[-1] if max_tokens is None
+                      else -(-max_tokens // self.config.block_size))
+        todo = []
+        shapes = {(m.image.spec, m.image.dtype): m for m in self._models.values()}
+        for model in shapes.values():
+            for slot in range(len(slots.slots)):
+                decoder = self._slot_decoder(model, slot)
+                for padded, width in self.buckets.shapes(max_blocks):
+                    todo.append((self._graph_key(model, decoder, padded, width, slot),
+                                 lambda d=decoder, b=padded, w=width, m=model: (d, self._dummy_inputs(m, b, w, kv))))
+        with torch.no_grad():
+            return self._graphs.capture_all(todo)
+
+    def _graph_key(self, model: _Model, decoder: Decoder, padded: int, width: int, slot: int | None = None) -> tuple:
+        slot = self._slots.current if slot is None else slot  # type: ignore[union-attr]
+        return (model.image.spec, model.image.dtype, slot, decoder.fused, padded, width)
+
+    def _dummy_inputs(self, model: _Model, batch: int, width: int, kv: KvStore) -> DecodeInputs:
+        """Decode inputs of `batch` rows that read and write only the scratch block (for a capture)."""
+        from pool.engines.forward import _ROWS
+
+        scratch = kv.scratch(model.kv_shape)
+        rows = {"token_ids": [0] * batch, "positions": [0] * batch, "write_row": [scratch] * batch,
+                "write_offset": [0] * batch, "lengths": [1] * batch}
+        assert list(rows) == list(_ROWS)
+        return DecodeInputs.pack(rows, [[scratch] * width] * batch, self.device)
 
     # ---- KV movement ---------------------------------------------------------------------------
     def save_kv(self, request_ids: Sequence[str]) -> None:
+        self.timings.other()
         self._kv_store().save([self._seqs.require(rid).kv for rid in request_ids])
 
     def restore_kv(self, request_ids: Sequence[str]) -> None:
+        self.timings.other()
         self._kv_store().restore([self._seqs.require(rid).kv for rid in request_ids])
 
     def release(self, request_ids: Sequence[str]) -> None:
+        self.timings.other()
         for rid in request_ids:
             seq = self._seqs.pop(rid, None)
             if seq is not None:
@@ -253,7 +310,9 @@ class TorchEngine:
         self.streams.synchronize()
 
     def stats(self) -> EngineStats:
+        self.timings.other()
         slots, kv, host = self._slots, self._kv, self._host_kv
+        graphs = self._graphs
         return EngineStats(
             device=str(self.device),
             device_buffer_bytes=self._buffer.nbytes if self._buffer else 0,
@@ -272,8 +331,32 @@ class TorchEngine:
             switch_s=self.switch_s,
             extra={"weight_bytes_h2d": self.weight_bytes_h2d, "device_slabs": kv.device.num_slabs if kv else 0,
                    "host_slabs": host.num_slabs, "resident_models": tuple(slots.holder) if slots else (),
-                   "graphs": len(self._graphs) if self._graphs is not None else 0},
+                   "graphs": len(graphs) if graphs is not None else 0,
+                   "graph_captures": graphs.num_captures if graphs is not None else 0,
+                   "graph_capture_s": round(graphs.capture_s, 4) if graphs is not None else 0.0,
+                   "graph_replays": graphs.num_replays if graphs is not None else 0,
+                   "graph_misses": graphs.num_misses if graphs is not None else 0,
+                   "held_device_bytes": held_device_bytes(self.device),
+                   "timings": self.timings.summary()},
         )
+
+    def close(self) -> None:
+        """Free the device buffer, graphs and decoders (a restarted instance needs the memory); the
+        engine is unusable after. Host weights stay in the shared cache."""
+        try:
+            self.streams.synchronize()
+        except RuntimeError:  # a failed kernel leaves the context broken; free what can be freed
+            pass
+        self._seqs.clear()
+        if self._graphs is not None:
+            self._graphs.clear()
+        for shared in self._shared.values():
+            shared.owner = None  # decoder <-> shared tensors: no cycle left for the collector
+        self._decoders.clear()
+        self._shared.clear()
+        self._buffer = self._slots = self._kv = None
+        if self.streams.cuda:
+            torch.cuda.empty_cache()
 
     # ---- internals -------------------------------------------------------------------------------
     def _ensure_buffer(self) -> ModelSlots:
@@ -382,19 +465,23 @@ class TorchEngine:
         slots = self._ensure_buffer()
         if slots.current is None or slots.active_model != model.name:
             raise EngineError(f"model {model.name!r} is not active")
-        key = (model.name, slots.current, self.fused_decode)
+        decoder = self._slot_decoder(model, slots.current)
+        decoder.bind(slots.loads[slots.current])
+        return decoder
+
+    def _slot_decoder(self, model: _Model, slot: int) -> Decoder:
+        """The forward pass of `model` as if it sat in `slot` (its weights need not be there yet)."""
+        key = (model.name, slot, self.fused_decode)
         if key not in self._decoders:
-            storage = slots.slots[slots.current]
-            self._decoders[key] = Decoder(model.image.spec, model.image.views(storage),
-                                          self._kv_store().view(model.kv_shape), fused=self.fused_decode)
+            slots = self._ensure_buffer()
+            image = model.image
+            shared_key = (image.spec, image.dtype, slot)
+            if shared_key not in self._shared:
+                self._shared[shared_key] = SharedTensors(image.spec, image.dtype, self.device)
+            self._decoders[key] = Decoder(image.spec, image.views(slots.slots[slot]),
+                                          self._kv_store().view(model.kv_shape), fused=self.fused_decode,
+                                          shared=self._shared[shared_key])
         return self._decoders[key]
-
-    def _graph_batch(self, batch: int) -> int | None:
-        if self._graphs is None or not self.use_cuda_graphs:
-            return None
-        from pool.engines.graphs import bucket
-
-        return bucket(batch, self.config.graph_batch_sizes)
 
     def _emit(self, seqs: list[_Seq], logits: torch.Tensor) -> list[TokenOut]:
         """Sample one token per request, extend its text, and finish (and free) it when it stops."""

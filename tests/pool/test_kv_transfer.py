@@ -279,6 +279,8 @@ def test_cuda_requests_move_between_engines_mid_swap(graphs, demo_models):
     requests = [GenRequest(f"r{i}", MODEL, ids(ref, p), params[i]) for i, p in enumerate(PROMPTS)]
     expected = run(ref, requests)
     engines = [make_engine(demo_models, **config), make_engine(demo_models, block_size=8, **config)]
+    for engine in (ref, *engines):
+        engine.warm_up()
     engines[0].activate(MODEL)
     outs = {o.request_id: [o] for o in engines[0].prefill(requests)}
     rids, turn = list(outs), 0
@@ -295,6 +297,7 @@ def test_cuda_requests_move_between_engines_mid_swap(graphs, demo_models):
         decode_all(dst, live, outs, steps=1)
     for rid in rids:
         assert tokens(outs[rid]) == tokens(expected[rid]), rid
+    assert all(engine.stats().extra["graph_misses"] == 0 for engine in engines)
     for engine, block_size in zip(engines, (16, 8)):
         scratch = BLOCK_BYTES * block_size // 16 if graphs else 0  # the block padded graph rows write to
         assert kv_used(engine) == (scratch, 0, 0)

@@ -181,6 +181,8 @@ def test_cuda_engine_matches_transformers_through_swaps(graphs, demo_models):
     slab = 128 * 1024
     engine = make_engine(demo_models, device="cuda", cuda_graphs=graphs, kv_bytes=6 * slab, device_slab_bytes=slab,
                          host_slab_bytes=slab)
+    captured = engine.warm_up()  # every graph before serving: none is captured on the request path
+    assert (captured > 0) == graphs
     requests = tiny_requests(engine, 20)
     expected = {}
     for model, reqs in requests.items():
@@ -190,7 +192,9 @@ def test_cuda_engine_matches_transformers_through_swaps(graphs, demo_models):
             out = hf.generate(prompt, max_new_tokens=20, min_new_tokens=20, do_sample=False)
             expected[r.request_id] = out[0, prompt.shape[1]:].tolist()
     assert run_preempted(engine, requests, 3, 20) == expected
-    assert (engine.stats().extra["graphs"] > 0) == graphs
+    extra = engine.stats().extra
+    assert extra["graph_captures"] == captured and extra["graph_misses"] == 0
+    assert (extra["graph_replays"] > 0) == graphs
     seeded = SamplingParams(temperature=1.0, seed=5, max_tokens=12, ignore_eos=True)
     ids = prompt_ids(engine, "tiny-llama")
     first = run(engine, [GenRequest("s1", "tiny-llama", ids[0], seeded)])["s1"]

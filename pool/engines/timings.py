@@ -1,0 +1,88 @@
+"""What an engine's steps cost in the live pool: prefill times, and the host's share of each decode step.
+
+A decode step's period is the time from one `decode_step` call of a batch
+to the next one of the same batch: the device's forward pass plus all the
+host adds around it (inputs, sampling, token delivery, the backend hop, the
+controller's tick, the runner). The forward alone is timed on the device
+(CUDA events around the graph replay) or, on CPU, by the host clock, so
+`period - forward` is the host overhead per step that the live pool pays
+and the cost model must charge. Prefill is timed whole (inputs to sampled
+token), as the live pool runs it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+BATCH_BUCKETS = (1, 4, 8, 16, 32, 64, 256)  # decode figures per batch up to each
+
+
+class StepTimings:
+    def __init__(self, cuda: bool, keep: int = 4096) -> None:
+        self.cuda = cuda
+        self.prefills: deque[tuple[int, int, float]] = deque(maxlen=keep)  # (tokens, requests, seconds)
+        self.decodes: deque[tuple[int, float, float]] = deque(maxlen=keep)  # (batch, period s, forward s)
+        self._last: tuple[tuple[str, ...], float, Any] | None = None  # (ids, entered at, forward timer)
+
+    # ---- forward timer: CUDA events around the forward, or the host clock on CPU ----
+    def forward_begin(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        import torch
+
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        return (start, end)
+
+    def forward_end(self, timer: Any) -> Any:
+        if not self.cuda:
+            return time.perf_counter() - timer
+        timer[1].record()
+        return timer
+
+    @staticmethod
+    def _seconds(timer: Any) -> float:
+        if isinstance(timer, float):
+            return timer
+        return timer[0].elapsed_time(timer[1]) / 1e3  # both recorded before the step's sampling synced
+
+    # ---- records ----
+    def prefill(self, num_tokens: int, num_requests: int, seconds: float) -> None:
+        self.prefills.append((num_tokens, num_requests, seconds))
+        self._last = None
+
+    def decode(self, request_ids: tuple[str, ...], entered_at: float, forward: Any) -> None:
+        """A decode step of `request_ids` entered at `entered_at`; `forward` from forward_end (None: untimed)."""
+        last = self._last
+        if last is not None and last[0] == request_ids and last[2] is not None:
+            self.decodes.append((len(request_ids), entered_at - last[1], self._seconds(last[2])))
+        self._last = (request_ids, entered_at, forward)
+
+    def other(self) -> None:
+        """Any other engine call: the next decode step starts a new run of the same batch."""
+        self._last = None
+
+    # ---- summaries ----
+    def summary(self, max_prefills: int = 256) -> dict[str, Any]:
+        """Decode period, forward and host overhead (ms) per batch bucket; the latest prefills."""
+        decode: dict[str, Any] = {}
+        if self.decodes:
+            rows = np.array(self.decodes, dtype=np.float64)
+            low = 0
+            for high in BATCH_BUCKETS:
+                picked = rows[(rows[:, 0] > low) & (rows[:, 0] <= high)]
+                low = high
+                if not len(picked):
+                    continue
+                overhead = (picked[:, 1] - picked[:, 2]) * 1e3
+                decode[f"<={high}"] = {
+                    "steps": int(len(picked)), "period_ms_p50": round(float(np.median(picked[:, 1])) * 1e3, 4),
+                    "forward_ms_p50": round(float(np.median(picked[:, 2])) * 1e3, 4),
+                    "overhead_ms_p50": round(float(np.median(overhead)), 4),
+                    "overhead_ms_p90": round(float(np.percentile(overhead, 90)), 4)}
+        prefills = [[t, n, round(s, 6)] for t, n, s in list(self.prefills)[-max_prefills:]]
+        return {"decode": decode, "prefills": prefills}

@@ -1,0 +1,283 @@
+"""A process per instance without Ray: each engine in its own OS process, with its own CUDA context and GIL.
+
+The single-machine pattern of vLLM's multiprocessing executor. `ProcessBackend`
+answers the same `call`/`poll` contract as the Ray and thread backends: calls
+to one instance run in order in its process, instances run in parallel, and a
+process that dies (killed, crashed, or its pipe broken) is a lost instance:
+every call in flight or sent later to it ends with `InstanceDied`.
+
+Messages go over one pipe per process, pickled (protocol 5). A large array in
+a result - the KV of `export_kv` - does not go through the pipe: the worker
+writes it to a file in shared memory (/dev/shm) and sends its name; the
+controller's process passes the name on to the importing worker, which maps
+the file, and unlinks the file once that call has ended (or when nobody
+needs the array any more).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import tempfile
+import threading
+import traceback
+import uuid
+import weakref
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pool.actor import EngineSpec
+from pool.controller import InstanceDied
+from pool.engines.base import EngineError
+
+log = logging.getLogger("modelpool.procs")
+
+SHM_MIN_BYTES = 1 << 20  # arrays at least this large travel through shared memory
+_SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+
+
+# ---- large arrays through shared-memory files ---------------------------------------------------------
+class ShmArray:
+    """A worker's array in a shared-memory file, as the controller's process holds it (never mapped here).
+
+    Pickled to a worker it becomes the mapped array again; the file is
+    unlinked when this object goes (after the call that carried it ended).
+    """
+
+    def __init__(self, path: str, dtype: str, shape: tuple[int, ...]) -> None:
+        self.path, self.dtype, self.shape = path, dtype, shape
+        weakref.finalize(self, _unlink, path)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.dtype(self.dtype).itemsize * np.prod(self.shape))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_map_array, (self.path, self.dtype, self.shape))
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _map_array(path: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    """In a worker: the array of a shared-memory file (a read-only map; the file may be unlinked later)."""
+    if not shape or int(np.prod(shape)) == 0:
+        return np.empty(shape, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r", shape=shape)
+
+
+class _WorkerPickler(pickle.Pickler):
+    """A worker's results: large arrays go to shared-memory files, the rest as usual."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, np.ndarray) and obj.nbytes >= SHM_MIN_BYTES:
+            path = str(_SHM_DIR / f"modelpool-{os.getpid()}-{uuid.uuid4().hex}")
+            np.ascontiguousarray(obj).tofile(path)
+            return (ShmArray, (path, obj.dtype.str, tuple(obj.shape)))
+        return NotImplemented
+
+
+def _dumps_result(item: Any) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    _WorkerPickler(buffer, protocol=5).dump(item)
+    return buffer.getvalue()
+
+
+# ---- the worker process ---------------------------------------------------------------------------------
+def _worker_main(conn: Any, instance_id: str, spec: EngineSpec, models: Mapping[str, str],
+                 max_tokens: int | None, threads: int) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        import torch
+
+        torch.set_num_threads(threads)
+        from pool.actor import make_engine
+
+        engine = make_engine(spec)
+        for name, path in models.items():
+            engine.load(name, Path(path))
+        warm_up = getattr(engine, "warm_up", None)
+        captured = warm_up(max_tokens) if warm_up is not None else 0
+    except BaseException:  # noqa: BLE001 - reported to the parent, which gives the start up
+        conn.send_bytes(pickle.dumps(("failed", traceback.format_exc())))
+        return
+    conn.send_bytes(pickle.dumps(("ready", captured)))
+    while True:
+        try:
+            message = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):  # the controller's process is gone
+            break
+        if message is None:
+            break
+        handle, method, args = message
+        try:
+            result: Any = getattr(engine, method)(*args)
+        except Exception as exc:  # handed to the controller, which decides what it means
+            result = exc
+        del args, message
+        try:
+            payload = _dumps_result((handle, result))
+        except Exception as exc:  # an exception (or result) that cannot be pickled: say what it was
+            payload = _dumps_result((handle, EngineError(f"{instance_id}: {method} -> unpicklable {exc!r}: "
+                                                         f"{result!r}"[:2000])))
+        conn.send_bytes(payload)
+    close = getattr(engine, "close", None)
+    if close is not None:
+        close()
+
+
+# ---- the controller's side ------------------------------------------------------------------------------
+class _Worker:
+    """One instance's process, its pipe, and the thread that reads its answers."""
+
+    def __init__(self, instance_id: str, process: Any, conn: Any) -> None:
+        self.instance_id, self.process, self.conn = instance_id, process, conn
+        self.alive = True
+        self.pending: dict[int, tuple[Any, ...]] = {}  # handle -> args (kept: shared-memory files live on)
+        self.lock = threading.Lock()
+
+
+def start_workers(instances: Mapping[str, str], spec: EngineSpec, models: Mapping[str, str], *,
+                  max_tokens: int | None = None, threads: int = 1, timeout_s: float | None = None
+                  ) -> dict[str, _Worker]:
+    """One process per instance id (value: its torch device, e.g. 'cuda:0'); returns once every engine has
+    loaded its models and captured its graphs. A worker that fails to start stops them all (RuntimeError)."""
+    ctx = mp.get_context("spawn")  # CUDA cannot be forked
+    workers: dict[str, _Worker] = {}
+    for instance_id, device in instances.items():
+        options = dict(spec.options)
+        if device and spec.kind == "torch":
+            options["device"] = device
+        parent, child = ctx.Pipe()
+        process = ctx.Process(target=_worker_main, name=f"modelpool-{instance_id}", daemon=True,
+                              args=(child, instance_id, EngineSpec(spec.kind, options), dict(models), max_tokens,
+                                    threads))
+        process.start()
+        child.close()
+        workers[instance_id] = _Worker(instance_id, process, parent)
+    try:
+        for worker in workers.values():
+            if not worker.conn.poll(timeout_s):
+                raise TimeoutError(f"instance {worker.instance_id} did not start within {timeout_s} s")
+            try:
+                status, detail = pickle.loads(worker.conn.recv_bytes())
+            except (EOFError, OSError):
+                raise RuntimeError(f"instance {worker.instance_id}: its process died while starting "
+                                   f"(exit code {worker.process.exitcode})") from None
+            if status != "ready":
+                raise RuntimeError(f"instance {worker.instance_id} failed to start:\n{detail}")
+    except BaseException:
+        for worker in workers.values():
+            stop_worker(worker, timeout_s=5)
+        raise
+    return workers
+
+
+def stop_worker(worker: _Worker, timeout_s: float = 30.0) -> None:
+    """Ask the process to close its engine and end; kill it if it does not within `timeout_s`. Returns once
+    it is gone (its device memory is free then)."""
+    try:
+        worker.conn.send_bytes(pickle.dumps(None))
+    except (OSError, ValueError):
+        pass
+    worker.process.join(timeout_s)
+    if worker.process.is_alive():
+        worker.process.kill()
+        worker.process.join(10)
+    worker.alive = False
+    worker.conn.close()
+
+
+class ProcessBackend:
+    """Engines in worker processes (`start_workers`); see the module docstring."""
+
+    def __init__(self, workers: Mapping[str, _Worker]) -> None:
+        self.workers: dict[str, _Worker] = {}
+        self._ids = itertools.count(1)
+        self._done: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
+        self.in_flight = 0  # touched by the loop thread only
+        for worker in workers.values():
+            self._adopt(worker)
+
+    def _adopt(self, worker: _Worker) -> None:
+        self.workers[worker.instance_id] = worker
+        threading.Thread(target=self._read, args=(worker,), name=f"modelpool-read-{worker.instance_id}",
+                         daemon=True).start()
+
+    def _read(self, worker: _Worker) -> None:
+        while True:
+            try:
+                handle, result = pickle.loads(worker.conn.recv_bytes())
+            except (EOFError, OSError, pickle.UnpicklingError):
+                break
+            with worker.lock:
+                args = worker.pending.pop(handle, None)
+            self._done.put((handle, result))
+            del args  # the call is over: shared-memory files it carried may go
+        with worker.lock:
+            worker.alive = False
+            orphans, worker.pending = list(worker.pending), {}
+        code = worker.process.exitcode
+        for handle in orphans:
+            self._done.put((handle, InstanceDied(f"the process of {worker.instance_id} died (exit code {code})")))
+
+    def call(self, instance_id: str, method: str, args: tuple[Any, ...], meta: dict[str, Any]) -> int:
+        handle = next(self._ids)
+        worker = self.workers[instance_id]
+        self.in_flight += 1
+        with worker.lock:
+            alive = worker.alive
+            if alive:
+                worker.pending[handle] = args
+        if not alive:
+            self._done.put((handle, InstanceDied(f"the process of {instance_id} is gone")))
+            return handle
+        try:
+            worker.conn.send_bytes(pickle.dumps((handle, method, args), protocol=5))
+        except (OSError, ValueError) as exc:  # a broken pipe: the reader sees the end and fails the call
+            log.warning("call to %s could not be sent: %r", instance_id, exc)
+            with worker.lock:
+                if worker.pending.pop(handle, None) is not None:
+                    self._done.put((handle, InstanceDied(f"the process of {instance_id} is gone: {exc!r}")))
+        return handle
+
+    def poll(self, timeout_s: float) -> list[tuple[int, Any]]:
+        out = []
+        try:
+            out.append(self._done.get(timeout=timeout_s) if timeout_s > 0 and self.in_flight else self._done.get_nowait())
+            while True:
+                out.append(self._done.get_nowait())
+        except queue.Empty:
+            pass
+        self.in_flight -= len(out)
+        return sorted(out, key=lambda pair: pair[0])
+
+    def replace(self, instance_id: str, worker: _Worker) -> None:
+        """A fresh process for a lost instance (the old one was stopped by `retire` first)."""
+        self._adopt(worker)
+
+    def retire(self, instance_id: str, timeout_s: float = 30.0) -> None:
+        """Stop a lost instance's process and wait until it is gone (its GPU memory is free then)."""
+        stop_worker(self.workers[instance_id], timeout_s)
+
+    def kill(self, instance_id: str) -> None:
+        """Fault injection: kill the process (as a crash would)."""
+        self.workers[instance_id].process.kill()
+
+    def close(self) -> None:
+        for worker in self.workers.values():
+            stop_worker(worker, timeout_s=10)

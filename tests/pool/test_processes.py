@@ -1,0 +1,116 @@
+"""The processes backend (an OS process per instance, no Ray) and restarts that free the lost engine's memory.
+
+Real torch engines on CPU with the three tiny demo models: the same greedy
+tokens as an uninterrupted run, a killed worker process is a lost instance
+whose requests resume on its restarted successor, a worker that cannot
+start says which instance and why, and KV handed from a prefill process to
+a decode process travels through shared memory, not the pipe.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import weakref
+
+import numpy as np
+import pytest
+
+from pool.engines.device import held_device_bytes
+from pool.procs import SHM_MIN_BYTES, ShmArray, _dumps_result
+from pool.service import LivePool, served_model, slot_instances
+from tests.factories import LinearCosts
+from tests.pool.fault_tools import NOTHING, allocated, outcomes, wait_until
+from tests.pool.test_faults import LONG_TOKENS, kill_mid_decode, long_reference, submit_all  # noqa: F401
+from tests.pool.test_live_pool import ENGINE, KV_BYTES, tiny  # noqa: F401
+
+
+def local_pool(tiny, backend: str, num_instances: int = 2, roles=None, **options) -> LivePool:  # noqa: F811
+    models = [served_model(name, path, dtype="float32") for name, path in tiny.items()]
+    return LivePool(models, slot_instances(num_instances, models, KV_BYTES, roles), "token-level", LinearCosts(),
+                    engine=ENGINE, backend=backend, stats_interval_s=0.1, policy_options={"fixed_turn_steps": 4},
+                    **options)
+
+
+def test_processes_backend_serves_prefill_decode_split_with_identical_tokens(tiny, long_reference) -> None:  # noqa: F811
+    with local_pool(tiny, "processes", roles=["prefill", "decode"]) as pool:
+        pids = {iid: w.process.pid for iid, w in pool._backend.workers.items()}
+        assert len(set(pids.values())) == 2 and os.getpid() not in pids.values()
+        sinks = submit_all(pool)
+        counts = outcomes(sinks, long_reference, lambda key: True, 120).counts()
+        assert counts == {"identical": len(sinks), "clean_errors": 0, "wrong": 0, "hung": 0, "lost": 0}
+        status = pool.status()
+        assert status["lost_instances"] == [] and status["tick_errors"] == 0
+        wait_until(lambda: allocated(pool) == NOTHING, 10, f"nothing allocated: {allocated(pool)}")
+        wait_until(lambda: len(pool.engine_stats) == 2, 10, "engine stats from both processes")
+        assert all(s["device"] == "cpu" for s in pool.engine_stats.values())
+    assert all(not w.process.is_alive() for w in pool._backend.workers.values())  # stop() ended them
+
+
+def test_killed_worker_process_is_a_lost_instance_and_comes_back(tiny, long_reference) -> None:  # noqa: F811
+    with local_pool(tiny, "processes", num_instances=1) as pool:
+        old = pool._backend.workers["slot0"].process
+        sinks = submit_all(pool)
+        killed, held = kill_mid_decode(pool)
+        result = outcomes(sinks, long_reference, lambda key: pool.holds(f"{key[0]}-{key[1]}"), 120)
+        counts = result.counts()
+        assert counts == {"identical": len(sinks), "clean_errors": 0, "wrong": 0, "hung": 0, "lost": 0}, result
+        assert held, "the killed process held part-decoded requests"
+        status = pool.status()
+        assert status["restarts"] == 1 and status["lost_instances"] == [] and status["tick_errors"] == 0
+        assert not old.is_alive() and old.exitcode is not None
+        assert pool._backend.workers["slot0"].process.pid != old.pid
+        wait_until(lambda: allocated(pool) == NOTHING, 10, f"nothing allocated: {allocated(pool)}")
+
+
+def test_worker_that_cannot_start_names_its_instance(tiny, tmp_path) -> None:  # noqa: F811
+    models = [served_model(name, path, dtype="float32") for name, path in tiny.items()]
+    pool = LivePool(models, slot_instances(1, models, KV_BYTES), "token-level", LinearCosts(),
+                    engine=ENGINE, backend="processes")
+    pool.models[models[0].name] = type(models[0])(models[0].name, tmp_path / "missing", models[0].profile)
+    with pytest.raises(RuntimeError, match=r"instance slot0 failed to start"):
+        pool.start()
+
+
+def test_kv_arrays_travel_through_shared_memory_files() -> None:
+    import pickle
+
+    big = np.arange(SHM_MIN_BYTES, dtype=np.uint8)
+    small = np.arange(16, dtype=np.uint8)
+    handle, (held_big, held_small) = pickle.loads(_dumps_result((7, (big, small))))
+    assert handle == 7 and isinstance(held_big, ShmArray) and isinstance(held_small, np.ndarray)
+    assert held_big.nbytes == big.nbytes and os.path.exists(held_big.path)
+    mapped = pickle.loads(pickle.dumps(held_big))  # what the importing worker gets
+    assert np.array_equal(mapped, big)
+    path = held_big.path
+    del held_big, mapped
+    gc.collect()
+    assert not os.path.exists(path), "the file goes with the controller's last reference to it"
+
+
+def test_threads_restart_frees_the_lost_engine_before_building_its_successor(tiny, long_reference) -> None:  # noqa: F811
+    """The lost engine's device buffer is freed (engine memory accounting) before the new one is made."""
+    with local_pool(tiny, "threads", num_instances=1) as pool:
+        engine = pool._backend.engines["slot0"]
+        old = weakref.ref(engine)
+        seen: list[int] = []
+        build = pool._new_engine
+
+        def watched(instance_id: str):
+            gc.collect()
+            seen.append(held_device_bytes("cpu"))
+            return build(instance_id)
+
+        pool._new_engine = watched  # type: ignore[method-assign]
+        sinks = submit_all(pool)
+        wait_until(lambda: engine.stats().device_buffer_bytes > 0, 30, "the engine's device buffer")
+        mine = engine.stats().device_buffer_bytes
+        others = held_device_bytes("cpu") - mine  # engines of other tests still alive in this process
+        del engine
+        kill_mid_decode(pool)
+        counts = outcomes(sinks, long_reference, lambda key: pool.holds(f"{key[0]}-{key[1]}"), 120).counts()
+        assert counts["identical"] == len(sinks), counts
+        assert seen == [others], f"device bytes held when the successor was built: {seen} (the lost engine's: {mine})"
+        gc.collect()
+        assert old() is None, "the lost engine is still referenced"
+        assert held_device_bytes("cpu") == others + mine  # the successor's buffer
