@@ -405,10 +405,18 @@ def serve_command(
                     address=address, plan_log=log_file, devices=dep.devices, gpu_share=dep.gpu_share, max_queued_per_model=max_queued_per_model,
                     max_requests=max_requests, max_restarts=max_restarts, call_timeout_s=call_timeout_s or None)
     typer.echo(f"Starting {len(dep.instances)} instance(s) with {len(dep.models)} model(s)...")
-    pool.start()
+    # Ctrl-C and SIGTERM stop start-up and warm-up at once (the finally below stops the pool), also in a process
+    # started with SIGINT ignored (a background job of a script): uvicorn installs its own handlers only later
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
-        if warmup:
-            typer.echo(f"Warmed up in {warm_up(pool):.1f} s.")
+        try:
+            pool.start()
+            if warmup:
+                typer.echo(f"Warmed up in {warm_up(pool):.1f} s.")
+        except KeyboardInterrupt:
+            typer.echo("Interrupted before serving: stopping the pool.", err=True)
+            raise typer.Exit(130) from None
         server = GatewayServer(uvicorn_config(create_app(pool, settings), host, port, log_level="info"))
         url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
         text = banner(dep, pool, url, policy, bool(settings.api_keys))
@@ -420,9 +428,8 @@ def serve_command(
                 typer.echo(text)
 
         threading.Thread(target=announce, daemon=True).start()
-        # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal: end as a clean exit, so
-        # the pool, its actors and the embedded Ray cluster are stopped below (SIGTERM would kill us first)
-        signal.signal(signal.SIGTERM, _interrupt)
+        # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal (our handlers above): end as
+        # a clean exit, so the pool, its actors and the embedded Ray cluster are stopped below
         try:
             server.run()
         except KeyboardInterrupt:
