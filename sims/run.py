@@ -40,7 +40,8 @@ class SimResult:
 
 
 def compiled() -> bool:
-    """Whether the simulator runs from the opt-in mypyc build (setup.py), ~4x faster under token-level."""
+    """Whether the simulator runs from the opt-in mypyc build (setup.py), ~6x faster under token-level
+    (BENCHMARKS.md)."""
     import sims.simulator
 
     return sims.simulator.__file__.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
