@@ -146,15 +146,17 @@ class RooflineCostModel(CostModel):
     """
 
     def __init__(self, fleet: Fleet | Mapping[str, tuple[Arch, int]], gpu: str | GpuSpec | None = None,
-                 profile: CalibrationProfile | None = None, gpu_name: str = "", gpus_per_host_link: int = 0) -> None:
+                 profile: CalibrationProfile | None = None, gpu_name: str = "",
+                 gpus_per_host_link: int | None = None) -> None:
         """`fleet`'s models on `gpu` (a GPU type of the fleet or the catalogue; the pool's by default), or, from
         `for_models`, models by name -> (arch, tp) on `gpu`, a catalogue key or a spec named `gpu_name`.
-        `gpus_per_host_link` as the pool setting (a fleet's own pool setting wins)."""
+        `gpus_per_host_link` as the pool setting (None: the fleet's pool setting; 0 without a fleet)."""
         if isinstance(fleet, Fleet):
             models = {entry.name: (entry.arch, entry.tp) for entry in fleet.models}
             gpu = gpu or fleet.pool.gpu
             spec = gpu if isinstance(gpu, GpuSpec) else fleet.gpu(gpu)
-            gpus_per_host_link = fleet.pool.gpus_per_host_link
+            if gpus_per_host_link is None:
+                gpus_per_host_link = fleet.pool.gpus_per_host_link
         elif gpu is None:
             raise TypeError("a cost model without a fleet needs a GPU")
         else:
@@ -164,13 +166,13 @@ class RooflineCostModel(CostModel):
         self.gpu_name, self.gpu = (gpu if isinstance(gpu, str) else gpu_name).lower(), spec
         self.terms = self.profile.terms_for(self.gpu_name)
         self._models = {name: model_constants(arch, tp, spec, self.terms) for name, (arch, tp) in models.items()}
-        self.gpus_per_host_link = gpus_per_host_link
+        self.gpus_per_host_link = gpus_per_host_link or 0
         self._shapes: dict[str, list[_DecodeShape | None]] = {}  # model -> shape by batch size, built on demand
 
     @classmethod
     def for_models(cls, models: Mapping[str, tuple[Arch, int]], gpu: str | GpuSpec,
                    profile: CalibrationProfile | None = None, gpu_name: str = "",
-                   gpus_per_host_link: int = 0) -> RooflineCostModel:
+                   gpus_per_host_link: int | None = None) -> RooflineCostModel:
         """A cost model without a fleet: `models` maps names to (arch, tp); `gpu` a catalogue key or a spec."""
         return cls(models, gpu, profile, gpu_name, gpus_per_host_link)
 

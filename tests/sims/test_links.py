@@ -117,3 +117,4 @@ def test_a_host_link_cannot_span_hosts(tmp_path) -> None:  # type: ignore[no-unt
     assert "gpus_per_host_link" in str(info.value) and ":4:" in str(info.value)  # the file's line of the setting
     path.write_text("pool:\n  gpu: h200\n  gpus_per_host_link: 2\nmodels:\n  - {name: a, arch: qwen2.5-7b}\n")
     assert RooflineCostModel(load_fleet(path)).gpus_per_host_link == 2
+    assert RooflineCostModel(load_fleet(path), gpus_per_host_link=1).gpus_per_host_link == 1  # the caller's wins
