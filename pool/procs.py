@@ -99,6 +99,9 @@ def _dumps_result(item: Any) -> bytes:
 # ---- the worker process ---------------------------------------------------------------------------------
 def _worker_main(conn: Any, instance_id: str, spec: EngineSpec, models: Mapping[str, str],
                  max_tokens: int | None, threads: int) -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the controller's to handle: it stops us in order
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
@@ -152,10 +155,11 @@ class _Worker:
 
 
 def start_workers(instances: Mapping[str, str], spec: EngineSpec, models: Mapping[str, str], *,
-                  max_tokens: int | None = None, threads: int = 1, timeout_s: float | None = None
-                  ) -> dict[str, _Worker]:
+                  max_tokens: Mapping[str, int | None] | None = None, threads: int = 1,
+                  timeout_s: float | None = None) -> dict[str, _Worker]:
     """One process per instance id (value: its torch device, e.g. 'cuda:0'); returns once every engine has
-    loaded its models and captured its graphs. A worker that fails to start stops them all (RuntimeError)."""
+    loaded its models and captured its decode graphs (for requests up to `max_tokens[instance]` tokens; 0:
+    none). A worker that fails to start stops them all (RuntimeError)."""
     ctx = mp.get_context("spawn")  # CUDA cannot be forked
     workers: dict[str, _Worker] = {}
     for instance_id, device in instances.items():
@@ -164,8 +168,8 @@ def start_workers(instances: Mapping[str, str], spec: EngineSpec, models: Mappin
             options["device"] = device
         parent, child = ctx.Pipe()
         process = ctx.Process(target=_worker_main, name=f"modelpool-{instance_id}", daemon=True,
-                              args=(child, instance_id, EngineSpec(spec.kind, options), dict(models), max_tokens,
-                                    threads))
+                              args=(child, instance_id, EngineSpec(spec.kind, options), dict(models),
+                                    (max_tokens or {}).get(instance_id), threads))
         process.start()
         child.close()
         workers[instance_id] = _Worker(instance_id, process, parent)

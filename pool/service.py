@@ -167,11 +167,11 @@ class LivePool:
             self._use_gpus = float(ray.cluster_resources().get("GPU", 0)) > 0
             self._actors = start_actors({spec.instance_id: spec.tp for spec in self.instances}, self.engine,
                                         self._paths(), use_gpus=self._use_gpus, gpu_share=self.gpu_share,
-                                        max_tokens=self.max_tokens)
+                                        max_tokens=self._graph_tokens(ids))
             backend: Any = RayBackend(self._actors)
         elif self.backend_kind == "processes":
             backend = ProcessBackend(start_workers({iid: self.devices.get(iid, "") for iid in ids}, self.engine,
-                                                   self._paths(), max_tokens=self.max_tokens))
+                                                   self._paths(), max_tokens=self._graph_tokens(ids)))
         else:
             engines = {iid: self._new_engine(iid) for iid in ids}
             backend = InProcessBackend(engines) if self.backend_kind == "inprocess" else ThreadBackend(engines)
@@ -335,8 +335,13 @@ class LivePool:
             engine.load(name, Path(path))
         warm_up = getattr(engine, "warm_up", None)
         if warm_up is not None:
-            warm_up(self.max_tokens)
+            warm_up(self._graph_tokens([instance_id])[instance_id])
         return engine
+
+    def _graph_tokens(self, instance_ids: Sequence[str]) -> dict[str, int | None]:
+        """Per instance, the longest request its decode graphs must cover (0: it never decodes)."""
+        roles = {spec.instance_id: spec.role for spec in self.instances}
+        return {iid: 0 if roles.get(iid) == "prefill" else self.max_tokens for iid in instance_ids}
 
     def _rebuild(self, instance_id: str) -> Any:
         """A fresh engine for `instance_id` (on a restart thread), built once the lost one has freed its
@@ -347,7 +352,8 @@ class LivePool:
                 log.warning("instance %s: the lost engine is still in a call; its memory is not free yet", instance_id)
             if self.backend_kind == "processes":
                 return start_workers({instance_id: self.devices.get(instance_id, "")}, self.engine, self._paths(),
-                                     max_tokens=self.max_tokens, timeout_s=self.restart_timeout_s)[instance_id]
+                                     max_tokens=self._graph_tokens([instance_id]),
+                                     timeout_s=self.restart_timeout_s)[instance_id]
             return self._new_engine(instance_id)
         import ray
 
@@ -356,7 +362,7 @@ class LivePool:
             ray.kill(old, no_restart=True)  # an engine error leaves it alive; its device slot is needed
         tp = next(spec.tp for spec in self.instances if spec.instance_id == instance_id)
         return start_actors({instance_id: tp}, self.engine, self._paths(), use_gpus=self._use_gpus,
-                            gpu_share=self.gpu_share, max_tokens=self.max_tokens,
+                            gpu_share=self.gpu_share, max_tokens=self._graph_tokens([instance_id]),
                             timeout_s=self.restart_timeout_s)[instance_id]
 
     def _restarts(self) -> Restarts:
@@ -507,7 +513,8 @@ class LivePool:
                               "prefetched_model": inst.prefetched, "busy": bool(inst.inflight), "lost": inst.lost,
                               "kv_used_bytes": inst.kv_used_bytes, "kv_capacity_bytes": inst.kv_capacity_bytes,
                               "requests_on_device": len(inst.on_device),
-                              "engine": {k: v for k, v in engine.items() if k != "extra"}}
+                              "engine": {k: v for k, v in engine.items() if k != "extra"},
+                              "engine_extra": engine.get("extra", {})}
         kv_by_model: Counter[str] = Counter()
         for request_id, live in controller.requests.items():
             request = sched.requests.get(request_id)

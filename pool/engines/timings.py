@@ -24,7 +24,7 @@ BATCH_BUCKETS = (1, 4, 8, 16, 32, 64, 256)  # decode figures per batch up to eac
 class StepTimings:
     def __init__(self, cuda: bool, keep: int = 4096) -> None:
         self.cuda = cuda
-        self.prefills: deque[tuple[int, int, float]] = deque(maxlen=keep)  # (tokens, requests, seconds)
+        self.prefills: deque[tuple[str, int, int, float]] = deque(maxlen=keep)  # (model, tokens, requests, s)
         self.decodes: deque[tuple[int, float, float]] = deque(maxlen=keep)  # (batch, period s, forward s)
         self._last: tuple[tuple[str, ...], float, Any] | None = None  # (ids, entered at, forward timer)
 
@@ -51,8 +51,8 @@ class StepTimings:
         return timer[0].elapsed_time(timer[1]) / 1e3  # both recorded before the step's sampling synced
 
     # ---- records ----
-    def prefill(self, num_tokens: int, num_requests: int, seconds: float) -> None:
-        self.prefills.append((num_tokens, num_requests, seconds))
+    def prefill(self, model: str, num_tokens: int, num_requests: int, seconds: float) -> None:
+        self.prefills.append((model, num_tokens, num_requests, seconds))
         self._last = None
 
     def decode(self, request_ids: tuple[str, ...], entered_at: float, forward: Any) -> None:
@@ -84,5 +84,5 @@ class StepTimings:
                     "forward_ms_p50": round(float(np.median(picked[:, 2])) * 1e3, 4),
                     "overhead_ms_p50": round(float(np.median(overhead)), 4),
                     "overhead_ms_p90": round(float(np.percentile(overhead, 90)), 4)}
-        prefills = [[t, n, round(s, 6)] for t, n, s in list(self.prefills)[-max_prefills:]]
+        prefills = [[m, t, n, round(s, 6)] for m, t, n, s in list(self.prefills)[-max_prefills:]]
         return {"decode": decode, "prefills": prefills}

@@ -194,7 +194,8 @@ class TorchEngine:
         self._seqs.update((s.request.request_id, s) for s in seqs)
         inputs = prefill_inputs([s.tokens for s in seqs], [s.kv for s in seqs], self.device)
         out = self._emit(seqs, self._decoder(seqs[0].model).prefill(inputs))
-        self.timings.prefill(sum(len(s.tokens) for s in seqs) - len(seqs), len(seqs), time.perf_counter() - started)
+        self.timings.prefill(seqs[0].model.name, sum(len(s.tokens) for s in seqs) - len(seqs), len(seqs),
+                             time.perf_counter() - started)
         return out
 
     def decode_step(self, request_ids: Sequence[str]) -> list[TokenOut]:
@@ -233,8 +234,9 @@ class TorchEngine:
     def warm_up(self, max_tokens: int | None = None) -> int:
         """Capture the decode graphs of every loaded model's shape in both device slots, for requests of
         up to `max_tokens` tokens (None: the widest table set), so that serving never captures; returns
-        how many were captured (0 on CPU or with graphs off). Call it outside any other call of this engine."""
-        if self._graphs is None or not self.use_cuda_graphs or not self._models:
+        how many were captured (0 on CPU or with graphs off; `max_tokens=0`: none, for an instance that
+        never decodes). Call it outside any other call of this engine."""
+        if self._graphs is None or not self.use_cuda_graphs or not self._models or max_tokens == 0:
             return 0
         slots = self._ensure_buffer()
         kv = self._kv_store()

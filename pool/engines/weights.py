@@ -264,9 +264,24 @@ def _config_dtype(config: Any) -> torch.dtype:
     return getattr(torch, value) if isinstance(value, str) else value
 
 
+RANDOM_WEIGHTS_FILE = "random_weights.json"  # {"seed": N}: a folder of a model's shape, with no weights
+
+
 def _from_folder(name: str, path: Path, config: Any, dtype: torch.dtype, pin: bool) -> ModelImage:
+    """The image of a transformers folder: its safetensors, or - for a folder that holds only a config, a
+    tokenizer and `random_weights.json` (load tests of a fleet's shapes, no download) - seeded random weights."""
     image = ModelImage(name, ModelSpec.from_config(config), dtype, pin)
-    image.fill_from_safetensors(Path(path))
+    marker = Path(path) / RANDOM_WEIGHTS_FILE
+    if marker.is_file() and not any(Path(path).glob("*.safetensors")):
+        import json
+
+        try:
+            seed = int(json.loads(marker.read_text()).get("seed", 0))
+        except (ValueError, AttributeError) as exc:
+            raise ValueError(f"{marker}: expected {{\"seed\": <int>}} ({exc})") from None
+        image.fill_random(seed=seed, device="cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        image.fill_from_safetensors(Path(path))
     return image
 
 

@@ -144,8 +144,15 @@ class PoolCollector:
         kv_cap = GaugeMetricFamily("modelpool_instance_kv_capacity_bytes", "Device KV the instance has.",
                                    labels=["instance"])
         up = GaugeMetricFamily("modelpool_instance_up", "0 once the instance was lost.", labels=["instance"])
+        captures = CounterMetricFamily("modelpool_graph_captures", "CUDA graphs captured by the instance's engine "
+                                       "(all at warm-up: none on the request path).", labels=["instance"])
+        misses = CounterMetricFamily("modelpool_graph_misses", "Decode steps that found no captured graph and ran "
+                                     "eagerly.", labels=["instance"])
         for instance, info in sorted(status.get("instances", {}).items()):
             stats = pool.engine_stats.get(instance, {})
+            extra = stats.get("extra", {})
+            captures.add_metric([instance], float(extra.get("graph_captures", 0)))
+            misses.add_metric([instance], float(extra.get("graph_misses", 0)))
             switch_s.add_metric([instance], float(stats.get("switch_s", 0.0)))
             weights_h2d = float(stats.get("extra", {}).get("weight_bytes_h2d", 0))
             kv_bytes.add_metric([instance, "device_to_host"], float(stats.get("bytes_d2h", 0)))
@@ -156,4 +163,4 @@ class PoolCollector:
             kv_used.add_metric([instance], float(info.get("kv_used_bytes", 0.0)))
             kv_cap.add_metric([instance], float(info.get("kv_capacity_bytes", 0.0)))
             up.add_metric([instance], 0.0 if info.get("lost") else 1.0)
-        yield from (switches, moves, switch_s, kv_bytes, active, kv_used, kv_cap, up)
+        yield from (switches, moves, switch_s, kv_bytes, active, kv_used, kv_cap, up, captures, misses)

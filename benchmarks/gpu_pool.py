@@ -1,0 +1,475 @@
+"""End to end: `modelpool serve` on one GPU, a multi-model Poisson trace through the gateway, live vs simulator.
+
+    python benchmarks/gpu_pool.py --out DIR --backend processes --rate 1 --rate 6 --duration 90   # the GPU box
+    python benchmarks/gpu_pool.py --tiny --out /tmp/gpu_pool --rate 2 --duration 15               # anywhere (CPU)
+
+What it does, as a new user would:
+1. builds random-weight models of real shapes (Qwen2.5 1.5B/3B/7B; `--tiny`: a few MB) as folders with a
+   config, a tokenizer and `random_weights.json` (the engine generates the weights; nothing is downloaded),
+   and a fleet file for them (`gpu: h200`);
+2. starts `modelpool serve --fleet ...` with the default layout for one GPU (token-level: one prefill and
+   one decode instance sharing it) on the chosen backend;
+3. replays a Poisson trace over the models (prompt and output lengths uniform, `ignore_eos`) through the
+   gateway with streaming clients (`/v1/completions`, prompt token ids), recording per request its arrival,
+   first token, every token's time and any error; saves the trace in the generic CSV;
+4. reads `/pool/status` and `/metrics` (switches, graph captures and misses, engine step timings: prefill
+   seconds by length, decode period vs forward, i.e. the host overhead per step), samples GPU utilisation;
+5. after the server stops, times the engine's standalone prefill at the lengths the live pool ran (the
+   1.25x target) and runs the simulator on the very trace, fleet and instance layout (`--profile`: a
+   `modelpool calibrate` profile), and prints live and simulated side by side, per request and in aggregate.
+Writes one JSON per (backend, rate) and a summary JSON under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# Qwen2.5 shapes (hidden, layers, heads, kv heads, intermediate); vocab 151936
+QWEN = {
+    "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                 intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True),
+    "3b": dict(hidden_size=2048, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
+               intermediate_size=11008, vocab_size=151936, tie_word_embeddings=True),
+    "7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+               intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
+    "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=256, vocab_size=2048, tie_word_embeddings=False),
+}
+FLEET = [("m1-1.5b", "1.5b"), ("m2-1.5b", "1.5b"), ("m3-3b", "3b"), ("m4-3b", "3b"), ("m5-7b", "7b")]
+TINY_FLEET = [(f"t{k}", "tiny") for k in range(1, 4)]
+TTFT_SLO_S, TPOT_SLO_S = 2.0, 0.05  # Aegaeon-style tight SLOs (0.2x and 0.5x of its 10 s / 100 ms): the heavy load is where they fail
+
+
+# ---- models and fleet ---------------------------------------------------------------------------------------
+def build_models(folder: Path, fleet: list[tuple[str, str]], gpu: str) -> Path:
+    """Model folders (config, tokenizer, random_weights.json) and a fleet file; returns the fleet file."""
+    from transformers import Qwen2Config
+
+    from pool.demo import build_tokenizer
+    from pool.engines.weights import RANDOM_WEIGHTS_FILE
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    lines = ["pool:", f"  gpu: {'h200' if gpu == 'cpu' else gpu}", "  num_gpus: 1", "  gpus_per_node: 1", "  host_kv_gb: 16",
+             f"  default_slo: {{ttft_s: {TTFT_SLO_S}, tpot_s: {TPOT_SLO_S}}}", "models:"]
+    for seed, (name, shape) in enumerate(fleet):
+        target = folder / name
+        target.mkdir(exist_ok=True)
+        config = Qwen2Config(**QWEN[shape], max_position_embeddings=32768, rope_theta=1e6,
+                             torch_dtype="bfloat16" if gpu != "cpu" else "float32")
+        config.save_pretrained(target)
+        tokenizer.save_pretrained(target)
+        (target / RANDOM_WEIGHTS_FILE).write_text(json.dumps({"seed": seed}))
+        lines.append(f"  - {{name: {name}, arch: ./{name}, weights: ./{name}}}")
+    path = folder / "fleet.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def make_trace(models: list[str], rate: float, duration_s: float, prompt: tuple[int, int], output: tuple[int, int],
+               seed: int) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    rows, at = [], 0.0
+    while True:
+        at += rng.expovariate(rate)
+        if at >= duration_s:
+            return rows
+        rows.append({"timestamp_s": round(at, 4), "model": rng.choice(models),
+                     "input_tokens": rng.randint(*prompt), "output_tokens": rng.randint(*output)})
+
+
+def write_trace(rows: list[dict[str, Any]], path: Path) -> None:
+    with path.open("w") as f:
+        f.write("timestamp_s,model,input_tokens,output_tokens\n")
+        for r in rows:
+            f.write(f"{r['timestamp_s']},{r['model']},{r['input_tokens']},{r['output_tokens']}\n")
+
+
+# ---- the server ---------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(fleet: Path, backend: str, port: int, log_path: Path, extra: list[str]) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "modelpool.cli", "serve", "--fleet", str(fleet), "--backend", backend,
+           "--port", str(port), "--plan-log", str(log_path.with_suffix(".plans.jsonl")), *extra]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_AUTH_MODE": "disabled"}
+    return subprocess.Popen(cmd, stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                            start_new_session=True)
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> float:
+    import httpx
+
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        if proc.poll() is not None:
+            raise RuntimeError(f"modelpool serve exited with {proc.returncode} before it was ready")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return time.monotonic() - started
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"modelpool serve not ready within {timeout_s} s")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+class GpuSampler:
+    """GPU utilisation (%) every 0.25 s through NVML, while running (nothing on a machine without it)."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> GpuSampler:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        except Exception:  # no NVML here
+            return self
+
+        def run() -> None:
+            while not self._stop.wait(0.25):
+                self.samples.append((time.monotonic(), pynvml.nvmlDeviceGetUtilizationRates(handle).gpu))
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(2)
+
+    def mean(self, start: float, end: float) -> float | None:
+        picked = [u for t, u in self.samples if start <= t <= end]
+        return round(float(np.mean(picked)), 1) if picked else None
+
+
+# ---- the replay ---------------------------------------------------------------------------------------------
+async def replay(url: str, rows: list[dict[str, Any]], vocab: int, seed: int, timeout_s: float) -> list[dict]:
+    import httpx
+
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(10, vocab) for _ in range(r["input_tokens"])] for r in rows]
+    results: list[dict[str, Any]] = [{} for _ in rows]
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(timeout_s), limits=limits) as client:
+        t0 = time.monotonic()
+
+        async def one(k: int) -> None:
+            row = rows[k]
+            await asyncio.sleep(max(0.0, row["timestamp_s"] - (time.monotonic() - t0)))
+            out = results[k] = {"index": k, "model": row["model"], "input_tokens": row["input_tokens"],
+                                "max_tokens": row["output_tokens"], "arrival_s": row["timestamp_s"],
+                                "sent_s": time.monotonic() - t0, "token_s": [], "error": None, "usage": None}
+            body = {"model": row["model"], "prompt": prompts[k], "max_tokens": row["output_tokens"],
+                    "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            try:
+                async with client.stream("POST", "/v1/completions", json=body) as response:
+                    if response.status_code != 200:
+                        out["error"] = f"HTTP {response.status_code}: {(await response.aread())[:300]!r}"
+                        return
+                    async for line in response.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        now = time.monotonic() - t0
+                        event = json.loads(line[6:])
+                        if "error" in event:
+                            out["error"] = event["error"]
+                        elif event.get("usage"):
+                            out["usage"] = event["usage"]
+                        if event.get("choices"):
+                            out["token_s"].append(now)
+            except Exception as exc:  # a broken stream is a failed request, not a crashed benchmark
+                out["error"] = repr(exc)
+            out["end_s"] = time.monotonic() - t0
+
+        await asyncio.gather(*(one(k) for k in range(len(rows))))
+    return results
+
+
+def per_request(results: list[dict]) -> list[dict[str, Any]]:
+    """TTFT, TPOT (mean of the tokens after the first) and ITL of every request that finished cleanly."""
+    out = []
+    for r in results:
+        served = r.get("error") is None and r.get("usage") and r["token_s"]
+        row = {"index": r["index"], "model": r["model"], "served": bool(served), "error": r.get("error")}
+        if served:
+            n = r["usage"]["completion_tokens"]
+            first, last = r["token_s"][0], r.get("end_s", r["token_s"][-1])
+            row.update(ttft_s=first - r["arrival_s"], tokens=n,
+                       tpot_s=(r["token_s"][-1] - first) / (n - 1) if n > 1 else None,
+                       itl_s=list(np.diff(r["token_s"])), e2e_s=last - r["arrival_s"])
+        out.append(row)
+    return out
+
+
+def quantiles(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p90": None, "p99": None}
+    a = np.asarray(values, dtype=float)
+    return {f"p{q}": round(float(np.percentile(a, q)), 5) for q in (50, 90, 99)}
+
+
+def aggregate(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    served = [r for r in rows if r["served"]]
+    tpots = [r["tpot_s"] for r in served if r.get("tpot_s") is not None]
+    itls = [x for r in served for x in r.get("itl_s", [])]
+    attained = [r for r in served if r["ttft_s"] <= TTFT_SLO_S and (r.get("tpot_s") or 0) <= TPOT_SLO_S]
+    return {"requests": len(rows), "served": len(served), "failed": len(rows) - len(served),
+            "ttft_s": quantiles([r["ttft_s"] for r in served]), "tpot_s": quantiles(tpots), "itl_s": quantiles(itls),
+            "slo_attainment": round(len(attained) / len(rows), 4) if rows else None}
+
+
+# ---- one live run -------------------------------------------------------------------------------------------
+def live_run(args: argparse.Namespace, fleet: Path, backend: str, rate: float, out_dir: Path) -> dict[str, Any]:
+    import httpx
+
+    names = [name for name, _ in (TINY_FLEET if args.tiny else FLEET)]
+    rows = make_trace(names, rate, args.duration, args.prompt, args.output, args.seed)
+    tag = f"{backend}-r{rate:g}"
+    trace_path = out_dir / f"trace-{tag}.csv"
+    write_trace(rows, trace_path)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = out_dir / f"serve-{tag}.log"
+    proc = start_server(fleet, backend, port, log_path, args.serve_arg)
+    try:
+        ready_s = wait_ready(url, proc, args.start_timeout)
+        before = httpx.get(f"{url}/pool/status", timeout=30).json()
+        with GpuSampler() as gpu:
+            started = time.monotonic()
+            results = asyncio.run(replay(url, rows, args.prompt_vocab, args.seed, args.request_timeout))
+            ended = time.monotonic()
+        time.sleep(1.0)  # the last stats() round
+        status = httpx.get(f"{url}/pool/status", timeout=30).json()
+        metrics_text = httpx.get(f"{url}/metrics", timeout=30).text
+    finally:
+        stop_server(proc)
+    rows_out = per_request(results)
+    engines = {iid: {"engine": info.get("engine", {}), "extra": info.get("engine_extra", {})}
+               for iid, info in status["instances"].items()}
+    captures_after_warmup = {iid: e["extra"].get("graph_captures", 0)
+                             - before["instances"][iid].get("engine_extra", {}).get("graph_captures", 0)
+                             for iid, e in engines.items()}
+    result = {"backend": backend, "rate_rps": rate, "duration_s": args.duration, "ready_s": round(ready_s, 1),
+              "replay_s": round(ended - started, 1), "trace": trace_path.name,
+              "aggregate": aggregate(rows_out), "gpu_util_mean": gpu.mean(started, ended),
+              "switches_planned": status.get("switches"), "restarts": status.get("restarts"),
+              "lost_instances": status.get("lost_instances"),
+              "switches_by_engine": {iid: e["engine"].get("num_switches") for iid, e in engines.items()},
+              "graph_captures": {iid: e["extra"].get("graph_captures") for iid, e in engines.items()},
+              "graph_capture_s": {iid: e["extra"].get("graph_capture_s") for iid, e in engines.items()},
+              "graph_captures_after_warmup": captures_after_warmup,
+              "graph_misses": {iid: e["extra"].get("graph_misses") for iid, e in engines.items()},
+              "graph_replays": {iid: e["extra"].get("graph_replays") for iid, e in engines.items()},
+              "decode_timings": {iid: e["extra"].get("timings", {}).get("decode") for iid, e in engines.items()},
+              "prefill_samples": {iid: e["extra"].get("timings", {}).get("prefills") for iid, e in engines.items()},
+              "errors": sorted({str(r["error"])[:200] for r in rows_out if r["error"]})[:10],
+              "requests": rows_out, "metrics_graph_lines": [line for line in metrics_text.splitlines()
+                                                           if line.startswith("modelpool_graph")]}
+    return result
+
+
+# ---- standalone engine prefill at the live lengths --------------------------------------------------------
+def standalone_prefill(fleet_folder: Path, samples: list[list], device: str, reps: int = 3) -> dict[str, Any]:
+    """Median seconds of the engine's own prefill for each (model, tokens, batch) the live pool ran."""
+    import torch
+
+    from pool.engines.base import GenRequest, SamplingParams
+    from pool.engines.torch_engine import TorchEngine, TorchEngineConfig
+
+    engine = TorchEngine(TorchEngineConfig(device=device, kv_bytes=8 << 30 if device != "cpu" else 256 << 20,
+                                           cuda_graphs=False, dtype=None if device != "cpu" else "float32"))
+    for name in sorted({s[0] for s in samples}):
+        engine.load(name, fleet_folder / name)
+    out, counter = {}, 0
+    for model, tokens, batch in sorted({(s[0], s[1], s[2]) for s in samples}):
+        engine.activate(model)
+        per = max(1, tokens // batch)
+        times = []
+        for _ in range(reps + 1):
+            ids = [f"sa{counter}-{i}" for i in range(batch)]
+            counter += 1
+            requests = [GenRequest(rid, model, tuple(range(10, 10 + per)), SamplingParams(max_tokens=2, ignore_eos=True))
+                        for rid in ids]
+            if device != "cpu":
+                torch.cuda.synchronize()
+            started = time.perf_counter()
+            engine.prefill(requests)
+            times.append(time.perf_counter() - started)
+            engine.release(ids)
+        out[f"{model}|{tokens}|{batch}"] = float(np.median(times[1:]))
+    engine.close()
+    return out
+
+
+def prefill_ratios(live: list[list], alone: dict[str, float]) -> dict[str, Any]:
+    ratios = [s[3] / alone[f"{s[0]}|{s[1]}|{s[2]}"] for s in live if f"{s[0]}|{s[1]}|{s[2]}" in alone]
+    return {"samples": len(ratios), **({"ratio_p50": round(float(np.median(ratios)), 3),
+                                       "ratio_p90": round(float(np.percentile(ratios, 90)), 3)} if ratios else {})}
+
+
+# ---- the simulator on the same trace ----------------------------------------------------------------------
+def simulated(fleet_path: Path, trace_path: Path, profile: Path | None, tiny: bool) -> dict[str, Any]:
+    """The simulator's per-request TTFT/TPOT for the trace, with the live pool's layout for one GPU."""
+    from benchmarks.gpu_pool_sim import simulate_live_layout
+
+    return simulate_live_layout(fleet_path, trace_path, profile, cpu=tiny)
+
+
+def compare(live_rows: list[dict], sim_rows: dict[int, dict]) -> dict[str, Any]:
+    """Per-request live/sim ratios (median, p10, p90) and log-correlation of TTFT and TPOT."""
+    out: dict[str, Any] = {}
+    for key in ("ttft_s", "tpot_s"):
+        pairs = [(r[key], sim_rows[r["index"]][key]) for r in live_rows
+                 if r["served"] and r.get(key) and sim_rows.get(r["index"], {}).get(key)]
+        if len(pairs) < 3:
+            out[key] = {"pairs": len(pairs)}
+            continue
+        live, sim = np.array(pairs).T
+        ratio = live / sim
+        out[key] = {"pairs": len(pairs), "ratio_p10": round(float(np.percentile(ratio, 10)), 3),
+                    "ratio_p50": round(float(np.median(ratio)), 3), "ratio_p90": round(float(np.percentile(ratio, 90)), 3),
+                    "log_corr": round(float(np.corrcoef(np.log(live), np.log(sim))[0, 1]), 3),
+                    "live": quantiles(list(live)), "sim": quantiles(list(sim))}
+    return out
+
+
+# ---- main -------------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--tiny", action="store_true", help="tiny models on CPU (a smoke run anywhere)")
+    parser.add_argument("--backend", action="append", help="processes | threads | ray (repeatable)")
+    parser.add_argument("--rate", type=float, action="append", help="req/s over all models (repeatable)")
+    parser.add_argument("--duration", type=float, default=90.0, help="seconds of arrivals per run")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--prompt", type=int, nargs=2, default=None, help="prompt tokens, uniform [lo, hi]")
+    parser.add_argument("--output", type=int, nargs=2, default=None, help="output tokens, uniform [lo, hi]")
+    parser.add_argument("--prompt-vocab", type=int, default=2000, help="prompt token ids drawn below this")
+    parser.add_argument("--profile", type=Path, default=None, help="calibration profile for the simulator")
+    parser.add_argument("--serve-arg", action="append", default=[], help="extra `modelpool serve` argument")
+    parser.add_argument("--start-timeout", type=float, default=300.0)
+    parser.add_argument("--request-timeout", type=float, default=300.0)
+    parser.add_argument("--no-standalone", action="store_true", help="skip the standalone prefill timing")
+    parser.add_argument("--no-sim", action="store_true", help="skip the simulator comparison")
+    args = parser.parse_args(argv)
+    args.backend = args.backend or ["processes"]
+    args.rate = args.rate or [1.0]
+    args.prompt = tuple(args.prompt or ((20, 200) if args.tiny else (200, 2000)))
+    args.output = tuple(args.output or ((8, 32) if args.tiny else (64, 512)))
+    args.out.mkdir(parents=True, exist_ok=True)
+    fleet = build_models(args.out / "models", TINY_FLEET if args.tiny else FLEET, "cpu" if args.tiny else "h200")
+    device = "cpu" if args.tiny else "cuda"
+    summary: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M"), "argv": sys.argv[1:], "runs": []}
+    all_prefills: list[list] = []
+    runs = []
+    for backend in args.backend:
+        for rate in args.rate:
+            print(f"== {backend} at {rate:g} req/s", flush=True)
+            try:
+                result = live_run(args, fleet, backend, rate, args.out)
+            except Exception as exc:  # one failed run must not lose the others' results
+                print(f"   failed: {exc!r}", flush=True)
+                summary["runs"].append({"backend": backend, "rate_rps": rate, "failed": repr(exc)})
+                continue
+            runs.append(result)
+            (args.out / f"run-{backend}-r{rate:g}.json").write_text(json.dumps(result, indent=1, default=str))
+            for samples in result["prefill_samples"].values():
+                all_prefills += samples or []
+            print(f"   {json.dumps(result['aggregate'])}", flush=True)
+    alone = {} if args.no_standalone or not all_prefills else standalone_prefill(
+        args.out / "models", all_prefills[-400:] if args.tiny else _spread(all_prefills, 60), device)
+    for result in runs:
+        samples = [s for v in result["prefill_samples"].values() for s in (v or [])]
+        result["prefill_vs_standalone"] = prefill_ratios(samples, alone)
+        if not args.no_sim:
+            try:
+                sim = simulated(fleet, args.out / result["trace"], args.profile, args.tiny)
+                result["sim_aggregate"] = sim["aggregate"]
+                result["fidelity"] = compare(result["requests"], sim["requests"])
+                result["sim_switches"] = sim.get("switches")
+            except Exception as exc:
+                result["sim_error"] = repr(exc)
+        tag = f"{result['backend']}-r{result['rate_rps']:g}"
+        (args.out / f"run-{tag}.json").write_text(json.dumps(result, indent=1, default=str))
+        summary["runs"].append({k: v for k, v in result.items() if k not in ("requests", "prefill_samples")})
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    print_table(summary["runs"])
+    return 0 if runs else 1
+
+
+def _spread(samples: list[list], k: int) -> list[list]:
+    """At most `k` samples spread over the (model, length) range."""
+    ordered = sorted(samples, key=lambda s: (s[0], s[1]))
+    step = max(1, len(ordered) // k)
+    return ordered[::step][:k]
+
+
+def print_table(runs: list[dict[str, Any]]) -> None:
+    print(f"\n{'backend':10s} {'rate':>5s} {'served':>7s} {'fail':>5s} {'TTFT p50/p90/p99 ms':>22s} "
+          f"{'TPOT p50/p90 ms':>16s} {'attain':>7s} {'gpu%':>5s} {'sw':>5s} {'capt+':>5s} {'miss':>5s} "
+          f"{'pf x':>5s} {'ovh ms':>7s}")
+    for r in runs:
+        if "failed" in r:
+            print(f"{r['backend']:10s} {r['rate_rps']:5g} failed: {r['failed'][:80]}")
+            continue
+        a = r["aggregate"]
+        ms = lambda q: "-" if q is None else f"{q * 1e3:.0f}"  # noqa: E731
+        ttft = "/".join(ms(a["ttft_s"][p]) for p in ("p50", "p90", "p99"))
+        tpot = "/".join(ms(a["tpot_s"][p]) for p in ("p50", "p90"))
+        overhead = [b.get("overhead_ms_p50") for t in r["decode_timings"].values() if t for b in t.values()]
+        print(f"{r['backend']:10s} {r['rate_rps']:5g} {a['served']:7d} {a['failed']:5d} {ttft:>22s} {tpot:>16s} "
+              f"{a['slo_attainment']:7.3f} {str(r['gpu_util_mean']):>5s} {str(r['switches_planned']):>5s} "
+              f"{sum(r['graph_captures_after_warmup'].values()):5d} "
+              f"{sum(v or 0 for v in r['graph_misses'].values()):5d} "
+              f"{str(r.get('prefill_vs_standalone', {}).get('ratio_p50', '-')):>5s} "
+              f"{str(max(overhead) if overhead else '-'):>7s}")
+        fid = r.get("fidelity")
+        if fid:
+            for key in ("ttft_s", "tpot_s"):
+                f = fid[key]
+                if "ratio_p50" in f:
+                    print(f"    {key} live/sim per request p10/p50/p90 {f['ratio_p10']}/{f['ratio_p50']}/"
+                          f"{f['ratio_p90']}, log-corr {f['log_corr']}; live p50/p90/p99 "
+                          f"{'/'.join(ms(f['live'][p]) for p in ('p50', 'p90', 'p99'))} ms, sim "
+                          f"{'/'.join(ms(f['sim'][p]) for p in ('p50', 'p90', 'p99'))} ms")
+        if r.get("sim_aggregate"):
+            print(f"    sim attainment {r['sim_aggregate'].get('slo_attainment')}, switches {r.get('sim_switches')}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,52 @@
+"""The simulator on a trace the live pool served (benchmarks/gpu_pool.py): same fleet, same instance layout.
+
+The layout is the one `modelpool serve` builds for one GPU (`modelpool.serve.fleet_deployment`), both
+instances on GPU 0 so that their copies share its host link; the cost model is the roofline with a
+calibration profile (default: the shipped h200-cudagraph one; `modelpool calibrate` writes others).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+PROFILE = "h200-cudagraph"
+
+
+def simulate_live_layout(fleet_path: Path, trace_path: Path, profile: Path | str | None = None, *,
+                         cpu: bool = False, policy: str = "token-level") -> dict[str, Any]:
+    from modelpool.config import load_fleet
+    from modelpool.serve import fleet_deployment
+    from sims.costmodel import RooflineCostModel
+    from sims.profiles import load_profile
+    from sims.run import simulate
+    from sims.trace_readers import read_generic
+    from sims.workload import request_id
+
+    fleet = load_fleet(fleet_path)
+    dep = fleet_deployment(fleet_path, "torch", 0 if cpu else 1, None, policy, None)
+    workload = read_generic(trace_path)
+    costs = RooflineCostModel(fleet, profile=load_profile(profile or PROFILE), gpus_per_host_link=1)
+    gpu_of = {spec.instance_id: 0 for spec in dep.instances}
+    result = simulate(fleet, workload, policy, instances=dep.instances, gpu_of=gpu_of, costs=costs)
+    rows: dict[int, dict[str, Any]] = {}
+    for k in range(len(workload.arrival_s)):
+        record = result.records.get(request_id(k))
+        if record is None or record.first_token_at is None or record.failed:
+            continue
+        tpot = ((record.finished_at - record.first_token_at) / (record.generated - 1)
+                if record.finished_at is not None and record.generated > 1 else None)
+        rows[k] = {"ttft_s": record.first_token_at - record.arrival_at, "tpot_s": tpot}
+    metrics = result.metrics
+    aggregate = {"slo_attainment": _get(metrics, "slo_attainment", "attainment"),
+                 "ttft_s": _get(metrics, "ttft_s", "ttft"), "tpot_s": _get(metrics, "tpot_s", "tpot")}
+    return {"requests": rows, "aggregate": aggregate, "switches": _get(metrics, "switches", "num_switches"),
+            "profile": str(profile or PROFILE), "instances": [s.instance_id for s in dep.instances]}
+
+
+def _get(metrics: Any, *names: str) -> Any:
+    for name in names:
+        value = metrics.get(name) if isinstance(metrics, dict) else getattr(metrics, name, None)
+        if value is not None:
+            return value
+    return None
