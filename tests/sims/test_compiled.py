@@ -21,7 +21,6 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 POLICIES = ("token-level", "dedicated", "request-level", "spatial")
-TRACES = Path(os.environ.get("MODELPOOL_TRACES", ROOT / "../shared/traces")).resolve()  # ShareGPT lengths
 
 # Runs in the tree given as the working directory: which files the compiled modules came from, then per policy
 # the Plan log and the metrics of the shipped fleet's own traffic (about 2,000 requests) on 64 GPUs.
@@ -48,7 +47,7 @@ print(json.dumps({"files": files, "requests": len(workload), "runs": runs}))
 
 
 def _simulate(tree: Path, modules: list[str]) -> subprocess.Popen[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tree), "MODELPOOL_TRACES": str(TRACES)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tree)}  # ShareGPT lengths: package data
     return subprocess.Popen([sys.executable, "-c", _SIMULATE, ",".join(modules), str(ROOT / "models.yaml"),
                              ",".join(POLICIES)], cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
@@ -65,8 +64,6 @@ def test_compiled_build_gives_byte_identical_plan_logs_and_metrics(tmp_path: Pat
         pytest.skip("mypyc is not installed (it comes with mypy)")
     if shutil.which("gcc") is None and shutil.which("cc") is None:
         pytest.skip("no C compiler (gcc) on PATH")
-    if not TRACES.is_dir():
-        pytest.skip(f"no traces folder at {TRACES} (set MODELPOOL_TRACES to the shared/traces folder)")
     setup = runpy.run_path(str(ROOT / "setup.py"))  # not as __main__: defines, builds nothing
     modules = [path.removesuffix(".py").replace("/", ".") for path in setup["MYPYC_MODULES"]]
     tree = setup["compiled_copy"](tmp_path / "compiled")
