@@ -96,9 +96,10 @@ def capacity_command(
         _fail(str(exc))
     given = {"--fleet": str(fleet_path), "--trace": trace, "--duration": f"{duration:g}", "--seed": str(seed),
              "--slo-target": f"{slo_target:g}", "--slo-metric": slo_metric, "--policies": policies,
-             "--gpu-types": gpu_types, "--what-if-tpot": f"{what_if_tpot:g}"}
+             "--gpu-types": gpu_types, "--what-if-tpot": f"{what_if_tpot:g}", "--profile": profile}
     defaults = {"--fleet": "models.yaml", "--trace": "fleet", "--duration": "600", "--seed": "0", "--slo-target": "0.99",
-                "--slo-metric": "per-request", "--policies": POLICIES, "--gpu-types": "", "--what-if-tpot": "2"}
+                "--slo-metric": "per-request", "--policies": POLICIES, "--gpu-types": "", "--what-if-tpot": "2",
+                "--profile": "default"}
     command = " ".join(["modelpool capacity"] + [f"{k} {shlex.quote(v)}" for k, v in given.items() if v != defaults[k]])
     paths = write_report(result, ctx, out, fleet_path=str(fleet_path), trace=spec, seed=seed, command=command,
                          wall_s=time.perf_counter() - started)

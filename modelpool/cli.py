@@ -57,6 +57,7 @@ def schema() -> None:
     typer.echo(json.dumps(doc, indent=2))
 
 
+from modelpool.calibrate import calibrate_command  # noqa: E402
 from modelpool.capacity import capacity_command  # noqa: E402
 from modelpool.estimate import estimate_command  # noqa: E402
 from modelpool.serve import serve_command  # noqa: E402
@@ -67,6 +68,7 @@ app.command("simulate")(simulate_command)
 app.command("estimate")(estimate_command)
 app.command("capacity")(capacity_command)
 app.command("serve")(serve_command)
+app.command("calibrate")(calibrate_command)
 app.add_typer(traces_app, name="traces")
 
 if __name__ == "__main__":

@@ -33,9 +33,13 @@ def simulate_command(
     policy_option: list[str] = typer.Option([], "--policy-option", "-o", metavar="KEY=VALUE",
                                             help="A keyword of the policy, repeatable: e.g. -o min_turn_tpot=0 "
                                                  "(token-level's quota formula alone), -o first_tokens=1."),
+    profile: str = typer.Option("default", "--profile", help="Calibration profile: a shipped name (default, "
+                                "h200-cudagraph, h200-eager) or a JSON file (`modelpool calibrate` writes one)."),
 ) -> None:
     """Simulate a policy on a fleet and a trace; print latency and SLO figures."""
     from sims.metrics import request_rows
+    from sims.costmodel import RooflineCostModel
+    from sims.profiles import load_profile
     from sims.run import compiled, fleet_workload_spec, pool_size, simulate
     from sims.workload import TraceError
 
@@ -58,6 +62,11 @@ def simulate_command(
     except TraceError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
+    try:
+        calibration = load_profile(profile)
+    except (FileNotFoundError, ValueError) as exc:
+        typer.echo(f"error: --profile: {exc}", err=True)
+        raise typer.Exit(1) from None
     gpus, sized = pool_size(fleet, policy, gpus)
     if sized:
         console.print(f"note: {sized}")
@@ -68,6 +77,7 @@ def simulate_command(
         task = bar.add_task(f"{policy} on {len(workload)} requests", total=workload.duration_s)
         try:
             result = simulate(fleet, workload, policy, num_gpus=gpus, plan_log=log,
+                              costs=RooflineCostModel(fleet, profile=calibration),
                               progress=lambda now: bar.update(task, completed=min(now, workload.duration_s)), **options)
         except ValueError as exc:
             typer.echo(f"error: {exc}", err=True)
@@ -83,9 +93,11 @@ def simulate_command(
     wall = time.perf_counter() - started
     metrics = {**result.metrics, "policy": policy, "policy_options": options, "num_gpus": result.num_gpus, "trace": spec,
                "num_requests": len(workload), "wall_s": round(wall, 3), "compiled": compiled(),
+               "profile": {**calibration.summary(fleet.pool.gpu), "source": profile},
                "notes": ([sized] if sized else []) + result.notes + list(workload.notes)}
     console.print(_summary_table(metrics))
     console.print(f"{len(workload)} requests, {workload.duration_s:.0f} s of traffic simulated in {wall:.1f} s")
+    console.print(profile_line(metrics["profile"]))
     if not metrics["compiled"] and wall > 60:
         console.print("the compiled build simulates ~6x faster (token-level): "
                       "MODELPOOL_MYPYC=1 pip install --no-build-isolation .  (needs mypy and a C compiler; README)")
@@ -157,3 +169,12 @@ def _summary_table(m: dict) -> Table:
     for name, value in rows:
         table.add_row(name, value)
     return table
+
+
+def profile_line(summary: dict[str, Any]) -> str:
+    """One line on the profile a run used: how much of it was measured on the fleet's GPU, and where."""
+    measured, gpu = summary["terms_measured_here"], summary["gpu"]
+    total = len(measured) + len(summary["terms_estimated"])
+    run = summary["calibration"]
+    where = f"; calibrated on {run['device']} ({run['gpu']}) at {run['measured_at']}" if run else ""
+    return f"profile {summary['name']}: {len(measured)} of {total} terms measured on {gpu}{where}"

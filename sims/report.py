@@ -20,7 +20,7 @@ from scheduler.fleet import Fleet
 from sims.capacity import POLICY_ORDER
 from sims.capacity_eval import Context
 from sims.capacity_study import NO_SCALE, StudyResult
-from sims.profiles import BASES, TERM_NAMES
+from sims.profiles import BASES, TERM_NAMES, CalibrationProfile
 
 HOURS_PER_MONTH = 730.0
 SCHEMA_VERSION = 1
@@ -69,6 +69,7 @@ def build_report(result: StudyResult, ctx: Context, *, fleet_path: str = "", tra
     }
     report["tries"] = _tries(result, ctx, report)
     report["assumptions"] = _assumptions(result, ctx)
+    report["profile"] = ctx.costs(gpu).profile.summary(gpu)
     return report
 
 
@@ -324,6 +325,16 @@ def _tries(result: StudyResult, ctx: Context, report: Mapping[str, Any]) -> list
     return lines
 
 
+def _calibrated(profile: CalibrationProfile, gpu: str) -> str:
+    """Whether `profile` was measured on GPU type `gpu`, and by which run of `modelpool calibrate`."""
+    run = profile.calibration
+    if run is None:
+        return "measured on this GPU type" if profile.summary(gpu)["measured_on_this_gpu"] else \
+            f"not measured on {gpu}: estimated"
+    here = "measured on this GPU type" if run.gpu == gpu.lower() else f"measured on {run.gpu}, not on {gpu}: estimated"
+    return f"{here}; `{run.command}` on {run.device} at {run.measured_at}{', quick' if run.quick else ''}"
+
+
 def _assumptions(result: StudyResult, ctx: Context) -> list[dict[str, str]]:
     fleet, gpu = ctx.fleet, result.gpu
     spec = fleet.gpu(gpu)
@@ -345,7 +356,7 @@ def _assumptions(result: StudyResult, ctx: Context) -> list[dict[str, str]]:
     groups = [f"{labels[basis]}: {', '.join(bases[basis]) or 'none'}" for basis in BASES]
     out.append({"what": f"cost model profile on {gpu.upper()}",
                 "status": "measured" if len(bases["measured"]) == len(TERM_NAMES) else "estimated",
-                "value": f"profile {profile.name}; " + "; ".join(groups),
+                "value": f"profile {profile.name} ({_calibrated(profile, gpu)}); " + "; ".join(groups),
                 "source": "the profile's provenance (sims/profiles; `modelpool estimate` prints the same split)"})
     for term in ("eff_compute", "eff_mem", "eff_kv", "eff_pcie", "eff_nvlink", "decode_fixed_s", "prefill_fixed_s",
                  "allreduce_latency_s"):
@@ -379,9 +390,13 @@ def _assumptions(result: StudyResult, ctx: Context) -> list[dict[str, str]]:
          "value": f"bracket x1.5, bisect, verify {result.config.goal.window} counts below each answer; "
                   "runs sure to miss a per-request target are stopped early (their attainment is an upper bound)",
          "source": "sims/capacity.py"},
+        {"what": "host links", "status": "input",
+         "value": (f"{fleet.pool.gpus_per_host_link} GPU(s) per PCIe link: overlapping weight and KV copies on "
+                   f"a link split its bandwidth (sims/links.py)" if fleet.pool.gpus_per_host_link else
+                   "not shared (pool.gpus_per_host_link 0): every copy at the full link rate"),
+         "source": "the fleet file (pool.gpus_per_host_link)"},
         {"what": "not modelled", "status": "estimated",
-         "value": "prefix caching, network and gateway time, PCIe contention between weight and KV copies, "
-                  "engine start-up, failures", "source": "sims/simulator.py"},
+         "value": "prefix caching, network and gateway time, engine start-up, failures", "source": "sims/simulator.py"},
     ]
     for policy, options in sorted(ctx.policy_options.items()):
         if options:

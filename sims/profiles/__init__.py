@@ -14,7 +14,7 @@ import functools
 import json
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -95,6 +95,9 @@ class CalibrationRun(_Frozen):
     wall_s: float = Field(default=0.0, ge=0, description="Seconds the calibration took.")
     figures: dict[str, float] = Field(default_factory=dict, description="Figures measured alongside that are not "
                                                                         "cost-model terms (graph capture time ...).")
+    measurements: dict[str, Any] = Field(default_factory=dict, description="The raw measurements the terms were "
+                                                                           "fitted to (sims.profiles.calibrated refits "
+                                                                           "them).")
 
 
 class CalibrationProfile(_Frozen):
@@ -167,6 +170,16 @@ class CalibrationProfile(_Frozen):
         if self.entry(term, gpu).status != "measured":
             return "assumed"
         return "datasheet ratio" if term.startswith("eff_") else "carried over"
+
+    def summary(self, gpu: str) -> dict[str, Any]:
+        """What a report says of the profile on GPU type `gpu`: which terms were measured on it, and where and
+        when `modelpool calibrate` measured it (None for a profile it did not write)."""
+        measured = [term for term in TERM_NAMES if self.status(term, gpu) == "measured"]
+        run = self.calibration
+        return {"name": self.name, "gpu": gpu.lower(), "measured_on_this_gpu": bool(measured),
+                "terms_measured_here": measured, "terms_estimated": [t for t in TERM_NAMES if t not in measured],
+                "calibration": None if run is None else {"device": run.device, "gpu": run.gpu, "quick": run.quick,
+                                                         "measured_at": run.measured_at, "command": run.command}}
 
     def bases(self, gpu: str) -> dict[Basis, list[str]]:
         """The terms on `gpu` grouped by `basis` (every basis present, possibly empty)."""

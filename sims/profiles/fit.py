@@ -1,17 +1,11 @@
 """Fit the shipped calibration profiles to the H200 measurements in ANCHORS.md.
 
-Each family of measurements is linear in the inverse efficiencies and the
-overheads, so each fit is one weighted least-squares solve (weights 1/measured:
-relative errors count alike):
-
-- decode (CUDA graphs, context 512 per request):
-      t = W / (hbm * eff_mem) + KV / (hbm * eff_kv) + decode_fixed_s
-  W = weight bytes a step streams (+ KV written), KV = KV bytes read. Two model
-  shapes cannot separate a per-layer term from the per-step one, so the whole
-  intercept goes to decode_fixed_s.
-- prefill (eager): t = FLOPs / (peak * eff_compute) + prefill_fixed_s + layers * prefill_layer_s
-- swap: t = bytes / (h2d * eff_pcie) + switch_fixed_s (intercept clamped at 0)
-- eager decode (11.1 ms, 7B): the host launch floor, launch_s_per_layer = (t - decode_fixed_s) / layers
+The fits themselves are `sims.profiles.fitting`'s (the same ones `modelpool
+calibrate` runs on its own measurements); this module holds ANCHORS.md's
+figures and the provenance of each shipped number. Two model shapes cannot
+separate a per-layer decode term from the per-step one, so the whole decode
+intercept goes to decode_fixed_s; the eager 7B decode (11.1 ms) gives the host
+launch floor.
 
 The benchmark's models are the catalogue shapes with ONE vocab x hidden matrix
 (14.1 GB for the 7B shape = 15.2 GB catalogue weights less the 1.09 GB input
@@ -27,32 +21,17 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
-
-import numpy as np
 
 from scheduler.fleet import ARCHS, GPUS, Arch
-from sims.costmodel import RooflineCostModel, model_constants
 from sims.profiles import CalibrationProfile, ProfileTerms, Provenance, load_profile
+from sims.profiles.fitting import Anchor, Check, fit, predict, sig
+
+__all__ = ["Anchor", "Check", "DECODE", "EAGER_DECODE", "PREFILL", "SWAP", "benchmark_arch", "build_profiles",
+           "error_table", "fit_terms"]
 
 ANCHORS = "ANCHORS.md, 'Measured here (H200, PCIe Gen5 x16)'"
 GPU = "h200"
-
-
-@dataclass(frozen=True, slots=True)
-class Anchor:
-    """One measured time. `tokens`: context per request (decode) or prompt length (prefill)."""
-
-    kind: Literal["decode", "prefill", "swap"]
-    arch: str
-    measured_s: float
-    batch: int = 1
-    tokens: int = 0
-    swap_bytes: float = 0.0
-    cuda_graphs: bool = True
-
 
 DECODE = tuple(Anchor("decode", arch, ms * 1e-3, batch, 512) for arch, values in
                (("qwen2.5-7b", (4.56, 4.68, 4.87)), ("qwen3-32b", (17.8, 18.4, 19.2)))
@@ -62,54 +41,20 @@ PREFILL = tuple(Anchor("prefill", arch, ms * 1e-3, 1, tokens) for arch, tokens, 
                 (("qwen2.5-7b", 512, 12.0), ("qwen2.5-7b", 4096, 90.9), ("qwen2.5-14b", 512, 22.6), ("qwen2.5-14b", 4096, 176.0)))
 SWAP = (Anchor("swap", "qwen2.5-7b", 0.257, swap_bytes=14.1e9), Anchor("swap", "qwen2.5-14b", 0.511, swap_bytes=28.0e9))
 
-_UNIT = ProfileTerms(eff_compute=1, eff_mem=1, eff_kv=1, eff_pcie=1, eff_nvlink=1, prefill_fixed_s=0, prefill_layer_s=0,
-                     decode_fixed_s=0, launch_s_per_layer=0, decode_cuda_graphs=True, prefill_cuda_graphs=False,
-                     switch_fixed_s=0, allreduce_latency_s=0)
-
 
 def benchmark_arch(key: str) -> Arch:
     """The measured shape: the catalogue arch with tied embeddings and parameters counted from the shape."""
     return Arch.model_validate({**ARCHS[key], "tie_embeddings": True, "total_params": None})
 
 
-def _solve(rows: list[list[float]], measured: list[float], nonnegative: tuple[int, ...] = ()) -> list[float]:
-    """Least squares in relative error (each row and its target divided by the target). A column in
-    `nonnegative` whose coefficient comes out negative is dropped (held at 0) and the rest refitted:
-    a negative overhead is the fit spending a free parameter on noise."""
-    a = np.array(rows) / np.array(measured)[:, None]
-    keep = list(range(a.shape[1]))
-    while True:
-        solution, *_ = np.linalg.lstsq(a[:, keep], np.ones(len(measured)), rcond=None)
-        negative = [column for column, x in zip(keep, solution) if column in nonnegative and x < 0]
-        if not negative:
-            out = [0.0] * a.shape[1]
-            for column, x in zip(keep, solution):
-                out[column] = float(x)
-            return out
-        keep.remove(min(negative, key=lambda column: solution[keep.index(column)]))
-
-
-def _sig(value: float, digits: int = 4) -> float:
-    return float(f"{value:.{digits}g}")
+_FITTED = ("eff_compute", "eff_mem", "eff_kv", "eff_pcie", "decode_fixed_s", "prefill_fixed_s", "prefill_layer_s",
+           "switch_fixed_s", "launch_s_per_layer")
 
 
 def fit_terms() -> dict[str, float]:
     """The measured terms, rounded to 4 significant digits (the shipped numbers)."""
-    gpu = GPUS[GPU]
-    unit = {a.arch: model_constants(benchmark_arch(a.arch), 1, gpu, _UNIT) for a in DECODE + PREFILL}
-    decode_rows = [[unit[a.arch].stream_static_s + a.batch * unit[a.arch].kv_write_s_per_token,
-                    a.batch * a.tokens * unit[a.arch].kv_read_s_per_token, 1.0] for a in DECODE]
-    inv_mem, inv_kv, decode_fixed = _solve(decode_rows, [a.measured_s for a in DECODE], nonnegative=(2,))
-    prefill_rows = [[a.tokens * (unit[a.arch].gemm_s_per_token + unit[a.arch].attn_s_per_pair * a.tokens / 2)
-                     + unit[a.arch].lm_head_s_per_row, 1.0, unit[a.arch].num_layers] for a in PREFILL]
-    inv_compute, prefill_fixed, prefill_layer = _solve(prefill_rows, [a.measured_s for a in PREFILL], nonnegative=(1, 2))
-    swap_rows = [[a.swap_bytes / (gpu.h2d_gb_s * 1e9), 1.0] for a in SWAP]
-    inv_pcie, switch_fixed = _solve(swap_rows, [a.measured_s for a in SWAP], nonnegative=(1,))
-    layers = benchmark_arch(EAGER_DECODE.arch).num_layers
-    launch = (EAGER_DECODE.measured_s - _sig(decode_fixed)) / layers
-    return {"eff_compute": _sig(1 / inv_compute), "eff_mem": _sig(1 / inv_mem), "eff_kv": _sig(1 / inv_kv),
-            "eff_pcie": _sig(1 / inv_pcie), "decode_fixed_s": _sig(decode_fixed), "prefill_fixed_s": _sig(prefill_fixed),
-            "prefill_layer_s": _sig(prefill_layer), "switch_fixed_s": _sig(switch_fixed), "launch_s_per_layer": _sig(launch)}
+    fitted = fit(DECODE + PREFILL + SWAP + (EAGER_DECODE,), GPUS[GPU], benchmark_arch).terms
+    return {term: float(fitted[term]) for term in _FITTED}
 
 
 _SOURCES = {
@@ -154,7 +99,7 @@ def build_profiles() -> dict[str, CalibrationProfile]:
         name="h200-eager", terms=eager_terms, provenance=eager_provenance,
         description="As h200-cudagraph, but decode launches kernels eagerly (as the Aegaeon artifact does): "
                     "small models are launch bound. Generated by `python -m sims.profiles.fit --write`.")
-    h100_pcie = _sig(54.8 / GPUS["h100"].h2d_gb_s)
+    h100_pcie = sig(54.8 / GPUS["h100"].h2d_gb_s)
     default = CalibrationProfile(
         name="default", terms=cudagraph.terms, gpu_overrides={"h100": {"eff_pcie": h100_pcie}},
         provenance=provenance | {"h100.eff_pcie": Provenance(
@@ -164,35 +109,11 @@ def build_profiles() -> dict[str, CalibrationProfile]:
     return {profile.name: profile for profile in (default, cudagraph, eager)}
 
 
-@dataclass(frozen=True, slots=True)
-class Check:
-    """One anchor against the model's prediction."""
-
-    label: str
-    measured_s: float
-    predicted_s: float
-
-    @property
-    def error(self) -> float:
-        return self.predicted_s / self.measured_s - 1.0
-
-
 def error_table(profile: CalibrationProfile) -> list[Check]:
     """Every H200 anchor that applies to `profile` (decode anchors of its graph mode), predicted."""
     anchors = DECODE + PREFILL + SWAP + (EAGER_DECODE,)
     anchors = tuple(a for a in anchors if a.kind != "decode" or a.cuda_graphs == profile.terms_for(GPU).decode_cuda_graphs)
-    model = RooflineCostModel.for_models({a.arch: (benchmark_arch(a.arch), 1) for a in anchors}, GPU, profile)
-    checks = []
-    for a in anchors:
-        if a.kind == "decode":
-            label = f"decode {a.arch} batch {a.batch} ctx {a.tokens}{'' if a.cuda_graphs else ' eager'}"
-            predicted = model.decode_step_s(a.arch, a.batch, a.batch * a.tokens)
-        elif a.kind == "prefill":
-            label, predicted = f"prefill {a.arch} {a.tokens} tokens", model.prefill_s(a.arch, a.tokens)
-        else:
-            label, predicted = f"swap {a.arch} {a.swap_bytes / 1e9:.1f} GB", model.switch_s(a.arch)
-        checks.append(Check(label, a.measured_s, predicted))
-    return checks
+    return predict(profile, anchors, GPU, GPU, benchmark_arch)
 
 
 def main(argv: list[str]) -> None:

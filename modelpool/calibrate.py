@@ -1,0 +1,198 @@
+"""`modelpool calibrate`: measure the cost model's terms on this machine for a fleet's model shapes.
+
+Random weights of each shape (no downloads), the torch engine, and a short
+load through the live pool (modelpool.measure); the fit and the provenance of
+every term (sims.profiles.calibrated); a profile JSON that `modelpool
+simulate --profile` and `modelpool capacity --profile` read.
+
+    modelpool calibrate --fleet models.yaml --device cuda --out h200-mine.json   # ~3 shapes: < 3 min on an H200
+    modelpool calibrate --fleet tiny.yaml --device cpu --quick --out /tmp/p.json  # a smoke run, seconds
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import shlex
+import time
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from modelpool.config import FleetFileError, load_fleet
+
+console = Console()
+DEVICE_FRACTION = 0.8  # of device memory two engines (two model slots each) and the KV may take
+
+
+def calibrate_command(
+    fleet_path: Path = typer.Option(Path("models.yaml"), "--fleet", "-f", help="Fleet file: its models' shapes are measured."),
+    out: Path = typer.Option(Path("calibrated-profile.json"), "--out", "-o", help="Profile JSON to write."),
+    device: str = typer.Option("cuda", "--device", help="cpu | cuda | cuda:N (the torch device to measure)."),
+    quick: bool = typer.Option(False, "--quick", help="A smoke run: fewer points and repeats (~1 min on an H200)."),
+    gpu: str | None = typer.Option(None, "--gpu", help="GPU type the measurements count for: a catalogue key or one "
+                                   "of the fleet's `gpus:` (default: the fleet's pool.gpu)."),
+    models: str = typer.Option("", "--models", help="Comma-separated fleet models whose shapes to measure (default: "
+                               "up to --max-shapes shapes spanning the fleet's sizes)."),
+    max_shapes: int = typer.Option(3, "--max-shapes", min=1, help="Most distinct shapes measured."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the random weights and prompts."),
+) -> None:
+    """Measure prefill, decode, switch, KV-move, shared-link and live-pool host times on this device; write a profile."""
+    started = time.perf_counter()
+    try:
+        fleet = load_fleet(fleet_path)
+    except FleetFileError as exc:
+        _fail(str(exc))
+    gpu_key = (gpu or fleet.pool.gpu).lower()
+    if gpu_key not in {*fleet.gpus, *_catalogue()}:
+        _fail(f"--gpu {gpu_key!r}: not in the GPU catalogue ({', '.join(sorted(_catalogue()))}) nor the fleet's gpus")
+    import torch
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        _fail(f"--device {device}: torch sees no CUDA device here (torch {torch.__version__}); use --device cpu")
+    cuda = device.startswith("cuda")
+    memory = torch.cuda.get_device_properties(torch.device(device)).total_memory if cuda else None
+    archs, skipped = pick_shapes(fleet, [m.strip() for m in models.split(",") if m.strip()], max_shapes, memory)
+    for line in skipped:
+        console.print(f"[yellow]skipped[/] {line}")
+    if not archs:
+        _fail("no model shape of the fleet can be measured with the torch engine here (see the lines above)")
+    from modelpool.measure import Calibration, plan_for
+    from sims.profiles.calibrated import build_profile, fit_errors
+
+    calibration = Calibration(archs, device, plan_for(cuda, quick), seed=seed)
+    name = calibration.result["device"]
+    _check_device(name, gpu_key, cuda)
+    console.print(f"[bold]modelpool calibrate[/]: {len(archs)} shape(s) ({', '.join(archs)}) on {name}, "
+                  f"counted for {gpu_key}{', quick' if quick else ''}")
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=True) as bar:
+        task = bar.add_task("building random weights", total=calibration.num_steps)
+        measurements = calibration.run(lambda what: bar.update(task, advance=1, description=what))
+    given = [("--fleet", str(fleet_path)), ("--device", device), ("--out", str(out)), ("--gpu", gpu or ""),
+             ("--models", models), ("--max-shapes", "" if max_shapes == 3 else str(max_shapes)),
+             ("--seed", str(seed) if seed else "")]
+    command = " ".join(["modelpool calibrate"] + [f"{k} {shlex.quote(v)}" for k, v in given if v]
+                       + (["--quick"] if quick else []))
+    run = {"command": command,
+           "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "quick": quick, "shapes": tuple(archs), "wall_s": round(time.perf_counter() - started, 1),
+           "software": {"modelpool": _version()}}
+    profile = build_profile(measurements, archs, gpu_key, fleet.gpu(gpu_key), run=run, name=out.stem)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(profile.model_dump(mode="json"), indent=2) + "\n")
+    console.print(_shape_table(measurements))
+    console.print(_terms_table(profile, fit_errors(profile, archs, fleet.gpu(gpu_key))))
+    console.print(f"wrote {out} in {time.perf_counter() - started:.0f} s; use it with "
+                  f"`modelpool simulate --profile {out}` or `modelpool capacity --profile {out}`")
+
+
+def pick_shapes(fleet: Any, names: list[str], max_shapes: int, device_bytes: int | None) -> tuple[dict[str, Any], list[str]]:
+    """The shapes to measure (key: the fleet's arch name, parameters counted from the shape, as the engine
+    builds it) and why others were left out. Without `names`: distinct shapes sorted by size, at most
+    `max_shapes` spread from the smallest to the largest that fits the device."""
+    from modelpool.measure import unsupported
+    from scheduler.fleet import Arch
+
+    entries = fleet.models
+    if names:
+        unknown = sorted(set(names) - {m.name for m in entries})
+        if unknown:
+            _fail(f"--models: not in the fleet: {', '.join(unknown)}")
+        entries = [m for m in entries if m.name in names]
+    shapes: dict[str, Any] = {}
+    seen: set[str] = set()  # shapes already taken, by their fields (inline archs have no catalogue name)
+    skipped = []
+    for entry in entries:
+        key = entry.arch_name or entry.name
+        fields = entry.arch.model_dump_json()
+        why = unsupported(entry.arch, entry.tp)
+        if fields in seen:
+            continue
+        seen.add(fields)
+        if why:
+            skipped.append(f"{key} ({entry.name}): {why}")
+            continue
+        arch = Arch.model_validate({**entry.arch.model_dump(), "total_params": None})
+        if device_bytes is not None and 4 * arch.weight_bytes > DEVICE_FRACTION * device_bytes:
+            skipped.append(f"{key}: {arch.weight_bytes / 1e9:.1f} GB of weights; two engines with two model slots "
+                           f"each do not fit {device_bytes / 1e9:.0f} GB")
+            continue
+        shapes[key] = arch
+    ordered = sorted(shapes, key=lambda k: (shapes[k].weight_bytes, k))
+    if len(ordered) > max_shapes:
+        picks = sorted({round(i * (len(ordered) - 1) / (max_shapes - 1)) for i in range(max_shapes)}) \
+            if max_shapes > 1 else [len(ordered) - 1]
+        skipped.append(f"{len(ordered) - len(picks)} more shape(s) of the fleet (--max-shapes {max_shapes}): "
+                       + ", ".join(k for i, k in enumerate(ordered) if i not in picks))
+        ordered = [ordered[i] for i in picks]
+    return {key: shapes[key] for key in ordered}, skipped
+
+
+def _check_device(name: str, gpu_key: str, cuda: bool) -> None:
+    squeeze = name.lower().replace(" ", "").replace("-", "")
+    if cuda and gpu_key.replace("-", "") not in squeeze:
+        console.print(f"[yellow]note[/]: measuring {name} for GPU type {gpu_key!r}: the profile says it was "
+                      f"measured on {gpu_key}; pass --gpu if that is not what this device is")
+
+
+def _shape_table(m: dict[str, Any]) -> Table:
+    table = Table(title=f"measured on {m['device']} (medians)")
+    for column in ("shape", "GB", "switch s (GB/s)", "prefill ms (tokens)", "decode ms (batch x ctx)", "KV out/in GB/s"):
+        table.add_column(column, justify="left" if column == "shape" else "right")
+    for name, shape in m["shapes"].items():
+        swap = next(s for s in m["swap"] if s["arch"] == name)
+        prefill = " ".join(f"{p['seconds'] * 1e3:.1f} ({p['tokens']})" for p in m["prefill"]
+                           if p["arch"] == name and p["batch"] == 1)
+        decode = " ".join(f"{d['seconds'] * 1e3:.2f} ({d['batch']}x{d['context']}{'' if d['graphs'] else ' eager'})"
+                          for d in m["decode"] if d["arch"] == name)
+        kv = [k for k in m["kv_move"] if k["arch"] == name]
+        moved = f"{kv[-1]['bytes'] / kv[-1]['save_s'] / 1e9:.1f} / {kv[-1]['bytes'] / kv[-1]['restore_s'] / 1e9:.1f}" \
+            if kv else "-"
+        table.add_row(name, f"{shape['weight_bytes'] / 1e9:.2f}",
+                      f"{swap['seconds']:.3f} ({swap['bytes'] / swap['seconds'] / 1e9:.1f})", prefill, decode, moved)
+    return table
+
+
+def _terms_table(profile: Any, checks: list[Any]) -> Table:
+    from sims.profiles import TERM_NAMES
+
+    worst: dict[str, float] = {}
+    for check in checks:
+        family = check.label.split(" ")[0]
+        worst[family] = max(worst.get(family, 0.0), abs(check.error))
+    gpu = profile.calibration.gpu
+    table = Table(title=f"profile {profile.name}: terms on {gpu} (fit error: worst |predicted/measured - 1| "
+                        + ", ".join(f"{k} {v:.1%}" for k, v in worst.items()) + ")")
+    table.add_column("term")
+    table.add_column("value", justify="right")
+    table.add_column("from")
+    for term in TERM_NAMES:
+        value = getattr(profile.terms, term)
+        shown = "-" if value is None else f"{value:g}" if not isinstance(value, bool) else str(value)
+        table.add_row(term, shown, "measured here" if profile.status(term, gpu) == "measured" else "base profile")
+    return table
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("modelpool")
+    except Exception:  # not installed (a source tree on the GPU box)
+        return ""
+
+
+def _catalogue() -> dict[str, Any]:
+    from scheduler.fleet import GPUS
+
+    return dict(GPUS)
+
+
+def _fail(message: str) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(1)

@@ -1,0 +1,164 @@
+"""A calibration profile from `modelpool calibrate`'s measurements, with the provenance of every term.
+
+The engine's own times (prefill, decode steps, switches, KV moves) are fitted
+by `sims.profiles.fitting`, as the shipped profiles are. On top of them:
+
+- eff_pcie_shared, from two engines switching in models on one device at the
+  same time: under processor sharing (sims.links) the last of two copies of
+  w1 >= w2 seconds alone ends at 2 w2 / s + (w1 - w2), s the link's shared
+  rate; s from the span measured, times eff_pcie;
+- prefill_host_s and decode_host_s, from the live pool's load
+  (`modelpool.measure_live`): what the sink saw less what the fitted engine
+  terms predict (first token after submit; the gap between tokens).
+
+Terms not measured (the NVLink ones; a family with no points) keep the base
+profile's value and provenance. No torch here: the measurements are plain data.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping
+from typing import Any
+
+from scheduler.fleet import Arch, GpuSpec
+from sims.costmodel import RooflineCostModel
+from sims.profiles import CalibrationProfile, CalibrationRun, Provenance, load_profile
+from sims.profiles.fitting import Anchor, Check, Fit, fit, predict, sig
+
+
+def anchors_from(measurements: Mapping[str, Any]) -> list[Anchor]:
+    """The measured engine times as fitting anchors (a KV move counts out and back)."""
+    out = [Anchor("prefill", p["arch"], p["seconds"], p["batch"], p["tokens"]) for p in measurements["prefill"]]
+    out += [Anchor("decode", d["arch"], d["seconds"], d["batch"], d["context"], cuda_graphs=d["graphs"])
+            for d in measurements["decode"]]
+    out += [Anchor("swap", s["arch"], s["seconds"], swap_bytes=s["bytes"]) for s in measurements["swap"]]
+    for k in measurements["kv_move"]:
+        out += [Anchor("kv_move", k["arch"], k[key], k["batch"], swap_bytes=k["bytes"]) for key in ("save_s", "restore_s")]
+    return out
+
+
+def build_profile(measurements: Mapping[str, Any], archs: Mapping[str, Arch], gpu: str, spec: GpuSpec, *,
+                  run: Mapping[str, Any], name: str = "", base: CalibrationProfile | None = None) -> CalibrationProfile:
+    """The profile of `measurements` (modelpool.measure's result) on GPU type `gpu` (figures `spec`). `run`:
+    the CalibrationRun fields but figures and measurements (command, device, measured_at, ...)."""
+    base = base or load_profile("default")
+    anchors = anchors_from(measurements)
+    fitted = fit(anchors, spec, archs.__getitem__)
+    where = f"modelpool calibrate on {measurements['device']} ({gpu}), {str(run['measured_at'])[:10]}"
+    terms: dict[str, Any] = dict(base.terms_for(gpu).model_dump())
+    provenance = {term: base.entry(term, gpu) for term in terms}
+    sources = _sources(measurements, fitted)
+    for term, value in fitted.terms.items():
+        terms[term] = value
+        held = _HELD.get(term, "") if term in fitted.held else ""
+        provenance[term] = Provenance(status="measured", source=f"{sources[term]}{held} ({where})", gpus=(gpu,))
+    figures = {key: float(value) for key, value in measurements.get("figures", {}).items()}
+    shared = _shared_rate(measurements)
+    if shared is not None:
+        terms["eff_pcie_shared"] = min(1.0, sig(shared * float(terms["eff_pcie"])))
+        provenance["eff_pcie_shared"] = Provenance(status="measured", gpus=(gpu,), source=(
+            f"two engines on one device switching in {' and '.join(measurements['shared'][0]['archs'])} at once, "
+            f"from two threads: shared link rate {shared:.3f} of one copy alone, times eff_pcie ({where})"))
+        figures["shared_link_rate"] = round(shared, 4)
+    draft = CalibrationProfile(name="draft", terms={**terms, "prefill_host_s": 0.0, "decode_host_s": 0.0},
+                               provenance=provenance)  # the engine alone: what the live pool's times are held against
+    live = measurements.get("live")
+    if live:
+        _host_terms(draft, live, archs, gpu, spec, terms, provenance, figures, where)
+    return CalibrationProfile(
+        name=name or f"calibrated-{gpu}", terms=terms, provenance=provenance,
+        description=f"Measured by `{run['command']}` on {measurements['device']} ({gpu}); terms it did not measure "
+                    f"come from the {base.name} profile. On other GPUs its numbers are extrapolations.",
+        calibration=CalibrationRun(**{**run, "gpu": gpu, "device": measurements["device"], "figures": figures,
+                                      "software": {**measurements.get("software", {}), **run.get("software", {})},
+                                      "measurements": dict(measurements)}))
+
+
+def fit_errors(profile: CalibrationProfile, archs: Mapping[str, Arch], spec: GpuSpec) -> list[Check]:
+    """Every measured engine time of a calibrated profile, predicted by it (the fit's error table)."""
+    assert profile.calibration is not None
+    return predict(profile, anchors_from(profile.calibration.measurements), spec, profile.calibration.gpu,
+                   archs.__getitem__)
+
+
+_HELD = {"prefill_layer_s": "; held at 0", "prefill_fixed_s": "; held at 0 (the fit wanted it negative)",
+         "decode_fixed_s": "; held at 0 (the fit wanted it negative)", "switch_fixed_s": "; held at 0 (the fit "
+         "wanted it negative)", "kv_move_fixed_s": "; held at 0", "prefill_request_s": "; held at 0 (the fit wanted "
+         "it negative)", "launch_s_per_layer": "; held at 0 (eager steps no slower than the fitted ones)"}
+_HELD.update({eff: "; held at 1 (the times did not grow with the work, or grew less than the datasheet allows)"
+              for eff in ("eff_compute", "eff_mem", "eff_kv", "eff_pcie", "eff_kv_move")})
+
+
+def _sources(m: Mapping[str, Any], fitted: Fit) -> dict[str, str]:
+    def values(rows: list[dict[str, Any]], key: str) -> str:
+        return "/".join(str(v) for v in sorted({r[key] for r in rows}))
+
+    shapes = ", ".join(m["shapes"])
+    decode = [d for d in m["decode"] if d["graphs"]] or m["decode"]
+    mode = "CUDA-graph" if decode and decode[0]["graphs"] else "eager"
+    dec = f"fitted to {len(decode)} {mode} decode steps of {shapes}, batch {values(decode, 'batch')}, " \
+          f"context {values(decode, 'context')} per request"
+    pre = f"fitted to {len(m['prefill'])} prefills of {shapes}, {values(m['prefill'], 'tokens')} tokens x " \
+          f"{values(m['prefill'], 'batch')} prompts"
+    swap = f"fitted to {len(m['swap'])} weight switches (activate from pinned host memory) of {shapes}"
+    kv = f"fitted to KV moves (save_kv and restore_kv) of {values(m['kv_move'], 'batch')} requests" if m["kv_move"] else ""
+    eager = [d for d in m["decode"] if not d["graphs"]]
+    launch = (f"eager decode ({len(eager)} steps) less decode_fixed_s, per layer" if mode == "CUDA-graph" else
+              "no CUDA graphs on this device: the linear decode terms fit the eager steps; no separate floor")
+    out = {"eff_mem": dec, "eff_kv": dec, "decode_fixed_s": dec + " (intercept)", "launch_s_per_layer": launch,
+           "decode_cuda_graphs": f"measured setting: the decode steps ran {mode}",
+           "eff_compute": pre, "prefill_fixed_s": pre + " (intercept)",
+           "prefill_layer_s": pre if len({m["shapes"][a]["num_layers"] for a in m["shapes"]}) > 1 else
+           "one layer count among the shapes measured: a per-layer term cannot be told from prefill_fixed_s",
+           "prefill_request_s": pre, "prefill_cuda_graphs": "measured setting: the engine prefills eagerly",
+           "eff_pcie": swap, "switch_fixed_s": swap + " (intercept)", "eff_kv_move": kv,
+           "kv_move_fixed_s": kv if len({k["batch"] for k in m["kv_move"]}) > 1 else
+           "one request count among the KV moves measured: a per-request term cannot be told apart"}
+    return {term: out[term] for term in fitted.terms}
+
+
+def _shared_rate(m: Mapping[str, Any]) -> float | None:
+    """The link's rate with two copies on it, as a share of one copy's alone (median over the repeats)."""
+    alone = {s["arch"]: s["seconds"] for s in m["swap"]}
+    rates = []
+    for run in m.get("shared", []):
+        w1, w2 = sorted((alone[a] for a in run["archs"]), reverse=True)
+        overlap = run["span_s"] - (w1 - w2)
+        if overlap > 0:
+            rates.append(2 * w2 / overlap)
+    return statistics.median(rates) if rates else None
+
+
+def _host_terms(draft: CalibrationProfile, live: Mapping[str, Any], archs: Mapping[str, Arch], gpu: str,
+                spec: GpuSpec, terms: dict[str, Any], provenance: dict[str, Provenance], figures: dict[str, float],
+                where: str) -> None:
+    """prefill_host_s and decode_host_s: the live pool's times less the fitted engine's predictions."""
+    name = live["arch"]
+    costs = RooflineCostModel.for_models({name: (archs[name], 1)}, spec, draft, gpu_name=gpu)
+    how = f"the live pool ({live['backend']} backend, {live['policy']}, one instance, {name})"
+    if live["prefill"]:
+        tokens = live["prefill"][0]["tokens"]
+        ttft = statistics.median(p["ttft_s"] for p in live["prefill"])
+        engine = statistics.median(p["engine_s"] for p in live["prefill"])
+        predicted = costs.prefill_s(name, tokens, 1)
+        terms["prefill_host_s"] = sig(max(0.0, ttft - predicted))
+        provenance["prefill_host_s"] = Provenance(status="measured", gpus=(gpu,), source=(
+            f"{how}: first token {ttft * 1e3:.3f} ms after submit (median of {len(live['prefill'])} prompts of "
+            f"{tokens} tokens), less the fitted prefill {predicted * 1e3:.3f} ms; the engine's call took "
+            f"{engine * 1e3:.3f} ms in the pool ({where})"))
+        figures.update(live_prefill_ttft_s=round(ttft, 6), live_prefill_engine_s=round(engine, 6),
+                       live_prefill_predicted_s=round(predicted, 6))
+    decode = live["decode"]
+    if decode.get("gap_s") is not None:
+        batch, context = decode["batch"], decode["context"]
+        predicted = costs.decode_step_s(name, batch, batch * context)
+        terms["decode_host_s"] = sig(max(0.0, decode["gap_s"] - predicted))
+        engine = decode["engine_s"]
+        provenance["decode_host_s"] = Provenance(status="measured", gpus=(gpu,), source=(
+            f"{how}: {decode['gap_s'] * 1e3:.3f} ms between tokens at the sink (median of {decode['num_gaps']} "
+            f"gaps, batch {batch}, ~{context} tokens of context each), less the fitted decode step "
+            f"{predicted * 1e3:.3f} ms; the engine's call took {(engine or 0.0) * 1e3:.3f} ms in the pool ({where})"))
+        figures.update(live_decode_gap_s=decode["gap_s"], live_decode_predicted_s=round(predicted, 7))
+        if engine is not None:
+            figures["live_decode_engine_s"] = engine

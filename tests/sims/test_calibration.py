@@ -1,0 +1,143 @@
+"""Calibrated profiles without a device: the fits recover known terms, the live pool's terms are charged,
+the new terms change nothing at their defaults (sims.profiles.fitting, .calibrated, sims.costmodel)."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler.fleet import GPUS, Arch
+from sims.costmodel import RooflineCostModel
+from sims.profiles import CalibrationProfile, load_profile
+from sims.profiles.calibrated import build_profile, fit_errors
+from sims.profiles.fitting import Anchor, fit
+
+SMALL = Arch(family="qwen2", num_layers=24, hidden_size=1536, num_heads=12, num_kv_heads=2, intermediate_size=8960,
+             vocab_size=151936, tie_embeddings=True)
+LARGE = Arch(family="qwen2", num_layers=28, hidden_size=3584, num_heads=28, num_kv_heads=4, intermediate_size=18944,
+             vocab_size=152064)
+ARCHS = {"small": SMALL, "large": LARGE}
+TRUE = {"eff_compute": 0.6, "eff_mem": 0.75, "eff_kv": 0.5, "eff_pcie": 0.85, "decode_fixed_s": 8e-4,
+        "prefill_fixed_s": 2e-3, "prefill_layer_s": 1e-4, "prefill_request_s": 5e-4, "switch_fixed_s": 3e-3,
+        "eff_kv_move": 0.7, "kv_move_fixed_s": 2e-4, "launch_s_per_layer": 3e-4}
+
+
+def _truth() -> CalibrationProfile:
+    base = load_profile("h200-cudagraph")
+    return base.model_copy(update={"terms": base.terms.model_copy(update=TRUE)})
+
+
+def _measurements(profile: CalibrationProfile) -> dict:
+    """What modelpool.measure would record on a device that follows `profile` exactly."""
+    costs = RooflineCostModel.for_models({n: (a, 1) for n, a in ARCHS.items()}, "h200", profile)
+    graphs = costs.profile.terms
+    eager = RooflineCostModel.for_models({n: (a, 1) for n, a in ARCHS.items()}, "h200",
+                                         profile.model_copy(update={"terms": graphs.model_copy(
+                                             update={"decode_cuda_graphs": False})}))
+    m: dict = {"device": "NVIDIA H200", "software": {"torch": "test"}, "figures": {}, "prefill": [], "decode": [],
+               "swap": [], "kv_move": [], "shared": [],
+               "shapes": {n: {"weight_bytes": a.weight_bytes, "num_layers": a.num_layers} for n, a in ARCHS.items()}}
+    for name in ARCHS:
+        c = costs.constants(name)
+        for tokens in (128, 512, 2048):
+            for batch in (1, 4):
+                m["prefill"].append({"arch": name, "tokens": tokens, "batch": batch,
+                                     "seconds": costs.prefill_s(name, tokens * batch, batch)})
+        for batch in (1, 8, 32):
+            for context in (256, 1024, 4096):
+                m["decode"].append({"arch": name, "batch": batch, "context": context, "graphs": True,
+                                    "seconds": costs.decode_step_s(name, batch, batch * context)})
+        m["decode"].append({"arch": name, "batch": 1, "context": 256, "graphs": False,
+                            "seconds": eager.decode_step_s(name, 1, 256)})
+        m["swap"].append({"arch": name, "bytes": ARCHS[name].weight_bytes, "seconds": costs.switch_s(name)})
+        for batch in (1, 8):
+            nbytes = batch * 2048 * c.kv_bytes_per_token_gpu
+            seconds = costs.kv_move_s(name, batch * 2048) + (batch - 1) * c.kv_move_fixed_s
+            m["kv_move"].append({"arch": name, "batch": batch, "bytes": nbytes, "save_s": seconds, "restore_s": seconds})
+    return m
+
+
+RUN = {"command": "modelpool calibrate --fleet f.yaml --device cuda", "measured_at": "2026-12-01T00:00:00+00:00"}
+
+
+def test_the_fit_recovers_the_terms_of_a_device_that_follows_the_model() -> None:
+    m = _measurements(_truth())
+    profile = build_profile(m, ARCHS, "h200", GPUS["h200"], run=RUN)
+    for term, value in TRUE.items():
+        assert getattr(profile.terms, term) == pytest.approx(value, rel=0.02), term
+    assert profile.terms.decode_cuda_graphs and not profile.terms.prefill_cuda_graphs
+    assert max(abs(check.error) for check in fit_errors(profile, ARCHS, GPUS["h200"])) < 0.01
+
+
+def test_every_measured_term_says_where_and_how_it_was_measured() -> None:
+    profile = build_profile(_measurements(_truth()), ARCHS, "h200", GPUS["h200"], run=RUN, name="mine")
+    assert profile.name == "mine" and profile.calibration is not None and profile.calibration.gpu == "h200"
+    for term in TRUE:
+        entry = profile.provenance[term]
+        assert entry.status == "measured" and entry.gpus == ("h200",), term
+        assert "modelpool calibrate on NVIDIA H200 (h200), 2026-12-01" in entry.source, term
+    assert profile.status("eff_nvlink", "h200") == "estimated"  # not measured: the base profile's
+    assert profile.status("eff_mem", "h100") == "estimated"  # measured on an H200 only
+    assert profile.calibration.measurements["swap"]  # the raw points travel with the profile (refit, audit)
+    assert profile.summary("h200")["calibration"]["command"] == RUN["command"]
+
+
+def test_a_shared_link_and_the_live_pool_give_their_terms() -> None:
+    m = _measurements(_truth())
+    large, small = (next(s["seconds"] for s in m["swap"] if s["arch"] == a) for a in ("large", "small"))
+    rate = 0.8  # the link moves 0.8 of one copy's rate with two on it: both share until the small one is done
+    m["shared"] = [{"archs": ["large", "small"], "bytes": [0, 0], "seconds": [0, 0],
+                    "span_s": 2 * small / rate + (large - small)}]
+    costs = RooflineCostModel.for_models({"small": (SMALL, 1)}, "h200", _truth())
+    prefill, step = costs.prefill_s("small", 512, 1), costs.decode_step_s("small", 4, 4 * 320)
+    m["live"] = {"arch": "small", "policy": "request-level", "backend": "threads",
+                 "prefill": [{"tokens": 512, "ttft_s": prefill + 0.004, "engine_s": prefill + 0.001}] * 3,
+                 "decode": {"batch": 4, "context": 320, "gap_s": step + 0.0007, "engine_s": step, "num_gaps": 100}}
+    profile = build_profile(m, ARCHS, "h200", GPUS["h200"], run=RUN)
+    assert profile.terms.eff_pcie_shared == pytest.approx(rate * profile.terms.eff_pcie, rel=0.01)
+    assert profile.terms.prefill_host_s == pytest.approx(0.004, rel=0.05)
+    assert profile.terms.decode_host_s == pytest.approx(0.0007, rel=0.05)
+    assert "sink" in profile.provenance["decode_host_s"].source
+
+
+def test_the_live_pool_terms_are_charged_after_the_gpu_time() -> None:
+    base = load_profile("h200-cudagraph")
+    plain = RooflineCostModel.for_models({"m": (LARGE, 1)}, "h200", base)
+    terms = base.terms.model_copy(update={"decode_host_s": 1e-3, "prefill_host_s": 5e-3, "prefill_request_s": 2e-4,
+                                          "kv_move_fixed_s": 1e-4, "eff_kv_move": base.terms.eff_pcie / 2})
+    live = RooflineCostModel.for_models({"m": (LARGE, 1)}, "h200", base.model_copy(update={"terms": terms}))
+    assert live.decode_step_s("m", 8, 8000) == pytest.approx(plain.decode_step_s("m", 8, 8000) + 1e-3)
+    assert live.decode_turn_s("m", 8, 8000, 10) == pytest.approx(plain.decode_turn_s("m", 8, 8000, 10) + 10e-3)
+    assert live.prefill_s("m", 2048, 4) == pytest.approx(plain.prefill_s("m", 2048, 4) + 5e-3 + 4 * 2e-4)
+    assert live.kv_move_s("m", 1000) == pytest.approx(2 * plain.kv_move_s("m", 1000) + 1e-4)
+
+
+def test_a_profile_written_before_the_new_terms_reads_as_before(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    data = load_profile("h200-cudagraph").model_dump(mode="json", exclude={"calibration"})
+    for term in ("prefill_request_s", "prefill_host_s", "decode_host_s", "eff_kv_move", "kv_move_fixed_s",
+                 "eff_pcie_shared"):
+        del data["terms"][term], data["provenance"][term]
+    path = tmp_path / "old.json"
+    import json
+
+    path.write_text(json.dumps(data))
+    old = load_profile(path)
+    assert old.terms == load_profile("h200-cudagraph").terms
+    assert old.provenance["decode_host_s"].status == "estimated"
+
+
+def test_times_of_flat_work_hold_an_efficiency_at_one_and_say_so() -> None:
+    anchors = [Anchor("swap", "small", 0.01, swap_bytes=b) for b in (1e6, 2e6, 4e6)]  # no growth with bytes
+    result = fit(anchors, GPUS["h200"], ARCHS.__getitem__)
+    assert result.terms["eff_pcie"] == 1.0 and "eff_pcie" in result.held
+    assert result.terms["switch_fixed_s"] == pytest.approx(0.01, rel=0.01)
+
+
+def test_the_capacity_report_says_which_profile_and_whether_it_was_measured_on_its_gpu() -> None:
+    from sims.report import _calibrated
+
+    profile = build_profile(_measurements(_truth()), ARCHS, "h200", GPUS["h200"], run=RUN, name="mine")
+    here, there = _calibrated(profile, "h200"), _calibrated(profile, "h100")
+    assert here.startswith("measured on this GPU type") and RUN["command"] in here and "NVIDIA H200" in here
+    assert there.startswith("measured on h200, not on h100: estimated")
+    assert _calibrated(load_profile("default"), "h20") == "not measured on h20: estimated"
+    assert profile.summary("h100")["measured_on_this_gpu"] is False

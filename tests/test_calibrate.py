@@ -1,0 +1,71 @@
+"""`modelpool calibrate --quick --device cpu` on a fleet of tiny shapes, then `modelpool simulate --profile` with
+the profile it wrote: the smoke run CI makes of the calibration (torch engine on CPU, random weights)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from modelpool.cli import app
+from sims.profiles import TERM_NAMES, load_profile
+
+FLEET = """\
+gpus:
+  cpu-box: {memory_gb: 16, hbm_tb_s: 0.05, bf16_tflops: 1.0, h2d_gb_s: 20, nvlink_gb_s: 10, usd_per_hour: 0.1,
+            source: "a CI runner's CPU (nominal figures for the test)"}
+pool: {gpu: cpu-box, num_gpus: 2, gpus_per_node: 2, gpus_per_host_link: 1, default_slo: {ttft_s: 5.0, tpot_s: 0.5}}
+models:
+  - name: tiny-qwen
+    arch: {family: qwen2, num_layers: 2, hidden_size: 128, num_heads: 4, num_kv_heads: 2, intermediate_size: 256,
+           vocab_size: 1024, max_context: 4096}
+    traffic: {rate_rps: 0.5}
+  - name: tiny-qwen-too
+    arch: {family: qwen2, num_layers: 2, hidden_size: 128, num_heads: 4, num_kv_heads: 2, intermediate_size: 256,
+           vocab_size: 1024, max_context: 4096}
+    traffic: {rate_rps: 0.3}
+  - name: tiny-llama
+    arch: {family: llama, num_layers: 3, hidden_size: 192, num_heads: 6, num_kv_heads: 2, intermediate_size: 384,
+           vocab_size: 1024, max_context: 4096}
+    traffic: {rate_rps: 0.5}
+"""
+
+
+def test_calibrate_on_cpu_then_simulate_with_the_profile(tmp_path: Path) -> None:
+    fleet = tmp_path / "tiny.yaml"
+    fleet.write_text(FLEET)
+    profile_path = tmp_path / "cpu-profile.json"
+    res = CliRunner().invoke(app, ["calibrate", "--fleet", str(fleet), "--device", "cpu", "--quick",
+                                   "--out", str(profile_path)])
+    assert res.exit_code == 0, res.output
+    profile = load_profile(profile_path)
+    run = profile.calibration
+    assert run is not None and run.device == "cpu" and run.gpu == "cpu-box" and run.quick
+    assert run.shapes == ("tiny-qwen", "tiny-llama")  # two models share a shape: measured once
+    assert "--device cpu" in run.command and run.measurements["live"]["decode"]["num_gaps"] > 0
+    measured = [t for t in TERM_NAMES if profile.status(t, "cpu-box") == "measured"]
+    assert set(measured) >= {"eff_compute", "eff_mem", "eff_kv", "eff_pcie", "decode_fixed_s", "prefill_host_s",
+                             "decode_host_s", "eff_kv_move", "eff_pcie_shared"}
+    assert not profile.terms.decode_cuda_graphs  # CPU: eager steps
+    assert profile.status("eff_mem", "h200") == "estimated"  # a CPU measurement is no H200 one
+
+    out = tmp_path / "sim"
+    res = CliRunner().invoke(app, ["simulate", "--fleet", str(fleet), "--profile", str(profile_path),
+                                   "--policy", "token-level", "--duration", "30", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["completed"] > 0 and metrics["failed"] == 0
+    assert metrics["profile"]["name"] == "cpu-profile" and metrics["profile"]["source"] == str(profile_path)
+    assert metrics["profile"]["measured_on_this_gpu"] and metrics["profile"]["calibration"]["device"] == "cpu"
+
+
+def test_calibrate_refuses_what_it_cannot_measure(tmp_path: Path) -> None:
+    fleet = tmp_path / "moe.yaml"
+    fleet.write_text("pool: {gpu: h200}\nmodels:\n  - {name: moe, arch: qwen3-30b-a3b}\n")
+    res = CliRunner().invoke(app, ["calibrate", "--fleet", str(fleet), "--device", "cpu", "--out",
+                                   str(tmp_path / "p.json")])
+    assert res.exit_code == 1
+    assert "mixture of experts" in res.output and "no model shape" in res.output
+    res = CliRunner().invoke(app, ["calibrate", "--fleet", str(fleet), "--device", "cpu", "--gpu", "nosuch"])
+    assert res.exit_code == 1 and "--gpu 'nosuch'" in res.output
