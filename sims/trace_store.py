@@ -191,7 +191,7 @@ def sha256_of(path: Path) -> str:
 
 def build_manifest(root: Path) -> dict:
     """Sizes and sha256 of every catalogued file under `root` (a verified copy of the upstream files)."""
-    files: dict[str, dict] = {}
+    files: dict[str, list[int | str]] = {}
     for trace in CATALOGUE.values():
         for path in trace.paths:
             found = sorted(p for p in (root / path).rglob("*") if p.is_file()) if path.endswith("/") else [root / path]
