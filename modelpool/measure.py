@@ -229,7 +229,7 @@ class Calibration:
                 prompt = max(1, context - steps - 3)
                 requests = self._requests(name, batch, prompt)
                 ids = [r.request_id for r in requests]
-                engine.prefill(requests)
+                self._admit(requests)
                 first = self._timed(lambda: engine.decode_step(ids))
                 times = [self._timed(lambda: engine.decode_step(ids)) for _ in range(steps)]
                 engine.release(ids)
@@ -245,7 +245,7 @@ class Calibration:
         for batch in self.plan.kv_batches:
             requests = self._requests(name, batch, self.plan.kv_context)
             ids = [r.request_id for r in requests]
-            engine.prefill(requests)
+            self._admit(requests)
             nbytes = engine.stats().kv_device_used_bytes
             engine.save_kv(ids)  # first copies: slabs are assigned
             engine.restore_kv(ids)
@@ -265,6 +265,7 @@ class Calibration:
         assert engine is not None and other is not None
         names = sorted(self.archs, key=lambda n: self.images[n].nbytes)
         first, second = names[-1], names[-2] if len(names) > 1 else names[-1]
+        other.activate(second)  # its device buffer is allocated now, not inside a timed copy
         for _ in range(self.plan.shared_repeats):
             for e, n in ((engine, first), (other, second)):
                 e.deactivate(n)
@@ -277,6 +278,14 @@ class Calibration:
                                           "span_s": round(max(end for _, end in times) - min(end - t for t, end in times), 6)})
 
     # ---- helpers ---------------------------------------------------------------------------------
+    def _admit(self, requests: list[GenRequest], max_tokens: int = 16384) -> None:
+        """Prefill `requests` a few at a time (bounded activations: a batch of long prompts is large)."""
+        engine = self.engine
+        assert engine is not None
+        per_call = max(1, max_tokens // max(1, len(requests[0].prompt_token_ids)))
+        for start in range(0, len(requests), per_call):
+            engine.prefill(requests[start:start + per_call])
+
     def _requests(self, name: str, batch: int, length: int) -> list[GenRequest]:
         vocab = self.archs[name].vocab_size
         gen = torch.Generator().manual_seed(self._ids)
