@@ -173,7 +173,7 @@ def _terms_table(profile: Any, checks: list[Any]) -> Table:
     table.add_column("from")
     for term in TERM_NAMES:
         value = getattr(profile.terms, term)
-        shown = "-" if value is None else f"{value:g}" if not isinstance(value, bool) else str(value)
+        shown = "-" if value is None else str(value) if isinstance(value, (bool, str)) else f"{value:g}"
         table.add_row(term, shown, "measured here" if profile.status(term, gpu) == "measured" else "base profile")
     return table
 

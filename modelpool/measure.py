@@ -47,7 +47,7 @@ class MeasurePlan:
     repeats: int
     switch_repeats: int
     kv_batches: tuple[int, ...]
-    kv_context: int
+    kv_contexts: tuple[int, ...]
     shared_repeats: int
     live: dict[str, int] = field(default_factory=dict)  # see modelpool.measure_live.LIVE_KEYS
 
@@ -55,15 +55,15 @@ class MeasurePlan:
 def plan_for(cuda: bool, quick: bool) -> MeasurePlan:
     """The default grid: on CUDA sized for ~3 shapes of 1.5B-7B in under 3 minutes on an H200 (--quick ~1)."""
     if cuda and not quick:
-        return MeasurePlan((128, 512, 2048), (1, 4), (1, 8, 32), (256, 1024, 4096), 20, 3, 3, (1, 8), 2048, 2,
+        return MeasurePlan((128, 512, 2048), (1, 4), (1, 8, 32), (256, 1024, 4096), 20, 4, 3, (1, 8), (512, 2048), 2,
                            {"prefill_probes": 6, "prompt": 512, "batch": 4, "decode_prompt": 256, "tokens": 128})
     if cuda:
-        return MeasurePlan((256, 2048), (1, 4), (1, 16), (512, 2048), 10, 2, 2, (1, 8), 1024, 1,
+        return MeasurePlan((256, 2048), (1, 4), (1, 16), (512, 2048), 10, 2, 2, (1, 8), (512, 2048), 1,
                            {"prefill_probes": 3, "prompt": 512, "batch": 4, "decode_prompt": 256, "tokens": 48})
     if quick:
-        return MeasurePlan((16, 64), (1, 2), (1, 4), (32, 96), 4, 1, 2, (1, 4), 48, 1,
+        return MeasurePlan((16, 64), (1, 2), (1, 4), (32, 96), 4, 1, 2, (1, 4), (24, 48), 1,
                            {"prefill_probes": 2, "prompt": 32, "batch": 2, "decode_prompt": 16, "tokens": 8})
-    return MeasurePlan((32, 128, 512), (1, 4), (1, 4, 16), (64, 256, 1024), 10, 3, 3, (1, 4), 256, 2,
+    return MeasurePlan((32, 128, 512), (1, 4), (1, 4, 16), (64, 256, 1024), 10, 3, 3, (1, 4), (64, 256), 2,
                        {"prefill_probes": 4, "prompt": 128, "batch": 4, "decode_prompt": 64, "tokens": 32})
 
 
@@ -149,7 +149,7 @@ class Calibration:
     # ---- engines ---------------------------------------------------------------------------------
     def _engine(self, kv_bytes: int) -> TorchEngine:
         cuda = self.cuda
-        moved = max(self.plan.kv_batches) * self.plan.kv_context * max(a.kv_bytes_per_token for a in self.archs.values())
+        moved = max(self.plan.kv_batches) * max(self.plan.kv_contexts) * max(a.kv_bytes_per_token for a in self.archs.values())
         batches = sorted({1, *self.plan.decode_batches, *_bucket_up(self.plan.live.get("batch", 1))})
         engine = TorchEngine(TorchEngineConfig(
             device=str(self.device), block_size=16, kv_bytes=kv_bytes, device_slab_bytes=(64 if cuda else 1) * MiB,
@@ -164,7 +164,7 @@ class Calibration:
         plan = self.plan
         tokens = max(max(plan.decode_batches) * (max(plan.decode_contexts) + 64),
                      max(plan.prefill_batches) * (max(plan.prefill_lengths) + 16),
-                     max(plan.kv_batches) * (plan.kv_context + 16),
+                     max(plan.kv_batches) * (max(plan.kv_contexts) + 16),
                      plan.live.get("batch", 1) * (plan.live.get("decode_prompt", 0) + plan.live.get("tokens", 0))
                      + plan.live.get("prompt", 0) + 64)
         need = int(1.25 * tokens * max(a.kv_bytes_per_token for a in self.archs.values()))
@@ -200,9 +200,9 @@ class Calibration:
     def _prefill(self, name: str) -> None:
         engine = self.engine
         assert engine is not None
-        self._time_prefill(name, self.plan.prefill_lengths[0], 1)  # first-use costs (cuBLAS, allocator)
         for length in self.plan.prefill_lengths:
             for batch in self.plan.prefill_batches:
+                self._time_prefill(name, length, batch)  # first use of a shape: allocator growth, GEMM heuristics
                 times = [self._time_prefill(name, length, batch) for _ in range(self.plan.repeats)]
                 self.result["prefill"].append({"arch": name, "tokens": length, "batch": batch,
                                                "seconds": _median(times)})
@@ -242,8 +242,8 @@ class Calibration:
     def _kv_move(self, name: str) -> None:
         engine = self.engine
         assert engine is not None
-        for batch in self.plan.kv_batches:
-            requests = self._requests(name, batch, self.plan.kv_context)
+        for batch, context in ((b, c) for b in self.plan.kv_batches for c in self.plan.kv_contexts):
+            requests = self._requests(name, batch, context)
             ids = [r.request_id for r in requests]
             self._admit(requests)
             nbytes = engine.stats().kv_device_used_bytes
@@ -254,7 +254,8 @@ class Calibration:
                 save.append(self._timed(lambda: engine.save_kv(ids)))
                 restore.append(self._timed(lambda: engine.restore_kv(ids)))
             engine.release(ids)
-            self.result["kv_move"].append({"arch": name, "batch": batch, "bytes": nbytes, "save_s": _median(save),
+            self.result["kv_move"].append({"arch": name, "batch": batch, "context": context, "bytes": nbytes,
+                                           "save_s": _median(save),
                                            "restore_s": _median(restore)})
 
     # ---- two engines at once -------------------------------------------------------------------------

@@ -218,7 +218,7 @@ class RooflineCostModel(CostModel):
         if self.gpus_per_host_link < 1:
             return None
         shared = (self.terms.eff_pcie_shared or self.terms.eff_pcie) / self.terms.eff_pcie
-        return HostLinks(link_spans(instances, self.gpus_per_host_link, gpu_of), shared)
+        return HostLinks(link_spans(instances, self.gpus_per_host_link, gpu_of), shared, self.terms.link_sharing)
 
     # ---- turns: many steps at once ---------------------------------------------------------------
     def decode_turn_s(self, model: str, batch_size: int, context_tokens: int, num_steps: int) -> float:

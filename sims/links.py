@@ -1,24 +1,28 @@
-"""Shared host links: copies that overlap on one PCIe link split its bandwidth.
+"""Shared host links: copies that overlap on one PCIe link share its bandwidth.
 
 A weight switch, a prefetch and a KV move each copy bytes between pinned host
 memory and a GPU. Instances on one GPU copy over that GPU's link, and GPUs
 behind one PCIe switch share its uplink (`pool.gpus_per_host_link`). Each link
-direction (host to device, device to host: PCIe is full duplex) is a
-processor-sharing server: n copies in flight each move at `rate(n) / n` of the
-link's rate for one copy alone, where rate(1) = 1 and rate(n > 1) =
-`shared_rate` (eff_pcie_shared / eff_pcie: the link may lose some of its
-throughput to interleaving). A copy's work is its time alone.
+direction (host to device, device to host: PCIe is full duplex) serves its
+copies in one of two ways (the profile's `link_sharing`, which `modelpool
+calibrate` measures). A copy's work is its time alone.
 
-The event loop fixes a copy's end when the copy starts, so a copy is timed
-against the copies already on its link, as processor sharing runs them from
-there, assuming no later copy joins. A later copy does not move an earlier
-copy's end (the earlier one's finish, as booked, is early by the overlap); the
-link's state still has the earlier copy's remaining bytes, so every later copy
-pays for them. Two equal copies started together thus end at d and 2d/rate
-(processor sharing: both at 2d/rate; FIFO: d and 2d).
+- "fifo": one copy at a time, in the order they start, as the H200's copy
+  engine ran two engines' switches (the copy started second waited for the
+  first: 3B alone 0.11 s, behind a 7B 0.39 s). The link keeps the intervals
+  booked on it; a new copy fills the gaps from its start on, so a copy booked
+  earlier to start later (a KV move after a prefill) keeps its interval.
+- "fair": processor sharing, n copies each at rate(n) / n of one copy's rate
+  alone. A copy's end is fixed when it starts, against the copies already on
+  its link as processor sharing runs them from there; a later copy does not
+  move an earlier one's end (booked early by the overlap), but the link's
+  state keeps the earlier copy's bytes, so later copies pay for them. Two
+  equal copies started together end at d and 2d/rate (both 2d/rate ideally).
 
-A tensor-parallel instance copies one shard per GPU, in parallel; its shards
-on one link are one copy of that many times the work (`link_spans`).
+rate(1) = 1; with copies overlapping, the link moves `shared_rate`
+(eff_pcie_shared / eff_pcie) of one copy's rate (a "fifo" copy that had to wait
+moves at it). A tensor-parallel instance copies one shard per GPU in parallel;
+its shards on one link are one copy of that many times the work (`link_spans`).
 """
 
 from __future__ import annotations
@@ -38,8 +42,42 @@ class _Job:
         self.left = left
 
 
+class _Queue:
+    """One direction of one link served first come, first served: the intervals booked on it (sorted)."""
+
+    __slots__ = ("busy", "rate")
+
+    def __init__(self, rate: float) -> None:
+        self.busy: list[tuple[float, float]] = []
+        self.rate = rate
+
+    def add(self, now: float, start_at: float, work_s: float) -> float:
+        """Book a copy of `work_s` seconds alone from `start_at` (>= now) in the link's free time; its end."""
+        busy = self.busy
+        while busy and busy[0][1] <= now:
+            busy.pop(0)
+        if not busy or busy[-1][1] <= start_at:  # the link is free from start_at on
+            busy.append((start_at, start_at + work_s))
+            return start_at + work_s
+        if any(end > start_at and begin < start_at + work_s for begin, end in busy):
+            work_s /= self.rate  # it overlaps other copies: the link's shared rate
+        t, left, k, booked = start_at, work_s, 0, []
+        while k < len(busy) and busy[k][1] <= t:
+            k += 1
+        while left > _DONE:
+            if k < len(busy) and busy[k][0] <= t:  # inside a booked interval: wait for its end
+                t = max(t, busy[k][1])
+                k += 1
+                continue
+            run = min(left, (busy[k][0] if k < len(busy) else math.inf) - t)
+            booked.append((t, t + run))
+            t, left = t + run, left - run
+        self.busy = sorted(busy + booked)
+        return t
+
+
 class _Channel:
-    """One direction of one link: the copies in flight at `at`, and those starting later."""
+    """One direction of one link shared fairly: the copies in flight at `at`, and those starting later."""
 
     __slots__ = ("at", "active", "pending", "rate")
 
@@ -109,12 +147,16 @@ def _run(channel: _Channel, active: list[_Job], pending: list[tuple[float, _Job]
 class HostLinks:
     """The copies of one simulation on the host links of its instances (a `scheduler.costs.CopyLinks`)."""
 
-    def __init__(self, spans: Mapping[str, tuple[tuple[int, int], ...]], shared_rate: float = 1.0) -> None:
+    def __init__(self, spans: Mapping[str, tuple[tuple[int, int], ...]], shared_rate: float = 1.0,
+                 sharing: str = "fifo") -> None:
         if not shared_rate > 0:
             raise ValueError(f"shared_rate must be > 0, got {shared_rate}")
+        if sharing not in ("fifo", "fair"):
+            raise ValueError(f"sharing must be 'fifo' or 'fair', got {sharing!r}")
         self.spans = dict(spans)
         self.shared_rate = shared_rate
-        self._channels: dict[tuple[int, bool], _Channel] = {}
+        self.sharing = sharing
+        self._channels: dict[tuple[int, bool], _Queue | _Channel] = {}
 
     def copy_end_at(self, instance_id: str, to_device: bool, start_at: float, alone_s: float, now: float) -> float:
         """When a copy of `instance_id` that takes `alone_s` alone, started at `start_at`, ends."""
@@ -125,7 +167,8 @@ class HostLinks:
         for link, shards in spans:
             channel = self._channels.get((link, to_device))
             if channel is None:
-                channel = self._channels[(link, to_device)] = _Channel(self.shared_rate)
+                channel = self._channels[(link, to_device)] = (_Queue(self.shared_rate) if self.sharing == "fifo"
+                                                               else _Channel(self.shared_rate))
             end = max(end, channel.add(now, start_at, alone_s * shards))
         return end
 

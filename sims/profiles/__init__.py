@@ -65,12 +65,17 @@ class ProfileTerms(_Frozen):
                                                                        "all copies together, while two or more copies "
                                                                        "overlap on one link (pool.gpus_per_host_link); "
                                                                        "None: eff_pcie (the link splits without loss).")
+    link_sharing: Literal["fifo", "fair"] = Field(default="fifo", description="How copies that overlap on one host "
+                                                  "link share it: 'fifo', one at a time in the order they start (the "
+                                                  "later one waits), or 'fair', each of n copies at 1/n of the rate.")
 
 
 TERM_NAMES: tuple[str, ...] = tuple(ProfileTerms.model_fields)
 DEFAULTED: dict[str, str] = {  # terms a profile may leave out, and the provenance they then get
     name: f"not measured for this profile: the default ({field.default}) "
-          + ("charges nothing more" if name.endswith("_s") else "takes eff_pcie")
+          + ("charges nothing more" if name.endswith("_s") else "takes eff_pcie" if name.startswith("eff_")
+             else "the order the H200's copy engine served two engines' switches in: the later copy waited (a 3B "
+                  "switch 0.11 s alone, 0.39 s behind a 7B one; modelpool calibrate and the live pool, issue 17)")
     for name, field in ProfileTerms.model_fields.items() if not field.is_required()}
 
 
@@ -106,7 +111,7 @@ class CalibrationProfile(_Frozen):
     name: str = Field(min_length=1, description="Profile name (the file stem of a shipped profile).")
     description: str = Field(default="", description="What the profile is for and how it was made.")
     terms: ProfileTerms = Field(description="Terms used on every GPU without an override.")
-    gpu_overrides: dict[str, dict[str, float | bool]] = Field(
+    gpu_overrides: dict[str, dict[str, float | bool | str]] = Field(
         default_factory=dict, description="Per GPU type (lower-case catalogue name): terms that replace `terms` on that GPU.")
     provenance: dict[str, Provenance] = Field(
         description="For every term, and for every override as '<gpu>.<term>', where the number comes from.")

@@ -23,7 +23,7 @@ from typing import Any
 
 from scheduler.fleet import Arch, GpuSpec
 from sims.costmodel import RooflineCostModel
-from sims.profiles import CalibrationProfile, CalibrationRun, Provenance, load_profile
+from sims.profiles import CalibrationProfile, CalibrationRun, ProfileTerms, Provenance, load_profile
 from sims.profiles.fitting import Anchor, Check, Fit, fit, predict, sig
 
 
@@ -54,20 +54,31 @@ def build_profile(measurements: Mapping[str, Any], archs: Mapping[str, Arch], gp
         held = _HELD.get(term, "") if term in fitted.held else ""
         provenance[term] = Provenance(status="measured", source=f"{sources[term]}{held} ({where})", gpus=(gpu,))
     figures = {key: float(value) for key, value in measurements.get("figures", {}).items()}
-    shared = _shared_rate(measurements)
-    if shared is not None:
+    link = _link_sharing(measurements)
+    if link is not None:
+        sharing, shared = link
+        runs = measurements["shared"]
+        alone = {s["arch"]: s["seconds"] for s in measurements["swap"]}
+        together = ", ".join(f"{t:.3f}" for t in runs[0]["seconds"])
+        apart = ", ".join(f"{alone[a]:.3f}" for a in runs[0]["archs"])
+        what = (f"two engines on one device switching in {' and '.join(runs[0]['archs'])} at once, from two threads "
+                f"({len(runs)} times; {together} s against {apart} s alone)")
         terms["eff_pcie_shared"] = min(1.0, sig(shared * float(terms["eff_pcie"])))
+        terms["link_sharing"] = sharing
         provenance["eff_pcie_shared"] = Provenance(status="measured", gpus=(gpu,), source=(
-            f"two engines on one device switching in {' and '.join(measurements['shared'][0]['archs'])} at once, "
-            f"from two threads: shared link rate {shared:.3f} of one copy alone, times eff_pcie ({where})"))
+            f"{what}: the link moved {shared:.3f} of one copy's rate, times eff_pcie ({where})"))
+        provenance["link_sharing"] = Provenance(status="measured", gpus=(gpu,), source=(
+            f"{what}: " + ("one copy kept its time alone, the other waited" if sharing == "fifo" else
+                           "both copies slowed down together") + f" ({where})"))
         figures["shared_link_rate"] = round(shared, 4)
-    draft = CalibrationProfile(name="draft", terms={**terms, "prefill_host_s": 0.0, "decode_host_s": 0.0},
+    draft = CalibrationProfile(name="draft", terms=ProfileTerms.model_validate({**terms, "prefill_host_s": 0.0,
+                                                                               "decode_host_s": 0.0}),
                                provenance=provenance)  # the engine alone: what the live pool's times are held against
     live = measurements.get("live")
     if live:
         _host_terms(draft, live, archs, gpu, spec, terms, provenance, figures, where)
     return CalibrationProfile(
-        name=name or f"calibrated-{gpu}", terms=terms, provenance=provenance,
+        name=name or f"calibrated-{gpu}", terms=ProfileTerms.model_validate(terms), provenance=provenance,
         description=f"Measured by `{run['command']}` on {measurements['device']} ({gpu}); terms it did not measure "
                     f"come from the {base.name} profile. On other GPUs its numbers are extrapolations.",
         calibration=CalibrationRun(**{**run, "gpu": gpu, "device": measurements["device"], "figures": figures,
@@ -76,9 +87,12 @@ def build_profile(measurements: Mapping[str, Any], archs: Mapping[str, Arch], gp
 
 
 def fit_errors(profile: CalibrationProfile, archs: Mapping[str, Arch], spec: GpuSpec) -> list[Check]:
-    """Every measured engine time of a calibrated profile, predicted by it (the fit's error table)."""
+    """Every measured engine time of a calibrated profile, predicted by it without the live pool's host terms
+    (the engine was timed alone): the fit's error table."""
     assert profile.calibration is not None
-    return predict(profile, anchors_from(profile.calibration.measurements), spec, profile.calibration.gpu,
+    engine = profile.model_copy(update={"terms": profile.terms.model_copy(update={"prefill_host_s": 0.0,
+                                                                                  "decode_host_s": 0.0})})
+    return predict(engine, anchors_from(profile.calibration.measurements), spec, profile.calibration.gpu,
                    archs.__getitem__)
 
 
@@ -102,7 +116,9 @@ def _sources(m: Mapping[str, Any], fitted: Fit) -> dict[str, str]:
     pre = f"fitted to {len(m['prefill'])} prefills of {shapes}, {values(m['prefill'], 'tokens')} tokens x " \
           f"{values(m['prefill'], 'batch')} prompts"
     swap = f"fitted to {len(m['swap'])} weight switches (activate from pinned host memory) of {shapes}"
-    kv = f"fitted to KV moves (save_kv and restore_kv) of {values(m['kv_move'], 'batch')} requests" if m["kv_move"] else ""
+    kv = (f"fitted to {2 * len(m['kv_move'])} KV moves (save_kv and restore_kv) of {values(m['kv_move'], 'batch')} "
+          f"requests" + (f" x {values(m['kv_move'], 'context')} tokens" if "context" in m["kv_move"][0] else "")
+          if m["kv_move"] else "")
     eager = [d for d in m["decode"] if not d["graphs"]]
     launch = (f"eager decode ({len(eager)} steps) less decode_fixed_s, per layer" if mode == "CUDA-graph" else
               "no CUDA graphs on this device: the linear decode terms fit the eager steps; no separate floor")
@@ -118,16 +134,25 @@ def _sources(m: Mapping[str, Any], fitted: Fit) -> dict[str, str]:
     return {term: out[term] for term in fitted.terms}
 
 
-def _shared_rate(m: Mapping[str, Any]) -> float | None:
-    """The link's rate with two copies on it, as a share of one copy's alone (median over the repeats)."""
+def _link_sharing(m: Mapping[str, Any]) -> tuple[str, float] | None:
+    """How the link served two copies at once, and its rate then as a share of one copy's alone: 'fifo' when
+    one copy took its time alone (the other waited: rate (w1 + w2) / span), else 'fair' (processor sharing:
+    the last ends at 2 w2 / rate + w1 - w2). None when the copies did not overlap."""
     alone = {s["arch"]: s["seconds"] for s in m["swap"]}
-    rates = []
+    rates: dict[str, list[float]] = {"fifo": [], "fair": []}
     for run in m.get("shared", []):
-        w1, w2 = sorted((alone[a] for a in run["archs"]), reverse=True)
-        overlap = run["span_s"] - (w1 - w2)
-        if overlap > 0:
-            rates.append(2 * w2 / overlap)
-    return statistics.median(rates) if rates else None
+        works = [alone[a] for a in run["archs"]]
+        w1, w2 = max(works), min(works)
+        if run["span_s"] <= 1.02 * w1:
+            continue  # they did not overlap, or did not slow each other
+        if min(t / w for t, w in zip(run["seconds"], works)) < 1.1:  # one kept its time alone
+            rates["fifo"].append((w1 + w2) / run["span_s"])
+        else:
+            rates["fair"].append(2 * w2 / (run["span_s"] - (w1 - w2)))
+    if not rates["fifo"] and not rates["fair"]:
+        return None
+    sharing = "fifo" if len(rates["fifo"]) >= len(rates["fair"]) else "fair"
+    return sharing, statistics.median(rates[sharing])
 
 
 def _host_terms(draft: CalibrationProfile, live: Mapping[str, Any], archs: Mapping[str, Arch], gpu: str,

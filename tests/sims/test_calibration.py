@@ -85,8 +85,8 @@ def test_a_shared_link_and_the_live_pool_give_their_terms() -> None:
     m = _measurements(_truth())
     large, small = (next(s["seconds"] for s in m["swap"] if s["arch"] == a) for a in ("large", "small"))
     rate = 0.8  # the link moves 0.8 of one copy's rate with two on it: both share until the small one is done
-    m["shared"] = [{"archs": ["large", "small"], "bytes": [0, 0], "seconds": [0, 0],
-                    "span_s": 2 * small / rate + (large - small)}]
+    span = 2 * small / rate + (large - small)
+    m["shared"] = [{"archs": ["large", "small"], "bytes": [0, 0], "seconds": [span, 2 * small / rate], "span_s": span}]
     costs = RooflineCostModel.for_models({"small": (SMALL, 1)}, "h200", _truth())
     prefill, step = costs.prefill_s("small", 512, 1), costs.decode_step_s("small", 4, 4 * 320)
     m["live"] = {"arch": "small", "policy": "request-level", "backend": "threads",
@@ -94,6 +94,7 @@ def test_a_shared_link_and_the_live_pool_give_their_terms() -> None:
                  "decode": {"batch": 4, "context": 320, "gap_s": step + 0.0007, "engine_s": step, "num_gaps": 100}}
     profile = build_profile(m, ARCHS, "h200", GPUS["h200"], run=RUN)
     assert profile.terms.eff_pcie_shared == pytest.approx(rate * profile.terms.eff_pcie, rel=0.01)
+    assert profile.terms.link_sharing == "fair" and profile.provenance["link_sharing"].status == "measured"
     assert profile.terms.prefill_host_s == pytest.approx(0.004, rel=0.05)
     assert profile.terms.decode_host_s == pytest.approx(0.0007, rel=0.05)
     assert "sink" in profile.provenance["decode_host_s"].source
@@ -141,3 +142,14 @@ def test_the_capacity_report_says_which_profile_and_whether_it_was_measured_on_i
     assert there.startswith("measured on h200, not on h100: estimated")
     assert _calibrated(load_profile("default"), "h20") == "not measured on h20: estimated"
     assert profile.summary("h100")["measured_on_this_gpu"] is False
+
+
+def test_one_copy_waiting_for_the_other_reads_as_first_come_first_served() -> None:
+    m = _measurements(_truth())
+    large, small = (next(s["seconds"] for s in m["swap"] if s["arch"] == a) for a in ("large", "small"))
+    # as on the H200: the small switch kept its time alone, the large one waited for it
+    m["shared"] = [{"archs": ["large", "small"], "bytes": [0, 0], "seconds": [large + small, small],
+                    "span_s": large + small}] * 2
+    profile = build_profile(m, ARCHS, "h200", GPUS["h200"], run=RUN)
+    assert profile.terms.link_sharing == "fifo" and "the other waited" in profile.provenance["link_sharing"].source
+    assert profile.terms.eff_pcie_shared == pytest.approx(profile.terms.eff_pcie, rel=0.01)

@@ -20,35 +20,52 @@ def test_a_copy_alone_takes_its_time_alone() -> None:
     assert links.copy_end_at("a", True, 3.0, 0.25, 3.0) == 3.25  # the first one is over by then
 
 
-def test_two_equal_copies_started_together_end_at_d_and_twice_d() -> None:
-    links = HostLinks(ONE_LINK)
+def test_fair_two_equal_copies_started_together_end_at_d_and_twice_d() -> None:
+    links = HostLinks(ONE_LINK, sharing="fair")
     assert links.copy_end_at("a", True, 0.0, 0.1, 0.0) == pytest.approx(0.1)
     assert links.copy_end_at("b", True, 0.0, 0.1, 0.0) == pytest.approx(0.2)
 
 
-def test_a_lossy_link_stretches_shared_copies_by_its_rate() -> None:
-    links = HostLinks(ONE_LINK, shared_rate=0.8)
+def test_fair_a_lossy_link_stretches_shared_copies_by_its_rate() -> None:
+    links = HostLinks(ONE_LINK, shared_rate=0.8, sharing="fair")
     links.copy_end_at("a", True, 0.0, 0.1, 0.0)
     assert links.copy_end_at("b", True, 0.0, 0.1, 0.0) == pytest.approx(0.2 / 0.8)
 
 
-def test_a_small_copy_during_a_large_one_takes_twice_its_time() -> None:
-    links = HostLinks(ONE_LINK)
+def test_fair_a_small_copy_during_a_large_one_takes_twice_its_time() -> None:
+    links = HostLinks(ONE_LINK, sharing="fair")
     links.copy_end_at("a", True, 0.0, 1.0, 0.0)  # a weight switch
     assert links.copy_end_at("b", True, 0.5, 0.01, 0.5) == pytest.approx(0.52)  # a KV move: processor sharing
 
 
-def test_a_later_copy_pays_for_what_earlier_ones_still_have_to_move() -> None:
-    links = HostLinks(ONE_LINK)
+def test_fair_a_later_copy_pays_for_what_earlier_ones_still_have_to_move() -> None:
+    links = HostLinks(ONE_LINK, sharing="fair")
     links.copy_end_at("a", True, 0.0, 0.3, 0.0)
     links.copy_end_at("b", True, 0.0, 0.3, 0.0)  # both in flight: each has 0.2 s of work left at 0.2
     assert links.copy_end_at("a", True, 0.2, 0.1, 0.2) == pytest.approx(0.2 + 0.3)  # a third of the link until done
 
 
-def test_a_copy_booked_to_start_later_slows_one_that_starts_before_it() -> None:
-    links = HostLinks(ONE_LINK)
+def test_fair_a_copy_booked_to_start_later_slows_one_that_starts_before_it() -> None:
+    links = HostLinks(ONE_LINK, sharing="fair")
     links.copy_end_at("a", True, 1.0, 1.0, 0.0)  # a move after a prefill, booked ahead of time
     assert links.copy_end_at("b", True, 0.5, 1.0, 0.0) == pytest.approx(2.0)  # alone for 0.5 s, then at half rate
+
+
+def test_fifo_a_copy_waits_for_the_one_on_the_link() -> None:
+    links = HostLinks(ONE_LINK)  # fifo, as the H200 served two engines' switches
+    assert links.copy_end_at("a", True, 0.0, 0.277, 0.0) == pytest.approx(0.277)  # a 7B switch
+    assert links.copy_end_at("b", True, 0.0, 0.112, 0.0) == pytest.approx(0.389)  # a 3B one behind it
+    assert links.copy_end_at("b", True, 0.5, 0.112, 0.5) == pytest.approx(0.612)  # the link is free again
+
+
+def test_fifo_a_copy_fills_the_link_around_one_booked_to_start_later() -> None:
+    links = HostLinks(ONE_LINK, shared_rate=0.5)
+    links.copy_end_at("a", True, 1.0, 1.0, 0.0)  # a KV move after a prefill, booked ahead of time: [1, 2]
+    assert links.copy_end_at("b", True, 0.5, 0.5, 0.0) == pytest.approx(1.0)  # fits in the gap before it
+    # 1 s alone overlaps [1, 2]: at the shared rate it is 2 s of link time, 0.5 before the booked copy, 1.5 after
+    assert links.copy_end_at("b", True, 0.0, 1.0, 0.0) == pytest.approx(3.5)
+    with pytest.raises(ValueError, match="sharing"):
+        HostLinks(ONE_LINK, sharing="random")
 
 
 def test_directions_and_links_do_not_contend() -> None:
