@@ -137,6 +137,9 @@ class Calibration:
             progress(f"{name}: decode")
             self._kv_move(name)
             progress(f"{name}: KV moves")
+        extra = self.engine.stats().extra  # a graph miss ran eagerly: the "graph" steps were not all graphs
+        self.result["figures"].update({key: extra[key] for key in ("graph_captures", "graph_misses", "graph_replays")
+                                       if isinstance(extra.get(key), (int, float))})
         self._shared()
         progress("copies of two engines at once")
         from modelpool.measure_live import measure_live
