@@ -74,6 +74,11 @@ class CostModel:
         """Time to move `num_tokens` tokens of KV between host and device."""
         raise NotImplementedError
 
+    def kv_move_overhead_s(self, model: str) -> float:
+        """Time one KV move (a SwapOut or SwapIn of several requests, a prefill's KV to host) takes on top of
+        its requests' kv_move_s: the engine issues a move's copies together. None here."""
+        return 0.0
+
     def decode_turn_s(self, model: str, batch_size: int, context_tokens: int, num_steps: int) -> float:
         """Time of `num_steps` decode steps, each adding one token per request (context grows by `batch_size`
         a step). Step by step here; a cost model with a closed form overrides it (the simulator's hot path)."""

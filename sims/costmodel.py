@@ -84,7 +84,7 @@ class ModelConstants:
     switch_s: float
     h2d_s_per_byte: float
     kv_s_per_byte: float  # KV moves (at eff_kv_move)
-    kv_move_fixed_s: float  # per request moved
+    kv_move_fixed_s: float  # per move (kv_move_overhead_s)
 
 
 def model_constants(arch: Arch, tp: int, gpu: GpuSpec, terms: ProfileTerms) -> ModelConstants:
@@ -211,7 +211,10 @@ class RooflineCostModel(CostModel):
 
     def kv_move_s(self, model: str, num_tokens: int) -> float:
         c = self._models[model]
-        return num_tokens * c.kv_bytes_per_token_gpu * c.kv_s_per_byte + c.kv_move_fixed_s
+        return num_tokens * c.kv_bytes_per_token_gpu * c.kv_s_per_byte
+
+    def kv_move_overhead_s(self, model: str) -> float:
+        return self._models[model].kv_move_fixed_s
 
     def host_links(self, instances: Sequence[InstanceSpec], gpu_of: Mapping[str, int] | None = None) -> CopyLinks | None:
         """The instances' host links (sims.links) when the pool shares them (gpus_per_host_link >= 1), else None."""

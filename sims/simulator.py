@@ -389,6 +389,8 @@ class Simulator:
             else:
                 dev.kv[rid] = self._kv_bytes(record)
                 dev.kv_moved_bytes += dev.kv[rid]
+        if action.request_ids:  # one move: the engine issues its copies together
+            took += self.costs.kv_move_overhead_s(self.records[action.request_ids[0]].model)
         self._check_kv(iid, dev)
         end = self._copy_end(iid, not out, t, took)
         self._push(end, COMPLETION, KvMoved(iid, action.request_ids, "host" if out else "device"), dev)
@@ -432,6 +434,8 @@ class Simulator:
                 move_s += self.costs.kv_move_s(record.model, record.prompt_tokens + record.generated + 1)
             else:
                 dev.kv[record.request_id] = self._kv_bytes(record)
+        if move_s:
+            move_s += self.costs.kv_move_overhead_s(records[0].model)
         self._check_kv(iid, dev)
         if move_s and self.links is not None:
             move_s = self.links.copy_end_at(iid, False, t + took, move_s, self.now) - (t + took)

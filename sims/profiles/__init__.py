@@ -59,8 +59,8 @@ class ProfileTerms(_Frozen):
     eff_kv_move: Fraction | None = Field(default=None, description="Achieved share of nominal host link bandwidth "
                                                                    "when KV moves between host and device memory "
                                                                    "(paged block copies); None: eff_pcie.")
-    kv_move_fixed_s: Seconds = Field(default=0.0, description="Per request overhead of a KV move (its blocks' copies "
-                                                              "are issued one request at a time).")
+    kv_move_fixed_s: Seconds = Field(default=0.0, description="Per move overhead of moving KV (one SwapOut or SwapIn "
+                                                              "of several requests, a prefill's KV to host memory).")
     eff_pcie_shared: Fraction | None = Field(default=None, description="Achieved share of nominal host link bandwidth, "
                                                                        "all copies together, while two or more copies "
                                                                        "overlap on one link (pool.gpus_per_host_link); "

@@ -129,8 +129,7 @@ def _sources(m: Mapping[str, Any], fitted: Fit) -> dict[str, str]:
            "one layer count among the shapes measured: a per-layer term cannot be told from prefill_fixed_s",
            "prefill_request_s": pre, "prefill_cuda_graphs": "measured setting: the engine prefills eagerly",
            "eff_pcie": swap, "switch_fixed_s": swap + " (intercept)", "eff_kv_move": kv,
-           "kv_move_fixed_s": kv if len({k["batch"] for k in m["kv_move"]}) > 1 else
-           "one request count among the KV moves measured: a per-request term cannot be told apart"}
+           "kv_move_fixed_s": kv + " (intercept: per move)"}
     return {term: out[term] for term in fitted.terms}
 
 

@@ -14,7 +14,7 @@ can tell apart:
       + prompts * prefill_request_s   (the layer column only when layer counts differ, the prompt
       column only when prompt counts differ: else they cannot be told from the intercept)
 - swap: t = bytes / (h2d * eff_pcie) + switch_fixed_s
-- KV move: t = bytes / (h2d * eff_kv_move) + requests * kv_move_fixed_s
+- KV move: t = bytes / (h2d * eff_kv_move) + kv_move_fixed_s (per move, whatever its requests)
 
 An overhead the fit wants negative is held at 0 and the rest refitted (a free
 parameter spent on noise). An efficiency the times give above 1 (or none: the
@@ -142,11 +142,10 @@ def fit(anchors: Sequence[Anchor], gpu: GpuSpec, arch_of: Callable[[str], Arch])
         points["swap"] = len(swaps)
     moves = [a for a in anchors if a.kind == "kv_move"]
     if moves:
-        per_request = len({a.batch for a in moves}) > 1
-        rows = [[a.swap_bytes / (gpu.h2d_gb_s * 1e9)] + ([float(a.batch)] if per_request else []) for a in moves]
+        rows = [[a.swap_bytes / (gpu.h2d_gb_s * 1e9), 1.0] for a in moves]
         solution = solve(rows, [a.measured_s for a in moves], nonnegative=(0, 1))
         efficiency("eff_kv_move", solution[0])
-        overhead("kv_move_fixed_s", solution[1] if per_request else 0.0)
+        overhead("kv_move_fixed_s", solution[1])
         points["kv_move"] = len(moves)
     return Fit(terms, frozenset(held), points)
 
@@ -223,6 +222,6 @@ def predict(profile: CalibrationProfile, anchors: Sequence[Anchor], gpu: str | G
             predicted = model.switch_s(a.arch)
         else:
             c = model.constants(a.arch)
-            predicted = a.swap_bytes * c.kv_s_per_byte + a.batch * c.kv_move_fixed_s
+            predicted = a.swap_bytes * c.kv_s_per_byte + c.kv_move_fixed_s
         checks.append(Check(a.label(), a.measured_s, predicted))
     return checks

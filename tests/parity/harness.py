@@ -110,7 +110,7 @@ class ManualBackend:
         took = 0.0
         for rid in ids:
             took += self.costs.kv_move_s(self.model[rid], self._ctx(rid))
-        return took
+        return took + self.costs.kv_move_overhead_s(self.model[ids[0]]) if ids else took
 
     def _tokens(self, ids: list[str]) -> list[TokenOut]:
         out = []

@@ -21,12 +21,19 @@ SETUPS = {  # policy, instance roles, policy options
 }
 
 
-@pytest.mark.parametrize("setup", list(SETUPS))
+class _MoveOverheadCosts(LinearCosts):
+    """LinearCosts with a per-move KV overhead (a calibrated profile's kv_move_fixed_s)."""
+
+    def kv_move_overhead_s(self, model: str) -> float:
+        return 0.004
+
+
+@pytest.mark.parametrize("setup", list(SETUPS) + ["token-level, KV moves with a per-move overhead"])
 def test_plan_logs_of_simulator_and_pool_are_identical(setup: str) -> None:
-    policy, roles, options = SETUPS[setup]
+    policy, roles, options = SETUPS.get(setup, SETUPS["token-level, KV to host after the prefill"])
     models = make_models(3, weight_gb=20.0 if policy == "spatial" else 14.0)
     instances = make_instances(3, roles=roles)
-    costs = LinearCosts()
+    costs = _MoveOverheadCosts() if "overhead" in setup else LinearCosts()
     trace = make_workload(50, list(models), rate=4.0, seed=11, max_prompt=1500, max_output=200)
 
     sim_log = io.StringIO()

@@ -51,7 +51,7 @@ def _measurements(profile: CalibrationProfile) -> dict:
         m["swap"].append({"arch": name, "bytes": ARCHS[name].weight_bytes, "seconds": costs.switch_s(name)})
         for batch in (1, 8):
             nbytes = batch * 2048 * c.kv_bytes_per_token_gpu
-            seconds = costs.kv_move_s(name, batch * 2048) + (batch - 1) * c.kv_move_fixed_s
+            seconds = costs.kv_move_s(name, batch * 2048) + costs.kv_move_overhead_s(name)
             m["kv_move"].append({"arch": name, "batch": batch, "bytes": nbytes, "save_s": seconds, "restore_s": seconds})
     return m
 
@@ -109,7 +109,8 @@ def test_the_live_pool_terms_are_charged_after_the_gpu_time() -> None:
     assert live.decode_step_s("m", 8, 8000) == pytest.approx(plain.decode_step_s("m", 8, 8000) + 1e-3)
     assert live.decode_turn_s("m", 8, 8000, 10) == pytest.approx(plain.decode_turn_s("m", 8, 8000, 10) + 10e-3)
     assert live.prefill_s("m", 2048, 4) == pytest.approx(plain.prefill_s("m", 2048, 4) + 5e-3 + 4 * 2e-4)
-    assert live.kv_move_s("m", 1000) == pytest.approx(2 * plain.kv_move_s("m", 1000) + 1e-4)
+    assert live.kv_move_s("m", 1000) == pytest.approx(2 * plain.kv_move_s("m", 1000))
+    assert (live.kv_move_overhead_s("m"), plain.kv_move_overhead_s("m")) == (1e-4, 0.0)
 
 
 def test_a_profile_written_before_the_new_terms_reads_as_before(tmp_path) -> None:  # type: ignore[no-untyped-def]
