@@ -62,11 +62,9 @@ def build_models(folder: Path, fleet: list[tuple[str, str]], gpu: str) -> Path:
     """Model folders (config, tokenizer, random_weights.json) and a fleet file; returns the fleet file."""
     from transformers import Qwen2Config
 
-    from pool.demo import build_tokenizer
     from pool.engines.weights import RANDOM_WEIGHTS_FILE
 
     folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
     lines = ["pool:", f"  gpu: {'h200' if gpu == 'cpu' else gpu}", "  num_gpus: 1", "  gpus_per_node: 1", "  host_kv_gb: 16",
              f"  default_slo: {{ttft_s: {TTFT_SLO_S}, tpot_s: {TPOT_SLO_S}}}", "models:"]
     for seed, (name, shape) in enumerate(fleet):
@@ -75,12 +73,25 @@ def build_models(folder: Path, fleet: list[tuple[str, str]], gpu: str) -> Path:
         config = Qwen2Config(**QWEN[shape], max_position_embeddings=32768, rope_theta=1e6,
                              torch_dtype="bfloat16" if gpu != "cpu" else "float32")
         config.save_pretrained(target)
-        tokenizer.save_pretrained(target)
+        word_tokenizer(QWEN[shape]["vocab_size"]).save_pretrained(target)
         (target / RANDOM_WEIGHTS_FILE).write_text(json.dumps({"seed": seed}))
         lines.append(f"  - {{name: {name}, arch: ./{name}, weights: ./{name}}}")
     path = folder / "fleet.yaml"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def word_tokenizer(vocab_size: int):
+    """A tokenizer with one word per id of the model's vocab ("w0" ... "w151935"), so every token a random
+    model makes decodes to text and streams as its own chunk (a small BPE tokenizer would decode most ids of a
+    152k vocab to nothing: the gateway sends no chunk for those, and client-side TTFT/TPOT would be wrong)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", eos_token="w1")
 
 
 def make_trace(models: list[str], rate: float, duration_s: float, prompt: tuple[int, int], output: tuple[int, int],
@@ -229,7 +240,7 @@ def per_request(results: list[dict]) -> list[dict[str, Any]]:
         if served:
             n = r["usage"]["completion_tokens"]
             first, last = r["token_s"][0], r.get("end_s", r["token_s"][-1])
-            row.update(ttft_s=first - r["arrival_s"], tokens=n,
+            row.update(ttft_s=first - r["arrival_s"], tokens=n, chunks=len(r["token_s"]),
                        tpot_s=(r["token_s"][-1] - first) / (n - 1) if n > 1 else None,
                        itl_s=list(np.diff(r["token_s"])), e2e_s=last - r["arrival_s"])
         out.append(row)
@@ -254,53 +265,80 @@ def aggregate(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 # ---- one live run -------------------------------------------------------------------------------------------
-def live_run(args: argparse.Namespace, fleet: Path, backend: str, rate: float, out_dir: Path) -> dict[str, Any]:
+LAYOUTS = {"pd": None, "mixed": 1}  # the default for one GPU (1 prefill + 1 decode instance), one mixed instance
+
+
+def run_tag(backend: str, layout: str, rate: float) -> str:
+    return f"{backend}-{layout}-r{rate:g}"
+
+
+def live_runs(args: argparse.Namespace, fleet: Path, backend: str, layout: str, out_dir: Path) -> list[dict[str, Any]]:
+    """One server for the (backend, layout); each rate's trace replayed on it in turn (lightest first)."""
     import httpx
 
     names = [name for name, _ in (TINY_FLEET if args.tiny else FLEET)]
-    rows = make_trace(names, rate, args.duration, args.prompt, args.output, args.seed)
-    tag = f"{backend}-r{rate:g}"
-    trace_path = out_dir / f"trace-{tag}.csv"
-    write_trace(rows, trace_path)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    log_path = out_dir / f"serve-{tag}.log"
-    proc = start_server(fleet, backend, port, log_path, args.serve_arg)
+    log_path = out_dir / f"serve-{backend}-{layout}.log"
+    layout_args = [] if LAYOUTS[layout] is None else ["--instances", str(LAYOUTS[layout])]
+    proc = start_server(fleet, backend, port, log_path, layout_args + args.serve_arg)
+    results = []
     try:
         ready_s = wait_ready(url, proc, args.start_timeout)
-        before = httpx.get(f"{url}/pool/status", timeout=30).json()
-        with GpuSampler() as gpu:
-            started = time.monotonic()
-            results = asyncio.run(replay(url, rows, args.prompt_vocab, args.seed, args.request_timeout))
-            ended = time.monotonic()
-        time.sleep(1.0)  # the last stats() round
-        status = httpx.get(f"{url}/pool/status", timeout=30).json()
-        metrics_text = httpx.get(f"{url}/metrics", timeout=30).text
+        for rate in sorted(args.rate):
+            print(f"== {backend} {layout} at {rate:g} req/s", flush=True)
+            rows = make_trace(names, rate, args.duration, args.prompt, args.output, args.seed)
+            tag = run_tag(backend, layout, rate)
+            trace_path = out_dir / f"trace-{tag}.csv"
+            write_trace(rows, trace_path)
+            before = httpx.get(f"{url}/pool/status", timeout=30).json()
+            with GpuSampler() as gpu:
+                started = time.monotonic()
+                replayed = asyncio.run(replay(url, rows, args.prompt_vocab, args.seed, args.request_timeout))
+                ended = time.monotonic()
+            time.sleep(1.0)  # the last stats() round
+            status = httpx.get(f"{url}/pool/status", timeout=30).json()
+            metrics_text = httpx.get(f"{url}/metrics", timeout=30).text
+            result = phase_result(backend, layout, rate, args, before, status, metrics_text, replayed,
+                                  ended - started, gpu.mean(started, ended), trace_path.name)
+            result["ready_s"] = round(ready_s, 1)
+            results.append(result)
+            print(f"   {json.dumps(result['aggregate'])}", flush=True)
+            (out_dir / f"run-{tag}.json").write_text(json.dumps(result, indent=1, default=str))
+            if proc.poll() is not None:
+                break
     finally:
         stop_server(proc)
-    rows_out = per_request(results)
+    return results
+
+
+def phase_result(backend: str, layout: str, rate: float, args: argparse.Namespace, before: dict, status: dict,
+                 metrics_text: str, replayed: list[dict], replay_s: float, gpu_util: float | None,
+                 trace_name: str) -> dict[str, Any]:
+    rows_out = per_request(replayed)
     engines = {iid: {"engine": info.get("engine", {}), "extra": info.get("engine_extra", {})}
                for iid, info in status["instances"].items()}
-    captures_after_warmup = {iid: e["extra"].get("graph_captures", 0)
-                             - before["instances"][iid].get("engine_extra", {}).get("graph_captures", 0)
-                             for iid, e in engines.items()}
-    result = {"backend": backend, "rate_rps": rate, "duration_s": args.duration, "ready_s": round(ready_s, 1),
-              "replay_s": round(ended - started, 1), "trace": trace_path.name,
-              "aggregate": aggregate(rows_out), "gpu_util_mean": gpu.mean(started, ended),
-              "switches_planned": status.get("switches"), "restarts": status.get("restarts"),
-              "lost_instances": status.get("lost_instances"),
-              "switches_by_engine": {iid: e["engine"].get("num_switches") for iid, e in engines.items()},
-              "graph_captures": {iid: e["extra"].get("graph_captures") for iid, e in engines.items()},
-              "graph_capture_s": {iid: e["extra"].get("graph_capture_s") for iid, e in engines.items()},
-              "graph_captures_after_warmup": captures_after_warmup,
-              "graph_misses": {iid: e["extra"].get("graph_misses") for iid, e in engines.items()},
-              "graph_replays": {iid: e["extra"].get("graph_replays") for iid, e in engines.items()},
-              "decode_timings": {iid: e["extra"].get("timings", {}).get("decode") for iid, e in engines.items()},
-              "prefill_samples": {iid: e["extra"].get("timings", {}).get("prefills") for iid, e in engines.items()},
-              "errors": sorted({str(r["error"])[:200] for r in rows_out if r["error"]})[:10],
-              "requests": rows_out, "metrics_graph_lines": [line for line in metrics_text.splitlines()
-                                                           if line.startswith("modelpool_graph")]}
-    return result
+    old = {iid: {"engine": info.get("engine", {}), "extra": info.get("engine_extra", {})}
+           for iid, info in before["instances"].items()}
+
+    def delta(part: str, key: str) -> dict[str, Any]:
+        return {iid: (e[part].get(key) or 0) - (old.get(iid, {}).get(part, {}).get(key) or 0)
+                for iid, e in engines.items()}
+
+    return {"backend": backend, "layout": layout, "rate_rps": rate, "duration_s": args.duration,
+            "replay_s": round(replay_s, 1), "trace": trace_name, "aggregate": aggregate(rows_out),
+            "gpu_util_mean": gpu_util, "switches_planned": (status.get("switches") or 0) - (before.get("switches") or 0),
+            "restarts": status.get("restarts"), "lost_instances": status.get("lost_instances"),
+            "switches_by_engine": delta("engine", "num_switches"), "switch_s_by_engine": delta("engine", "switch_s"),
+            "graph_captures": {iid: e["extra"].get("graph_captures") for iid, e in engines.items()},
+            "graph_capture_s": {iid: e["extra"].get("graph_capture_s") for iid, e in engines.items()},
+            "graph_captures_after_warmup": delta("extra", "graph_captures"),
+            "graph_misses": delta("extra", "graph_misses"), "graph_replays": delta("extra", "graph_replays"),
+            "decode_timings": {iid: e["extra"].get("timings", {}).get("decode") for iid, e in engines.items()},
+            "prefill_samples": {iid: e["extra"].get("timings", {}).get("prefills") for iid, e in engines.items()},
+            "errors": sorted({str(r["error"])[:200] for r in rows_out if r["error"]})[:10],
+            "requests": rows_out,
+            "metrics_graph_lines": [line for line in metrics_text.splitlines() if line.startswith("modelpool_graph")]}
 
 
 # ---- standalone engine prefill at the live lengths --------------------------------------------------------
@@ -331,23 +369,35 @@ def standalone_prefill(fleet_folder: Path, samples: list[list], device: str, rep
             engine.prefill(requests)
             times.append(time.perf_counter() - started)
             engine.release(ids)
-        out[f"{model}|{tokens}|{batch}"] = float(np.median(times[1:]))
+        # the first run of a length pays what a fresh length costs the engine (the live pool's case: each
+        # prompt length is new); the median of the rest is the engine at its best
+        out[f"{model}|{tokens}|{batch}"] = (times[0], float(np.median(times[1:])))
     engine.close()
     return out
 
 
-def prefill_ratios(live: list[list], alone: dict[str, float]) -> dict[str, Any]:
-    ratios = [s[3] / alone[f"{s[0]}|{s[1]}|{s[2]}"] for s in live if f"{s[0]}|{s[1]}|{s[2]}" in alone]
-    return {"samples": len(ratios), **({"ratio_p50": round(float(np.median(ratios)), 3),
-                                       "ratio_p90": round(float(np.percentile(ratios, 90)), 3)} if ratios else {})}
+def prefill_ratios(live: list[list], alone: dict[str, tuple[float, float]]) -> dict[str, Any]:
+    """Live prefill seconds over the standalone engine's, against its first (fresh-length) run and its best."""
+    picked = [(s[3], alone[f"{s[0]}|{s[1]}|{s[2]}"]) for s in live if f"{s[0]}|{s[1]}|{s[2]}" in alone]
+    if not picked:
+        return {"samples": 0}
+    fresh = [t / a[0] for t, a in picked]
+    best = [t / a[1] for t, a in picked]
+    return {"samples": len(picked), "ratio_p50": round(float(np.median(fresh)), 3),
+            "ratio_p90": round(float(np.percentile(fresh, 90)), 3),
+            "ratio_vs_best_p50": round(float(np.median(best)), 3),
+            "ratio_vs_best_p90": round(float(np.percentile(best, 90)), 3),
+            "live_ms_p50": round(float(np.median([t for t, _ in picked])) * 1e3, 2),
+            "standalone_fresh_ms_p50": round(float(np.median([a[0] for _, a in picked])) * 1e3, 2),
+            "standalone_best_ms_p50": round(float(np.median([a[1] for _, a in picked])) * 1e3, 2)}
 
 
 # ---- the simulator on the same trace ----------------------------------------------------------------------
-def simulated(fleet_path: Path, trace_path: Path, profile: Path | None, tiny: bool) -> dict[str, Any]:
+def simulated(fleet_path: Path, trace_path: Path, profile: Path | None, tiny: bool, layout: str) -> dict[str, Any]:
     """The simulator's per-request TTFT/TPOT for the trace, with the live pool's layout for one GPU."""
     from benchmarks.gpu_pool_sim import simulate_live_layout
 
-    return simulate_live_layout(fleet_path, trace_path, profile, cpu=tiny)
+    return simulate_live_layout(fleet_path, trace_path, profile, cpu=tiny, num_instances=LAYOUTS[layout])
 
 
 def compare(live_rows: list[dict], sim_rows: dict[int, dict]) -> dict[str, Any]:
@@ -375,6 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="tiny models on CPU (a smoke run anywhere)")
     parser.add_argument("--backend", action="append", help="processes | threads | ray (repeatable)")
     parser.add_argument("--rate", type=float, action="append", help="req/s over all models (repeatable)")
+    parser.add_argument("--layout", action="append", choices=sorted(LAYOUTS),
+                        help="pd: the default one-GPU layout (a prefill and a decode instance); mixed: one instance")
     parser.add_argument("--duration", type=float, default=90.0, help="seconds of arrivals per run")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--prompt", type=int, nargs=2, default=None, help="prompt tokens, uniform [lo, hi]")
@@ -389,6 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.backend = args.backend or ["processes"]
     args.rate = args.rate or [1.0]
+    args.layout = args.layout or ["pd"]
     args.prompt = tuple(args.prompt or ((20, 200) if args.tiny else (200, 2000)))
     args.output = tuple(args.output or ((8, 32) if args.tiny else (64, 512)))
     args.out.mkdir(parents=True, exist_ok=True)
@@ -397,20 +450,17 @@ def main(argv: list[str] | None = None) -> int:
     summary: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M"), "argv": sys.argv[1:], "runs": []}
     all_prefills: list[list] = []
     runs = []
-    for backend in args.backend:
-        for rate in args.rate:
-            print(f"== {backend} at {rate:g} req/s", flush=True)
-            try:
-                result = live_run(args, fleet, backend, rate, args.out)
-            except Exception as exc:  # one failed run must not lose the others' results
-                print(f"   failed: {exc!r}", flush=True)
-                summary["runs"].append({"backend": backend, "rate_rps": rate, "failed": repr(exc)})
-                continue
-            runs.append(result)
-            (args.out / f"run-{backend}-r{rate:g}.json").write_text(json.dumps(result, indent=1, default=str))
+    for backend, layout in [(b, lay) for b in args.backend for lay in args.layout]:
+        try:
+            results = live_runs(args, fleet, backend, layout, args.out)
+        except Exception as exc:  # one failed server must not lose the others' results
+            print(f"   failed: {exc!r}", flush=True)
+            summary["runs"].append({"backend": backend, "layout": layout, "rate_rps": 0, "failed": repr(exc)})
+            continue
+        runs += results
+        for result in results:
             for samples in result["prefill_samples"].values():
                 all_prefills += samples or []
-            print(f"   {json.dumps(result['aggregate'])}", flush=True)
     alone = {} if args.no_standalone or not all_prefills else standalone_prefill(
         args.out / "models", all_prefills[-400:] if args.tiny else _spread(all_prefills, 60), device)
     for result in runs:
@@ -418,13 +468,13 @@ def main(argv: list[str] | None = None) -> int:
         result["prefill_vs_standalone"] = prefill_ratios(samples, alone)
         if not args.no_sim:
             try:
-                sim = simulated(fleet, args.out / result["trace"], args.profile, args.tiny)
+                sim = simulated(fleet, args.out / result["trace"], args.profile, args.tiny, result["layout"])
                 result["sim_aggregate"] = sim["aggregate"]
                 result["fidelity"] = compare(result["requests"], sim["requests"])
                 result["sim_switches"] = sim.get("switches")
             except Exception as exc:
                 result["sim_error"] = repr(exc)
-        tag = f"{result['backend']}-r{result['rate_rps']:g}"
+        tag = run_tag(result["backend"], result["layout"], result["rate_rps"])
         (args.out / f"run-{tag}.json").write_text(json.dumps(result, indent=1, default=str))
         summary["runs"].append({k: v for k, v in result.items() if k not in ("requests", "prefill_samples")})
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
@@ -440,19 +490,19 @@ def _spread(samples: list[list], k: int) -> list[list]:
 
 
 def print_table(runs: list[dict[str, Any]]) -> None:
-    print(f"\n{'backend':10s} {'rate':>5s} {'served':>7s} {'fail':>5s} {'TTFT p50/p90/p99 ms':>22s} "
+    print(f"\n{'backend':16s} {'rate':>5s} {'served':>7s} {'fail':>5s} {'TTFT p50/p90/p99 ms':>22s} "
           f"{'TPOT p50/p90 ms':>16s} {'attain':>7s} {'gpu%':>5s} {'sw':>5s} {'capt+':>5s} {'miss':>5s} "
           f"{'pf x':>5s} {'ovh ms':>7s}")
     for r in runs:
         if "failed" in r:
-            print(f"{r['backend']:10s} {r['rate_rps']:5g} failed: {r['failed'][:80]}")
+            print(f"{r['backend'] + '/' + r['layout']:16s} {r['rate_rps']:5g} failed: {r['failed'][:80]}")
             continue
         a = r["aggregate"]
         ms = lambda q: "-" if q is None else f"{q * 1e3:.0f}"  # noqa: E731
         ttft = "/".join(ms(a["ttft_s"][p]) for p in ("p50", "p90", "p99"))
         tpot = "/".join(ms(a["tpot_s"][p]) for p in ("p50", "p90"))
         overhead = [b.get("overhead_ms_p50") for t in r["decode_timings"].values() if t for b in t.values()]
-        print(f"{r['backend']:10s} {r['rate_rps']:5g} {a['served']:7d} {a['failed']:5d} {ttft:>22s} {tpot:>16s} "
+        print(f"{r['backend'] + '/' + r['layout']:16s} {r['rate_rps']:5g} {a['served']:7d} {a['failed']:5d} {ttft:>22s} {tpot:>16s} "
               f"{a['slo_attainment']:7.3f} {str(r['gpu_util_mean']):>5s} {str(r['switches_planned']):>5s} "
               f"{sum(r['graph_captures_after_warmup'].values()):5d} "
               f"{sum(v or 0 for v in r['graph_misses'].values()):5d} "

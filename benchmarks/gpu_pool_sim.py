@@ -14,7 +14,8 @@ PROFILE = "h200-cudagraph"
 
 
 def simulate_live_layout(fleet_path: Path, trace_path: Path, profile: Path | str | None = None, *,
-                         cpu: bool = False, policy: str = "token-level") -> dict[str, Any]:
+                         cpu: bool = False, policy: str = "token-level", num_instances: int | None = None
+                         ) -> dict[str, Any]:
     from modelpool.config import load_fleet
     from modelpool.serve import fleet_deployment
     from sims.costmodel import RooflineCostModel
@@ -24,7 +25,7 @@ def simulate_live_layout(fleet_path: Path, trace_path: Path, profile: Path | str
     from sims.workload import request_id
 
     fleet = load_fleet(fleet_path)
-    dep = fleet_deployment(fleet_path, "torch", 0 if cpu else 1, None, policy, None)
+    dep = fleet_deployment(fleet_path, "torch", 0 if cpu else 1, num_instances, policy, None)
     workload = read_generic(trace_path)
     costs = RooflineCostModel(fleet, profile=load_profile(profile or PROFILE), gpus_per_host_link=1)
     gpu_of = {spec.instance_id: 0 for spec in dep.instances}

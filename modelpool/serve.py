@@ -82,6 +82,7 @@ class Deployment:
     device: str  # 'cpu' | 'cuda' | 'sim'
     notes: list[str] = field(default_factory=list)
     devices: dict[str, str] = field(default_factory=dict)  # instance id -> torch device (in-process backends)
+    policy_options: dict[str, Any] = field(default_factory=dict)  # the fleet's scheduler limits
     gpu_share: float = 1.0  # of a GPU each instance takes (Ray: the actor's num_gpus)
 
 
@@ -134,7 +135,7 @@ def demo_deployment(engine: str, num_gpus: int, num_instances: int | None, kv_mi
 
 
 def fleet_deployment(fleet_path: Path, engine: str, num_gpus: int, num_instances: int | None, policy: str,
-                     kv_mib: int | None) -> Deployment:
+                     kv_mib: int | None, profile: Path | None = None) -> Deployment:
     from modelpool.config import load_fleet
     from scheduler import make_instances, model_profiles
     from sims.costmodel import RooflineCostModel
@@ -172,15 +173,20 @@ def fleet_deployment(fleet_path: Path, engine: str, num_gpus: int, num_instances
                                      param_hint="--fleet")
         options = {"device": "cuda", "kv_bytes": kv, "max_host_kv_bytes": int(fleet.pool.host_kv_gb * 1e9
                                                                                / fleet.pool.gpus_per_node)}
+        from sims.profiles import load_profile
+
         costs = RooflineCostModel.for_models({m.name: (e.arch, e.tp) for m, e in zip(models, fleet.models)},
-                                                   fleet.pool.gpu if not fleet.gpus else fleet.gpu())
+                                             fleet.pool.gpu if not fleet.gpus else fleet.gpu(),
+                                             profile=load_profile(profile) if profile else None)
     else:
         kv = (kv_mib or CPU_SLOT_KV_BYTES // MiB) * MiB
         options = {"dtype": "float32", "kv_bytes": kv}
         costs = CpuCosts({m.name: m.profile for m in models})
     spec = EngineSpec(engine, options)
+    limits = {"max_batch_size": fleet.pool.max_batch_size, "max_prefill_tokens": fleet.pool.max_prefill_tokens}
     return _finish(Deployment(models, slot_instances(count, models, kv, roles), costs, spec, "ray",
-                              "cuda" if num_gpus else "cpu", devices=devices, gpu_share=share), engine)
+                              "cuda" if num_gpus else "cpu", devices=devices, gpu_share=share,
+                              policy_options=limits), engine)
 
 
 def _finish(dep: Deployment, engine: str, time_scale: float = 1.0) -> Deployment:
@@ -365,6 +371,8 @@ def serve_command(
                                          "(0 = as fast as possible)."),
     warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="Run one short request per model first."),
     plan_log: Path | None = typer.Option(None, "--plan-log", help="Write every Plan as JSONL here."),
+    profile: Path | None = typer.Option(None, "--profile", help="Calibration profile (`modelpool calibrate`) the "
+                                        "scheduler predicts GPU step and switch times with (fleet files on GPUs)."),
 ) -> None:
     """Serve the pool behind one OpenAI-compatible endpoint (default: the demo fleet on this machine)."""
     from modelpool.config import FleetFileError
@@ -383,7 +391,7 @@ def serve_command(
         ray_init(address, instances or 2)
     num_gpus = count_gpus(backend, address) if engine != "sim" else 0
     try:
-        dep = (fleet_deployment(fleet_path, engine, num_gpus, instances, policy, kv_mib) if fleet_path
+        dep = (fleet_deployment(fleet_path, engine, num_gpus, instances, policy, kv_mib, profile) if fleet_path
                else demo_deployment(engine, num_gpus, instances, kv_mib))
     except FleetFileError as exc:
         for problem in exc.problems:
@@ -402,7 +410,8 @@ def serve_command(
         fingerprint="modelpool-sim" if dep.engine.kind == "sim" else None)
     log_file = plan_log.open("w") if plan_log else None
     pool = LivePool(dep.models, dep.instances, policy, dep.costs, engine=dep.engine, backend=backend,
-                    address=address, plan_log=log_file, devices=dep.devices, gpu_share=dep.gpu_share, max_queued_per_model=max_queued_per_model,
+                    address=address, plan_log=log_file, devices=dep.devices, gpu_share=dep.gpu_share,
+                    policy_options=dep.policy_options, max_queued_per_model=max_queued_per_model,
                     max_requests=max_requests, max_restarts=max_restarts, call_timeout_s=call_timeout_s or None)
     typer.echo(f"Starting {len(dep.instances)} instance(s) with {len(dep.models)} model(s)...")
     # Ctrl-C and SIGTERM stop start-up and warm-up at once (the finally below stops the pool), also in a process

@@ -168,7 +168,13 @@ class InstanceRunner:
         return [StepDone(self.instance_id, "prefill", action.request_ids, 1, tuple(self._finished))]
 
     def _tokens(self, outs: Sequence[TokenOut]) -> list[str]:
-        finished = []
+        finished, deliveries = self._record(outs)
+        self._deliver_all(deliveries)
+        return finished
+
+    def _record(self, outs: Sequence[TokenOut]) -> tuple[list[str], list[tuple[LiveRequest, TokenOut]]]:
+        """Book the tokens on their requests; returns the finished ids and the (request, token) to deliver."""
+        finished, deliveries = [], []
         for out in outs:
             live = self._requests.get(out.request_id)
             if live is None or live.cancelled:
@@ -178,8 +184,12 @@ class InstanceRunner:
                 live.finished = True
                 live.kv_home = None
                 finished.append(out.request_id)
+            deliveries.append((live, out))
+        return finished, deliveries
+
+    def _deliver_all(self, deliveries: list[tuple[LiveRequest, TokenOut]]) -> None:
+        for live, out in deliveries:
             self._deliver(live, out)
-        return finished
 
     # ---- decode ----------------------------------------------------------------------------
     def _decode_continue(self, action: Decode) -> StepDone | None:
@@ -192,8 +202,10 @@ class InstanceRunner:
 
     def _decode_result(self, action: Decode, result: Any) -> list[Event]:
         self._steps += 1
-        self._finished += self._tokens(result)
-        event = self._decode_continue(action)
+        finished, deliveries = self._record(result)
+        self._finished += finished
+        event = self._decode_continue(action)  # the next step goes out before the tokens are streamed:
+        self._deliver_all(deliveries)  # the engine computes it while the clients get theirs
         return [] if event is None else [event]
 
     # ---- KV moves ------------------------------------------------------------------------

@@ -339,9 +339,9 @@ class LivePool:
         return engine
 
     def _graph_tokens(self, instance_ids: Sequence[str]) -> dict[str, int | None]:
-        """Per instance, the longest request its decode graphs must cover (0: it never decodes)."""
-        roles = {spec.instance_id: spec.role for spec in self.instances}
-        return {iid: 0 if roles.get(iid) == "prefill" else self.max_tokens for iid in instance_ids}
+        """Per instance, the longest request its decode graphs must cover (prefill instances decode too: the
+        first tokens before a hand-off)."""
+        return {iid: self.max_tokens for iid in instance_ids}
 
     def _rebuild(self, instance_id: str) -> Any:
         """A fresh engine for `instance_id` (on a restart thread), built once the lost one has freed its

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One call on the lent GPU box (no Ray, no pydantic/fastapi/uvicorn: carried as wheels in .whl):
+#   bash benchmarks/gpu_pool_device.sh STAGE...    stages: tests, light, heavy, calibrate, RATE=<r>, BACKENDS=<a,b>
+# Results go to $OUT (gpu_pool-<stage>.tgz and the logs' tails).
+set -u
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=/tmp/site || exit 1
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false RAY_AUTH_MODE=disabled
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,memory.used,utilization.gpu --format=csv,noheader
+df -h /dev/shm | tail -1; free -g | sed -n 2p; nproc
+DUR=${DUR:-40}
+pack() { tar czf "$OUT/gpu_pool-$1.tgz" -C "/tmp/gp-$1" --exclude models --exclude '*.plans.jsonl' . 2>/dev/null; }
+for stage in "$@"; do
+  case $stage in
+    tests)
+      timeout ${TEST_S:-150} python3 -m pytest -q -x -p no:cacheprovider -k cuda \
+        tests/pool/test_torch_engine.py tests/pool/test_kv_transfer.py tests/pool/test_fused_decode.py 2>&1 | tail -8 ;;
+    light)
+      timeout ${LIGHT_S:-330} python3 benchmarks/gpu_pool.py --out /tmp/gp-light --backend processes --backend threads --layout pd \
+        --rate 1 --duration "$DUR" 2>&1 | grep -v '^   {' ; pack light ;;
+    heavy)
+      timeout ${HEAVY_S:-200} python3 benchmarks/gpu_pool.py --out /tmp/gp-heavy --backend ${HEAVY_BACKENDS:-processes} \
+        --rate ${RATE:-8} --duration "$DUR" 2>&1 | grep -v '^   {' ; pack heavy ;;
+    calibrate)
+      timeout ${CAL_S:-200} python3 -m modelpool.cli calibrate --fleet /tmp/gp-light/models/fleet.yaml --device cuda \
+        --out "$OUT/h200-calibrated.json" ${CAL_ARGS:-} 2>&1 | tail -30 ;;
+  esac
+done
+for f in /tmp/gp-*/serve-*.log; do [ -f "$f" ] && { echo "== $f"; grep -iE "error|Traceback|lost|restart" "$f" | head -5; }; done

@@ -1,0 +1,159 @@
+"""Where live prefill time goes: the torch engine's eager prefill alone, at repeated and fresh lengths, under
+the profiler, and while another engine decodes on the same GPU (another process, or another thread).
+
+    python benchmarks/gpu_prefill_probe.py --out probe.json           # on the GPU
+    python benchmarks/gpu_prefill_probe.py --tiny --out /tmp/p.json    # anywhere
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import random
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.gpu_pool import QWEN  # noqa: E402
+from pool.engines.base import GenRequest, SamplingParams  # noqa: E402
+from pool.engines.torch_engine import TorchEngine, TorchEngineConfig  # noqa: E402
+from pool.engines.weights import HostWeightCache  # noqa: E402
+
+
+def engine_with(shapes: dict[str, str], device: str, graphs: bool, kv_bytes: int) -> TorchEngine:
+    from transformers import Qwen2Config
+
+    dtype = torch.bfloat16 if device != "cpu" else torch.float32
+    cache = HostWeightCache()
+    engine = TorchEngine(TorchEngineConfig(device=device, kv_bytes=kv_bytes, cuda_graphs=graphs), weight_cache=cache)
+    for seed, (name, shape) in enumerate(shapes.items()):
+        config = Qwen2Config(**QWEN[shape], max_position_embeddings=32768, rope_theta=1e6)
+        engine.add_image(cache.add_random(name, config, dtype, seed=seed, device=device))
+    return engine
+
+
+def sync(device: str) -> None:
+    if device != "cpu":
+        torch.cuda.synchronize()
+
+
+counter = [0]
+
+
+def prefill_once(engine: TorchEngine, model: str, tokens: int, device: str) -> float:
+    counter[0] += 1
+    rid = f"p{counter[0]}"
+    request = GenRequest(rid, model, tuple(random.randrange(10, 2000) for _ in range(tokens)),
+                         SamplingParams(max_tokens=4, ignore_eos=True))
+    sync(device)
+    started = time.perf_counter()
+    engine.prefill([request])
+    took = time.perf_counter() - started
+    engine.release([rid])
+    return took
+
+
+def series(engine, model, lengths, device) -> list[float]:
+    engine.activate(model)
+    return [round(prefill_once(engine, model, n, device) * 1e3, 3) for n in lengths]
+
+
+def profile_one(engine, model, tokens, device) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    engine.activate(model)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device != "cpu" else [])
+    with profile(activities=activities) as prof:
+        took = prefill_once(engine, model, tokens, device)
+    events = prof.key_averages()
+    key = "self_cpu_time_total"
+    top_cpu = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:12]
+    out = {"ms": round(took * 1e3, 3), "top_cpu": [(e.key, e.count, round(getattr(e, key) / 1e3, 3)) for e in top_cpu]}
+    if device != "cpu":
+        attr = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+        top_gpu = sorted(events, key=lambda e: getattr(e, attr), reverse=True)[:12]
+        out["top_gpu"] = [(e.key, e.count, round(getattr(e, attr) / 1e3, 3)) for e in top_gpu]
+        out["gpu_total_ms"] = round(sum(getattr(e, attr) for e in events) / 1e3, 3)
+    return out
+
+
+def decode_loop(shapes, device, seconds, ready, batch=4):
+    engine = engine_with(shapes, device, True, 4 << 30)
+    engine.warm_up(4096)
+    model = next(iter(shapes))
+    engine.activate(model)
+    ids = [f"d{i}" for i in range(batch)]
+    engine.prefill([GenRequest(r, model, tuple(range(10, 500)), SamplingParams(max_tokens=100000, ignore_eos=True))
+                    for r in ids])
+    ready.set()
+    end = time.time() + seconds
+    steps = 0
+    while time.time() < end:
+        engine.decode_step(ids)
+        steps += 1
+    return steps
+
+
+def _proc_decode(shapes, device, seconds, ready):
+    torch.set_num_threads(1)
+    decode_loop(shapes, device, seconds, ready)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--tiny", action="store_true")
+    args = parser.parse_args()
+    device = "cpu" if args.tiny else "cuda"
+    shapes = {"a": "tiny", "b": "tiny"} if args.tiny else {"m1-1.5b": "1.5b", "m5-7b": "7b"}
+    random.seed(0)
+    engine = engine_with(shapes, device, False, 256 << 20 if args.tiny else 30 << 30)
+    result: dict = {}
+    fresh = [random.randint(200, 2000) for _ in range(12)]
+    for model in shapes:
+        series(engine, model, [512] * 2, device)  # first touch
+        result[model] = {"repeated_1024_ms": series(engine, model, [1024] * 6, device),
+                         "fresh": list(zip(fresh, series(engine, model, fresh, device))),
+                         "fresh_again": list(zip(fresh, series(engine, model, fresh, device)))}
+        result[model]["profile_fresh"] = profile_one(engine, model, 1537, device)
+        result[model]["profile_repeat"] = profile_one(engine, model, 1537, device)
+    # while another process decodes on the same GPU
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    other = ctx.Process(target=_proc_decode, args=(shapes, device, 40 if not args.tiny else 8, ready), daemon=True)
+    other.start()
+    ready.wait(240)
+    model = list(shapes)[-1]
+    result["with_decode_process"] = {model: list(zip(fresh, series(engine, model, fresh, device)))}
+    other.join(60)
+    # while another thread of this process decodes
+    ready_t = threading.Event()
+    thread = threading.Thread(target=decode_loop, args=(shapes, device, 30 if not args.tiny else 6, ready_t), daemon=True)
+    thread.start()
+    ready_t.wait(240)
+    result["with_decode_thread"] = {model: list(zip(fresh, series(engine, model, fresh, device)))}
+    thread.join(60)
+    args.out.write_text(json.dumps(result, indent=1))
+    for model in shapes:
+        r = result[model]
+        print(model, "repeated 1024:", r["repeated_1024_ms"], "| fresh median", statistics.median(t for _, t in r["fresh"]),
+              "again", statistics.median(t for _, t in r["fresh_again"]))
+        for kind in ("profile_fresh", "profile_repeat"):
+            p = r[kind]
+            print(f"  {kind}: {p['ms']} ms, gpu {p.get('gpu_total_ms')} ms; top cpu {p['top_cpu'][:6]}")
+            print(f"     top gpu {p.get('top_gpu', [])[:6]}")
+    for kind in ("with_decode_process", "with_decode_thread"):
+        print(kind, {m: statistics.median(t for _, t in v) for m, v in result[kind].items()}, result[kind])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
