@@ -56,6 +56,8 @@ __all__ = ["LivePool", "ModelInfo", "PoolBusy", "PoolClosed", "QueueFull", "Serv
 log = logging.getLogger("modelpool.pool")
 
 BACKENDS = ("ray", "processes", "threads", "inprocess")
+TICK_FALLBACK_S = 0.05  # schedule() at least this often with nothing new (call timeouts, time-based decisions)
+STATUS_INTERVAL_S = 0.1  # /pool/status is refreshed this often while the pool is busy
 
 
 class PoolClosed(RuntimeError):
@@ -144,6 +146,7 @@ class LivePool:
         self._stats_calls: dict[int, str] = {}  # backend handle -> instance of a stats() call in flight
         self._stats_at = float("-inf")
         self._status_at = float("-inf")
+        self._tick_at = float("-inf")
         self._infos: list[ModelInfo] = []
         self._tokenizers: dict[str, Any] = {}
         self._tokenizer_lock = threading.Lock()
@@ -421,11 +424,16 @@ class LivePool:
                 if controller.lost:
                     self.restarts.watch(controller.lost)
                     changed |= bool(controller.fail_stranded(self.restarts.pending))
-                self._tally(controller.tick())
+                now = time.monotonic()
+                # as in the simulator, the scheduler is asked when something happened (an arrival, a cancel, an
+                # event), not after every engine call: a decode step's tokens change nothing it decides on, and a
+                # schedule() over hundreds of queued requests on every step was the host's biggest cost per step
+                if changed or now - self._tick_at >= TICK_FALLBACK_S:
+                    self._tally(controller.tick())
+                    self._tick_at = now
                 self._ask_stats(controller)
                 busy = changed or bool(getattr(backend, "in_flight", 0))
-                now = time.monotonic()
-                if not busy or now - self._status_at >= 0.01:
+                if not busy or now - self._status_at >= STATUS_INTERVAL_S:
                     self._status, self._status_at = self._snapshot(controller), now
                 if not busy:
                     self._wait_inbox()
