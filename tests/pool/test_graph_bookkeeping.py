@@ -1,0 +1,162 @@
+"""Decode-graph bookkeeping, the device gate, step timings and the one-GPU layout - the CPU-testable parts of
+running several instances on one GPU (the captures themselves run on CUDA: tests marked gpu)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+
+from pool.engines.device import GATE, DeviceGate, held_device_bytes
+from pool.engines.graphs import GraphBuckets
+from pool.engines.timings import StepTimings
+from pool.engines.torch_engine import TorchEngine, TorchEngineConfig
+from pool.engines.weights import RANDOM_WEIGHTS_FILE, HostWeightCache
+
+
+def test_buckets_pick_the_smallest_padded_shape_or_none() -> None:
+    buckets = GraphBuckets((1, 2, 4, 8), (16, 64))
+    assert buckets.pick(1, 1) == (1, 16)
+    assert buckets.pick(3, 17) == (4, 64)
+    assert buckets.pick(8, 64) == (8, 64)
+    assert buckets.pick(9, 4) is None and buckets.pick(2, 65) is None  # outside the set: eager, counted as a miss
+
+
+def test_buckets_capture_only_widths_a_request_can_need() -> None:
+    buckets = GraphBuckets((1, 2), (16, 64, 256))
+    assert buckets.shapes(10) == [(1, 16), (2, 16)]
+    assert buckets.shapes(16) == [(1, 16), (2, 16)]
+    assert buckets.shapes(100) == [(1, 16), (2, 16), (1, 64), (2, 64), (1, 256), (2, 256)]
+    assert buckets.shapes(10_000) == buckets.shapes(256)  # past the widest: all of them, no more
+
+
+@pytest.mark.parametrize("field, value", [("batch_sizes", ()), ("batch_sizes", (4, 2)), ("block_widths", (0, 16)),
+                                          ("block_widths", (16, 16))])
+def test_bad_bucket_sets_are_refused_by_name(field, value) -> None:
+    with pytest.raises(ValueError, match=f"GraphBuckets.{field}"):
+        GraphBuckets(**{field: value})
+    with pytest.raises(ValueError, match="GraphBuckets"):
+        TorchEngineConfig(**{"graph_" + ("batch_sizes" if field == "batch_sizes" else "block_widths"): value})
+
+
+def test_gate_capture_waits_for_calls_and_holds_new_ones_off() -> None:
+    gate = DeviceGate()
+    order: list[str] = []
+    in_call, release = threading.Event(), threading.Event()
+
+    def call() -> None:
+        with gate.shared():
+            order.append("call start")
+            in_call.set()
+            release.wait(5)
+            order.append("call end")
+
+    def capture() -> None:
+        with gate.exclusive():
+            order.append("capture")
+            time.sleep(0.05)
+            order.append("capture end")
+
+    def late_call() -> None:
+        with gate.shared():
+            order.append("late call")
+
+    first = threading.Thread(target=call)
+    first.start()
+    assert in_call.wait(5)
+    grab = threading.Thread(target=capture)
+    grab.start()
+    time.sleep(0.05)  # the capture is waiting now; a new call must queue behind it
+    late = threading.Thread(target=late_call)
+    late.start()
+    time.sleep(0.05)
+    assert order == ["call start"]
+    release.set()
+    for t in (first, grab, late):
+        t.join(5)
+    assert order == ["call start", "call end", "capture", "capture end", "late call"]
+
+
+def test_cpu_engine_captures_nothing_and_reports_its_graph_figures(tiny_engine) -> None:
+    assert tiny_engine.warm_up() == 0  # no CUDA graphs on CPU
+    extra = tiny_engine.stats().extra
+    assert (extra["graph_captures"], extra["graph_misses"], extra["graph_replays"]) == (0, 0, 0)
+    assert extra["held_device_bytes"] == held_device_bytes("cpu")
+
+
+def test_close_frees_the_device_buffer(tiny_engine) -> None:
+    import gc
+
+    gc.collect()  # engines of earlier tests
+    before = held_device_bytes("cpu")
+    mine = tiny_engine.stats().device_buffer_bytes
+    assert mine > 0
+    tiny_engine.close()
+    gc.collect()
+    assert held_device_bytes("cpu") == before - mine
+
+
+def test_step_timings_split_a_decode_period_into_forward_and_host() -> None:
+    timings = StepTimings(cuda=False)
+    timings.decode(("a", "b"), 0.000, 0.0030)
+    timings.decode(("a", "b"), 0.004, 0.0030)  # period 4 ms, forward 3 ms: 1 ms of host
+    timings.decode(("a", "b"), 0.0085, 0.0030)  # 4.5 ms: 1.5 ms of host
+    timings.other()  # a switch in between: the next step starts a new run
+    timings.decode(("a", "b"), 1.0, 0.0030)
+    timings.decode(("c",), 1.004, 0.0020)  # another batch: no period across batches
+    timings.prefill("m", 512, 1, 0.012)
+    summary = timings.summary()
+    assert summary["decode"]["<=4"]["steps"] == 2
+    assert summary["decode"]["<=4"]["overhead_ms_p50"] == pytest.approx(1.25)
+    assert summary["prefills"] == [["m", 512, 1, 0.012]]
+
+
+@pytest.fixture()
+def tiny_engine():
+    from transformers import Qwen2Config
+
+    config = Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=128, vocab_size=256, max_position_embeddings=512)
+    cache = HostWeightCache(pin=False)
+    engine = TorchEngine(TorchEngineConfig(dtype="float32", kv_bytes=4 << 20), weight_cache=cache)
+    engine.add_image(cache.add_random("tiny", config, torch.float32))
+    engine.activate("tiny")
+    return engine
+
+
+def test_random_weight_folders_load_seeded_and_reject_a_bad_marker(tmp_path) -> None:
+    from transformers import Qwen2Config
+
+    config = Qwen2Config(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=128, vocab_size=256, torch_dtype="float32")
+    for name, seed in (("a", 1), ("b", 1), ("c", 2)):
+        config.save_pretrained(tmp_path / name)
+        (tmp_path / name / RANDOM_WEIGHTS_FILE).write_text(json.dumps({"seed": seed}))
+    cache = HostWeightCache(pin=False)
+    a, b, c = (cache.load(n, tmp_path / n) for n in "abc")
+    assert torch.equal(a.buffer, b.buffer) and not torch.equal(a.buffer, c.buffer)
+    assert a.buffer.float().abs().sum() > 0
+    config.save_pretrained(tmp_path / "bad")
+    (tmp_path / "bad" / RANDOM_WEIGHTS_FILE).write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"bad/random_weights.json"):
+        cache.load("bad", tmp_path / "bad")
+
+
+def test_the_gate_is_process_wide() -> None:
+    assert isinstance(GATE, DeviceGate)
+
+
+def test_one_gpu_layout_is_a_prefill_and_a_decode_instance_sharing_it() -> None:
+    from modelpool.serve import GPU_HEADROOM_BYTES, gpu_kv_bytes, gpu_layout
+
+    count, devices, share = gpu_layout(1, None, "token-level")
+    assert (count, devices, share) == (2, {"slot0": "cuda:0", "slot1": "cuda:0"}, 0.5)
+    assert gpu_layout(1, None, "request-level") == (1, {"slot0": "cuda:0"}, 1.0)
+    assert gpu_layout(4, 8, "token-level")[1]["slot5"] == "cuda:1"
+    usable, biggest = 120 * 10**9, 15 * 10**9
+    kv = gpu_kv_bytes(usable, 2, biggest)
+    assert 2 * (kv + 2 * biggest + GPU_HEADROOM_BYTES) <= usable  # both instances fit on the GPU
+    assert gpu_kv_bytes(usable, 1, biggest) > 2 * kv

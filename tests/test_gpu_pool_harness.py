@@ -1,0 +1,35 @@
+"""benchmarks/gpu_pool.py end to end on CPU (tiny shapes): modelpool serve with the default layout on the
+processes backend, a Poisson trace through the gateway, the standalone prefill timing and the simulator on
+the same trace - what the H200 run does, small enough for CI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_tiny_harness_serves_every_request_with_no_capture_on_the_request_path(tmp_path) -> None:
+    out = tmp_path / "gp"
+    done = subprocess.run([sys.executable, "benchmarks/gpu_pool.py", "--tiny", "--out", str(out), "--rate", "3",
+                           "--duration", "6", "--backend", "processes"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    run = json.loads((out / "run-processes-pd-r3.json").read_text())
+    aggregate = run["aggregate"]
+    assert aggregate["requests"] > 5 and aggregate["failed"] == 0 and aggregate["served"] == aggregate["requests"]
+    served = [r for r in run["requests"] if r["served"]]
+    assert all(r["chunks"] == r["tokens"] for r in served), "one streamed chunk per token"
+    assert all(r["ttft_s"] > 0 and r["tokens"] >= 1 for r in served)
+    assert sum(run["graph_captures_after_warmup"].values()) == 0
+    assert set(run["decode_timings"]) == {"slot0", "slot1"}  # a prefill and a decode instance
+    assert run["prefill_vs_standalone"]["samples"] > 0
+    assert run["fidelity"]["ttft_s"]["pairs"] == len(served)  # the simulator ran the same trace
+    trace = (out / run["trace"]).read_text().splitlines()
+    assert trace[0] == "timestamp_s,model,input_tokens,output_tokens" and len(trace) == aggregate["requests"] + 1
