@@ -4,7 +4,8 @@
 `CostModel` is the base class of what a policy uses to predict step and switch
 times (sims.costmodel's roofline subclasses it; the live pool may pass the same
 or one fitted to measured times). `CopyLinks` is what the simulator's executor
-asks when copies share host links (a cost model makes one per simulation).
+asks when copies share host links, and `GpuShares` what it asks when instances share a GPU's compute (a cost
+model makes one of each per simulation).
 """
 
 from __future__ import annotations
@@ -52,6 +53,20 @@ class CopyLinks(Protocol):
         ...
 
 
+class GpuShares(Protocol):
+    """The GPUs of one simulation's instances, where several share one: when a step's device work ends, given
+    the work its peers on that GPU have in flight."""
+
+    def work_end_at(self, instance_id: str, start_at: float, alone_s: float, now: float) -> float:
+        """The end of device work of `instance_id` that takes `alone_s` alone and starts at `start_at`
+        (>= `now`, the simulated time of the call)."""
+        ...
+
+    def cut(self, instance_id: str, at: float) -> None:
+        """`instance_id`'s work booked to run past `at` ends at `at` (a Stop cut its decode turn short)."""
+        ...
+
+
 @mypyc_attr(allow_interpreted_subclasses=True)
 class CostModel:
     """The cost seam: what a policy (and the simulator) asks to predict step, switch and KV-move times.
@@ -79,6 +94,11 @@ class CostModel:
         its requests' kv_move_s: the engine issues a move's copies together. None here."""
         return 0.0
 
+    def prefill_host_s(self, model: str) -> float:
+        """The part of every prefill_s of `model` that is host time after the GPU's (the live pool's), not
+        device work: it does not share a GPU with other instances. None here."""
+        return 0.0
+
     def decode_turn_s(self, model: str, batch_size: int, context_tokens: int, num_steps: int) -> float:
         """Time of `num_steps` decode steps, each adding one token per request (context grows by `batch_size`
         a step). Step by step here; a cost model with a closed form overrides it (the simulator's hot path)."""
@@ -91,6 +111,11 @@ class CostModel:
         """Fresh state of the host links `instances` copy over, for one simulation (`gpu_of`: instances placed
         by hand, by first GPU index). None (here): every copy has a link of its own, never contended, and
         takes switch_s / kv_move_s as they are."""
+        return None
+
+    def gpu_shares(self, instances: Sequence[InstanceSpec], gpu_of: Mapping[str, int] | None = None) -> GpuShares | None:
+        """Fresh state of the GPUs `instances` run on where several share one, for one simulation (`gpu_of` as
+        in host_links). None (here): every instance has its GPUs' compute to itself."""
         return None
 
 

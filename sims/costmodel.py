@@ -29,6 +29,9 @@ plus overheads. A scheduler.costs.CostModel. Assumptions:
 - Host links: with pool.gpus_per_host_link >= 1, `host_links` gives the
   simulator the links its instances copy over (sims.links), where overlapping
   copies split the bandwidth; else every copy runs at the full link rate.
+- Shared GPUs: where the placement puts several instances on one GPU and the
+  profile gives gpu_share_slowdown, `gpu_shares` gives the simulator their
+  time-slicing (sims.gpu_share); else every instance has its GPUs to itself.
 """
 
 from __future__ import annotations
@@ -39,8 +42,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from scheduler.costs import CopyLinks, CostModel, InstanceSpec
+from scheduler.costs import CopyLinks, CostModel, GpuShares, InstanceSpec
 from scheduler.fleet import GPUS, Arch, Fleet, GpuSpec
+from sims.gpu_share import GpuTimeSharing, gpu_peers
 from sims.links import HostLinks, link_spans
 from sims.profiles import CalibrationProfile, ProfileTerms, load_profile
 
@@ -222,6 +226,16 @@ class RooflineCostModel(CostModel):
             return None
         shared = (self.terms.eff_pcie_shared or self.terms.eff_pcie) / self.terms.eff_pcie
         return HostLinks(link_spans(instances, self.gpus_per_host_link, gpu_of), shared, self.terms.link_sharing)
+
+    def prefill_host_s(self, model: str) -> float:
+        return self._models[model].prefill_host_s
+
+    def gpu_shares(self, instances: Sequence[InstanceSpec], gpu_of: Mapping[str, int] | None = None) -> GpuShares | None:
+        """The instances' time-slicing (sims.gpu_share) where some share a GPU and the profile measured how
+        much that slows them (gpu_share_slowdown), else None."""
+        slowdown = self.terms.gpu_share_slowdown
+        peers = gpu_peers(instances, gpu_of) if slowdown is not None else {}
+        return GpuTimeSharing(peers, slowdown) if peers and slowdown is not None else None
 
     # ---- turns: many steps at once ---------------------------------------------------------------
     def decode_turn_s(self, model: str, batch_size: int, context_tokens: int, num_steps: int) -> float:

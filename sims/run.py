@@ -104,7 +104,8 @@ def simulate(fleet: Fleet, workload: Workload, policy: str, *, num_gpus: int | N
              progress: Callable[[float], None] | None = None, instances: list[InstanceSpec] | None = None,
              gpu_of: Mapping[str, int] | None = None, **options: Any) -> SimResult:
     """`instances` replaces the cut of the fleet's GPUs (a live pool's layout), and `gpu_of` places
-    instances on GPUs by index (instances on one GPU share its host link; see sims.links)."""
+    instances on GPUs by index (instances on one GPU share its host link, sims.links, and its compute,
+    sims.gpu_share)."""
     costs = costs or RooflineCostModel(fleet)
     profiles = model_profiles(fleet)
     instances = instances or build_instances(fleet, policy, num_gpus, prefill_fraction, gpus_by_tp)
@@ -116,7 +117,7 @@ def simulate(fleet: Fleet, workload: Workload, policy: str, *, num_gpus: int | N
     truncated = [0]
     sim = Simulator(scheduler, costs, requests_from(workload, fleet, truncated),
                     kv_bytes_per_token={name: p.kv_bytes_per_token for name, p in profiles.items()}, plan_log=plan_log,
-                    links=costs.host_links(instances, gpu_of))
+                    links=costs.host_links(instances, gpu_of), gpus=costs.gpu_shares(instances, gpu_of))
     started, cpu_started = time.perf_counter(), time.process_time()
     records = sim.run(progress=progress)
     sim_wall_s, sim_cpu_s = time.perf_counter() - started, time.process_time() - cpu_started

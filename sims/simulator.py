@@ -18,7 +18,9 @@ a lost device's pending events are dropped by its flag.
 Copies (switches, prefetches, KV moves) take the cost model's times; when the
 cost model shares host links (`CostModel.host_links`), the executor asks the
 links when each copy ends instead (`links`), so overlapping copies slow each
-other. Without shared links (the default) nothing else changes.
+other. Without shared links (the default) nothing else changes. Likewise, where instances share a GPU
+(`CostModel.gpu_shares`), the executor asks it when each prefill, decode turn and mixed iteration ends
+(`gpus`), so device work that overlaps on one GPU slows down; a Stop tells it the turn's new end.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import IO, Final
 
 from scheduler import (Action, Decode, Event, InstanceLost, KvMoved, Plan, Prefetch, Prefill, Request, Scheduler,
                        StepDone, Stop, SwapIn, SwapOut, Switch, SwitchDone)
-from scheduler.costs import CopyLinks, CostModel
+from scheduler.costs import CopyLinks, CostModel, GpuShares
 from scheduler.policies.base import PolicyBase
 from sims.errors import InvariantViolation
 
@@ -157,13 +159,14 @@ class Simulator:
     def __init__(self, scheduler: Scheduler, costs: CostModel, requests: Iterable[Request], *,
                  kv_bytes_per_token: dict[str, int], kv_capacity: dict[str, float] | None = None,
                  plan_log: IO[str] | None = None, faults: Iterable[tuple[float, str]] = (),
-                 links: CopyLinks | None = None) -> None:
+                 links: CopyLinks | None = None, gpus: GpuShares | None = None) -> None:
         self.scheduler = scheduler
         # the same object when it is one of our policies: compiled, calls through this typed reference are native
         # (through the Protocol they are generic method calls, with their arguments boxed and parsed)
         self._policy: PolicyBase | None = scheduler if isinstance(scheduler, PolicyBase) else None
         self.costs = costs
         self.links = links  # shared host links (costs.host_links), or None: every copy at its time alone
+        self.gpus = gpus  # shared GPUs (costs.gpu_shares), or None: every instance's steps at their time alone
         self._arrivals = iter(requests)
         self._next_arrival: Request | None = next(self._arrivals, None)
         self.kv_bytes_per_token = kv_bytes_per_token
@@ -437,6 +440,9 @@ class Simulator:
         if move_s:
             move_s += self.costs.kv_move_overhead_s(records[0].model)
         self._check_kv(iid, dev)
+        if self.gpus is not None:  # the host's part after the GPU's does not share it
+            host_s = sum(self.costs.prefill_host_s(model) for model in _by_model(records))
+            took = self.gpus.work_end_at(iid, t, took - host_s, self.now) - t + host_s
         if move_s and self.links is not None:
             move_s = self.links.copy_end_at(iid, False, t + took, move_s, self.now) - (t + took)
         end = t + took + move_s
@@ -454,6 +460,8 @@ class Simulator:
         took = 0.0
         for group in batch.groups:
             took += self.costs.decode_turn_s(group.model, group.size, group.context, steps)
+        if self.gpus is not None:
+            took = self.gpus.work_end_at(iid, t, took, self.now) - t
         dev.turn = _Turn(t, took / steps, steps, batch.ids, -1, batch.records, batch)
         return self._finish_turn(iid, dev, steps, steps == batch.left)
 
@@ -527,6 +535,8 @@ class Simulator:
             took += self.costs.decode_step_s(group.model, group.size, group.context)
         for model, (tokens, prompts) in chunks.items():
             took += self.costs.prefill_s(model, tokens, prompts)
+        if self.gpus is not None:  # one iteration: all of it device work
+            took = self.gpus.work_end_at(iid, t, took, self.now) - t
         may_finish = batch.left <= 1
         if completed:
             records = records + completed
@@ -563,6 +573,8 @@ class Simulator:
                 dev.kv[record.request_id] = self._kv_bytes(record)
         dev.busy_s -= (turn.max_steps - done) * turn.step_s
         dev.free_at = self._finish_turn(iid, dev, done, False)
+        if self.gpus is not None:
+            self.gpus.cut(iid, dev.free_at)
 
     # ---- checks ------------------------------------------------------------------
     def _kv_bytes(self, record: RequestRecord) -> float:

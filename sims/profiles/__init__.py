@@ -68,14 +68,24 @@ class ProfileTerms(_Frozen):
     link_sharing: Literal["fifo", "fair"] = Field(default="fifo", description="How copies that overlap on one host "
                                                   "link share it: 'fifo', one at a time in the order they start (the "
                                                   "later one waits), or 'fair', each of n copies at 1/n of the rate.")
+    gpu_share_slowdown: float | None = Field(default=None, ge=1.0, description="How many times longer a step's "
+                                             "device work takes while another instance on the same GPU (its own "
+                                             "process: CUDA time-slices them, no MPS) has device work in flight; k "
+                                             "instances busy together each run at 2 / (k * this) of their rate "
+                                             "alone (processor sharing, sims.gpu_share). None: instances placed on "
+                                             "one GPU each run as if they had it to themselves.")
 
 
 TERM_NAMES: tuple[str, ...] = tuple(ProfileTerms.model_fields)
+_DEFAULT_WHY = {
+    "link_sharing": "the order the H200's copy engine served two engines' switches in: the later copy waited (a 3B "
+                    "switch 0.11 s alone, 0.39 s behind a 7B one; modelpool calibrate and the live pool, issue 17)",
+    "gpu_share_slowdown": "means instances on one GPU do not slow each other (as before GPU sharing was modelled)",
+}
 DEFAULTED: dict[str, str] = {  # terms a profile may leave out, and the provenance they then get
     name: f"not measured for this profile: the default ({field.default}) "
-          + ("charges nothing more" if name.endswith("_s") else "takes eff_pcie" if name.startswith("eff_")
-             else "the order the H200's copy engine served two engines' switches in: the later copy waited (a 3B "
-                  "switch 0.11 s alone, 0.39 s behind a 7B one; modelpool calibrate and the live pool, issue 17)")
+          + (_DEFAULT_WHY[name] if name in _DEFAULT_WHY else "charges nothing more" if name.endswith("_s")
+             else "takes eff_pcie")
     for name, field in ProfileTerms.model_fields.items() if not field.is_required()}
 
 

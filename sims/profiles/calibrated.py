@@ -9,7 +9,10 @@ by `sims.profiles.fitting`, as the shipped profiles are. On top of them:
   rate; s from the span measured, times eff_pcie;
 - prefill_host_s and decode_host_s, from the live pool's load
   (`modelpool.measure_live`): what the sink saw less what the fitted engine
-  terms predict (first token after submit; the gap between tokens).
+  terms predict (first token after submit; the gap between tokens);
+- gpu_share_slowdown, from benchmarks/gpu_prefill_probe.py (measurements'
+  "gpu_share", added by `with_gpu_share`): the median over prompts of a prefill's
+  time while another process decodes on the same GPU, over its time alone.
 
 Terms not measured (the NVLink ones; a family with no points) keep the base
 profile's value and provenance. No torch here: the measurements are plain data.
@@ -71,6 +74,9 @@ def build_profile(measurements: Mapping[str, Any], archs: Mapping[str, Arch], gp
             f"{what}: " + ("one copy kept its time alone, the other waited" if sharing == "fifo" else
                            "both copies slowed down together") + f" ({where})"))
         figures["shared_link_rate"] = round(shared, 4)
+    if measurements.get("gpu_share"):
+        terms["gpu_share_slowdown"], provenance["gpu_share_slowdown"], spread = _gpu_share(measurements["gpu_share"], gpu)
+        figures.update(spread)
     draft = CalibrationProfile(name="draft", terms=ProfileTerms.model_validate({**terms, "prefill_host_s": 0.0,
                                                                                "decode_host_s": 0.0}),
                                provenance=provenance)  # the engine alone: what the live pool's times are held against
@@ -84,6 +90,48 @@ def build_profile(measurements: Mapping[str, Any], archs: Mapping[str, Arch], gp
         calibration=CalibrationRun(**{**run, "gpu": gpu, "device": measurements["device"], "figures": figures,
                                       "software": {**measurements.get("software", {}), **run.get("software", {})},
                                       "measurements": dict(measurements)}))
+
+
+def with_gpu_share(profile: CalibrationProfile, probe: Mapping[str, Any], where: str) -> CalibrationProfile:
+    """`profile` (one `modelpool calibrate` wrote) with gpu_share_slowdown fitted to `probe`, the result of
+    benchmarks/gpu_prefill_probe.py, measured `where` (device and date, in words); the probe's series go into
+    its measurements, so a refit (build_profile) keeps the term."""
+    if profile.calibration is None:
+        raise ValueError(f"profile {profile.name!r} has no calibration run to add the probe's measurements to")
+    beside = probe["with_decode_process"]
+    entry = {"with_decode_process": beside, "alone": {model: probe[model]["fresh_again"] for model in beside},
+             "where": where}
+    gpu = profile.calibration.gpu
+    value, source, spread = _gpu_share(entry, gpu)
+    run = profile.calibration.model_copy(update={
+        "measurements": {**profile.calibration.measurements, "gpu_share": entry},
+        "figures": {**profile.calibration.figures, **spread}})
+    return profile.model_copy(update={
+        "terms": ProfileTerms.model_validate({**profile.terms.model_dump(), "gpu_share_slowdown": value}),
+        "provenance": {**profile.provenance, "gpu_share_slowdown": source}, "calibration": run})
+
+
+def _gpu_share(entry: Mapping[str, Any], gpu: str) -> tuple[float, Provenance, dict[str, float]]:
+    """gpu_share_slowdown from the probe's series: per prompt, its prefill beside a process decoding on the
+    same GPU over the same prompt length alone (the second pass over the fresh lengths: warm); the median.
+    Also the ratios' p10 and p90, as figures."""
+    ratios: list[float] = []
+    what = []
+    for model, beside in entry["with_decode_process"].items():
+        alone = {int(tokens): ms for tokens, ms in entry["alone"][model]}
+        ratios += [ms / alone[int(tokens)] for tokens, ms in beside if int(tokens) in alone]
+        lengths = [int(tokens) for tokens, _ in beside]
+        what.append(f"{len(beside)} prefills of {model} ({min(lengths)}-{max(lengths)} tokens)")
+    if not ratios:
+        raise ValueError("the probe has no prefill measured both alone and beside a decoding process")
+    ratios.sort()
+    value = sig(statistics.median(ratios))
+    deciles = statistics.quantiles(ratios, n=10) if len(ratios) > 1 else [ratios[0]] * 9
+    source = (f"{', '.join(what)} while another process decoded continuously on the same GPU (CUDA-graph steps, "
+              f"time-sliced, no MPS), over the same lengths alone: ratio median {value}, range "
+              f"{ratios[0]:.2f}-{ratios[-1]:.2f} (benchmarks/gpu_prefill_probe.py, {entry['where']})")
+    spread = {"gpu_share_ratio_p10": round(deciles[0], 4), "gpu_share_ratio_p90": round(deciles[-1], 4)}
+    return value, Provenance(status="measured", gpus=(gpu,), source=source), spread
 
 
 def fit_errors(profile: CalibrationProfile, archs: Mapping[str, Arch], spec: GpuSpec) -> list[Check]:

@@ -1,0 +1,154 @@
+"""GPU time-sharing (sims.gpu_share): instances on one GPU slow each other's device work; the simulator charges
+it through the cost model, and fleets with a GPU per instance run exactly as before."""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import pytest
+
+from scheduler import InstanceSpec, Request
+from scheduler.costs import GpuShares
+from scheduler.fleet import ARCHS, Arch
+from sims.costmodel import RooflineCostModel
+from sims.gpu_share import GpuTimeSharing, gpu_peers, share
+from sims.profiles import load_profile
+from sims.profiles.calibrated import with_gpu_share
+from tests.factories import LinearCosts, make_instances, make_models, make_sim
+
+ROOT = Path(__file__).resolve().parents[2]
+S = 1.774  # the H200 probe's median
+PAIR = {"p": ("d",), "d": ("p",)}
+
+
+def test_share_is_processor_sharing_of_what_two_together_deliver() -> None:
+    assert share(1, S) == 1.0
+    assert share(2, S) == pytest.approx(1 / S)  # beside one busy peer: the measured slowdown
+    assert share(3, S) == pytest.approx(2 / (3 * S))
+    assert share(2, 2.0) == 0.5  # slowdown 2: the GPU split without gain or loss
+
+
+def test_work_alone_takes_its_time_alone() -> None:
+    gpus = GpuTimeSharing(PAIR, S)
+    assert gpus.work_end_at("p", 1.0, 0.25, 1.0) == 1.25
+    assert gpus.work_end_at("d", 2.0, 0.5, 2.0) == 2.5  # p's work is over by then
+    assert gpus.work_end_at("own", 0.0, 0.5, 0.0) == 0.5  # an instance with a GPU of its own
+    with pytest.raises(ValueError, match="slowdown"):
+        GpuTimeSharing(PAIR, 0.5)
+
+
+def test_a_prefill_beside_a_decode_turn_takes_the_measured_slowdown_and_the_turn_owes_its_share() -> None:
+    gpus = GpuTimeSharing(PAIR, S)
+    assert gpus.work_end_at("d", 0.0, 10.0, 0.0) == 10.0  # a long decode turn, booked first: its end stays
+    assert gpus.work_end_at("p", 1.0, 0.1, 1.0) == pytest.approx(1.0 + 0.1 * S)
+    # processor sharing would have run the turn (S - 1) * 0.1 s longer: its next turn, straight after, does that first
+    assert gpus.work_end_at("d", 10.0, 1.0, 10.0) == pytest.approx(11.0 + 0.1 * (S - 1))
+
+
+def test_owed_work_runs_on_in_an_idle_gap() -> None:
+    gpus = GpuTimeSharing(PAIR, 2.0)
+    gpus.work_end_at("d", 0.0, 1.0, 0.0)
+    gpus.work_end_at("p", 0.0, 0.5, 0.0)  # half rate over [0, 1]: all of it; d owes 0.5
+    assert gpus.work_end_at("d", 1.2, 1.0, 1.2) == pytest.approx(2.5)  # 0.3 of it left after 0.2 s idle
+    gpus.work_end_at("p", 3.0, 0.5, 3.0)  # alone: no one owes
+    assert gpus.work_end_at("d", 5.0, 1.0, 5.0) == pytest.approx(6.0)
+
+
+def test_work_overlapping_part_of_a_peer_runs_at_full_rate_outside_it() -> None:
+    gpus = GpuTimeSharing(PAIR, 2.0)
+    gpus.work_end_at("d", 1.0, 1.0, 0.0)  # booked ahead: [1, 2]
+    # 0.5 alone in [0.5, 1], then half rate in [1, 2] (0.5 more), then the last 0.5 alone
+    assert gpus.work_end_at("p", 0.5, 1.5, 0.0) == pytest.approx(2.5)
+
+
+def test_three_instances_each_get_a_third_of_what_the_gpu_delivers() -> None:
+    gpus = GpuTimeSharing({"a": ("b", "c"), "b": ("a", "c"), "c": ("a", "b")}, S)
+    gpus.work_end_at("a", 0.0, 10.0, 0.0)
+    gpus.work_end_at("b", 0.0, 10.0, 0.0)
+    assert gpus.work_end_at("c", 0.0, 0.1, 0.0) == pytest.approx(0.1 * 3 * S / 2)
+
+
+def test_a_cut_gives_back_the_owed_work_it_did_not_run() -> None:
+    gpus = GpuTimeSharing(PAIR, 2.0)
+    gpus.work_end_at("d", 0.0, 1.0, 0.0)
+    gpus.work_end_at("p", 0.0, 0.4, 0.0)  # d owes 0.4
+    assert gpus.work_end_at("d", 1.0, 1.6, 1.0) == pytest.approx(3.0)  # pays it: 2 s for 1.6 s of work
+    gpus.cut("d", 2.0)  # a Stop half way: half of what it paid is owed again
+    assert gpus.work_end_at("d", 2.0, 1.0, 2.0) == pytest.approx(3.2)
+
+
+def test_peers_are_the_instances_placed_on_a_common_gpu() -> None:
+    specs = [InstanceSpec("p", 1, 1.0, "prefill"), InstanceSpec("d", 1, 1.0, "decode"), InstanceSpec("t", 2, 1.0),
+             InstanceSpec("u", 1, 1.0)]
+    assert gpu_peers(specs) == {}  # consecutive GPUs: each its own
+    assert gpu_peers(specs, {"p": 0, "d": 0}) == {"p": ("d",), "d": ("p",)}
+    tp = [specs[0], specs[2], specs[3]]
+    assert gpu_peers(tp, {"t": 0, "u": 1}) == {"p": ("t",), "t": ("p", "u"), "u": ("t",)}  # t spans GPUs 0 and 1
+
+
+def test_roofline_shares_gpus_only_where_placed_together_and_the_profile_measured_it() -> None:
+    models = {"m": (Arch.model_validate(ARCHS["qwen2.5-7b"]), 1)}
+    specs = [InstanceSpec("p", 1, 1.0, "prefill"), InstanceSpec("d", 1, 1.0, "decode")]
+    together = {"p": 0, "d": 0}
+    assert RooflineCostModel.for_models(models, "h200").gpu_shares(specs, together) is None  # not measured
+    measured = load_profile(ROOT / "benchmarks/results/h200-calibrated.json")
+    costs = RooflineCostModel.for_models(models, "h200", measured)
+    assert costs.gpu_shares(specs) is None  # a GPU each
+    gpus = costs.gpu_shares(specs, together)
+    assert isinstance(gpus, GpuTimeSharing) and gpus.slowdown == measured.terms.gpu_share_slowdown
+    assert costs.prefill_host_s("m") == measured.terms.prefill_host_s
+
+
+def test_the_h200_term_is_the_probes_median_with_its_provenance() -> None:
+    probe = json.loads((ROOT / "benchmarks/results/h200-prefill-probe.json").read_text())
+    profile = load_profile(ROOT / "benchmarks/results/h200-calibrated.json")
+    assert profile.terms.gpu_share_slowdown == pytest.approx(1.774)
+    entry = profile.provenance["gpu_share_slowdown"]
+    assert entry.status == "measured" and entry.gpus == ("h200",) and "gpu_prefill_probe.py" in entry.source
+    assert profile.status("gpu_share_slowdown", "h20") == "estimated"  # elsewhere an extrapolation
+    assert load_profile("default").provenance["gpu_share_slowdown"].status == "estimated"
+    refit = with_gpu_share(profile, probe, "here")  # the same series fit the same number
+    assert refit.terms.gpu_share_slowdown == profile.terms.gpu_share_slowdown
+    assert refit.calibration is not None and refit.calibration.figures["gpu_share_ratio_p10"] < 1.774
+
+
+class _SharedGpuCosts(LinearCosts):
+    """LinearCosts whose instances time-slice a GPU where placed on one."""
+
+    def gpu_shares(self, instances: Sequence[InstanceSpec], gpu_of: Mapping[str, int] | None = None) -> GpuShares | None:
+        peers = gpu_peers(instances, gpu_of)
+        return GpuTimeSharing(peers, S) if peers else None
+
+
+def _prefill_decode(gpu_of: dict[str, int] | None) -> tuple[float, float, str]:
+    """A prefill and a decode instance serving a burst: mean TTFT, mean finish time and the Plan log."""
+    models = make_models(1)
+    instances = make_instances(2, roles=["prefill", "decode"])
+    requests = [Request(f"r{k}", "m0", 0.4 * k, 2000, 60) for k in range(12)]
+    costs = _SharedGpuCosts(step_s=0.01, prefill_per_token_s=2e-5, switch_s=0.01)
+    log = io.StringIO()
+    sim, _ = make_sim("token-level", models, instances, requests, costs=costs, plan_log=log)
+    sim.gpus = costs.gpu_shares(instances, gpu_of)
+    sim.run()
+    records = sim.records.values()
+    assert all(r.generated == r.output_tokens for r in records)
+    first = [r.first_token_at - r.arrival_at for r in records if r.first_token_at is not None]
+    ends = [r.finished_at for r in records if r.finished_at is not None]
+    assert len(first) == len(ends) == len(records)
+    return sum(first) / len(first), sum(ends) / len(ends), log.getvalue()
+
+
+def test_two_instances_on_one_gpu_take_longer_than_on_two() -> None:
+    apart_ttft, apart_end, apart_log = _prefill_decode(None)
+    together_ttft, together_end, _ = _prefill_decode({"i0": 0, "i1": 0})
+    assert 1.2 * apart_ttft < together_ttft <= S * apart_ttft  # the prefills beside decode turns take up to S times
+    assert together_end > apart_end
+    models, instances = make_models(1), make_instances(2, roles=["prefill", "decode"])
+    log = io.StringIO()  # a GPU each: the same Plans as a simulator that knows nothing of sharing
+    sim, _ = make_sim("token-level", models, instances, [Request(f"r{k}", "m0", 0.4 * k, 2000, 60) for k in range(12)],
+                      costs=_SharedGpuCosts(step_s=0.01, prefill_per_token_s=2e-5, switch_s=0.01), plan_log=log)
+    sim.run()
+    assert log.getvalue() == apart_log
