@@ -57,7 +57,7 @@ log = logging.getLogger("modelpool.pool")
 
 BACKENDS = ("ray", "processes", "threads", "inprocess")
 TICK_FALLBACK_S = 0.05  # schedule() at least this often with nothing new (call timeouts, time-based decisions)
-STATUS_INTERVAL_S = 0.1  # /pool/status is refreshed this often while the pool is busy
+STATUS_INTERVAL_S = 0.01  # /pool/status is refreshed this often while the pool is busy
 
 
 class PoolClosed(RuntimeError):
