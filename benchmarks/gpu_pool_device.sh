@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the lent GPU box (no Ray, no pydantic/fastapi/uvicorn: carried as wheels in .whl):
 #   bash benchmarks/gpu_pool_device.sh STAGE...    stages: tests, light, heavy, calibrate, RATE=<r>, BACKENDS=<a,b>
-# Results go to $OUT (gpu_pool-<stage>.tgz and the logs' tails).
+# Results go to $OUT (gpu_pool-<stage>.tgz and the logs' tails). The calibrate stage also needs typer, rich,
+# click, shellingham, markdown-it-py, mdurl and pygments as wheels (download them into .whl as for the others).
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site || exit 1
