@@ -128,8 +128,7 @@ def demo_deployment(engine: str, num_gpus: int, num_instances: int | None, kv_mi
         spec = EngineSpec("torch", {"dtype": "float32", "kv_bytes": kv})
         costs = CpuCosts({m.name: m.profile for m in models})
     instances = slot_instances(count, models, kv)
-    devices = {i.instance_id: f"cuda:{k % num_gpus}" for k, i in enumerate(instances)} if on_gpu else {}
-    share = 1.0 / -(-count // num_gpus) if on_gpu else 1.0
+    _, devices, share = gpu_layout(num_gpus, count, "demo") if on_gpu else (count, {}, 1.0)
     return _finish(Deployment(models, instances, costs, spec, "ray", "cuda" if on_gpu else "cpu", notes,
                               devices=devices, gpu_share=share), engine)
 

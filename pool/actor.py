@@ -64,7 +64,7 @@ class InstanceActor:
 
 def start_actors(instances: Mapping[str, int], spec: EngineSpec, models: Mapping[str, str], *,
                  use_gpus: bool, threads: int = 1, timeout_s: float | None = None, gpu_share: float = 1.0,
-                 max_tokens: Mapping[str, int | None] | None = None) -> dict[str, Any]:
+                 max_tokens: int | None = None) -> dict[str, Any]:
     """One actor per instance id (value: its GPU count); returns once every engine has loaded its models.
 
     Past `timeout_s` (None: no limit) the actors started are killed and
@@ -96,8 +96,7 @@ def start_actors(instances: Mapping[str, int], spec: EngineSpec, models: Mapping
                 ray.get(group.ready())
                 options["num_gpus"] = 1  # the actor's own bundle; the engine's workers take the rest
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
-        actors[instance_id] = remote.options(**options).remote(instance_id, spec, dict(models), threads,
-                                                                (max_tokens or {}).get(instance_id))
+        actors[instance_id] = remote.options(**options).remote(instance_id, spec, dict(models), threads, max_tokens)
     try:
         ray.get([actor.ready.remote() for actor in actors.values()], timeout=timeout_s)  # type: ignore[attr-defined]
     except ray.exceptions.GetTimeoutError:

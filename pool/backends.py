@@ -168,15 +168,9 @@ class ThreadBackend:
         return handle
 
     def poll(self, timeout_s: float) -> list[tuple[int, Any]]:
-        out = []
-        try:
-            out.append(self._done.get(timeout=timeout_s) if timeout_s > 0 and self.in_flight else self._done.get_nowait())
-            while True:
-                out.append(self._done.get_nowait())
-        except queue.Empty:
-            pass
+        out = take_done(self._done, timeout_s if self.in_flight else 0.0)
         self.in_flight -= len(out)
-        return sorted(out, key=lambda pair: pair[0])
+        return out
 
     def replace(self, instance_id: str, engine: Engine) -> None:
         """A fresh engine (and worker) for a lost instance; the old worker ends after its current call."""
@@ -199,6 +193,18 @@ class ThreadBackend:
     def close(self) -> None:
         for work in self._work.values():
             work.put(None)
+
+
+def take_done(done: queue.SimpleQueue[tuple[int, Any]], timeout_s: float) -> list[tuple[int, Any]]:
+    """Every (handle, result) waiting in `done`, oldest call first; waits up to `timeout_s` (> 0) for the first."""
+    out = []
+    try:
+        out.append(done.get(timeout=timeout_s) if timeout_s > 0 else done.get_nowait())
+        while True:
+            out.append(done.get_nowait())
+    except queue.Empty:
+        pass
+    return sorted(out, key=lambda pair: pair[0])
 
 
 def _dead(instance_id: str) -> InstanceDied:

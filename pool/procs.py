@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from pool.actor import EngineSpec
+from pool.backends import take_done
 from pool.controller import InstanceDied
 from pool.engines.base import EngineError
 
@@ -155,11 +156,11 @@ class _Worker:
 
 
 def start_workers(instances: Mapping[str, str], spec: EngineSpec, models: Mapping[str, str], *,
-                  max_tokens: Mapping[str, int | None] | None = None, threads: int = 1,
+                  max_tokens: int | None = None, threads: int = 1,
                   timeout_s: float | None = None) -> dict[str, _Worker]:
     """One process per instance id (value: its torch device, e.g. 'cuda:0'); returns once every engine has
-    loaded its models and captured its decode graphs (for requests up to `max_tokens[instance]` tokens; 0:
-    none). A worker that fails to start stops them all (RuntimeError)."""
+    loaded its models and captured its decode graphs (for requests up to `max_tokens` tokens). A worker that
+    fails to start stops them all (RuntimeError)."""
     ctx = mp.get_context("spawn")  # CUDA cannot be forked
     workers: dict[str, _Worker] = {}
     for instance_id, device in instances.items():
@@ -169,7 +170,7 @@ def start_workers(instances: Mapping[str, str], spec: EngineSpec, models: Mappin
         parent, child = ctx.Pipe()
         process = ctx.Process(target=_worker_main, name=f"modelpool-{instance_id}", daemon=True,
                               args=(child, instance_id, EngineSpec(spec.kind, options), dict(models),
-                                    (max_tokens or {}).get(instance_id), threads))
+                                    max_tokens, threads))
         process.start()
         child.close()
         workers[instance_id] = _Worker(instance_id, process, parent)
@@ -260,15 +261,9 @@ class ProcessBackend:
         return handle
 
     def poll(self, timeout_s: float) -> list[tuple[int, Any]]:
-        out = []
-        try:
-            out.append(self._done.get(timeout=timeout_s) if timeout_s > 0 and self.in_flight else self._done.get_nowait())
-            while True:
-                out.append(self._done.get_nowait())
-        except queue.Empty:
-            pass
+        out = take_done(self._done, timeout_s if self.in_flight else 0.0)
         self.in_flight -= len(out)
-        return sorted(out, key=lambda pair: pair[0])
+        return out
 
     def replace(self, instance_id: str, worker: _Worker) -> None:
         """A fresh process for a lost instance (the old one was stopped by `retire` first)."""

@@ -118,7 +118,8 @@ class LivePool:
         self.call_timeout_s = call_timeout_s  # an engine call unanswered this long: its instance is hung (None: wait)
         self.devices = dict(devices or {})  # instance id -> torch device of its engine (default: the engine spec's)
         self.gpu_share = gpu_share  # of a GPU each Ray actor asks for (0.5: two instances on one GPU)
-        # decode graphs are captured ahead for requests up to the longest context served
+        # decode graphs are captured ahead for requests up to the longest context served (by every instance:
+        # prefill instances decode the first tokens before a hand-off)
         self.max_tokens = max((m.profile.max_context for m in models), default=None)
         self.clock = MonotonicClock()
         self.controller: Controller | None = None
@@ -170,11 +171,11 @@ class LivePool:
             self._use_gpus = float(ray.cluster_resources().get("GPU", 0)) > 0
             self._actors = start_actors({spec.instance_id: spec.tp for spec in self.instances}, self.engine,
                                         self._paths(), use_gpus=self._use_gpus, gpu_share=self.gpu_share,
-                                        max_tokens=self._graph_tokens(ids))
+                                        max_tokens=self.max_tokens)
             backend: Any = RayBackend(self._actors)
         elif self.backend_kind == "processes":
             backend = ProcessBackend(start_workers({iid: self.devices.get(iid, "") for iid in ids}, self.engine,
-                                                   self._paths(), max_tokens=self._graph_tokens(ids)))
+                                                   self._paths(), max_tokens=self.max_tokens))
         else:
             engines = {iid: self._new_engine(iid) for iid in ids}
             backend = InProcessBackend(engines) if self.backend_kind == "inprocess" else ThreadBackend(engines)
@@ -338,13 +339,8 @@ class LivePool:
             engine.load(name, Path(path))
         warm_up = getattr(engine, "warm_up", None)
         if warm_up is not None:
-            warm_up(self._graph_tokens([instance_id])[instance_id])
+            warm_up(self.max_tokens)
         return engine
-
-    def _graph_tokens(self, instance_ids: Sequence[str]) -> dict[str, int | None]:
-        """Per instance, the longest request its decode graphs must cover (prefill instances decode too: the
-        first tokens before a hand-off)."""
-        return {iid: self.max_tokens for iid in instance_ids}
 
     def _rebuild(self, instance_id: str) -> Any:
         """A fresh engine for `instance_id` (on a restart thread), built once the lost one has freed its
@@ -355,7 +351,7 @@ class LivePool:
                 log.warning("instance %s: the lost engine is still in a call; its memory is not free yet", instance_id)
             if self.backend_kind == "processes":
                 return start_workers({instance_id: self.devices.get(instance_id, "")}, self.engine, self._paths(),
-                                     max_tokens=self._graph_tokens([instance_id]),
+                                     max_tokens=self.max_tokens,
                                      timeout_s=self.restart_timeout_s)[instance_id]
             return self._new_engine(instance_id)
         import ray
@@ -365,7 +361,7 @@ class LivePool:
             ray.kill(old, no_restart=True)  # an engine error leaves it alive; its device slot is needed
         tp = next(spec.tp for spec in self.instances if spec.instance_id == instance_id)
         return start_actors({instance_id: tp}, self.engine, self._paths(), use_gpus=self._use_gpus,
-                            gpu_share=self.gpu_share, max_tokens=self._graph_tokens([instance_id]),
+                            gpu_share=self.gpu_share, max_tokens=self.max_tokens,
                             timeout_s=self.restart_timeout_s)[instance_id]
 
     def _restarts(self) -> Restarts:

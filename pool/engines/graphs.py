@@ -58,6 +58,9 @@ class GraphBuckets:
         return [(b, w) for w in dict.fromkeys(widths) for b in self.batch_sizes]
 
 
+NO_GRAPHS = {"graphs": 0, "graph_captures": 0, "graph_capture_s": 0.0, "graph_replays": 0, "graph_misses": 0}
+
+
 @dataclass(slots=True)
 class _Captured:
     graph: torch.cuda.CUDAGraph
@@ -126,6 +129,12 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self.pool):
             out[: inputs.batch].copy_(decoder.decode(static))
         return _Captured(graph, static, out[: inputs.batch])
+
+    def figures(self) -> dict[str, float]:
+        """What engine stats report (`NO_GRAPHS` where there are none)."""
+        return {"graphs": len(self._graphs), "graph_captures": self.num_captures,
+                "graph_capture_s": round(self.capture_s, 4), "graph_replays": self.num_replays,
+                "graph_misses": self.num_misses}
 
     def clear(self) -> None:
         self._graphs.clear()

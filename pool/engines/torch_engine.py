@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -24,7 +23,7 @@ import torch
 from pool.engines.base import EngineError, EngineStats, GenRequest, KvExport, Table, TokenOut
 from pool.engines.device import DeviceBuffer, Streams, held_device_bytes
 from pool.engines.forward import Decoder, DecodeInputs, SharedTensors
-from pool.engines.graphs import GraphBuckets
+from pool.engines.graphs import NO_GRAPHS, GraphBuckets
 from pool.engines.kv import KvShape, host_pool
 from pool.engines.kvstore import (KvStore, SeqKv, allocate_all, decode_inputs, free_host, prefill_inputs, read_host,
                                   write_tokens)
@@ -234,9 +233,8 @@ class TorchEngine:
     def warm_up(self, max_tokens: int | None = None) -> int:
         """Capture the decode graphs of every loaded model's shape in both device slots, for requests of
         up to `max_tokens` tokens (None: the widest table set), so that serving never captures; returns
-        how many were captured (0 on CPU or with graphs off; `max_tokens=0`: none, for an instance that
-        never decodes). Call it outside any other call of this engine."""
-        if self._graphs is None or not self.use_cuda_graphs or not self._models or max_tokens == 0:
+        how many were captured (0 on CPU or with graphs off). Call it outside any other call of this engine."""
+        if self._graphs is None or not self.use_cuda_graphs or not self._models:
             return 0
         slots = self._ensure_buffer()
         kv = self._kv_store()
@@ -259,12 +257,9 @@ class TorchEngine:
 
     def _dummy_inputs(self, model: _Model, batch: int, width: int, kv: KvStore) -> DecodeInputs:
         """Decode inputs of `batch` rows that read and write only the scratch block (for a capture)."""
-        from pool.engines.forward import _ROWS
-
         scratch = kv.scratch(model.kv_shape)
         rows = {"token_ids": [0] * batch, "positions": [0] * batch, "write_row": [scratch] * batch,
                 "write_offset": [0] * batch, "lengths": [1] * batch}
-        assert list(rows) == list(_ROWS)
         return DecodeInputs.pack(rows, [[scratch] * width] * batch, self.device)
 
     # ---- KV movement ---------------------------------------------------------------------------
@@ -314,7 +309,6 @@ class TorchEngine:
     def stats(self) -> EngineStats:
         self.timings.other()
         slots, kv, host = self._slots, self._kv, self._host_kv
-        graphs = self._graphs
         return EngineStats(
             device=str(self.device),
             device_buffer_bytes=self._buffer.nbytes if self._buffer else 0,
@@ -333,11 +327,7 @@ class TorchEngine:
             switch_s=self.switch_s,
             extra={"weight_bytes_h2d": self.weight_bytes_h2d, "device_slabs": kv.device.num_slabs if kv else 0,
                    "host_slabs": host.num_slabs, "resident_models": tuple(slots.holder) if slots else (),
-                   "graphs": len(graphs) if graphs is not None else 0,
-                   "graph_captures": graphs.num_captures if graphs is not None else 0,
-                   "graph_capture_s": round(graphs.capture_s, 4) if graphs is not None else 0.0,
-                   "graph_replays": graphs.num_replays if graphs is not None else 0,
-                   "graph_misses": graphs.num_misses if graphs is not None else 0,
+                   **(self._graphs.figures() if self._graphs is not None else NO_GRAPHS),
                    "held_device_bytes": held_device_bytes(self.device),
                    "timings": self.timings.summary()},
         )
