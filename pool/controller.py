@@ -149,7 +149,6 @@ class Controller:
             return
         self.lost.add(instance_id)
         self.runners[instance_id].reset()
-        sched_requests: Any = getattr(self.scheduler, "requests", {})
         ended: dict[str, str] = {}
         for rid in suspects:
             if rid in self.requests:
@@ -161,8 +160,8 @@ class Controller:
             if live.kv_home != instance_id:
                 continue
             live.kv_home = None  # resume from prompt + produced tokens
-            placed = getattr(sched_requests.get(live.request_id), "instance_id", instance_id)
-            if placed not in (None, instance_id):
+            placed = self.scheduler.request_view(live.request_id)
+            if placed is not None and placed.instance_id not in (None, instance_id):
                 ended[live.request_id] = f"its KV was on instance {instance_id}, which was lost ({reason})"
         self._report(InstanceLost(instance_id, reason))
         for request_id, why in ended.items():
@@ -191,13 +190,11 @@ class Controller:
         not a decode-only instance); lost instances in `coming_back` count as left."""
         if not self.lost:
             return []
-        sched: Any = self.scheduler
-        back = set(coming_back)
-        can_prefill = {sched.instances[iid].spec.tp for iid in self.runners
-                       if (iid not in self.lost or iid in back) and sched.instances[iid].spec.role != "decode"}
+        view, back = self.scheduler.view(), set(coming_back)
+        can_prefill = {inst.tp for iid, inst in view.instances.items()
+                       if iid in self.runners and (iid not in self.lost or iid in back) and inst.role != "decode"}
         stranded = [rid for rid, live in self.requests.items()
-                    if getattr(sched.requests.get(rid), "instance_id", None) is None
-                    and sched.models[live.model].tp not in can_prefill]
+                    if _placed_on(self.scheduler, rid) is None and view.model_tp[live.model] not in can_prefill]
         for request_id in stranded:
             model = self.requests[request_id].model
             self.fail(request_id, f"every instance that serves {model!r} was lost")
@@ -271,6 +268,12 @@ class Controller:
     def _deliver(self, live: LiveRequest, out: TokenOut) -> None:
         if live.sink is not None:
             live.sink(out)
+
+
+def _placed_on(scheduler: Scheduler, request_id: str) -> str | None:
+    """The instance the scheduler placed a request on (None: not placed, or not known to it)."""
+    request = scheduler.request_view(request_id)
+    return None if request is None else request.instance_id
 
 
 def _request_ids(args: tuple[Any, ...]) -> tuple[str, ...]:

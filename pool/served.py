@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from scheduler import InstanceSpec, ModelProfile
+from scheduler import InstanceSpec, ModelProfile, Scheduler
 from scheduler.fleet import Arch, arch_from_hf_config
 
 
@@ -60,7 +60,7 @@ class ModelInfo:
     vocab_size: int
 
 
-def model_infos(models: Mapping[str, ServedModel], scheduler: Any) -> list[ModelInfo]:
+def model_infos(models: Mapping[str, ServedModel], scheduler: Scheduler | None) -> list[ModelInfo]:
     """Every model with the longest request it can take: its context, cut to what `scheduler` (None: not
     started) gives one request in KV and to a sliding window."""
     return [ModelInfo(name, m.path, _max_model_len(m, scheduler), _vocab_size(m.path)) for name, m in models.items()]
@@ -88,13 +88,12 @@ def _vocab_size(path: Path) -> int:
     return int(_read_config(path).get("vocab_size") or 0)
 
 
-def _max_model_len(model: ServedModel, scheduler: Any) -> int:
+def _max_model_len(model: ServedModel, scheduler: Scheduler | None) -> int:
     """The context, cut to the KV one instance can give a request and to a sliding window (unsupported)."""
     profile = model.profile
     length = profile.max_context
-    room = getattr(scheduler, "kv_room", None)
-    if room is not None and profile.kv_bytes_per_token > 0:
-        length = min(length, int(room(model.name) // profile.kv_bytes_per_token))
+    if scheduler is not None and profile.kv_bytes_per_token > 0:
+        length = min(length, int(scheduler.kv_room(model.name) // profile.kv_bytes_per_token))
     cfg = _read_config(model.path)
     window = cfg.get("sliding_window")
     if cfg.get("model_type") in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):

@@ -509,27 +509,28 @@ class LivePool:
         self.engine_stats[instance_id] = {**dataclasses.asdict(result), "at": round(time.time(), 3)}  # type: ignore[arg-type]
 
     def _snapshot(self, controller: Controller) -> dict[str, Any]:
-        sched: Any = controller.scheduler
+        sched = controller.scheduler
+        view = sched.view()
         instances = {}
-        for iid, inst in sched.instances.items():
+        for iid, inst in view.instances.items():
             engine = self.engine_stats.get(iid, {})
-            instances[iid] = {"role": inst.spec.role, "tp": inst.spec.tp, "active_model": inst.active,
-                              "prefetched_model": inst.prefetched, "busy": bool(inst.inflight), "lost": inst.lost,
+            instances[iid] = {"role": inst.role, "tp": inst.tp, "active_model": inst.active_model,
+                              "prefetched_model": inst.prefetched_model, "busy": inst.busy, "lost": inst.lost,
                               "kv_used_bytes": inst.kv_used_bytes, "kv_capacity_bytes": inst.kv_capacity_bytes,
-                              "requests_on_device": len(inst.on_device),
+                              "requests_on_device": inst.num_requests_on_device,
                               "engine": {k: v for k, v in engine.items() if k != "extra"},
                               "engine_extra": engine.get("extra", {})}
-        kv_by_model: Counter[str] = Counter()
+        kv_by_model = dict.fromkeys(self.models, 0.0)
         for request_id, live in controller.requests.items():
-            request = sched.requests.get(request_id)
+            request = sched.request_view(request_id)
             if request is not None:
-                kv_by_model[live.model] += request.kv_reserved_bytes
+                kv_by_model[live.model] = kv_by_model.get(live.model, 0.0) + request.kv_reserved_bytes
         load = self.load()
         models = {name: {"queued": load[name][0], "running": load[name][1],
-                         "scheduler_queue": len(sched.queues.get(name, ())),
+                         "scheduler_queue": view.queued.get(name, 0),
                          "kv_reserved_bytes": kv_by_model[name]} for name in self.models}
         return {"policy": self.policy, "ready": self.ready, "instances": instances,
-                "queues": {m: len(q) for m, q in sched.queues.items()}, "models": models,
+                "queues": dict(view.queued), "models": models,
                 "requests_in_pool": len(controller.requests), "plans": controller.num_plans,
                 "tick_errors": self.num_tick_errors, "lost_instances": sorted(controller.lost),
                 "restarts": sum(self.restarts.num_restarts.values()),

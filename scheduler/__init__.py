@@ -1,7 +1,9 @@
 """modelpool's scheduler: pure policy that decides and never acts.
 
 `Scheduler.submit(request, now)`, `on_event(event, now)` and `schedule(now) ->
-Plan` are the whole contract; the simulator and the live pool drive the same
+Plan` are the whole contract, with read-only views of the state (`view()`,
+`request_view(id)`, `kv_room(model)`: frozen copies, scheduler.view) for those
+who show or reason about it; the simulator and the live pool drive the same
 objects, differing only in their clock and in the executor that carries a Plan
 out. This package does no I/O, reads no clock and imports only the standard
 library, pydantic and numpy.
@@ -21,9 +23,12 @@ from scheduler.plan import (Action, Cancelled, Decode, Event, InstanceAdded, Ins
 from scheduler.policies import POLICIES
 from scheduler.quotas import decode_quotas
 from scheduler.request import TERMINAL, Request, RequestStatus, transition
+from scheduler.view import InstanceView, RequestView, SchedulerView
 
 
 class Scheduler(Protocol):
+    """What a caller (the simulator, the live pool) may use of a scheduler: these members and nothing else."""
+
     @property
     def name(self) -> str: ...  # read-only: the policies declare it on the class
 
@@ -32,6 +37,18 @@ class Scheduler(Protocol):
     def on_event(self, event: Event, now: float) -> None: ...
 
     def schedule(self, now: float) -> Plan: ...
+
+    def view(self) -> SchedulerView:
+        """Instances (role, actions in flight, KV used), queues and each model's TP, as frozen copies."""
+        ...
+
+    def request_view(self, request_id: str) -> RequestView | None:
+        """One request (status, the instance it is placed on, its KV); None once it is unknown or forgotten."""
+        ...
+
+    def kv_room(self, model: str) -> float:
+        """The most device KV (bytes) any instance could ever give one request of `model`."""
+        ...
 
 
 def make_scheduler(policy: str, models: Mapping[str, ModelProfile], instances: Sequence[InstanceSpec],
@@ -46,7 +63,8 @@ def make_scheduler(policy: str, models: Mapping[str, ModelProfile], instances: S
 
 __all__ = [
     "Action", "Cancelled", "Clock", "CostModel", "Decode", "Event", "IllegalTransition", "InstanceAdded",
-    "InstanceLost", "InstanceSpec", "KvMoved", "ManualClock", "ModelProfile", "POLICIES", "Plan", "Prefetch",
-    "Prefill", "Request", "RequestStatus", "Scheduler", "StepDone", "Stop", "SwapIn", "SwapOut", "Switch",
-    "SwitchDone", "TERMINAL", "decode_quotas", "make_instances", "make_scheduler", "model_profiles", "transition",
+    "InstanceLost", "InstanceSpec", "InstanceView", "KvMoved", "ManualClock", "ModelProfile", "POLICIES", "Plan",
+    "Prefetch", "Prefill", "Request", "RequestStatus", "RequestView", "Scheduler", "SchedulerView", "StepDone",
+    "Stop", "SwapIn", "SwapOut", "Switch", "SwitchDone", "TERMINAL", "decode_quotas", "make_instances",
+    "make_scheduler", "model_profiles", "transition",
 ]

@@ -41,6 +41,7 @@ from scheduler.plan import (Action, Cancelled, Decode, Event, InstanceAdded, Ins
                             Stop, StepDone, SwapIn, SwapOut, Switch, SwitchDone)
 from scheduler.request import (CANCELLED, FAILED, FINISHED, PREFILLING, QUEUED, RUNNING, SWAPPED, TERMINAL, Request,
                                RequestStatus, transition)
+from scheduler.view import InstanceView, RequestView, SchedulerView
 
 S = RequestStatus
 _EVENTFUL: Final = frozenset({Switch, Prefill, Decode, SwapOut, SwapIn})  # actions the executor answers with an event
@@ -208,6 +209,21 @@ class PolicyBase:
             plan_actions[iid] = tuple(acts)
         failed, self._failed = tuple(self._failed), []
         return Plan(at=now, actions=plan_actions, failed=failed)
+
+    # ---- the read-only view (scheduler.view) -------------------------------------------
+    def view(self) -> SchedulerView:
+        instances = {iid: InstanceView(iid, inst.spec.role, inst.spec.tp, inst.active, inst.prefetched,
+                                       tuple(inst.inflight), inst.lost, inst.kv_used_bytes, inst.kv_capacity_bytes,
+                                       len(inst.on_device))
+                     for iid, inst in self.instances.items()}
+        return SchedulerView(self.name, instances, {model: len(queue) for model, queue in self.queues.items()},
+                             {name: model.tp for name, model in self.models.items()})
+
+    def request_view(self, request_id: str) -> RequestView | None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        return RequestView(req.request_id, req.model, req.status, req.instance_id, req.kv_reserved_bytes)
 
     # ---- hooks for subclasses ----------------------------------------------------------
     def _plan(self, now: float) -> dict[str, list[Action]]:
