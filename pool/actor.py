@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pool.engines.base import Engine
+from pool.placement import DEFAULT_TIMEOUT_S as DEFAULT_PLACEMENT_TIMEOUT_S
+from pool.placement import Placements, rank_bundle
 
 
 @dataclass(frozen=True)
@@ -64,43 +67,60 @@ class InstanceActor:
 
 def start_actors(instances: Mapping[str, int], spec: EngineSpec, models: Mapping[str, str], *,
                  use_gpus: bool, threads: int = 1, timeout_s: float | None = None, gpu_share: float = 1.0,
-                 max_tokens: int | None = None) -> dict[str, Any]:
-    """One actor per instance id (value: its GPU count); returns once every engine has loaded its models.
+                 max_tokens: int | None = None, placements: Placements | None = None,
+                 placement_timeout_s: float = DEFAULT_PLACEMENT_TIMEOUT_S) -> dict[str, Any]:
+    """One actor per instance id (value: its TP size); returns once every engine has loaded its models.
 
-    Past `timeout_s` (None: no limit) the actors started are killed and
-    `TimeoutError` is raised: a restart must not wait for ever on a cluster
-    that has no room left.
+    Past `timeout_s` (None: no limit) the actors started are killed, their
+    placement groups removed, and `TimeoutError` is raised: a restart must not
+    wait for ever on a cluster that has no room left.
 
-    An instance of several GPUs (tensor parallel) gets a placement group of
-    that many GPU bundles packed on one node, and its actor holds them all;
-    the engine then spreads the model over them (the vLLM engine does; the
-    torch engine runs one device per instance and refuses TP > 1). A one-GPU
-    instance asks for `gpu_share` of its GPU (0.5: two instances share one).
+    An instance of TP size t > 1 gets a placement group of t bundles packed on
+    one node (`pool.placement`), kept in `placements` (required then: the
+    pool removes the group when the instance stops or restarts, and a group
+    that cannot be placed within `placement_timeout_s` raises
+    `PlacementTimeout`). Its actor sits in bundle 0, and the actors it starts
+    (the engine's other ranks) are placed in the same group. The vLLM engine
+    spreads the model over the group's GPUs; the torch engine runs one device
+    per instance and refuses TP > 1. A one-GPU instance asks for `gpu_share`
+    of its GPU (0.5: two instances share one).
     """
     import ray
-    from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     if spec.kind == "torch" and any(tp > 1 for tp in instances.values()):
         raise ValueError("the torch engine runs one device per instance; serve tensor-parallel models with --engine vllm")
+    if placements is None and any(tp > 1 for tp in instances.values()):
+        raise ValueError("start_actors: tensor-parallel instances need `placements` to keep their placement groups")
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     remote = ray.remote(InstanceActor)
     actors = {}
-    for instance_id, num_gpus in instances.items():
-        options: dict[str, Any] = {"num_cpus": 1 if not use_gpus else 0.5, "max_restarts": 0,
-                                   "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(threads),
-                                                                "TOKENIZERS_PARALLELISM": "false"}}}
-        if use_gpus:
-            options["num_gpus"] = num_gpus if num_gpus > 1 else gpu_share
-            if num_gpus > 1:
-                group = placement_group([{"GPU": 1, "CPU": 0.5}] * num_gpus, strategy="STRICT_PACK")
-                ray.get(group.ready())
-                options["num_gpus"] = 1  # the actor's own bundle; the engine's workers take the rest
-                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
-        actors[instance_id] = remote.options(**options).remote(instance_id, spec, dict(models), threads, max_tokens)
     try:
-        ray.get([actor.ready.remote() for actor in actors.values()], timeout=timeout_s)  # type: ignore[attr-defined]
-    except ray.exceptions.GetTimeoutError:
+        for instance_id, tp in instances.items():
+            rank = rank_bundle(use_gpus)
+            options: dict[str, Any] = {"num_cpus": rank["CPU"], "max_restarts": 0,
+                                       "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(threads),
+                                                                    "TOKENIZERS_PARALLELISM": "false"}}}
+            if use_gpus:
+                options["num_gpus"] = gpu_share if tp == 1 else rank["GPU"]
+            if tp > 1:
+                assert placements is not None
+                wait_s = placement_timeout_s if deadline is None else min(placement_timeout_s,
+                                                                          max(0.0, deadline - time.monotonic()))
+                group = placements.reserve(instance_id, tp, use_gpus=use_gpus, timeout_s=wait_s)
+                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    group, placement_group_bundle_index=0, placement_group_capture_child_tasks=True)
+            actors[instance_id] = remote.options(**options).remote(instance_id, spec, dict(models), threads,
+                                                                   max_tokens)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ray.get([actor.ready.remote() for actor in actors.values()], timeout=left)  # type: ignore[attr-defined]
+    except BaseException as exc:
         for actor in actors.values():
             ray.kill(actor)  # type: ignore[arg-type]
-        raise TimeoutError(f"instances {sorted(actors)} did not start within {timeout_s} s") from None
+        for instance_id, tp in instances.items():
+            if tp > 1 and placements is not None:
+                placements.release(instance_id)
+        if isinstance(exc, ray.exceptions.GetTimeoutError):
+            raise TimeoutError(f"instances {sorted(actors)} did not start within {timeout_s} s") from None
+        raise
     return actors

@@ -39,6 +39,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from pool.actor import EngineSpec, make_engine, start_actors
+from pool.placement import DEFAULT_TIMEOUT_S as DEFAULT_PLACEMENT_TIMEOUT_S
+from pool.placement import Placements
 from pool.backends import InProcessBackend, RayBackend, ThreadBackend
 from pool.procs import ProcessBackend, start_workers
 from pool.clock import MonotonicClock
@@ -96,7 +98,7 @@ class LivePool:
                  max_requests: int | None = None, retry_after_s: float = 1.0, stats_interval_s: float = 0.5,
                  num_recent_switches: int = 32, max_restarts: int = 3, restart_timeout_s: float = 300.0,
                  call_timeout_s: float | None = 300.0, devices: Mapping[str, str] | None = None,
-                 gpu_share: float = 1.0) -> None:
+                 gpu_share: float = 1.0, placement_timeout_s: float = DEFAULT_PLACEMENT_TIMEOUT_S) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; choose {', '.join(BACKENDS)}")
         self.models = {m.name: m for m in models}
@@ -118,6 +120,7 @@ class LivePool:
         self.call_timeout_s = call_timeout_s  # an engine call unanswered this long: its instance is hung (None: wait)
         self.devices = dict(devices or {})  # instance id -> torch device of its engine (default: the engine spec's)
         self.gpu_share = gpu_share  # of a GPU each Ray actor asks for (0.5: two instances on one GPU)
+        self.placement_timeout_s = placement_timeout_s  # a TP instance's placement group not placed by then: error
         # decode graphs are captured ahead for requests up to the longest context served (by every instance:
         # prefill instances decode the first tokens before a hand-off)
         self.max_tokens = max((m.profile.max_context for m in models), default=None)
@@ -131,6 +134,7 @@ class LivePool:
         self._status: dict[str, Any] = {}
         self._actors: dict[str, Any] = {}
         self._use_gpus = False
+        self._placements = Placements()  # this run's TP placement groups (a new set per start())
         self.restarts = self._restarts()
         self.num_tick_errors = 0
         # admission and accounting (the lock guards these; sinks run outside it)
@@ -161,6 +165,7 @@ class LivePool:
         self._epoch += 1
         self._inbox, self._held, self._stats_calls, self.engine_stats = queue.SimpleQueue(), [], {}, {}
         self._stats_at = float("-inf")
+        self._placements = Placements()
         self.restarts = self._restarts()
         if self.backend_kind == "ray":
             import ray
@@ -171,7 +176,8 @@ class LivePool:
             self._use_gpus = float(ray.cluster_resources().get("GPU", 0)) > 0
             self._actors = start_actors({spec.instance_id: spec.tp for spec in self.instances}, self.engine,
                                         self._paths(), use_gpus=self._use_gpus, gpu_share=self.gpu_share,
-                                        max_tokens=self.max_tokens)
+                                        max_tokens=self.max_tokens, placements=self._placements,
+                                        placement_timeout_s=self.placement_timeout_s)
             backend: Any = RayBackend(self._actors)
         elif self.backend_kind == "processes":
             backend = ProcessBackend(start_workers({iid: self.devices.get(iid, "") for iid in ids}, self.engine,
@@ -208,6 +214,7 @@ class LivePool:
             import ray
 
             ray.kill(actor)
+        self._placements.close()  # the TP instances' groups (their actors are gone already)
         with self._lock:
             orphans = list(self._tracked.values())
             self._tracked.clear()
@@ -342,9 +349,10 @@ class LivePool:
             warm_up(self.max_tokens)
         return engine
 
-    def _rebuild(self, instance_id: str) -> Any:
+    def _rebuild(self, instance_id: str, placements: Placements) -> Any:
         """A fresh engine for `instance_id` (on a restart thread), built once the lost one has freed its
-        device memory: a new worker (thread or process) or actor, the old one stopped or killed first."""
+        device memory: a new worker (thread or process) or actor, the old one stopped or killed first (and a
+        TP instance's placement group replaced in `placements`, its run's)."""
         if self.backend_kind != "ray":
             retire = getattr(self._backend, "retire", None)
             if retire is not None and not retire(instance_id, timeout_s=min(60.0, self.restart_timeout_s)):
@@ -362,12 +370,13 @@ class LivePool:
         tp = next(spec.tp for spec in self.instances if spec.instance_id == instance_id)
         return start_actors({instance_id: tp}, self.engine, self._paths(), use_gpus=self._use_gpus,
                             gpu_share=self.gpu_share, max_tokens=self.max_tokens,
-                            timeout_s=self.restart_timeout_s)[instance_id]
+                            timeout_s=self.restart_timeout_s, placements=placements,
+                            placement_timeout_s=self.placement_timeout_s)[instance_id]
 
     def _restarts(self) -> Restarts:
-        epoch = self._epoch
-        return Restarts(self._rebuild, lambda iid, replacement: self._rebuilt(iid, replacement, epoch),
-                        self.max_restarts)
+        epoch, placements = self._epoch, self._placements
+        return Restarts(lambda iid: self._rebuild(iid, placements),
+                        lambda iid, replacement: self._rebuilt(iid, replacement, epoch), self.max_restarts)
 
     def _rebuilt(self, instance_id: str, replacement: Any, epoch: int) -> None:
         """A restart thread's outcome: to the loop of the run it was started for, or (stale) away."""
@@ -419,6 +428,8 @@ class LivePool:
                         changed |= controller.complete(handle, result)
                 if controller.lost:
                     self.restarts.watch(controller.lost)
+                    for instance_id in self.restarts.given_up & controller.lost:
+                        self._placements.release(instance_id)  # lost for good: its group's resources go back
                     changed |= bool(controller.fail_stranded(self.restarts.pending))
                 now = time.monotonic()
                 # as in the simulator, the scheduler is asked when something happened (an arrival, a cancel, an
