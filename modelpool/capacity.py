@@ -12,6 +12,7 @@ import json
 import os
 import shlex
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -144,6 +145,8 @@ def run_study(ctx: Any, config: Any, address: str | None, workers: int | None) -
             with RayWorkers(ctx, address, workers) as pool:
                 bar.update(task, description="searching")
                 result = study(ctx, config, pool, pool.run_pools, progress)
+            console.print(f"{sum(pool.nodes.values())} simulations ran as Ray tasks on {len(pool.nodes)} node(s): "
+                          + ", ".join(f"{node[:8]} {count}" for node, count in pool.nodes.most_common()))
         bar.update(task, description="done")
     return result
 
@@ -154,6 +157,7 @@ class RayWorkers:
     def __init__(self, ctx: Any, address: str | None, workers: int | None) -> None:
         self.ctx, self.address, self.workers = ctx, address, workers
         self.pending: dict[Any, Any] = {}
+        self.nodes: Counter[str] = Counter()  # Ray node id -> simulations it ran
 
     def __enter__(self) -> RayWorkers:
         import ray
@@ -170,8 +174,8 @@ class RayWorkers:
                          runtime_env=env, _node_ip_address="127.0.0.1")
         self.ray = ray
         self.ctx_ref = ray.put(self.ctx)
-        self._evaluate = ray.remote(num_cpus=1, max_retries=1)(evaluate)
-        self._run_pool = ray.remote(num_cpus=1, max_retries=1)(run_pool)
+        self._evaluate, self._run_pool = evaluate, run_pool
+        self._task = ray.remote(num_cpus=1, max_retries=1)(_on_node)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -179,16 +183,29 @@ class RayWorkers:
             self.ray.shutdown()
 
     def submit(self, point: Any) -> None:
-        self.pending[self._evaluate.remote(self.ctx_ref, point)] = point
+        self.pending[self._task.remote(self._evaluate, self.ctx_ref, point)] = point
 
     def wait(self) -> list[Any]:
         if not self.pending:
             return []
         ready, _ = self.ray.wait(list(self.pending), num_returns=1)
-        return [self.ray.get(ref) for ref in ready if self.pending.pop(ref, None) is not None]
+        return [self._counted(self.ray.get(ref)) for ref in ready if self.pending.pop(ref, None) is not None]
 
     def run_pools(self, jobs: Sequence[tuple[Any, ...]]) -> list[Any]:
-        return list(self.ray.get([self._run_pool.remote(self.ctx_ref, *job) for job in jobs]))
+        refs = [self._task.remote(self._run_pool, self.ctx_ref, *job) for job in jobs]
+        return [self._counted(answer) for answer in self.ray.get(refs)]
+
+    def _counted(self, answer: tuple[str, Any]) -> Any:
+        node, result = answer
+        self.nodes[node] += 1
+        return result
+
+
+def _on_node(fn: Callable[..., Any], *args: Any) -> tuple[str, Any]:
+    """A Ray task: `fn(*args)` and the id of the node that ran it (the CLI says how the work was spread)."""
+    import ray
+
+    return str(ray.get_runtime_context().get_node_id()), fn(*args)
 
 
 def write_report(result: Any, ctx: Any, out: Path, **meta: Any) -> list[Path]:

@@ -64,6 +64,12 @@ class InstanceActor:
     def ready(self) -> str:
         return self.instance_id
 
+    def node(self) -> str:
+        """The id of the Ray node this instance runs on (`ray.nodes()`' NodeID)."""
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id())
+
 
 def start_actors(instances: Mapping[str, int], spec: EngineSpec, models: Mapping[str, str], *,
                  use_gpus: bool, threads: int = 1, timeout_s: float | None = None, gpu_share: float = 1.0,

@@ -133,6 +133,7 @@ class LivePool:
         self._epoch = 0  # bumped by each start(): threads of an earlier run see they are stale
         self._status: dict[str, Any] = {}
         self._actors: dict[str, Any] = {}
+        self.nodes: dict[str, str] = {}  # instance id -> the Ray node its actor runs on (Ray backend)
         self._use_gpus = False
         self._placements = Placements()  # this run's TP placement groups (a new set per start())
         self.restarts = self._restarts()
@@ -178,6 +179,7 @@ class LivePool:
                                         self._paths(), use_gpus=self._use_gpus, gpu_share=self.gpu_share,
                                         max_tokens=self.max_tokens, placements=self._placements,
                                         placement_timeout_s=self.placement_timeout_s)
+            self.nodes = dict(zip(self._actors, ray.get([actor.node.remote() for actor in self._actors.values()])))
             backend: Any = RayBackend(self._actors)
         elif self.backend_kind == "processes":
             backend = ProcessBackend(start_workers({iid: self.devices.get(iid, "") for iid in ids}, self.engine,
@@ -368,10 +370,15 @@ class LivePool:
         if old is not None:
             ray.kill(old, no_restart=True)  # an engine error leaves it alive; its device slot is needed
         tp = next(spec.tp for spec in self.instances if spec.instance_id == instance_id)
-        return start_actors({instance_id: tp}, self.engine, self._paths(), use_gpus=self._use_gpus,
-                            gpu_share=self.gpu_share, max_tokens=self.max_tokens,
-                            timeout_s=self.restart_timeout_s, placements=placements,
-                            placement_timeout_s=self.placement_timeout_s)[instance_id]
+        actor = start_actors({instance_id: tp}, self.engine, self._paths(), use_gpus=self._use_gpus,
+                             gpu_share=self.gpu_share, max_tokens=self.max_tokens,
+                             timeout_s=self.restart_timeout_s, placements=placements,
+                             placement_timeout_s=self.placement_timeout_s)[instance_id]
+        try:
+            self.nodes[instance_id] = ray.get(actor.node.remote(), timeout=30)
+        except Exception:  # noqa: BLE001 - it answered ready() a moment ago; the loop finds out if it is gone
+            log.warning("instance %s: could not ask its actor for its node", instance_id, exc_info=True)
+        return actor
 
     def _restarts(self) -> Restarts:
         epoch, placements = self._epoch, self._placements
@@ -528,7 +535,7 @@ class LivePool:
             instances[iid] = {"role": inst.role, "tp": inst.tp, "active_model": inst.active_model,
                               "prefetched_model": inst.prefetched_model, "busy": inst.busy, "lost": inst.lost,
                               "kv_used_bytes": inst.kv_used_bytes, "kv_capacity_bytes": inst.kv_capacity_bytes,
-                              "requests_on_device": inst.num_requests_on_device,
+                              "requests_on_device": inst.num_requests_on_device, "node": self.nodes.get(iid),
                               "engine": {k: v for k, v in engine.items() if k != "extra"},
                               "engine_extra": engine.get("extra", {})}
         kv_by_model = dict.fromkeys(self.models, 0.0)
