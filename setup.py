@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent
 # The modules the event loop spends its time in. Exceptions live in uncompiled scheduler/errors.py and
 # sims/errors.py (mypyc cannot subclass builtin exceptions).
 MYPYC_MODULES = [
-    "scheduler/plan.py", "scheduler/request.py", "scheduler/quotas.py", "scheduler/costs.py",
+    "scheduler/plan.py", "scheduler/request.py", "scheduler/quotas.py", "scheduler/costs.py", "scheduler/instance.py",
     "scheduler/policies/base.py", "scheduler/policies/dedicated.py", "scheduler/policies/request_level.py",
     "scheduler/policies/spatial.py", "scheduler/policies/token_level.py",
     "sims/simulator.py", "sims/costmodel.py",

@@ -6,7 +6,7 @@ events (and streamed tokens) and issues the next. It never waits and never
 reads a clock, so the live controller (Ray calls) and the parity harness (a
 manual clock) drive the same code. Semantics match the simulator's executor:
 
-- Switch -> `activate` -> SwitchDone; Prefetch -> `prefetch`, not waited for.
+- Switch -> `activate(model, evict)` -> SwitchDone; Prefetch -> `prefetch`, not waited for.
 - Prefill -> `prefill` (+ `save_kv` when `kv_to_host`) -> StepDone(prefill).
 - Decode -> `decode_step` per step; the turn ends after `max_steps`, at the
   first finished request, or at the step boundary after a Stop -> StepDone.
@@ -117,7 +117,7 @@ class InstanceRunner:
         while self._actions:
             action = self._current = self._actions.popleft()
             if isinstance(action, Switch):
-                self._call("activate", action.model)
+                self._call("activate", action.model, action.evict)
             elif isinstance(action, Prefetch):
                 self._issue(self.instance_id, "prefetch", (action.model,), {"fire_and_forget": True})
                 self._current = None

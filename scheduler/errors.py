@@ -4,3 +4,8 @@ scheduler.request, and mypyc cannot compile subclasses of builtin exceptions, so
 
 class IllegalTransition(RuntimeError):
     """A status change the lifecycle does not allow: a scheduler bug, never user input."""
+
+
+class RefusedAction(ValueError):
+    """An action an instance cannot carry out in its state (scheduler.instance): a model not resident, a request
+    whose KV is elsewhere, weights that do not fit. The executor or engine turns it into its own error."""

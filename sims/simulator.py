@@ -35,6 +35,7 @@ from typing import IO, Final
 from scheduler import (Action, Decode, Event, InstanceLost, KvMoved, Plan, Prefetch, Prefill, Request, Scheduler,
                        StepDone, Stop, SwapIn, SwapOut, Switch, SwitchDone)
 from scheduler.costs import CopyLinks, CostModel, GpuShares
+from scheduler.instance import ModelSlots, kv_move_s, prefill_s
 from scheduler.policies.base import PolicyBase
 from sims.errors import InvariantViolation
 
@@ -119,10 +120,7 @@ class _Turn:
 
 @dataclass(slots=True)
 class _Device:
-    model: str | None = None
-    resident: set[str] = field(default_factory=set)
-    spare: str | None = None  # the model in the spare slot (prefetched, or switched away from) ...
-    spare_ready_at: float = 0.0  # ... and when its copy is done
+    slots: ModelSlots = field(default_factory=ModelSlots)  # resident models and the spare slot (scheduler.instance)
     free_at: float = 0.0
     kv: dict[str, float] = field(default_factory=dict)  # request -> device KV bytes
     turn: _Turn | None = None
@@ -362,38 +360,37 @@ class Simulator:
         dev.free_at = t
 
     def _switch(self, iid: str, dev: _Device, action: Switch, t: float) -> float:
-        took = self._switch_time(iid, dev, action.model, t)
-        if action.evict:
-            dev.resident = {action.model}
-        else:
-            dev.resident.add(action.model)
-        dev.model = action.model
+        """The instance model's switch (scheduler.instance): a resident model costs nothing, the spare what is
+        left of its copy, any other a whole copy (on the shared host link, when links are shared)."""
+        copy, took = dev.slots.switch(action.model, t, action.evict)
+        if copy:
+            took = self.costs.switch_s(action.model)
+            if self.links is not None:
+                took = self.links.copy_end_at(iid, True, t, took, self.now) - t
         dev.num_switches += 1
         dev.switch_s += took
         self._push(t + took, COMPLETION, SwitchDone(iid, action.model), dev)
         return t + took
 
     def _prefetch(self, iid: str, dev: _Device, action: Prefetch, t: float) -> float:
-        if dev.spare != action.model:  # else it is in the spare slot already
-            dev.spare = action.model
-            dev.spare_ready_at = self._copy_end(iid, True, t, self.costs.switch_s(action.model))
+        if dev.slots.prefetch(action.model, t):  # else resident or in the spare slot already
+            dev.slots.spare_ready_at = self._copy_end(iid, True, t, self.costs.switch_s(action.model))
         return t
 
     def _swap(self, iid: str, dev: _Device, action: SwapOut | SwapIn, t: float) -> float:
-        took = 0.0
         out = type(action) is SwapOut
         turn = dev.turn  # a Decode earlier in this same plan adds its tokens before the move happens
+        moves: list[tuple[str, int]] = []
         for rid in action.request_ids:
             record = self.records[rid]
             ahead = turn.max_steps if turn is not None and rid in turn.ids else 0
-            took += self.costs.kv_move_s(record.model, record.prompt_tokens + record.generated + ahead)
+            moves.append((record.model, record.prompt_tokens + record.generated + ahead))
             if out:
                 dev.kv_moved_bytes += dev.kv.pop(rid, 0.0)
             else:
                 dev.kv[rid] = self._kv_bytes(record)
                 dev.kv_moved_bytes += dev.kv[rid]
-        if action.request_ids:  # one move: the engine issues its copies together
-            took += self.costs.kv_move_overhead_s(self.records[action.request_ids[0]].model)
+        took = kv_move_s(self.costs, moves)  # one move: the engine issues its copies together
         self._check_kv(iid, dev)
         end = self._copy_end(iid, not out, t, took)
         self._push(end, COMPLETION, KvMoved(iid, action.request_ids, "host" if out else "device"), dev)
@@ -405,40 +402,24 @@ class Simulator:
             return t + alone_s
         return self.links.copy_end_at(iid, to_device, t, alone_s, self.now)
 
-    def _switch_time(self, iid: str, dev: _Device, model: str, t: float) -> float:
-        """Two model slots, as in the engine: a model in the spare slot (prefetched, or the one switched away
-        from last) only changes roles, once its copy is done; any other is copied into the spare slot. Either
-        way the model switched away from stays in the other slot, ready."""
-        if dev.spare == model:
-            took = max(0.0, dev.spare_ready_at - t)
-        else:
-            took = self.costs.switch_s(model)
-            if self.links is not None:
-                took = self.links.copy_end_at(iid, True, t, took, self.now) - t
-        dev.spare = None
-        if dev.model is not None and dev.model != model:
-            dev.spare, dev.spare_ready_at = dev.model, t
-        return took
-
     def _prefill(self, iid: str, dev: _Device, action: Prefill, t: float) -> float:
         records = [self.records[rid] for rid in action.request_ids]
-        took = 0.0
-        for model, group in _by_model(records).items():
-            if model not in dev.resident:
-                raise InvariantViolation(f"{iid}: prefill of {group[0].request_id} ({model}) while "
-                                         f"{sorted(dev.resident)} resident")
-            took += self.costs.prefill_s(model, sum(r.prompt_tokens + r.generated for r in group), len(group))
-        finished = []
-        move_s = 0.0  # kv_to_host: the KV of prompt and first token goes to host memory before the step is done
+        resident = dev.slots.resident
         for record in records:
+            if record.model not in resident:
+                raise InvariantViolation(f"{iid}: prefill of {record.request_id} ({record.model}) while "
+                                         f"{sorted(resident)} resident")
+        took = prefill_s(self.costs, [(r.model, r.prompt_tokens + r.generated) for r in records])
+        finished = []
+        moves: list[tuple[str, int]] = []  # kv_to_host: the KV of prompt and first token goes to host memory
+        for record in records:  # before the step is done
             if record.generated + 1 >= record.output_tokens:
                 finished.append(record.request_id)
             elif action.kv_to_host:
-                move_s += self.costs.kv_move_s(record.model, record.prompt_tokens + record.generated + 1)
+                moves.append((record.model, record.prompt_tokens + record.generated + 1))
             else:
                 dev.kv[record.request_id] = self._kv_bytes(record)
-        if move_s:
-            move_s += self.costs.kv_move_overhead_s(records[0].model)
+        move_s = kv_move_s(self.costs, moves)
         self._check_kv(iid, dev)
         if self.gpus is not None:  # the host's part after the GPU's does not share it
             host_s = sum(self.costs.prefill_host_s(model) for model in _by_model(records))
@@ -490,7 +471,7 @@ class Simulator:
 
     def _checked(self, iid: str, dev: _Device, ids: tuple[str, ...]) -> list[RequestRecord]:
         """The records of `ids`, after checking each one's model is resident and its KV on the device."""
-        table, kv, resident = self.records, dev.kv, dev.resident
+        table, kv, resident = self.records, dev.kv, dev.slots.resident
         records = []
         for rid in ids:
             record = table[rid]
@@ -510,9 +491,9 @@ class Simulator:
         chunks: dict[str, list[int]] = {}  # model -> [tokens, prompts]
         for rid, tokens in action.prefill_chunks:
             record = self.records[rid]
-            if record.model not in dev.resident:
+            if record.model not in dev.slots.resident:
                 raise InvariantViolation(f"{iid}: prefill chunk of {rid} ({record.model}) while "
-                                         f"{sorted(dev.resident)} resident")
+                                         f"{sorted(dev.slots.resident)} resident")
             left = dev.prompt_left.get(rid)
             if left is None:  # its first chunk: the KV of the whole request is placed now
                 left = record.prompt_tokens + record.generated

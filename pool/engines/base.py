@@ -130,11 +130,14 @@ class EngineStats:
     loaded_models: tuple[str, ...] = ()
     active_model: str | None = None
     prefetched_model: str | None = None  # device-resident in the spare slot
+    resident_models: tuple[str, ...] = ()  # the models compute may use: the active one and those co-located
     num_requests: int = 0
     bytes_h2d: int = 0
     bytes_d2h: int = 0
     num_switches: int = 0
     switch_s: float = 0.0  # total seconds spent in activate()
+    num_weight_copies: int = 0  # models' weights copied onto the device (a switch to a model neither resident nor
+    # in the spare slot, or a prefetch); a switch to the spare or a resident model copies nothing
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -149,22 +152,27 @@ class Engine(Protocol):
 
     def tokenizer(self, model: str) -> Any: ...
 
-    def activate(self, model: str) -> float:
-        """Make `model` the device-resident current model; return the seconds it took."""
+    def activate(self, model: str, evict: bool = True) -> float:
+        """Make `model` the active model; return the seconds it took. With `evict` it becomes the only
+        resident model (the one it replaces waits in the spare slot); without, it joins the resident ones
+        (co-location, within the device's model memory: EngineError when it does not fit). The rule is
+        `scheduler.instance.ModelSlots`, the simulator's."""
         ...
 
     def prefetch(self, model: str) -> None:
-        """Start copying `model`'s weights to the device without blocking compute."""
+        """Start copying `model`'s weights into the spare slot without blocking compute."""
         ...
 
     def deactivate(self, model: str) -> None: ...
 
     def prefill(self, requests: Sequence[GenRequest]) -> list[TokenOut]:
-        """Admit the requests, run prompt + already-produced tokens, return each one's next token."""
+        """Admit the requests (of resident models), run prompt + already-produced tokens, return each one's
+        next token, in request order."""
         ...
 
     def decode_step(self, request_ids: Sequence[str]) -> list[TokenOut]:
-        """One token for each request (all of the active model, KV on the device)."""
+        """One token for each request (of resident models, KV on the device), in request order; each
+        model's batch is one forward pass."""
         ...
 
     def save_kv(self, request_ids: Sequence[str]) -> None:

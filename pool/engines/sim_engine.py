@@ -5,7 +5,8 @@ every call sleeps for what the cost model predicts (prefill, decode step,
 switch, KV move; scaled by `time_scale`, 0 = no sleeping) and produces
 tokens whose text is visibly fake - the first token of every request is
 `[sim]`, the rest cycle through `PLACEHOLDER_WORDS`. It keeps the same
-bookkeeping as a real engine (active and prefetched model, each request's KV
+bookkeeping as a real engine (its models' slots by the instance model of
+`scheduler.instance`, as the simulator's executor keeps them; each request's KV
 on the device or in host memory, bytes moved), so the controller and the
 scheduler cannot tell the difference; no KV bytes exist, an export carries
 only token counts. It is never chosen unless asked for.
@@ -23,6 +24,8 @@ from typing import Any
 
 from pool.engines.base import (EngineError, EngineStats, FinishReason, GenRequest, KvExport, OutOfKvMemory,
                                Table, TokenOut)
+from scheduler.errors import RefusedAction
+from scheduler.instance import ModelSlots, decode_turn_s, kv_move_s, prefill_s
 
 SIM_LABEL = "[sim]"
 PLACEHOLDER_WORDS = ("lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit")
@@ -63,9 +66,8 @@ class SimEngine:
         self._kv_per_token = dict(kv_bytes_per_token or {})
         self._models: Table[_SimModel] = Table.of_models()
         self._seqs: Table[_SimSeq] = Table.of_requests()
-        self.active: str | None = None
-        self.prefetched: str | None = None
-        self.num_switches = 0
+        self.slots = ModelSlots()  # spare_ready_at in time.monotonic() seconds
+        self.num_switches = self.num_weight_copies = 0
         self.switch_s = 0.0
         self.bytes_h2d = self.bytes_d2h = 0
 
@@ -89,27 +91,36 @@ class SimEngine:
             entry.tokenizer = load_tokenizer_or_placeholder(entry.path)
         return entry.tokenizer
 
-    def activate(self, model: str) -> float:
+    @property
+    def active(self) -> str | None:
+        return self.slots.active
+
+    def activate(self, model: str, evict: bool = True) -> float:
+        """Make `model` active (`evict=False`: resident beside the others); returns the (cost-model) seconds."""
         self._models.require(model)
-        if self.active == model:
+        if self.slots.active == model and (not evict or self.slots.resident == {model}):
             return 0.0
-        seconds = 0.0 if self.prefetched == model else self.costs.switch_s(model)
-        self._sleep(seconds)
-        if self.prefetched == model:
-            self.prefetched = None
-        self.active = model
+        copy, wait_s = self.slots.switch(model, time.monotonic(), evict)
+        if copy:
+            seconds = self.costs.switch_s(model)
+            self._sleep(seconds)
+            self.num_weight_copies += 1
+        else:  # resident, or in the spare slot: what is left of the prefetch's copy
+            if wait_s > 0:
+                time.sleep(wait_s)
+            seconds = wait_s / self.time_scale if self.time_scale else 0.0
         self.num_switches += 1
         self.switch_s += seconds
         return seconds
 
     def prefetch(self, model: str) -> None:
+        """The copy lands "in the background", `switch_s` (scaled) from now."""
         self._models.require(model)
-        if model != self.active:
-            self.prefetched = model  # lands "in the background": activate() is then free
+        if self.slots.prefetch(model, time.monotonic() + self.costs.switch_s(model) * self.time_scale):
+            self.num_weight_copies += 1
 
     def deactivate(self, model: str) -> None:
-        if self.active == model:
-            self.active = None
+        self.slots.deactivate(model)
 
     # ---- generation ------------------------------------------------------------------------
     def prefill(self, requests: Sequence[GenRequest]) -> list[TokenOut]:
@@ -120,8 +131,7 @@ class SimEngine:
             raise EngineError(f"duplicate request ids in prefill: {ids}")
         seqs = [self._admit(r) for r in requests]
         self._need_device_kv(sum(self._kv_of(s, extra=1) for s in seqs))
-        tokens = sum(s.num_tokens for s in seqs)
-        self._sleep(self.costs.prefill_s(seqs[0].request.model, tokens, len(seqs)))
+        self._sleep(prefill_s(self.costs, [(s.request.model, s.num_tokens) for s in seqs]))
         self._seqs.update((s.request.request_id, s) for s in seqs)
         return [self._emit(s) for s in seqs]
 
@@ -132,8 +142,7 @@ class SimEngine:
         if not seqs:
             return []
         self._need_device_kv(sum(self._per_token(s) for s in seqs))
-        context = sum(s.num_tokens for s in seqs)
-        self._sleep(self.costs.decode_step_s(seqs[0].request.model, len(seqs), context))
+        self._sleep(decode_turn_s(self.costs, [(s.request.model, s.num_tokens) for s in seqs]))
         return [self._emit(s) for s in seqs]
 
     # ---- KV movement -----------------------------------------------------------------------
@@ -183,9 +192,12 @@ class SimEngine:
         host = sum(self._kv_of(s) for s in self._seqs.values() if not s.on_device)
         return EngineStats(device="sim", kv_device_bytes=self.kv_bytes, kv_device_used_bytes=device,
                            kv_host_bytes=host, kv_host_used_bytes=host, loaded_models=tuple(self._models),
-                           active_model=self.active, prefetched_model=self.prefetched, num_requests=len(self._seqs),
-                           bytes_h2d=self.bytes_h2d, bytes_d2h=self.bytes_d2h, num_switches=self.num_switches,
-                           switch_s=self.switch_s, extra={"engine": "sim", "time_scale": self.time_scale})
+                           active_model=self.slots.active, prefetched_model=self.slots.spare,
+                           num_requests=len(self._seqs), bytes_h2d=self.bytes_h2d, bytes_d2h=self.bytes_d2h,
+                           num_switches=self.num_switches, switch_s=self.switch_s,
+                           num_weight_copies=self.num_weight_copies,
+                           resident_models=tuple(sorted(self.slots.resident)),
+                           extra={"engine": "sim", "time_scale": self.time_scale})
 
     # ---- internals ---------------------------------------------------------------------------
     def _sleep(self, seconds: float) -> None:
@@ -203,11 +215,16 @@ class SimEngine:
         if used + more > self.kv_bytes:
             raise OutOfKvMemory(f"sim engine: {used + more} bytes of device KV needed, {self.kv_bytes} exist")
 
+    def _resident(self, model: str, what: str) -> None:
+        try:
+            self.slots.require_resident(model, what)
+        except RefusedAction as err:
+            raise EngineError(str(err)) from None
+
     def _admit(self, request: GenRequest) -> _SimSeq:
         rid = request.request_id
         self._models.require(request.model)
-        if request.model != self.active:
-            raise EngineError(f"request {rid}: model {request.model!r} is not active (active: {self.active!r})")
+        self._resident(request.model, f"request {rid}")
         if rid in self._seqs:
             raise EngineError(f"request {rid!r} is already in the engine")
         if not request.prompt_token_ids:
@@ -220,9 +237,7 @@ class SimEngine:
 
     def _runnable(self, request_id: str) -> _SimSeq:
         seq = self._seqs.require(request_id)
-        if seq.request.model != self.active:
-            raise EngineError(f"request {request_id}: model {seq.request.model!r} is not active "
-                              f"(active: {self.active!r})")
+        self._resident(seq.request.model, f"request {request_id}")
         if not seq.on_device:
             raise EngineError(f"request {request_id}: KV is in host memory; restore_kv first")
         return seq
@@ -233,8 +248,8 @@ class SimEngine:
         if to_device:
             self._need_device_kv(sum(self._kv_of(s) for s in moving))
         nbytes = sum(self._kv_of(s) for s in moving)
+        self._sleep(kv_move_s(self.costs, [(s.request.model, s.num_tokens) for s in moving]))  # one move
         for seq in moving:
-            self._sleep(self.costs.kv_move_s(seq.request.model, seq.num_tokens))
             seq.on_device = to_device
         if to_device:
             self.bytes_h2d += nbytes

@@ -1,114 +1,165 @@
-"""Which model's weights sit in which of the two device model slots.
+"""Where each model's weights sit in the engine's device model region, by the instance model.
 
-One slot holds the current model; the other holds a prefetched model (or the
-previously current one, kept as a free cache hit). Activating a model that is
-already in a slot only changes roles; otherwise its host image is copied into
-a slot in one piece. Copies run on the weight stream after the compute queued
-so far (the slot may still be read by it); compute waits on the copy's event.
+Which models are resident (usable by compute), which one is active and which
+one waits in the spare slot is decided by `scheduler.instance.ModelSlots`, the
+rule the simulator's executor and every engine share: a switch to a resident
+model or to the spare only changes roles, any other copies its host image in
+one piece; `evict=False` keeps the models already resident beside it (spatial
+co-location), within the region's bytes. This module places those copies in
+the region: a copy goes flush against the region's start or end when the free
+gap there holds it (so with two models held, as switching keeps it, the free
+bytes stay one gap and each model has two places, for which CUDA graphs are
+captured), else into the first gap that holds it. Copies run on the weight
+stream after the compute queued so far (the old bytes may still be read);
+compute waits on the copy's event.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from pool.engines.base import EngineError
-from pool.engines.device import Streams, event_done, wait_event
+from pool.engines.device import ALIGN_BYTES, Streams, event_done, wait_event
 from pool.engines.weights import ModelImage
+from scheduler.errors import RefusedAction
+from scheduler.instance import ModelSlots as SlotRule
+
+
+@dataclass(slots=True)
+class Placement:
+    """One model's weights in the region: bytes [offset, offset + nbytes), the copy's event and its number."""
+
+    offset: int
+    nbytes: int
+    ready: Any
+    load: int  # names the copy: a later copy to the same offset has another number
 
 
 class ModelSlots:
-    def __init__(self, slots: list[torch.Tensor], streams: Streams,
+    def __init__(self, region: torch.Tensor, streams: Streams,
                  on_copy: Callable[[int], None] = lambda nbytes: None) -> None:
-        self.slots = slots
+        self.region = region
         self.streams = streams
         self.on_copy = on_copy
-        self.holder: list[str | None] = [None] * len(slots)
-        self.ready: list[Any] = [None] * len(slots)  # event of the copy into each slot
-        self.loads: list[int] = [0] * len(slots)  # copies into each slot so far (names the weights there)
-        self.current: int | None = None
-        self.prefetched: str | None = None  # copied (or copying) ahead of its activation
+        self.sizes: dict[str, float] = {}  # model -> bytes, of every model asked for so far
+        self.rule = SlotRule(capacity_bytes=region.numel(), model_bytes=self.sizes)
+        self.placed: dict[str, Placement] = {}
+        self._num_loads = 0
 
     @property
-    def slot_bytes(self) -> int:
-        return self.slots[0].numel()
+    def region_bytes(self) -> int:
+        return self.region.numel()
 
     @property
     def active_model(self) -> str | None:
-        return None if self.current is None else self.holder[self.current]
+        return self.rule.active
 
-    def find(self, model: str) -> int | None:
-        return next((i for i, name in enumerate(self.holder) if name == model), None)
+    @property
+    def prefetched(self) -> str | None:
+        return self.rule.spare
+
+    @property
+    def resident(self) -> set[str]:
+        return self.rule.resident
+
+    def placement(self, model: str) -> Placement:
+        """The placement of a resident `model` (EngineError when it is not resident)."""
+        try:
+            self.rule.require_resident(model, "compute")
+        except RefusedAction as err:
+            raise EngineError(str(err)) from None
+        return self.placed[model]
 
     def ready_on_device(self, model: str) -> bool:
-        slot = self.find(model)
-        return slot is not None and event_done(self.ready[slot])
+        where = self.placed.get(model)
+        return where is not None and event_done(where.ready)
 
-    def activate(self, image: ModelImage) -> tuple[float, int]:
-        """Make `image` current; returns (seconds until its weights are usable, slot)."""
+    def activate(self, image: ModelImage, evict: bool = True) -> float:
+        """Make `image` active (`evict=False`: resident beside the others); returns the seconds until its
+        weights are usable."""
         start = time.perf_counter()
-        slot = self.find(image.name)
-        if slot is None:
-            slot = self._victim(protect=self.prefetched)
-            self._copy(image, slot)
-        event = self.ready[slot]
+        self._apply(image, lambda: self.rule.switch(image.name, 0.0, evict))
+        event = self.placed[image.name].ready
         self.streams.compute_waits(event)
         wait_event(event)  # the caller is told when the weights are really there
-        self.current = slot
-        if self.prefetched == image.name:
-            self.prefetched = None
-        return time.perf_counter() - start, slot
+        return time.perf_counter() - start
 
     def prefetch(self, image: ModelImage) -> bool:
-        """Start copying `image` into the spare slot; False when it is already resident."""
-        if self.find(image.name) is not None:
-            if self.active_model != image.name:
-                self.prefetched = image.name
-            return False
-        slot = self._victim(protect=self.active_model)
-        self._copy(image, slot)
-        self.prefetched = image.name
-        return True
+        """Start copying `image` into the spare slot; False when there is nothing to copy."""
+        return bool(self._apply(image, lambda: self.rule.prefetch(image.name, 0.0)))
 
     def deactivate(self, model: str) -> None:
-        if self.active_model == model:
-            self.current = None  # weights stay in the slot as a cache
+        self.rule.deactivate(model)  # the weights stay where they are, as the spare
 
     def drop(self, model: str) -> None:
-        """Forget the device copy of an inactive model (its next activation copies it again)."""
-        if self.active_model == model:
-            raise EngineError(f"model {model!r} is active; deactivate it first")
-        slot = self.find(model)
-        if slot is not None:
-            wait_event(self.ready[slot])
-            self.holder[slot], self.ready[slot] = None, None
-        if self.prefetched == model:
-            self.prefetched = None
+        """Forget the device copy of a model that is not resident (its next activation copies it again)."""
+        try:
+            self.rule.drop(model)
+        except RefusedAction as err:
+            raise EngineError(str(err)) from None
+        self._free_unheld()
 
-    def _victim(self, protect: str | None) -> int:
-        """A slot to overwrite: an empty one, else one not holding `protect`, preferring the spare."""
-        order = sorted(range(len(self.slots)), key=lambda i: (self.holder[i] is not None, i == self.current))
-        for i in order:
-            if self.holder[i] is None or self.holder[i] != protect:
-                return i
-        raise EngineError(f"no model slot free: both hold {protect!r}")
+    def places_of(self, nbytes: int) -> tuple[int, int]:
+        """The two offsets a copy of `nbytes` takes when the region holds at most one other model."""
+        return 0, (self.region_bytes - nbytes) // ALIGN_BYTES * ALIGN_BYTES
 
-    def _copy(self, image: ModelImage, slot: int) -> None:
-        if image.nbytes > self.slot_bytes:
-            raise EngineError(
-                f"model {image.name!r} needs {image.nbytes} bytes but a model slot has {self.slot_bytes}; "
-                "raise max_model_bytes"
-            )
-        if self.holder[slot] == self.prefetched:
-            self.prefetched = None
+    # ---- internals ----------------------------------------------------------------------
+    def _apply(self, image: ModelImage, change: Callable[[], Any]) -> Any:
+        """Run the rule's `change`, free what it no longer holds and copy `image` in when it is held but not
+        placed; on a refusal nothing changes."""
+        if image.nbytes > self.region_bytes // 2:
+            raise EngineError(f"model {image.name!r} needs {image.nbytes} bytes but a model slot has "
+                              f"{self.region_bytes // 2}; raise max_model_bytes")
+        self.sizes[image.name] = float(image.nbytes)
+        rule = self.rule
+        before = (rule.active, set(rule.resident), rule.spare, rule.spare_ready_at)
+        try:
+            result = change()
+            self._free_unheld()
+            if image.name in rule.held() and image.name not in self.placed:
+                self._copy(image, self._offset(image.name, image.nbytes))
+        except (RefusedAction, EngineError) as err:
+            rule.active, rule.resident, rule.spare, rule.spare_ready_at = before
+            raise EngineError(str(err)) from None
+        return result
+
+    def _free_unheld(self) -> None:
+        held = set(self.rule.held())
+        for model in [m for m in self.placed if m not in held]:
+            del self.placed[model]  # later copies over it are ordered after the compute queued (after_compute)
+
+    def _offset(self, model: str, nbytes: int) -> int:
+        """Flush against the region's start or end when that gap holds it, else the first gap that does."""
+        taken = sorted((p.offset, p.offset + p.nbytes) for p in self.placed.values())
+        gaps, at = [], 0
+        for start, end in taken:
+            if start > at:
+                gaps.append((at, start))
+            at = max(at, end)
+        if at < self.region_bytes:
+            gaps.append((at, self.region_bytes))
+        low, high = self.places_of(nbytes)
+        if gaps and gaps[0][0] == 0 and gaps[0][1] >= nbytes:
+            return low
+        if gaps and gaps[-1][1] == self.region_bytes and gaps[-1][0] <= high:
+            return high
+        for start, end in gaps:
+            offset = -(-start // ALIGN_BYTES) * ALIGN_BYTES
+            if offset + nbytes <= end:
+                return offset
+        raise EngineError(f"model {model!r} ({nbytes} bytes) finds no free gap in the model region beside "
+                          f"{ {m: (p.offset, p.nbytes) for m, p in self.placed.items()} }")
+
+    def _copy(self, image: ModelImage, offset: int) -> None:
         weights = self.streams.weights
         self.streams.after_compute(weights)
         with self.streams.on(weights):
-            self.slots[slot][: image.nbytes].copy_(image.buffer, non_blocking=True)
-        self.ready[slot] = self.streams.record(weights)
-        self.holder[slot] = image.name
-        self.loads[slot] += 1
+            self.region[offset: offset + image.nbytes].copy_(image.buffer, non_blocking=True)
+        self._num_loads += 1
+        self.placed[image.name] = Placement(offset, image.nbytes, self.streams.record(weights), self._num_loads)
         self.on_copy(image.nbytes)

@@ -2,7 +2,10 @@
 
 Memory, as in the Aegaeon artifact: a process-wide pinned `HostWeightCache`
 (one contiguous image per model), one device buffer per engine split by a
-bump allocator into KV region | model slot | model slot, paged KV in slabs
+bump allocator into KV region | model region (two model slots' worth: the
+models resident and the spare, placed by `slots.py` under the instance model
+of `scheduler.instance`; several small models may be resident at once and a
+step computes each one's batch), paged KV in slabs
 on both tiers (`kv.py`), and four CUDA streams (compute, weights, swap-in,
 swap-out) with per-request events so compute waits only for the KV it reads.
 Requests are admitted by `prefill` (or `import_kv`) and freed by `release`,
@@ -21,7 +24,7 @@ from typing import Any
 import torch
 
 from pool.engines.base import EngineError, EngineStats, GenRequest, KvExport, Table, TokenOut
-from pool.engines.device import DeviceBuffer, Streams, held_device_bytes
+from pool.engines.device import DeviceBuffer, Streams, align_up, held_device_bytes
 from pool.engines.forward import Decoder, DecodeInputs, SharedTensors
 from pool.engines.graphs import NO_GRAPHS, GraphBuckets
 from pool.engines.kv import KvShape, host_pool
@@ -118,7 +121,7 @@ class TorchEngine:
             from pool.engines.graphs import DecodeGraphs
 
             self._graphs = DecodeGraphs()
-        self.weight_bytes_h2d = self.num_switches = 0
+        self.weight_bytes_h2d = self.num_switches = self.num_weight_copies = 0
         self.switch_s = 0.0
         self.timings = StepTimings(self.streams.cuda)
 
@@ -149,13 +152,14 @@ class TorchEngine:
     def model_bytes(self, model: str) -> int:
         return self._models.require(model).image.nbytes
 
-    def activate(self, model: str) -> float:
+    def activate(self, model: str, evict: bool = True) -> float:
+        """Make `model` active (`evict=False`: resident beside those already resident); returns the seconds."""
         self.timings.other()
         image = self._models.require(model).image
         slots = self._ensure_buffer()
-        if slots.active_model == model:
+        if slots.active_model == model and (not evict or slots.resident == {model}):
             return 0.0
-        seconds, _ = slots.activate(image)
+        seconds = slots.activate(image, evict)
         self.num_switches += 1
         self.switch_s += seconds
         return seconds
@@ -182,6 +186,7 @@ class TorchEngine:
 
     # ---- generation -----------------------------------------------------------------------
     def prefill(self, requests: Sequence[GenRequest]) -> list[TokenOut]:
+        """Admit the requests (of resident models) and prefill each model's prompts; tokens in request order."""
         started = time.perf_counter()
         seqs = [self._admit(r) for r in requests]
         if not seqs:
@@ -191,13 +196,17 @@ class TorchEngine:
         kv = self._kv_store()
         kv.grow([s.kv for s in seqs], [len(s.tokens) for s in seqs])
         self._seqs.update((s.request.request_id, s) for s in seqs)
-        inputs = prefill_inputs([s.tokens for s in seqs], [s.kv for s in seqs], self.device)
-        out = self._emit(seqs, self._decoder(seqs[0].model).prefill(inputs))
-        self.timings.prefill(seqs[0].model.name, sum(len(s.tokens) for s in seqs) - len(seqs), len(seqs),
-                             time.perf_counter() - started)
-        return out
+        outs: dict[str, TokenOut] = {}
+        for group in _by_model(seqs):
+            inputs = prefill_inputs([s.tokens for s in group], [s.kv for s in group], self.device)
+            outs.update((o.request_id, o) for o in self._emit(group, self._decoder(group[0].model).prefill(inputs)))
+            self.timings.prefill(group[0].model.name, sum(len(s.tokens) for s in group) - len(group), len(group),
+                                 time.perf_counter() - started)
+            started = time.perf_counter()
+        return [outs[s.request.request_id] for s in seqs]
 
     def decode_step(self, request_ids: Sequence[str]) -> list[TokenOut]:
+        """One token for each request (of resident models, KV on the device): one forward per model's batch."""
         entered_at = time.perf_counter()
         seqs = [self._runnable(rid) for rid in request_ids]
         if not seqs:
@@ -207,6 +216,18 @@ class TorchEngine:
         kv, kvs = self._kv_store(), [s.kv for s in seqs]
         kv.grow(kvs, [len(s.tokens) for s in seqs])  # room for the token fed now
         kv.before_compute(kvs)
+        outs: dict[str, TokenOut] = {}
+        forward: float | None = 0.0
+        for group in _by_model(seqs):
+            group_out, group_forward = self._decode_batch(kv, group)
+            outs.update((o.request_id, o) for o in group_out)
+            forward = None if forward is None or group_forward is None else forward + group_forward
+        self.timings.decode(tuple(request_ids), entered_at, forward)
+        return [outs[rid] for rid in request_ids]
+
+    def _decode_batch(self, kv: KvStore, seqs: list[_Seq]) -> tuple[list[TokenOut], float | None]:
+        """One decode step of one model's requests: replayed from a CUDA graph when one was captured for it."""
+        kvs = [s.kv for s in seqs]
         model, batch = seqs[0].model, len(seqs)
         decoder = self._decoder(model)
         last, positions = [s.tokens[-1] for s in seqs], [len(s.tokens) - 1 for s in seqs]
@@ -217,7 +238,7 @@ class TorchEngine:
             padded, width = picked
             inputs = decode_inputs(last, kvs, positions, self.device, padded, width, kv.scratch(model.kv_shape))
             timer = self.timings.forward_begin()
-            logits = self._graphs.replay(self._graph_key(model, decoder, padded, width), inputs)
+            logits = self._graphs.replay(self._graph_key(model, decoder, padded, width, self._offset(model)), inputs)
             if logits is not None:
                 logits, forward = logits[:batch], self.timings.forward_end(timer)
         if logits is None:
@@ -225,13 +246,11 @@ class TorchEngine:
             timer = self.timings.forward_begin()
             logits = decoder.decode(inputs)
             forward = self.timings.forward_end(timer) if not self.streams.cuda else None  # eager CUDA: untimed
-        out = self._emit(seqs, logits)
-        self.timings.decode(tuple(request_ids), entered_at, forward)
-        return out
+        return self._emit(seqs, logits), forward
 
     # ---- CUDA graphs --------------------------------------------------------------------------
     def warm_up(self, max_tokens: int | None = None) -> int:
-        """Capture the decode graphs of every loaded model's shape in both device slots, for requests of
+        """Capture the decode graphs of every loaded model's shape in both its places, for requests of
         up to `max_tokens` tokens (None: the widest table set), so that serving never captures; returns
         how many were captured (0 on CPU or with graphs off). Call it outside any other call of this engine."""
         if self._graphs is None or not self.use_cuda_graphs or not self._models:
@@ -243,17 +262,19 @@ class TorchEngine:
         todo = []
         shapes = {(m.image.spec, m.image.dtype): m for m in self._models.values()}
         for model in shapes.values():
-            for slot in range(len(slots.slots)):
-                decoder = self._slot_decoder(model, slot)
+            for offset in slots.places_of(model.image.nbytes):
+                decoder = self._slot_decoder(model, offset)
                 for padded, width in self.buckets.shapes(max_blocks):
-                    todo.append((self._graph_key(model, decoder, padded, width, slot),
+                    todo.append((self._graph_key(model, decoder, padded, width, offset),
                                  lambda d=decoder, b=padded, w=width, m=model: (d, self._dummy_inputs(m, b, w, kv))))
         with torch.no_grad():
             return self._graphs.capture_all(todo)
 
-    def _graph_key(self, model: _Model, decoder: Decoder, padded: int, width: int, slot: int | None = None) -> tuple:
-        slot = self._slots.current if slot is None else slot  # type: ignore[union-attr]
-        return (model.image.spec, model.image.dtype, slot, decoder.fused, padded, width)
+    def _graph_key(self, model: _Model, decoder: Decoder, padded: int, width: int, offset: int) -> tuple:
+        return (model.image.spec, model.image.dtype, offset, decoder.fused, padded, width)
+
+    def _offset(self, model: _Model) -> int:
+        return self._ensure_buffer().placement(model.name).offset
 
     def _dummy_inputs(self, model: _Model, batch: int, width: int, kv: KvStore) -> DecodeInputs:
         """Decode inputs of `batch` rows that read and write only the scratch block (for a capture)."""
@@ -320,13 +341,15 @@ class TorchEngine:
             loaded_models=tuple(self._models),
             active_model=slots.active_model if slots else None,
             prefetched_model=slots.prefetched if slots else None,
+            resident_models=tuple(sorted(slots.resident)) if slots else (),
             num_requests=len(self._seqs),
             bytes_h2d=self.weight_bytes_h2d + (kv.bytes_h2d if kv else 0),
             bytes_d2h=kv.bytes_d2h if kv else 0,
             num_switches=self.num_switches,
             switch_s=self.switch_s,
+            num_weight_copies=self.num_weight_copies,
             extra={"weight_bytes_h2d": self.weight_bytes_h2d, "device_slabs": kv.device.num_slabs if kv else 0,
-                   "host_slabs": host.num_slabs, "resident_models": tuple(slots.holder) if slots else (),
+                   "host_slabs": host.num_slabs, "weights_on_device": tuple(slots.placed) if slots else (),
                    **(self._graphs.figures() if self._graphs is not None else NO_GRAPHS),
                    "held_device_bytes": held_device_bytes(self.device),
                    "timings": self.timings.summary()},
@@ -352,13 +375,12 @@ class TorchEngine:
 
     # ---- internals -------------------------------------------------------------------------------
     def _ensure_buffer(self) -> ModelSlots:
-        """The device buffer, made on first need: KV region | model slot | model slot."""
+        """The device buffer, made on first need: KV region | model region (two model slots' worth)."""
         if self._slots is None:
             cfg = self.config
-            slot = cfg.max_model_bytes or max((m.image.nbytes for m in self._models.values()), default=0)
-            self._buffer = DeviceBuffer({"kv": cfg.kv_bytes, "model0": slot, "model1": slot}, self.device)
-            self._slots = ModelSlots([self._buffer.region("model0"), self._buffer.region("model1")], self.streams,
-                                     on_copy=self._count_weight_copy)
+            slot = align_up(cfg.max_model_bytes or max((m.image.nbytes for m in self._models.values()), default=0))
+            self._buffer = DeviceBuffer({"kv": cfg.kv_bytes, "models": 2 * slot}, self.device)
+            self._slots = ModelSlots(self._buffer.region("models"), self.streams, on_copy=self._count_weight_copy)
             self._kv = KvStore(self._buffer.region("kv"), cfg.device_slab_bytes, self._host_kv, self.streams)
         return self._slots
 
@@ -420,13 +442,12 @@ class TorchEngine:
 
     def _count_weight_copy(self, nbytes: int) -> None:
         self.weight_bytes_h2d += nbytes
+        self.num_weight_copies += 1
 
     def _admit(self, request: GenRequest) -> _Seq:
         model = self._models.require(request.model)
-        active = self._ensure_buffer().active_model
         rid, params = request.request_id, request.sampling
-        if active != request.model:
-            raise EngineError(f"request {rid}: model {request.model!r} is not active (active: {active!r})")
+        self._resident(request.model, f"request {rid}")
         if rid in self._seqs:
             raise EngineError(f"request {rid!r} is already in the engine")
         if not request.prompt_token_ids:
@@ -445,32 +466,35 @@ class TorchEngine:
 
     def _runnable(self, request_id: str) -> _Seq:
         seq = self._seqs.require(request_id)
-        active = self._slots.active_model if self._slots else None
-        if seq.model.name != active:
-            raise EngineError(f"request {request_id}: model {seq.model.name!r} is not active (active: {active!r})")
+        self._resident(seq.model.name, f"request {request_id}")
         if not seq.kv.on_device:
             raise EngineError(f"request {request_id}: KV is in host memory; restore_kv first")
         return seq
 
-    def _decoder(self, model: _Model) -> Decoder:
-        """The forward pass of the active `model`, bound to the slot it is in."""
+    def _resident(self, model: str, what: str) -> None:
         slots = self._ensure_buffer()
-        if slots.current is None or slots.active_model != model.name:
-            raise EngineError(f"model {model.name!r} is not active")
-        decoder = self._slot_decoder(model, slots.current)
-        decoder.bind(slots.loads[slots.current])
+        if model not in slots.resident:
+            raise EngineError(f"{what}: model {model!r} is not resident (resident: {sorted(slots.resident)}, "
+                              f"active: {slots.active_model!r})")
+
+    def _decoder(self, model: _Model) -> Decoder:
+        """The forward pass of the resident `model`, bound to where its weights are."""
+        where = self._ensure_buffer().placement(model.name)
+        decoder = self._slot_decoder(model, where.offset)
+        decoder.bind(where.load)
         return decoder
 
-    def _slot_decoder(self, model: _Model, slot: int) -> Decoder:
-        """The forward pass of `model` as if it sat in `slot` (its weights need not be there yet)."""
-        key = (model.name, slot, self.fused_decode)
+    def _slot_decoder(self, model: _Model, offset: int) -> Decoder:
+        """The forward pass of `model` as if its weights sat at `offset` of the model region (they need not
+        be there yet)."""
+        key = (model.name, offset, self.fused_decode)
         if key not in self._decoders:
             slots = self._ensure_buffer()
             image = model.image
-            shared_key = (image.spec, image.dtype, slot)
+            shared_key = (image.spec, image.dtype, offset)
             if shared_key not in self._shared:
                 self._shared[shared_key] = SharedTensors(image.spec, image.dtype, self.device)
-            self._decoders[key] = Decoder(image.spec, image.views(slots.slots[slot]),
+            self._decoders[key] = Decoder(image.spec, image.views(slots.region[offset: offset + image.nbytes]),
                                           self._kv_store().view(model.kv_shape), fused=self.fused_decode,
                                           shared=self._shared[shared_key])
         return self._decoders[key]
@@ -492,6 +516,14 @@ class TorchEngine:
             if reason is not None:
                 self.release([seq.request.request_id])
         return out
+
+
+def _by_model(seqs: list[_Seq]) -> list[list[_Seq]]:
+    """The requests grouped by model, models in order of first appearance (one group, usually)."""
+    groups: dict[str, list[_Seq]] = {}
+    for seq in seqs:
+        groups.setdefault(seq.model.name, []).append(seq)
+    return list(groups.values())
 
 
 def _eos_ids(path: Path) -> set[int]:

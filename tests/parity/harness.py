@@ -1,43 +1,72 @@
 """The live controller on a manual clock, with engines replaced by a fake timed like the simulator.
 
-`ManualBackend` obeys the engine protocol's calls (it produces placeholder
-tokens and holds KV nowhere) and times each call with the same cost model and
-the same arithmetic as `sims.simulator`'s executor, so a Plan log that differs
-from the simulator's can only come from the controller/runner path.
+`ManualBackend` obeys the engine protocol's calls and enforces what an engine enforces, through the
+instance model the simulator's executor and the engines use (`scheduler.instance`): a prefill or decode
+step only of resident models, a decode step only of requests whose KV is on that instance's device, KV
+moves and exports only of requests the instance holds, imports only of loaded models. A call it refuses
+raises nothing here: its result is the `EngineError`, as a real backend's would be (the controller
+writes the instance off), and the refusal is kept in `refused`. It produces placeholder tokens, holds KV
+nowhere, and times each call with the same cost model and the same instance model as the simulator, so
+a Plan log that differs from the simulator's can only come from the controller/runner path - or from a
+Plan an engine would refuse.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 from pool.controller import Controller
-from pool.engines.base import GenRequest, SamplingParams, TokenOut
+from pool.engines.base import EngineError, EngineStats, GenRequest, SamplingParams, TokenOut
 from pool.runner import LiveRequest
 from scheduler import ManualClock, Request
+from scheduler.errors import RefusedAction
+from scheduler.instance import KvPlaces, ModelSlots, decode_turn_s, kv_move_s, prefill_s
+
+
+class FakeInstance:
+    """One instance's engine state: its model slots and where its requests' KV is."""
+
+    def __init__(self, models: Sequence[str] | None) -> None:
+        self.models = None if models is None else set(models)  # loaded models; None: any
+        self.slots = ModelSlots()
+        self.kv = KvPlaces()
+        self.turn: tuple[float, float] = (0.0, 0.0)  # the decode turn's start and step seconds
+        self.num_weight_copies = 0
+
+    def require_loaded(self, model: str) -> None:
+        if self.models is not None and model not in self.models:
+            raise RefusedAction(f"model {model!r} is not loaded; loaded: {sorted(self.models)}")
 
 
 class ManualBackend:
-    def __init__(self, clock: ManualClock, costs: Any) -> None:
+    def __init__(self, clock: ManualClock, costs: Any, models: Sequence[str] | None = None) -> None:
         self.clock = clock
         self.costs = costs
+        self.model_names = models
+        self.instances: dict[str, FakeInstance] = {}
         self._heap: list[tuple[float, int, Any]] = []
         self._seq = 0
         self.produced: dict[str, int] = {}  # request -> tokens produced so far
         self.limit: dict[str, int] = {}  # request -> max_tokens (the trace's output length)
         self.model: dict[str, str] = {}
         self.context: dict[str, int] = {}  # prompt tokens
-        self.prefetch: dict[str, tuple[str, float]] = {}  # instance -> model in the spare slot, ready at
-        self.active: dict[str, str] = {}
-        self.turn: dict[str, tuple[float, float]] = {}  # instance -> (turn start, step seconds)
         self.num_calls = 0
+        self.refused: list[str] = []  # "instance method: why" of every call refused
 
     def call(self, instance_id: str, method: str, args: tuple[Any, ...], meta: dict[str, Any]) -> int:
         self._seq += 1
         self.num_calls += 1
         now = self.clock.now()
-        at, result = getattr(self, "_" + method)(instance_id, now, *args, **meta)
+        inst = self.instances.get(instance_id) or self.instances.setdefault(instance_id,
+                                                                          FakeInstance(self.model_names))
+        try:
+            at, result = getattr(self, "_" + method)(inst, now, *args, **meta)
+        except RefusedAction as err:
+            self.refused.append(f"{instance_id} {method}: {err}")
+            at, result = now, EngineError(f"{instance_id} {method}: {err}")
         heapq.heappush(self._heap, (at, self._seq, result))
         return self._seq
 
@@ -48,83 +77,166 @@ class ManualBackend:
         _, handle, result = heapq.heappop(self._heap)
         return handle, result
 
-    # ---- the engine calls, timed like the simulator's executor -------------------------
-    def _activate(self, iid: str, now: float, model: str, **_: Any) -> tuple[float, float]:
-        ready = self.prefetch.pop(iid, None)
-        took = max(0.0, ready[1] - now) if ready and ready[0] == model else self.costs.switch_s(model)
-        old = self.active.get(iid)
-        if old is not None and old != model:
-            self.prefetch[iid] = (old, now)  # two slots: the model switched away from stays, ready
-        self.active[iid] = model
+    # ---- the engine calls, checked and timed by the instance model ---------------------
+    def _activate(self, inst: FakeInstance, now: float, model: str, evict: bool = True,
+                  **_: Any) -> tuple[float, float]:
+        inst.require_loaded(model)
+        copy, took = inst.slots.switch(model, now, evict)
+        if copy:
+            took = self.costs.switch_s(model)
+            inst.num_weight_copies += 1
         return now + took, took
 
-    def _prefetch(self, iid: str, now: float, model: str, **_: Any) -> tuple[float, None]:
-        if self.prefetch.get(iid, ("", 0.0))[0] != model:
-            self.prefetch[iid] = (model, now + self.costs.switch_s(model))
+    def _prefetch(self, inst: FakeInstance, now: float, model: str, **_: Any) -> tuple[float, None]:
+        inst.require_loaded(model)
+        if inst.slots.prefetch(model, now + self.costs.switch_s(model)):
+            inst.num_weight_copies += 1
         return now, None
 
-    def _prefill(self, iid: str, now: float, requests: list[GenRequest], **_: Any) -> tuple[float, list[TokenOut]]:
+    def _prefill(self, inst: FakeInstance, now: float, requests: list[GenRequest],
+                 **_: Any) -> tuple[float, list[TokenOut]]:
         for req in requests:
+            inst.require_loaded(req.model)
+            inst.slots.require_resident(req.model, f"prefill of {req.request_id}")
+            if not req.prompt_token_ids or len(req.output_token_ids) >= req.sampling.max_tokens:
+                raise RefusedAction(f"request {req.request_id}: empty prompt or max_tokens already produced")
+        if len({r.request_id for r in requests}) != len(requests):
+            raise RefusedAction(f"duplicate request ids in prefill: {[r.request_id for r in requests]}")
+        for req in requests:
+            inst.kv.place(req.request_id)
             self.model[req.request_id] = req.model
             self.context[req.request_id] = len(req.prompt_token_ids)
             self.produced[req.request_id] = len(req.output_token_ids)
             self.limit[req.request_id] = req.sampling.max_tokens
-        took = 0.0
-        for model in {r.model for r in requests}:
-            group = [r for r in requests if r.model == model]
-            took += self.costs.prefill_s(model, sum(len(r.prompt_token_ids) + len(r.output_token_ids) for r in group),
-                                         len(group))
-        return now + took, self._tokens([r.request_id for r in requests])
+        took = prefill_s(self.costs, [(r.model, len(r.prompt_token_ids) + len(r.output_token_ids)) for r in requests])
+        return now + took, self._tokens(inst, [r.request_id for r in requests])
 
-    def _decode_step(self, iid: str, now: float, ids: list[str], turn_step: int, max_steps: int,
+    def _decode_step(self, inst: FakeInstance, now: float, ids: list[str], turn_step: int, max_steps: int,
                      **_: Any) -> tuple[float, list[TokenOut]]:
+        if len(set(ids)) != len(ids):
+            raise RefusedAction(f"duplicate request ids in decode_step: {ids}")
+        for rid in ids:
+            inst.kv.require_on_device(rid, "decode")
+            inst.slots.require_resident(self.model[rid], f"decode of {rid}")
         if turn_step == 1:
             steps = min(max_steps, min(self.limit[r] - self.produced[r] for r in ids))
-            took = 0.0
-            for model in {self.model[r] for r in ids}:
-                group = [r for r in ids if self.model[r] == model]
-                took += self.costs.decode_turn_s(model, len(group), sum(self._ctx(r) for r in group), steps)
-            self.turn[iid] = (now, took / steps)
-        start, step_s = self.turn[iid]
-        return start + turn_step * step_s, self._tokens(ids)
+            took = decode_turn_s(self.costs, [(self.model[r], self._ctx(r)) for r in ids], steps)
+            inst.turn = (now, took / steps)
+        start, step_s = inst.turn
+        return start + turn_step * step_s, self._tokens(inst, ids)
 
-    def _save_kv(self, iid: str, now: float, ids: list[str], **_: Any) -> tuple[float, None]:
+    def _save_kv(self, inst: FakeInstance, now: float, ids: list[str], **_: Any) -> tuple[float, None]:
+        inst.kv.move(ids, to_device=False)
         return now + self._move(ids), None
 
-    def _restore_kv(self, iid: str, now: float, ids: list[str], **_: Any) -> tuple[float, None]:
+    def _restore_kv(self, inst: FakeInstance, now: float, ids: list[str], **_: Any) -> tuple[float, None]:
+        inst.kv.move(ids, to_device=True)
         return now + self._move(ids), None
 
-    def _export_kv(self, iid: str, now: float, ids: list[str], **_: Any) -> tuple[float, list[str]]:
+    def _export_kv(self, inst: FakeInstance, now: float, ids: list[str], **_: Any) -> tuple[float, list[str]]:
+        for rid in ids:
+            inst.kv.require(rid)
+        inst.kv.release(ids)
         return now, list(ids)
 
-    def _import_kv(self, iid: str, now: float, exports: list[str], **_: Any) -> tuple[float, None]:
+    def _import_kv(self, inst: FakeInstance, now: float, exports: list[str], **_: Any) -> tuple[float, None]:
+        for rid in exports:
+            inst.require_loaded(self.model[rid])
+        for rid in exports:
+            inst.kv.admit_to_host(rid)
         return now, None
 
-    def _release(self, iid: str, now: float, ids: list[str], **_: Any) -> tuple[float, None]:
+    def _release(self, inst: FakeInstance, now: float, ids: list[str], **_: Any) -> tuple[float, None]:
+        inst.kv.release(ids)
         return now, None
 
     def _ctx(self, rid: str) -> int:
         return self.context[rid] + self.produced[rid]
 
     def _move(self, ids: list[str]) -> float:
-        took = 0.0
-        for rid in ids:
-            took += self.costs.kv_move_s(self.model[rid], self._ctx(rid))
-        return took + self.costs.kv_move_overhead_s(self.model[ids[0]]) if ids else took
+        return kv_move_s(self.costs, [(self.model[rid], self._ctx(rid)) for rid in ids])
 
-    def _tokens(self, ids: list[str]) -> list[TokenOut]:
+    def _tokens(self, inst: FakeInstance, ids: list[str]) -> list[TokenOut]:
         out = []
         for rid in ids:
             self.produced[rid] += 1
             done = self.produced[rid] >= self.limit[rid]
+            if done:  # a finished request leaves the engine, as it does a real one
+                inst.kv.release([rid])
             out.append(TokenOut(rid, 1, "x", done, "length" if done else None))
         return out
 
 
-def run_pool(scheduler: Any, costs: Any, instance_ids: list[str], trace: list[Request], plan_log: Any) -> Controller:
+class FakeEngine:
+    """One instance of a `ManualBackend` behind the Engine protocol's calls, each answered at once (a refusal
+    raises its EngineError): what the engine conformance suite drives. `sibling()` is another instance of
+    the same backend (requests move between them with export_kv / import_kv)."""
+
+    def __init__(self, costs: Any, backend: ManualBackend | None = None, instance_id: str = "fake0") -> None:
+        self.backend = backend or ManualBackend(ManualClock(), costs, models=[])
+        self.instance_id = instance_id
+        self.state = self.backend.instances.setdefault(instance_id, FakeInstance([]))
+
+    def sibling(self, instance_id: str) -> FakeEngine:
+        return FakeEngine(self.backend.costs, self.backend, instance_id)
+
+    def _do(self, method: str, *args: Any, **meta: Any) -> Any:
+        self.backend.call(self.instance_id, method, args, meta)
+        _, result = self.backend.pop()
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def load(self, model: str, path: Any = None) -> None:
+        assert self.state.models is not None
+        self.state.models.add(model)
+
+    def models(self) -> list[str]:
+        return sorted(self.state.models or ())
+
+    def activate(self, model: str, evict: bool = True) -> float:
+        return self._do("activate", model, evict)
+
+    def prefetch(self, model: str) -> None:
+        self._do("prefetch", model)
+
+    def deactivate(self, model: str) -> None:
+        self.state.slots.deactivate(model)
+
+    def prefill(self, requests: Sequence[GenRequest]) -> list[TokenOut]:
+        return self._do("prefill", list(requests))
+
+    def decode_step(self, request_ids: Sequence[str]) -> list[TokenOut]:
+        return self._do("decode_step", list(request_ids), turn_step=1, max_steps=1)
+
+    def save_kv(self, request_ids: Sequence[str]) -> None:
+        self._do("save_kv", list(request_ids))
+
+    def restore_kv(self, request_ids: Sequence[str]) -> None:
+        self._do("restore_kv", list(request_ids))
+
+    def release(self, request_ids: Sequence[str]) -> None:
+        self._do("release", list(request_ids))
+
+    def export_kv(self, request_ids: Sequence[str]) -> list[str]:
+        return self._do("export_kv", list(request_ids))
+
+    def import_kv(self, exports: Sequence[str]) -> None:
+        self._do("import_kv", list(exports))
+
+    def stats(self) -> EngineStats:
+        slots, kv = self.state.slots, self.state.kv
+        return EngineStats(device="fake", loaded_models=tuple(self.models()), active_model=slots.active,
+                           prefetched_model=slots.spare, resident_models=tuple(sorted(slots.resident)),
+                           num_requests=len(kv.on_device), num_weight_copies=self.state.num_weight_copies,
+                           extra={"on_device": sum(kv.on_device.values())})
+
+
+def run_pool(scheduler: Any, costs: Any, instance_ids: list[str], trace: list[Request], plan_log: Any,
+             backend: ManualBackend | None = None) -> Controller:
     """Drive the controller like the simulator: at each instant arrivals, then completions, then one tick."""
-    clock = ManualClock()
-    backend = ManualBackend(clock, costs)
+    clock = backend.clock if backend is not None else ManualClock()
+    backend = backend or ManualBackend(clock, costs)
     controller = Controller(scheduler, backend, clock, instance_ids, plan_log=plan_log)
     arrivals = deque(sorted(trace, key=lambda r: r.arrival_at))
     while arrivals or backend.next_time() < float("inf"):

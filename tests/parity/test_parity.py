@@ -1,5 +1,7 @@
 """One trace through the simulator and through the live controller (fake engines, manual clock):
-the Plan logs must be identical, byte for byte."""
+the Plan logs must be identical, byte for byte, and the fake engines - which enforce the engine contract
+through the instance model (tests/parity/harness.py) - must have refused nothing. A deliberately bad Plan
+is refused."""
 
 from __future__ import annotations
 
@@ -7,10 +9,12 @@ import io
 
 import pytest
 
-from scheduler import make_scheduler
+from typing import Any
+
+from scheduler import ManualClock, Plan, Prefill, Switch, make_scheduler
 from sims.simulator import Simulator
 from tests.factories import LinearCosts, make_instances, make_models, make_workload
-from tests.parity.harness import run_pool
+from tests.parity.harness import ManualBackend, run_pool
 
 SETUPS = {  # policy, instance roles, policy options
     "token-level": ("token-level", ["prefill", "decode", "decode"], {}),
@@ -44,7 +48,9 @@ def test_plan_logs_of_simulator_and_pool_are_identical(setup: str) -> None:
 
     pool_log = io.StringIO()
     pool_sched = make_scheduler(policy, models, instances, costs, keep_ended=False, **options)  # as the pool runs it
-    controller = run_pool(pool_sched, costs, [i.instance_id for i in instances], trace, pool_log)
+    backend = ManualBackend(ManualClock(), costs, models=list(models))
+    controller = run_pool(pool_sched, costs, [i.instance_id for i in instances], trace, pool_log, backend)
+    assert backend.refused == []  # every call of every Plan is one an engine carries out
 
     sim_lines, pool_lines = sim_log.getvalue().splitlines(), pool_log.getvalue().splitlines()
     assert len(sim_lines) > 50
@@ -54,3 +60,33 @@ def test_plan_logs_of_simulator_and_pool_are_identical(setup: str) -> None:
     assert controller.requests == {}  # every request finished and left the table
     assert all(r.status.value == "finished" for r in sim_sched.requests.values()) and len(sim_sched.requests) == 50
     assert pool_sched.requests == {}  # keep_ended=False: the scheduler forgot every request once it ended
+
+
+class _DropsSwitches:
+    """A scheduler that forgets to send its Switch actions: the Plans it hands out are ones an engine refuses
+    (a prefill of a model that is not resident)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def schedule(self, now: float) -> Plan:
+        plan = self.inner.schedule(now)
+        kept = {iid: tuple(a for a in acts if not isinstance(a, Switch)) for iid, acts in plan.actions.items()}
+        return Plan(plan.at, {iid: acts for iid, acts in kept.items() if acts}, plan.failed)
+
+
+def test_the_fake_engines_refuse_a_plan_an_engine_would_refuse() -> None:
+    models = make_models(2)
+    instances = make_instances(1)
+    costs = LinearCosts()
+    trace = make_workload(4, list(models), rate=4.0, seed=3, max_prompt=200, max_output=8)
+    scheduler = _DropsSwitches(make_scheduler("request-level", models, instances, costs, keep_ended=False))
+    backend = ManualBackend(ManualClock(), costs, models=list(models))
+    log = io.StringIO()
+    controller = run_pool(scheduler, costs, ["i0"], trace, log, backend)
+    assert any('"op":"Prefill"' in line for line in log.getvalue().splitlines())  # the bad Plan was sent
+    assert backend.refused and "not resident" in backend.refused[0] and backend.refused[0].startswith("i0 prefill")
+    assert controller.lost == {"i0"} and len(controller.requests) == 4  # written off, nothing served

@@ -51,7 +51,8 @@ def test_fused_decode_matches_torch_and_ignores_nan_tails(device, dtype, block_s
     inputs = decode_inputs([s.tokens[-1] for s in seqs], kvs, [len(s.tokens) - 1 for s in seqs],
                            engine.device, 4, max_blocks, store.scratch(seqs[0].kv.shape))
     ref = engine._decoder(seqs[0].model)
-    views = seqs[0].model.image.views(engine._slots.slots[engine._slots.current])
+    where = engine._slots.placement(seqs[0].model.name)
+    views = seqs[0].model.image.views(engine._slots.region[where.offset:])
     got = Decoder(ref.spec, views, ref.kv, fused=True).decode(inputs)[:3]
     assert not torch.isnan(got).any()
     ref.kv.nan_to_num_(0.0)  # the torch path reads the tails (weight 0): clean them for the reference

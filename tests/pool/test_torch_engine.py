@@ -336,7 +336,7 @@ def test_out_of_kv_memory_changes_nothing(demo_models):
 def test_engine_refuses_calls_out_of_order(demo_models):
     engine = make_engine(demo_models, ["tiny-llama", "tiny-qwen2"])
     req = GenRequest("r", "tiny-llama", [5, 6, 7], SamplingParams(max_tokens=8))
-    with pytest.raises(EngineError, match="not active"):
+    with pytest.raises(EngineError, match="not resident"):
         engine.prefill([req])
     with pytest.raises(EngineError, match="not loaded"):
         engine.activate("nope")
@@ -345,7 +345,7 @@ def test_engine_refuses_calls_out_of_order(demo_models):
     with pytest.raises(EngineError, match="already"):
         engine.prefill([req])
     engine.activate("tiny-qwen2")
-    with pytest.raises(EngineError, match="not active"):
+    with pytest.raises(EngineError, match="not resident"):
         engine.decode_step(["r"])
     with pytest.raises(EngineError, match="unknown request"):
         engine.decode_step(["ghost"])
@@ -373,7 +373,8 @@ def test_prefetched_or_resident_models_switch_without_copying(demo_models):
     assert engine.stats().bytes_h2d == moved and engine.stats().num_switches == 3
     engine.activate("tiny-qwen3")  # overwrites the spare slot (tiny-qwen2)
     assert engine.stats().bytes_h2d == moved + sizes["tiny-qwen3"]
-    assert set(engine.stats().extra["resident_models"]) == {"tiny-llama", "tiny-qwen3"}
+    assert set(engine.stats().extra["weights_on_device"]) == {"tiny-llama", "tiny-qwen3"}
+    assert engine.stats().resident_models == ("tiny-qwen3",) and engine.stats().prefetched_model == "tiny-llama"
     small = make_engine(demo_models, ["tiny-llama"], max_model_bytes=1024)
     with pytest.raises(EngineError, match="max_model_bytes"):
         small.activate("tiny-llama")

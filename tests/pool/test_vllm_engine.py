@@ -208,6 +208,7 @@ def test_export_import_moves_requests_without_kv(engine, demo_models):
     engine.activate("tiny-llama")
     engine.import_kv(torch_engine.export_kv(list(got)))  # torch KV dropped, recomputed on resume
     assert engine.stats().extra["import_dropped_kv_tokens"] > 0
+    engine.restore_kv(list(got))  # imported requests are in host memory, as after save_kv
     for _ in range(6):
         for o in engine.decode_step(list(got)):
             got[o.request_id].append(o)
@@ -216,6 +217,7 @@ def test_export_import_moves_requests_without_kv(engine, demo_models):
     with pytest.raises(EngineError):
         torch_engine.import_kv(moved)  # refuses an export without KV
     engine.import_kv(moved)
+    engine.restore_kv(list(got))
     while live := [rid for rid, outs in got.items() if not outs[-1].finished]:
         for o in engine.decode_step(live):
             got[o.request_id].append(o)
@@ -294,7 +296,7 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(engine):
 def test_engine_refuses_calls_out_of_order(engine):
     engine.activate("tiny-qwen2")
     req = GenRequest("r", "tiny-llama", [5, 6, 7], SamplingParams(max_tokens=8))
-    with pytest.raises(EngineError, match="not active"):
+    with pytest.raises(EngineError, match="not resident"):
         engine.prefill([req])
     with pytest.raises(EngineError, match="not loaded"):
         engine.activate("nope")
@@ -305,7 +307,7 @@ def test_engine_refuses_calls_out_of_order(engine):
     with pytest.raises(EngineError, match="max_model_len"):
         engine.prefill([GenRequest("long", "tiny-llama", [5] * 250, SamplingParams(max_tokens=8))])
     engine.activate("tiny-qwen2")
-    with pytest.raises(EngineError, match="not active"):
+    with pytest.raises(EngineError, match="not resident"):
         engine.decode_step(["r"])
     with pytest.raises(EngineError, match="unknown request"):
         engine.decode_step(["ghost"])

