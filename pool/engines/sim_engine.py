@@ -24,8 +24,7 @@ from typing import Any
 
 from pool.engines.base import (EngineError, EngineStats, FinishReason, GenRequest, KvExport, OutOfKvMemory,
                                Table, TokenOut)
-from scheduler.errors import RefusedAction
-from scheduler.instance import ModelSlots, decode_turn_s, kv_move_s, prefill_s
+from scheduler import ModelSlots, RefusedAction, instance
 
 SIM_LABEL = "[sim]"
 PLACEHOLDER_WORDS = ("lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit")
@@ -131,7 +130,7 @@ class SimEngine:
             raise EngineError(f"duplicate request ids in prefill: {ids}")
         seqs = [self._admit(r) for r in requests]
         self._need_device_kv(sum(self._kv_of(s, extra=1) for s in seqs))
-        self._sleep(prefill_s(self.costs, [(s.request.model, s.num_tokens) for s in seqs]))
+        self._sleep(instance.prefill_s(self.costs, [(s.request.model, s.num_tokens) for s in seqs]))
         self._seqs.update((s.request.request_id, s) for s in seqs)
         return [self._emit(s) for s in seqs]
 
@@ -142,7 +141,7 @@ class SimEngine:
         if not seqs:
             return []
         self._need_device_kv(sum(self._per_token(s) for s in seqs))
-        self._sleep(decode_turn_s(self.costs, [(s.request.model, s.num_tokens) for s in seqs]))
+        self._sleep(instance.decode_turn_s(self.costs, [(s.request.model, s.num_tokens) for s in seqs]))
         return [self._emit(s) for s in seqs]
 
     # ---- KV movement -----------------------------------------------------------------------
@@ -248,7 +247,7 @@ class SimEngine:
         if to_device:
             self._need_device_kv(sum(self._kv_of(s) for s in moving))
         nbytes = sum(self._kv_of(s) for s in moving)
-        self._sleep(kv_move_s(self.costs, [(s.request.model, s.num_tokens) for s in moving]))  # one move
+        self._sleep(instance.kv_move_s(self.costs, [(s.request.model, s.num_tokens) for s in moving]))  # one move
         for seq in moving:
             seq.on_device = to_device
         if to_device:

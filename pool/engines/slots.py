@@ -26,8 +26,8 @@ import torch
 from pool.engines.base import EngineError
 from pool.engines.device import ALIGN_BYTES, Streams, event_done, wait_event
 from pool.engines.weights import ModelImage
-from scheduler.errors import RefusedAction
-from scheduler.instance import ModelSlots as SlotRule
+from scheduler import ModelSlots as SlotRule
+from scheduler import RefusedAction
 
 
 @dataclass(slots=True)

@@ -45,7 +45,7 @@ from pool.engines.sampling import OutputText, random_seed
 from pool.engines.vllm_engine.config import VllmEngineConfig
 from pool.engines.vllm_engine.core import ChildCore, VllmCore
 from pool.engines.vllm_engine.model import Counters, ModelEngine, Seq
-from scheduler.instance import ModelSlots
+from scheduler import ModelSlots
 
 logger = logging.getLogger(__name__)
 
