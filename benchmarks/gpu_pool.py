@@ -27,6 +27,7 @@ import asyncio
 import json
 import os
 import random
+import shlex
 import signal
 import socket
 import subprocess
@@ -120,8 +121,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(fleet: Path, backend: str, port: int, log_path: Path, extra: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "modelpool.cli", "serve", "--fleet", str(fleet), "--backend", backend,
+def start_server(fleet: Path, backend: str, port: int, log_path: Path, extra: list[str],
+                 prefix: list[str] = ()) -> subprocess.Popen:
+    cmd = [*prefix, sys.executable, "-m", "modelpool.cli", "serve", "--fleet", str(fleet), "--backend", backend,
            "--port", str(port), "--plan-log", str(log_path.with_suffix(".plans.jsonl")), *extra]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_AUTH_MODE": "disabled"}
     return subprocess.Popen(cmd, stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT,
@@ -281,7 +283,8 @@ def live_runs(args: argparse.Namespace, fleet: Path, backend: str, layout: str, 
     url = f"http://127.0.0.1:{port}"
     log_path = out_dir / f"serve-{backend}-{layout}.log"
     layout_args = [] if LAYOUTS[layout] is None else ["--instances", str(LAYOUTS[layout])]
-    proc = start_server(fleet, backend, port, log_path, layout_args + args.serve_arg)
+    prefix = [part.replace("{tag}", f"{backend}-{layout}") for part in shlex.split(args.serve_prefix)]
+    proc = start_server(fleet, backend, port, log_path, layout_args + args.serve_arg, prefix)
     results = []
     try:
         ready_s = wait_ready(url, proc, args.start_timeout)
@@ -438,6 +441,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-vocab", type=int, default=2000, help="prompt token ids drawn below this")
     parser.add_argument("--profile", type=Path, default=None, help="calibration profile for the simulator")
     parser.add_argument("--serve-arg", action="append", default=[], help="extra `modelpool serve` argument")
+    parser.add_argument("--serve-prefix", default="", help="a command the server runs under, e.g. a profiler "
+                        "(`py-spy record -o /tmp/spy-{tag}.txt --format raw --`; {tag} is backend-layout)")
     parser.add_argument("--start-timeout", type=float, default=300.0)
     parser.add_argument("--request-timeout", type=float, default=300.0)
     parser.add_argument("--no-standalone", action="store_true", help="skip the standalone prefill timing")

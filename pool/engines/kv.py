@@ -20,6 +20,7 @@ that copy's event and come back once it has completed.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,12 +93,23 @@ class SlabPool:
         self._zero_on_assign = zero_on_assign
         self._slabs: list[_Slab] = []
         self._parked: list[tuple[Any, KvShape, list[BlockRef]]] = []
+        # Indexes that keep allocation off a scan of every slab (a GPU's KV is ~30k slabs of 1 MiB, and a
+        # decode step allocates for every request that crosses a block boundary): per shape, the slabs with
+        # a free block and how many free blocks they hold; the made slabs without a shape, lowest first.
+        self._partial: dict[KvShape, set[int]] = {}
+        self._free_of: dict[KvShape, int] = {}
+        self._used_of: dict[KvShape, int] = {}
+        self._empty: list[int] = []  # a heap
 
     # ---- allocation ----
     def reserve(self, num_slabs: int) -> None:
         """Make up to `num_slabs` slabs now (host memory is slow to allocate and pin mid-swap)."""
         while len(self._slabs) < min(num_slabs, self.max_slabs):
-            self._slabs.append(_Slab(self._make_slab(len(self._slabs))))
+            self._new_slab()
+
+    def _new_slab(self) -> None:
+        self._slabs.append(_Slab(self._make_slab(len(self._slabs))))
+        heapq.heappush(self._empty, len(self._slabs) - 1)
 
     def allocate(self, shape: KvShape, num_blocks: int) -> list[BlockRef]:
         """`num_blocks` blocks of `shape`, all or none (raises OutOfKvMemory)."""
@@ -118,6 +130,10 @@ class SlabPool:
             take = min(num_blocks - len(out), len(slab.free))
             out.extend(BlockRef(slab_id, slab.free.pop()) for _ in range(take))
             slab.num_used += take
+            self._free_of[shape] -= take
+            self._used_of[shape] = self._used_of.get(shape, 0) + take
+            if not slab.free:
+                self._partial[shape].discard(slab_id)
         return out
 
     def free(self, shape: KvShape, blocks: Sequence[BlockRef], after: Any = None) -> None:
@@ -131,8 +147,15 @@ class SlabPool:
                 raise ValueError(f"block {ref} belongs to a slab of another shape")
             slab.free.append(ref.index)
             slab.num_used -= 1
-            if slab.num_used == 0:
+            self._used_of[shape] -= 1
+            if slab.num_used == 0:  # empty: any shape may take it
+                self._free_of[shape] -= len(slab.free) - 1
+                self._partial[shape].discard(ref.slab)
                 slab.shape, slab.free, slab.pad = None, [], 0
+                heapq.heappush(self._empty, ref.slab)
+            else:
+                self._free_of[shape] += 1
+                self._partial[shape].add(ref.slab)
 
     def _reclaim(self, block: bool) -> None:
         parked, self._parked = self._parked, []
@@ -149,8 +172,8 @@ class SlabPool:
 
     def _room(self, shape: KvShape) -> Iterator[int]:
         """Free blocks for `shape`, slab by slab: partly used ones, empty ones, then slabs not made yet."""
-        yield from (len(s.free) for s in self._slabs if s.shape == shape)
-        yield from (self._blocks_in(i, shape) for i, s in enumerate(self._slabs) if s.shape is None)
+        yield self._free_of.get(shape, 0)
+        yield from (self._blocks_in(i, shape) for i in self._empty)
         yield from (self._blocks_in(i, shape) for i in range(len(self._slabs), self.max_slabs))
 
     def _has_room(self, shape: KvShape, num_blocks: int) -> bool:
@@ -165,20 +188,30 @@ class SlabPool:
         return sum(self._room(shape))
 
     def _slab_with_room(self, shape: KvShape) -> int:
-        # Fill slabs of this shape first, then reuse an empty slab, then make one.
-        for i, slab in enumerate(self._slabs):
-            if slab.shape == shape and slab.free:
-                return i
-        for i, slab in enumerate(self._slabs):
-            count = self._blocks_in(i, shape)
-            if slab.shape is None and count:
-                slab.shape, slab.pad, slab.free = shape, self._pad(i, shape), list(range(count - 1, -1, -1))
-                if self._zero_on_assign:
-                    slab.storage.zero_()  # on the current stream: before any compute or swap-in that uses it
-                return i
+        # Fill slabs of this shape first (the lowest), then reuse an empty slab (the lowest), then make one.
+        partial = self._partial.get(shape)
+        if partial:
+            return min(partial)
+        skipped, found = [], None
+        while self._empty:  # an empty slab too small for this shape's padded block stays empty for the others
+            i = heapq.heappop(self._empty)
+            if self._blocks_in(i, shape):
+                found = i
+                break
+            skipped.append(i)
+        for i in skipped:
+            heapq.heappush(self._empty, i)
+        if found is not None:
+            slab, count = self._slabs[found], self._blocks_in(found, shape)
+            slab.shape, slab.pad, slab.free = shape, self._pad(found, shape), list(range(count - 1, -1, -1))
+            self._partial.setdefault(shape, set()).add(found)
+            self._free_of[shape] = self._free_of.get(shape, 0) + count
+            if self._zero_on_assign:
+                slab.storage.zero_()  # on the current stream: before any compute or swap-in that uses it
+            return found
         if len(self._slabs) >= self.max_slabs:
             raise OutOfKvMemory(f"no slab can hold a block of {shape.block_bytes} bytes")
-        self._slabs.append(_Slab(self._make_slab(len(self._slabs))))
+        self._new_slab()
         return self._slab_with_room(shape)
 
     # ---- access ----
@@ -204,10 +237,10 @@ class SlabPool:
         return len(self._slabs)
 
     def used_bytes(self) -> int:
-        return sum(s.num_used * s.shape.block_bytes for s in self._slabs if s.shape is not None)
+        return sum(n * shape.block_bytes for shape, n in self._used_of.items())
 
     def used_blocks(self, shape: KvShape | None = None) -> int:
-        return sum(s.num_used for s in self._slabs if shape is None or s.shape == shape)
+        return sum(self._used_of.values()) if shape is None else self._used_of.get(shape, 0)
 
     def made_bytes(self) -> int:
         return len(self._slabs) * self.slab_bytes

@@ -25,8 +25,10 @@ class StepTimings:
     def __init__(self, cuda: bool, keep: int = 4096) -> None:
         self.cuda = cuda
         self.prefills: deque[tuple[str, int, int, float]] = deque(maxlen=keep)  # (model, tokens, requests, s)
-        self.decodes: deque[tuple[int, float, float]] = deque(maxlen=keep)  # (batch, period s, forward s)
-        self._last: tuple[tuple[str, ...], float, Any] | None = None  # (ids, entered at, forward timer)
+        # (batch, period s, forward s, call s): call = the step's time inside the engine (inputs, forward,
+        # sampling, tokens out); period - call = the time outside it (backend hop, controller, runner)
+        self.decodes: deque[tuple[int, float, float, float]] = deque(maxlen=keep)
+        self._last: tuple[tuple[str, ...], float, Any, float] | None = None  # (ids, entered at, forward, call s)
 
     # ---- forward timer: CUDA events around the forward, or the host clock on CPU ----
     def forward_begin(self) -> Any:
@@ -59,8 +61,8 @@ class StepTimings:
         """A decode step of `request_ids` entered at `entered_at`; `forward` from forward_end (None: untimed)."""
         last = self._last
         if last is not None and last[0] == request_ids and last[2] is not None:
-            self.decodes.append((len(request_ids), entered_at - last[1], self._seconds(last[2])))
-        self._last = (request_ids, entered_at, forward)
+            self.decodes.append((len(request_ids), entered_at - last[1], self._seconds(last[2]), last[3]))
+        self._last = (request_ids, entered_at, forward, time.perf_counter() - entered_at)
 
     def other(self) -> None:
         """Any other engine call: the next decode step starts a new run of the same batch."""
@@ -79,10 +81,14 @@ class StepTimings:
                 if not len(picked):
                     continue
                 overhead = (picked[:, 1] - picked[:, 2]) * 1e3
+                outside = (picked[:, 1] - picked[:, 3]) * 1e3
                 decode[f"<={high}"] = {
                     "steps": int(len(picked)), "period_ms_p50": round(float(np.median(picked[:, 1])) * 1e3, 4),
                     "forward_ms_p50": round(float(np.median(picked[:, 2])) * 1e3, 4),
                     "overhead_ms_p50": round(float(np.median(overhead)), 4),
-                    "overhead_ms_p90": round(float(np.percentile(overhead, 90)), 4)}
+                    "overhead_ms_p90": round(float(np.percentile(overhead, 90)), 4),
+                    "in_engine_ms_p50": round(float(np.median(picked[:, 3])) * 1e3, 4),
+                    "outside_ms_p50": round(float(np.median(outside)), 4),
+                    "outside_ms_p90": round(float(np.percentile(outside, 90)), 4)}
         prefills = [[m, t, n, round(s, 6)] for m, t, n, s in list(self.prefills)[-max_prefills:]]
         return {"decode": decode, "prefills": prefills}
