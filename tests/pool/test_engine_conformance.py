@@ -21,7 +21,7 @@ from tests.factories import LinearCosts
 
 MiB = 1 << 20
 FOLDERS = {"a": "tiny-llama", "b": "tiny-qwen2", "c": "tiny-llama"}
-KINDS = ["torch", "sim", "fake", pytest.param("vllm", marks=[pytest.mark.vllm, pytest.mark.slow])]
+KINDS = ["torch", "sim", "fake", pytest.param("vllm", marks=pytest.mark.vllm)]
 
 
 def make_engine(kind: str, demo_models: dict[str, Path], names: tuple[str, ...]) -> Any:
