@@ -12,7 +12,6 @@ asked for and what the cluster has, instead of waiting for ever.
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 STRATEGY = "STRICT_PACK"
@@ -59,11 +58,10 @@ class Placements:
             if self._closed:
                 raise RuntimeError(f"instance {instance_id}: the pool's placement groups are closed (it stopped)")
             group = self._groups[instance_id] = placement_group(bundles, strategy=STRATEGY)
-        started = time.monotonic()
         try:
             ray.get(group.ready(), timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
-            why = describe_unplaced(group, instance_id, bundles, time.monotonic() - started)
+            why = describe_unplaced(group, instance_id, bundles, timeout_s)
             self.release(instance_id)
             raise PlacementTimeout(why) from None
         return group
@@ -105,7 +103,7 @@ def describe_unplaced(group: Any, instance_id: str, bundles: list[dict[str, floa
     except Exception:  # noqa: BLE001
         verdict = "unknown"
     return (f"instance {instance_id}: Ray could not place its placement group of {len(bundles)} bundles "
-            f"{bundles[0]} packed on one node ({STRATEGY}) within {waited_s:.1f} s (Ray: {verdict}); "
+            f"{bundles[0]} packed on one node ({STRATEGY}) within {waited_s:g} s (Ray: {verdict}); "
             f"the cluster has {_nodes_text(ray)}")
 
 
