@@ -22,10 +22,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import IO, Any, Protocol
 
-from pool.engines.base import TokenOut
+from pool.engines.base import OutOfKvMemory, TokenOut
 from pool.runner import InstanceRunner, Issue, LiveRequest
-from scheduler import (Cancelled, Clock, Event, InstanceAdded, InstanceLost, Plan, Request, Scheduler, StepDone,
-                       Stop)
+from scheduler import (Cancelled, Clock, Event, InstanceAdded, InstanceLost, KvRefused, Plan, Request, Scheduler,
+                       StepDone, Stop)
 
 log = logging.getLogger("modelpool.controller")
 
@@ -65,7 +65,7 @@ class _Call:
 class Controller:
     def __init__(self, scheduler: Scheduler, backend: Backend, clock: Clock, instance_ids: Iterable[str], *,
                  plan_log: IO[str] | None = None, max_losses_per_request: int = 2,
-                 call_timeout_s: float | None = None) -> None:
+                 max_refusals_per_request: int = 8, call_timeout_s: float | None = None) -> None:
         if call_timeout_s is not None and not call_timeout_s > 0:
             raise ValueError(f"call_timeout_s must be > 0 (or None: no limit), got {call_timeout_s}")
         self.scheduler = scheduler
@@ -80,6 +80,10 @@ class Controller:
         # request that crashes every engine it reaches would otherwise take the whole pool down, restarts and all)
         self.max_losses_per_request = max_losses_per_request
         self._losses: Counter[str] = Counter()  # request id -> failed calls that carried it
+        # a request in this many refused calls ends: KV the scheduler plans and the engine refuses again and again
+        self.max_refusals_per_request = max_refusals_per_request
+        self._refusals: Counter[str] = Counter()  # request id -> refused calls that carried it
+        self.num_kv_refusals = 0
         self._calls: dict[int, _Call] = {}
         # a call unanswered this long (queued behind the instance's earlier calls included) means a hung instance
         self.call_timeout_s = call_timeout_s
@@ -98,6 +102,7 @@ class Controller:
     def cancel(self, request_id: str, reason: str = "cancelled by client") -> None:
         live = self.requests.pop(request_id, None)
         self._losses.pop(request_id, None)
+        self._refusals.pop(request_id, None)
         if live is None or live.finished:
             return
         live.cancelled = True
@@ -117,6 +122,9 @@ class Controller:
             return False
         fresh_target = call.target_generation == self.generation[call.target] and call.target not in self.lost
         heard = False
+        if isinstance(result, OutOfKvMemory) and fresh_target and call.waiting == call.target:
+            self.refuse(call.target, f"{call.method}: {result}", call.request_ids)
+            return True
         if isinstance(result, BaseException):
             if call.waiting is None and not isinstance(result, InstanceDied):
                 log.warning("fire-and-forget call %s to %s failed: %r", handle, call.target, result)
@@ -167,6 +175,39 @@ class Controller:
         for request_id, why in ended.items():
             self.fail(request_id, why)
 
+    def refuse(self, instance_id: str, reason: str, refused: Iterable[str] = ()) -> None:
+        """The instance's engine found no room for KV a call needed (`OutOfKvMemory`: it changed nothing).
+
+        Not a loss: the instance and its engine stay. What the runner had
+        left to do there is dropped; every request the scheduler placed there
+        goes back to the queue (`KvRefused`) and resumes from prompt plus
+        produced tokens, its KV freed wherever it was. A request whose KV sits
+        here on its way to another instance keeps it. A request in the
+        refused call for the `max_refusals_per_request`-th time ends with
+        `RequestFailed` (the scheduler keeps planning what the engine cannot hold).
+        """
+        log.warning("instance %s: KV refused, its requests go back to the queue: %s", instance_id, reason)
+        self.num_kv_refusals += 1
+        self.runners[instance_id].reset()
+        ended: dict[str, str] = {}
+        for rid in refused:
+            if rid in self.requests:
+                self._refusals[rid] += 1
+                if self._refusals[rid] >= self.max_refusals_per_request:
+                    ended[rid] = f"its KV was refused {self._refusals[rid]} times, the last by {instance_id} ({reason})"
+        freed: dict[str, list[str]] = {}
+        for live in self.requests.values():
+            placed = _placed_on(self.scheduler, live.request_id)
+            if placed == instance_id or (placed is None and live.kv_home == instance_id):
+                if live.kv_home is not None and live.kv_home not in self.lost:
+                    freed.setdefault(live.kv_home, []).append(live.request_id)
+                live.kv_home = None
+        for home, ids in sorted(freed.items()):  # before anything planned next: calls to one engine run in order
+            self._issue(None, home, "release", (ids,), {})
+        self._report(KvRefused(instance_id, reason))
+        for request_id, why in ended.items():
+            self.fail(request_id, why)
+
     def restore(self, instance_id: str) -> None:
         """A fresh engine runs on a lost instance again: the scheduler hears `InstanceAdded`."""
         if instance_id not in self.lost:
@@ -208,6 +249,7 @@ class Controller:
             self.scheduler.on_event(Cancelled(request_id, reason), self.clock.now())
         self._calls.clear()
         self._losses.clear()
+        self._refusals.clear()
 
     # ---- the tick ------------------------------------------------------------------
     def tick(self) -> Plan:
@@ -223,6 +265,7 @@ class Controller:
         for request_id, why in plan.failed:
             live = self.requests.pop(request_id, None)
             self._losses.pop(request_id, None)
+            self._refusals.pop(request_id, None)
             if live is not None and live.sink is not None:
                 live.sink(RequestFailed(why))
         for instance_id, actions in plan.actions.items():
@@ -264,6 +307,7 @@ class Controller:
             for request_id in event.finished_ids:
                 self.requests.pop(request_id, None)
                 self._losses.pop(request_id, None)
+                self._refusals.pop(request_id, None)
 
     def _deliver(self, live: LiveRequest, out: TokenOut) -> None:
         if live.sink is not None:

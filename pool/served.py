@@ -1,19 +1,22 @@
 """The models a pool serves: each one's folder and scheduler profile, how clients see it, and its tokenizer.
 
 `served_model` reads a local folder's config.json into the `ModelProfile` the
-scheduler plans with; `slot_instances` sizes instances to hold the models;
+scheduler plans with; `slot_instances` sizes instances to hold the models, and
+`plan_kv` gives them (and the profiles) the KV their engines report;
 `model_infos` gives what the gateway tells clients (the longest request each
 model takes, its vocabulary), and `load_tokenizer` the gateway's tokenizer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pool.engines.base import KvCapacity
 from scheduler import InstanceSpec, ModelProfile, Scheduler
 from scheduler.fleet import Arch, arch_from_hf_config
 
@@ -41,13 +44,39 @@ def slot_instances(num: int, models: Sequence[ServedModel], kv_bytes: int, roles
                    prefix: str = "slot") -> list[InstanceSpec]:
     """Instances on CPU slots (or single GPUs) whose engines hold `kv_bytes` of KV and two model slots.
 
-    The scheduler is told 90% of the engine's KV so block rounding in the
-    engine never meets a request the scheduler thought would fit.
+    The KV the scheduler plans with is not this configured figure but what
+    each engine reports once started (`plan_kv`, in `LivePool.start`).
     """
     biggest = max(m.profile.weight_bytes for m in models)
-    memory = 0.9 * kv_bytes + 2 * biggest
+    memory = kv_bytes + 2 * biggest
     return [InstanceSpec(f"{prefix}{k}", 1, memory, (roles[k] if roles else "mixed"))  # type: ignore[arg-type]
             for k in range(num)]
+
+
+def plan_kv(instances: Sequence[InstanceSpec], profiles: Mapping[str, ModelProfile],
+            reports: Mapping[str, KvCapacity]) -> tuple[list[InstanceSpec], dict[str, ModelProfile]]:
+    """The instances and model profiles the scheduler plans with, given each instance's engine report.
+
+    The scheduler counts a request's KV as `kv_bytes_per_token` times its
+    tokens in whole blocks (`kv_block_tokens`) against one budget per
+    instance (`InstanceSpec.kv_bytes`). The budget is the least any model's
+    report allows, `tokens * kv_bytes_per_token`, so every mix of requests the
+    scheduler admits is one the engine promised to hold (`KvCapacity`); the
+    block is the largest any instance reports for the model.
+    """
+    planned = []
+    for spec in instances:
+        report = reports.get(spec.instance_id)
+        if report is None:
+            raise ValueError(f"instance {spec.instance_id!r}: its engine reported no KV capacity")
+        missing = sorted(set(profiles) - set(report.tokens))
+        if missing:
+            raise ValueError(f"instance {spec.instance_id!r}: its engine reports no KV for {missing} "
+                             f"(it has {sorted(report.tokens)})")
+        budget = min(report.tokens[name] * max(1, p.kv_bytes_per_token) for name, p in profiles.items())
+        planned.append(dataclasses.replace(spec, kv_bytes=float(budget)))
+    blocks = {name: max(reports[s.instance_id].block_tokens[name] for s in instances) for name in profiles}
+    return planned, {name: dataclasses.replace(p, kv_block_tokens=blocks[name]) for name, p in profiles.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +122,8 @@ def _max_model_len(model: ServedModel, scheduler: Scheduler | None) -> int:
     profile = model.profile
     length = profile.max_context
     if scheduler is not None and profile.kv_bytes_per_token > 0:
-        length = min(length, int(scheduler.kv_room(model.name) // profile.kv_bytes_per_token))
+        tokens = int(scheduler.kv_room(model.name) // profile.kv_bytes_per_token)
+        length = min(length, tokens // profile.kv_block_tokens * profile.kv_block_tokens)
     cfg = _read_config(model.path)
     window = cfg.get("sliding_window")
     if cfg.get("model_type") in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):

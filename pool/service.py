@@ -45,10 +45,11 @@ from pool.backends import InProcessBackend, RayBackend, ThreadBackend
 from pool.procs import ProcessBackend, start_workers
 from pool.clock import MonotonicClock
 from pool.controller import Controller
-from pool.engines.base import Engine, SamplingParams, TokenOut
+from pool.engines.base import Engine, KvCapacity, SamplingParams, TokenOut
 from pool.restarts import Restarts
 from pool.runner import LiveRequest
-from pool.served import ModelInfo, ServedModel, load_tokenizer, model_infos, served_model, slot_instances
+from pool.served import (ModelInfo, ServedModel, load_tokenizer, model_infos, plan_kv, served_model,
+                         slot_instances)
 from scheduler import CostModel, InstanceSpec, Plan, SwapIn, SwapOut, Switch, make_scheduler
 
 # the served-model helpers lived here before pool.served; callers may still import them from pool.service
@@ -103,6 +104,7 @@ class LivePool:
             raise ValueError(f"unknown backend {backend!r}; choose {', '.join(BACKENDS)}")
         self.models = {m.name: m for m in models}
         self.instances = list(instances)
+        self.planned_instances = self.instances  # as the scheduler sees them: with the KV the engines report (start)
         self.policy = policy
         self.costs = costs
         self.engine = engine or EngineSpec()
@@ -187,9 +189,13 @@ class LivePool:
         else:
             engines = {iid: self._new_engine(iid) for iid in ids}
             backend = InProcessBackend(engines) if self.backend_kind == "inprocess" else ThreadBackend(engines)
-        scheduler = make_scheduler(self.policy, {n: m.profile for n, m in self.models.items()}, self.instances,
-                                   self.costs, **{"keep_ended": False, **self.policy_options})  # hold live requests only
-        self._infos = model_infos(self.models, scheduler)
+        # the scheduler plans with the KV each engine reports, not the configured figure (block and slab rounding)
+        self.planned_instances, profiles = plan_kv(self.instances, {n: m.profile for n, m in self.models.items()},
+                                                   self._kv_reports(backend, ids))
+        scheduler = make_scheduler(self.policy, profiles, self.planned_instances, self.costs,
+                                   **{"keep_ended": False, **self.policy_options})  # hold live requests only
+        self._infos = model_infos({n: dataclasses.replace(m, profile=profiles[n]) for n, m in self.models.items()},
+                                  scheduler)
         self.controller = Controller(scheduler, backend, self.clock, ids, plan_log=self.plan_log,
                                      call_timeout_s=self.call_timeout_s)
         self._backend = backend
@@ -199,6 +205,23 @@ class LivePool:
                                         daemon=True)
         self._thread.start()
         return self
+
+    def _kv_reports(self, backend: Any, ids: Sequence[str], timeout_s: float = 600.0) -> dict[str, KvCapacity]:
+        """Every engine's `kv_capacity()`, asked through the backend before the loop runs."""
+        handles = {backend.call(iid, "kv_capacity", (), {}): iid for iid in ids}
+        reports: dict[str, KvCapacity] = {}
+        deadline = time.monotonic() + timeout_s
+        while handles:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"instances {sorted(handles.values())} did not report their KV within {timeout_s} s")
+            for handle, result in backend.poll(0.05):
+                iid = handles.pop(handle, None)
+                if iid is None:
+                    continue
+                if isinstance(result, BaseException):
+                    raise RuntimeError(f"instance {iid}: kv_capacity() failed: {result!r}") from result
+                reports[iid] = result
+        return reports
 
     def stop(self) -> None:
         """Stop the loop and the instances; requests still in the pool end with `PoolClosed`, their KV freed."""

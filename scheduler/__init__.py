@@ -20,8 +20,8 @@ from scheduler.costs import CostModel, InstanceSpec, ModelProfile, make_instance
 from scheduler import instance
 from scheduler.errors import IllegalTransition, RefusedAction
 from scheduler.instance import KvPlaces, ModelSlots
-from scheduler.plan import (Action, Cancelled, Decode, Event, InstanceAdded, InstanceLost, KvMoved, Plan, Prefetch,
-                            Prefill, StepDone, Stop, SwapIn, SwapOut, Switch, SwitchDone)
+from scheduler.plan import (Action, Cancelled, Decode, Event, InstanceAdded, InstanceLost, KvMoved, KvRefused, Plan,
+                            Prefetch, Prefill, StepDone, Stop, SwapIn, SwapOut, Switch, SwitchDone)
 from scheduler.policies import POLICIES
 from scheduler.quotas import decode_quotas
 from scheduler.request import TERMINAL, Request, RequestStatus, transition
@@ -65,7 +65,7 @@ def make_scheduler(policy: str, models: Mapping[str, ModelProfile], instances: S
 
 __all__ = [
     "Action", "Cancelled", "KvPlaces", "ModelSlots", "RefusedAction", "instance", "Clock", "CostModel", "Decode", "Event", "IllegalTransition", "InstanceAdded",
-    "InstanceLost", "InstanceSpec", "InstanceView", "KvMoved", "ManualClock", "ModelProfile", "POLICIES", "Plan",
+    "InstanceLost", "InstanceSpec", "InstanceView", "KvMoved", "KvRefused", "ManualClock", "ModelProfile", "POLICIES", "Plan",
     "Prefetch", "Prefill", "Request", "RequestStatus", "RequestView", "Scheduler", "SchedulerView", "StepDone",
     "Stop", "SwapIn", "SwapOut", "Switch", "SwitchDone", "TERMINAL", "decode_quotas", "make_instances",
     "make_scheduler", "model_profiles", "transition",

@@ -32,6 +32,14 @@ class ModelProfile:
     ttft_slo_s: float
     tpot_slo_s: float
     rate_rps: float = 0.0  # traffic hint, 0 when unknown
+    kv_block_tokens: int = 1  # KV is held in blocks of this many tokens: a request takes whole blocks
+
+
+def kv_need_tokens(model: ModelProfile, num_tokens: int) -> int:
+    """The KV tokens a request of `num_tokens` (prompt + output) holds: its context's, in whole blocks."""
+    tokens = min(num_tokens, model.max_context)
+    block = model.kv_block_tokens
+    return tokens if block <= 1 else -(-tokens // block) * block
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +50,14 @@ class InstanceSpec:
     tp: int
     memory_bytes: float  # usable device memory over its tp GPUs
     role: Role = "mixed"
+    # device KV bytes of an engine that keeps its KV in a region of its own, as the engine reports it (the live
+    # pool: `pool.served.plan_kv`); None: the memory the resident weights leave (a simulated GPU)
+    kv_bytes: float | None = None
+
+
+def kv_capacity(spec: InstanceSpec, weight_bytes: float) -> float:
+    """The device KV an instance plans with when its resident weights take `weight_bytes`."""
+    return spec.kv_bytes if spec.kv_bytes is not None else spec.memory_bytes - weight_bytes
 
 
 class CopyLinks(Protocol):

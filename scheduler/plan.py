@@ -225,6 +225,20 @@ class InstanceLost:
 
 
 @dataclass(frozen=True, slots=True, init=False)
+class KvRefused:
+    """An instance's engine found no room for KV the plan gave it (a refusal, not a loss): what was in flight
+    there did not run, and every request placed on it goes back to the queue, to resume from prompt plus the
+    tokens it produced. The instance stays (with no model taken as active: the next Switch says which)."""
+
+    instance_id: str
+    reason: str = ""
+
+    def __init__(self, instance_id: str, reason: str = "") -> None:
+        object.__setattr__(self, "instance_id", instance_id)
+        object.__setattr__(self, "reason", reason)
+
+
+@dataclass(frozen=True, slots=True, init=False)
 class InstanceAdded:
     """A (restarted or new) instance is ready; its spec is already registered."""
 
@@ -244,4 +258,4 @@ class Cancelled:
         object.__setattr__(self, "reason", reason)
 
 
-Event = Union[StepDone, SwitchDone, KvMoved, InstanceLost, InstanceAdded, Cancelled]
+Event = Union[StepDone, SwitchDone, KvMoved, InstanceLost, KvRefused, InstanceAdded, Cancelled]

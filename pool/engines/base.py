@@ -117,6 +117,28 @@ class KvExport:
 
 
 @dataclass(frozen=True, slots=True)
+class KvCapacity:
+    """The device KV an engine can give requests, per loaded model, after its block and slab rounding.
+
+    `tokens[m]` is what the device KV holds of model m alone; a request of m
+    holds whole blocks of `block_tokens[m]` tokens. A mix fits when each
+    request's blocks, counted as its share `blocks * block_tokens[m] / tokens[m]`,
+    add up to at most 1. This is the KV the scheduler plans with
+    (`pool.served.plan_kv`); a call that still finds no room raises `OutOfKvMemory`.
+    """
+
+    tokens: Mapping[str, int]
+    block_tokens: Mapping[str, int]
+
+    def __post_init__(self) -> None:
+        if set(self.tokens) != set(self.block_tokens):
+            raise ValueError(f"KvCapacity: tokens for {sorted(self.tokens)}, blocks for {sorted(self.block_tokens)}")
+        for name, block in self.block_tokens.items():
+            if block < 1 or self.tokens[name] < 0:
+                raise ValueError(f"KvCapacity[{name!r}]: {self.tokens[name]} tokens in blocks of {block}")
+
+
+@dataclass(frozen=True, slots=True)
 class EngineStats:
     """What an engine holds and has moved; sizes in bytes."""
 
@@ -124,6 +146,7 @@ class EngineStats:
     device_buffer_bytes: int = 0
     kv_device_bytes: int = 0  # the KV region
     kv_device_used_bytes: int = 0
+    kv_capacity: KvCapacity | None = None  # what `Engine.kv_capacity` reports (None: not known yet)
     kv_host_bytes: int = 0  # host KV slabs allocated (kept for reuse)
     kv_host_used_bytes: int = 0
     host_weight_bytes: int = 0  # this engine's weight cache
@@ -202,6 +225,10 @@ class Engine(Protocol):
         """
         ...
 
+    def kv_capacity(self) -> KvCapacity:
+        """The device KV requests can have, per loaded model (see `KvCapacity`); once every model is loaded."""
+        ...
+
     def stats(self) -> EngineStats: ...
 
 
@@ -210,7 +237,8 @@ class EngineError(RuntimeError):
 
 
 class OutOfKvMemory(EngineError):
-    """Not enough free KV blocks for the call; nothing was changed."""
+    """Not enough free KV blocks for the call; nothing was changed. A refusal, not a failure: the pool sends
+    the requests on that instance back to the queue and keeps the instance (`pool.controller`)."""
 
 
 class Table(dict[str, T]):

@@ -16,11 +16,22 @@ one layer are a single `index_select` of rows, already in the
 `[heads, tokens, head_dim]` order attention multiplies with.
 Freed blocks that an in-flight copy still reads or writes are parked with
 that copy's event and come back once it has completed.
+
+What the pool can promise (`usable_blocks`): blocks of several shapes share
+its slabs, so each shape in use may leave one slab part-filled that no other
+shape can use. Counting each request of shape i as `blocks / usable_i`, any
+set of requests whose shares sum to at most 1 fits: with n_i blocks per slab,
+S slabs and M shapes, usable_i = floor(n_i * (S - (M - 1) - sum_j h_j / n_j))
+where h_j are blocks held outside requests (a graph's scratch block), because
+the slabs needed, sum_i ceil((k_i + h_i) / n_i), are then fewer than S + 1.
+Slabs sized to a whole number of every shape's blocks (`slab_bytes_for`)
+lose nothing else.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -184,6 +195,18 @@ class SlabPool:
                 return True
         return False
 
+    def usable_blocks(self, shape: KvShape, shapes: Sequence[KvShape], held: int = 0) -> int:
+        """Blocks of `shape` requests can count on when blocks of all `shapes` (`shape` among them) share the
+        pool, each shape also holding `held` blocks outside requests (see the module docstring)."""
+        kinds = set(shapes) | {shape}
+        if len(kinds) == 1:  # no other shape can strand a slab: every block there is
+            return max(0, sum(self._blocks_in(i, shape) for i in range(self.max_slabs)) - held)
+        per_slab = {s: min((self._blocks_in(i, s) for i in range(self.max_slabs)), default=0) for s in kinds}
+        if any(n == 0 for n in per_slab.values()):
+            return 0
+        slabs = self.max_slabs - (len(kinds) - 1) - sum(held / n for n in per_slab.values())
+        return max(0, int(per_slab[shape] * slabs + 1e-9))
+
     def _capacity_for(self, shape: KvShape) -> int:
         return sum(self._room(shape))
 
@@ -247,6 +270,19 @@ class SlabPool:
 
     def num_parked(self) -> int:
         return sum(len(blocks) for _, _, blocks in self._parked)
+
+
+def slab_bytes_for(block_bytes: Sequence[int], at_least: int, max_factor: int = 4) -> int:
+    """A device slab size of at least `at_least` bytes that holds a whole number of blocks of every size in
+    `block_bytes` (no slab loses a tail), when one within `max_factor` times `at_least` exists; else a whole
+    number of the largest block (the largest shape loses nothing)."""
+    sizes = sorted({int(b) for b in block_bytes if b > 0})
+    if not sizes:
+        return at_least
+    common = math.lcm(*sizes)
+    if -(-at_least // common) * common <= max_factor * at_least:
+        return -(-at_least // common) * common
+    return -(-at_least // sizes[-1]) * sizes[-1]
 
 
 def device_pool(region: torch.Tensor, slab_bytes: int) -> SlabPool:

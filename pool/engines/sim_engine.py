@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pool.engines.base import (EngineError, EngineStats, FinishReason, GenRequest, KvExport, OutOfKvMemory,
-                               Table, TokenOut)
+from pool.engines.base import (EngineError, EngineStats, FinishReason, GenRequest, KvCapacity, KvExport,
+                               OutOfKvMemory, Table, TokenOut)
 from scheduler import ModelSlots, RefusedAction, instance
 
 SIM_LABEL = "[sim]"
@@ -186,10 +186,17 @@ class SimEngine:
             self._sleep(self.costs.kv_move_s(req.model, export.num_tokens))  # the host-to-host hop
             self._seqs[req.request_id] = seq
 
+    def kv_capacity(self) -> KvCapacity:
+        """Tokens of each model `kv_bytes` holds: KV is counted by the token, no blocks (a model of unknown
+        size, 0 bytes a token, is capped at its bytes as if a token took one)."""
+        return KvCapacity(tokens={m.name: self.kv_bytes // max(1, m.kv_bytes_per_token) for m in self._models.values()},
+                          block_tokens={name: 1 for name in self._models})
+
     def stats(self) -> EngineStats:
         device = sum(self._kv_of(s) for s in self._seqs.values() if s.on_device)
         host = sum(self._kv_of(s) for s in self._seqs.values() if not s.on_device)
         return EngineStats(device="sim", kv_device_bytes=self.kv_bytes, kv_device_used_bytes=device,
+                           kv_capacity=self.kv_capacity(),
                            kv_host_bytes=host, kv_host_used_bytes=host, loaded_models=tuple(self._models),
                            active_model=self.slots.active, prefetched_model=self.slots.spare,
                            num_requests=len(self._seqs), bytes_h2d=self.bytes_h2d, bytes_d2h=self.bytes_d2h,

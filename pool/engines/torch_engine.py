@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 
-from pool.engines.base import EngineError, EngineStats, GenRequest, KvExport, Table, TokenOut
+from pool.engines.base import EngineError, EngineStats, GenRequest, KvCapacity, KvExport, Table, TokenOut
 from pool.engines.device import DeviceBuffer, Streams, align_up, held_device_bytes
 from pool.engines.forward import Decoder, DecodeInputs, SharedTensors
 from pool.engines.graphs import NO_GRAPHS, GraphBuckets
-from pool.engines.kv import KvShape, host_pool
+from pool.engines.kv import KvShape, host_pool, slab_bytes_for
 from pool.engines.kvstore import (KvStore, SeqKv, allocate_all, decode_inputs, free_host, prefill_inputs, read_host,
                                   write_tokens)
 from pool.engines.sampling import OutputText, finish_reason, random_seed, sample
@@ -50,7 +50,8 @@ class TorchEngineConfig:
     dtype: str | None = None  # weights/compute dtype ('bfloat16', 'float32'); None: the checkpoint's
     block_size: int = 16  # tokens per KV block
     kv_bytes: int = 64 * MiB  # the device KV region
-    device_slab_bytes: int = 1 * MiB  # device KV slab (one block shape each)
+    # device KV slab (one block shape each); None: at least 1 MiB, a whole number of every loaded model's blocks
+    device_slab_bytes: int | None = None
     host_slab_bytes: int = 4 * MiB  # host KV slab (Aegaeon: 1 GiB)
     max_host_kv_bytes: int = 1024 * MiB  # cap on host KV slabs
     host_kv_prealloc_bytes: int = 0  # host KV slabs made up front (pinning mid-swap costs ~0.3 s/GiB)
@@ -64,7 +65,7 @@ class TorchEngineConfig:
             raise ValueError(f"TorchEngineConfig.dtype = {self.dtype!r} is not a torch dtype")
         GraphBuckets(self.graph_batch_sizes, self.graph_block_widths)  # raises on a bad set
         for name in ("block_size", "device_slab_bytes", "host_slab_bytes"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"TorchEngineConfig.{name} = {getattr(self, name)!r} must be >= 1")
         for name in ("kv_bytes", "max_host_kv_bytes", "host_kv_prealloc_bytes"):
             if getattr(self, name) < 0:
@@ -109,6 +110,7 @@ class TorchEngine:
         self._buffer: DeviceBuffer | None = None
         self._slots: ModelSlots | None = None
         self._kv: KvStore | None = None
+        self._kv_report: tuple[Any, KvCapacity] | None = None  # kv_capacity()'s answer for these models
         self._host_kv = host_pool(self.config.host_slab_bytes, self.config.max_host_kv_bytes, self.streams.cuda)
         self._host_kv.reserve(-(-self.config.host_kv_prealloc_bytes // self.config.host_slab_bytes))
         self._decoders: dict[tuple[str, int, bool | None], Decoder] = {}
@@ -327,6 +329,20 @@ class TorchEngine:
     def synchronize(self) -> None:
         self.streams.synchronize()
 
+    def kv_capacity(self) -> KvCapacity:
+        """Tokens of each loaded model the device KV holds, after block and slab rounding (makes the device
+        buffer when it is not made yet: call it once every model is loaded)."""
+        device = self._kv_store().device
+        held = 1 if self.use_cuda_graphs else 0  # a scratch block per shape for the graphs' padded rows
+        key = (tuple(self._models), held)
+        if self._kv_report is None or self._kv_report[0] != key:
+            shapes = [m.kv_shape for m in self._models.values()]
+            self._kv_report = key, KvCapacity(
+                tokens={m.name: device.usable_blocks(m.kv_shape, shapes, held) * m.kv_shape.block_size
+                        for m in self._models.values()},
+                block_tokens={m.name: m.kv_shape.block_size for m in self._models.values()})
+        return self._kv_report[1]
+
     def stats(self) -> EngineStats:
         self.timings.other()
         slots, kv, host = self._slots, self._kv, self._host_kv
@@ -334,6 +350,7 @@ class TorchEngine:
             device=str(self.device),
             device_buffer_bytes=self._buffer.nbytes if self._buffer else 0,
             kv_device_bytes=kv.device.max_slabs * kv.device.slab_bytes if kv else 0,
+            kv_capacity=self.kv_capacity() if kv else None,
             kv_device_used_bytes=kv.device.used_bytes() if kv else 0,
             kv_host_bytes=host.made_bytes(),
             kv_host_used_bytes=host.used_bytes(),
@@ -370,6 +387,7 @@ class TorchEngine:
         self._decoders.clear()
         self._shared.clear()
         self._buffer = self._slots = self._kv = None
+        self._kv_report = None
         if self.streams.cuda:
             torch.cuda.empty_cache()
 
@@ -381,7 +399,8 @@ class TorchEngine:
             slot = align_up(cfg.max_model_bytes or max((m.image.nbytes for m in self._models.values()), default=0))
             self._buffer = DeviceBuffer({"kv": cfg.kv_bytes, "models": 2 * slot}, self.device)
             self._slots = ModelSlots(self._buffer.region("models"), self.streams, on_copy=self._count_weight_copy)
-            self._kv = KvStore(self._buffer.region("kv"), cfg.device_slab_bytes, self._host_kv, self.streams)
+            slab = cfg.device_slab_bytes or slab_bytes_for([m.kv_shape.block_bytes for m in self._models.values()], MiB)
+            self._kv = KvStore(self._buffer.region("kv"), slab, self._host_kv, self.streams)
         return self._slots
 
     def _kv_store(self) -> KvStore:

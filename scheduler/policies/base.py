@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import ClassVar, Final
 
-from scheduler.costs import CostModel, InstanceSpec, ModelProfile
-from scheduler.plan import (Action, Cancelled, Decode, Event, InstanceAdded, InstanceLost, KvMoved, Plan, Prefill,
-                            Stop, StepDone, SwapIn, SwapOut, Switch, SwitchDone)
+from scheduler.costs import CostModel, InstanceSpec, ModelProfile, kv_capacity, kv_need_tokens
+from scheduler.plan import (Action, Cancelled, Decode, Event, InstanceAdded, InstanceLost, KvMoved, KvRefused, Plan,
+                            Prefill, Stop, StepDone, SwapIn, SwapOut, Switch, SwitchDone)
 from scheduler.request import (CANCELLED, FAILED, FINISHED, PREFILLING, QUEUED, RUNNING, SWAPPED, TERMINAL, Request,
                                RequestStatus, transition)
 from scheduler.view import InstanceView, RequestView, SchedulerView
@@ -142,13 +142,17 @@ class PolicyBase:
 
     def on_event(self, event: Event, now: float) -> None:
         kind = type(event)
-        if isinstance(event, Cancelled) or isinstance(event, InstanceLost) or isinstance(event, InstanceAdded):
+        if isinstance(event, Cancelled) or isinstance(event, InstanceLost) or isinstance(event, InstanceAdded) \
+                or isinstance(event, KvRefused):
             self._dirty = self._queued_news = True
             self._touched.update(self.instances)
             if isinstance(event, Cancelled):
                 self._cancel(event, now)
             elif isinstance(event, InstanceLost):
                 self._lose(self.instances[event.instance_id], event.reason or "instance lost", now)
+            elif isinstance(event, KvRefused):  # as a loss and a restart at once: its requests re-queue, it stays
+                self._lose(self.instances[event.instance_id], event.reason or "KV refused", now)
+                self._add_instance(event.instance_id)
             else:
                 self._add_instance(event.instance_id)
             return
@@ -232,7 +236,7 @@ class PolicyBase:
     def _kv_capacity(self, spec: InstanceSpec) -> float:
         """Device KV bytes left on an instance once its model weights are in."""
         biggest = max((m.weight_bytes for m in self.models.values() if m.tp == spec.tp), default=0.0)
-        return spec.memory_bytes - biggest
+        return kv_capacity(spec, biggest)
 
     def _after_event(self, inst: InstanceState, event: Event, now: float) -> None:
         """Called after the shared handling of an instance's event."""
@@ -253,7 +257,7 @@ class PolicyBase:
     # ---- shared pieces -------------------------------------------------------------
     def kv_need_bytes(self, request: Request) -> float:
         model = self.models[request.model]
-        return model.kv_bytes_per_token * min(request.prompt_tokens + request.max_output_tokens, model.max_context)
+        return model.kv_bytes_per_token * kv_need_tokens(model, request.prompt_tokens + request.max_output_tokens)
 
     def _refuse(self, request: Request) -> str:
         model = self.models.get(request.model)

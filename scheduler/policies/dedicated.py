@@ -19,7 +19,7 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
-from scheduler.costs import CostModel, InstanceSpec, ModelProfile
+from scheduler.costs import CostModel, InstanceSpec, ModelProfile, kv_capacity
 from scheduler.plan import Action, Stop, Switch
 from scheduler.policies.base import PolicyBase
 
@@ -69,7 +69,7 @@ class DedicatedPolicy(PolicyBase):
         for iid, model in self.owner.items():
             self.serving.setdefault(model, []).append(iid)
             inst = self.instances[iid]
-            inst.kv_capacity_bytes = inst.spec.memory_bytes - self.models[model].weight_bytes
+            inst.kv_capacity_bytes = kv_capacity(inst.spec, self.models[model].weight_bytes)
 
     def kv_room(self, model: str) -> float:
         return max(self.instances[i].kv_capacity_bytes for i in self.serving[model])

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from scheduler.costs import kv_capacity
 from scheduler.plan import Action, Prefill, Stop, Switch
 from scheduler.policies.base import InstanceState, PolicyBase
 
@@ -49,7 +50,7 @@ class RequestLevelPolicy(PolicyBase):
             if inst.active is not None:
                 holders[inst.active].remove(inst)
             holders.setdefault(model, []).append(inst)
-            inst.kv_capacity_bytes = inst.spec.memory_bytes - self.models[model].weight_bytes
+            inst.kv_capacity_bytes = kv_capacity(inst.spec, self.models[model].weight_bytes)
             why = "empty instance" if inst.active is None else f"evict LRU idle {inst.active}"
             inst.active = model  # planned; SwitchDone confirms
             switch: list[Action] = [Switch(model, reason=f"load {model} for queued requests ({why})")]
@@ -58,7 +59,7 @@ class RequestLevelPolicy(PolicyBase):
 
     def kv_room(self, model: str) -> float:
         tp = self.models[model].tp
-        return max((i.spec.memory_bytes - self.models[model].weight_bytes
+        return max((kv_capacity(i.spec, self.models[model].weight_bytes)
                     for i in self.instances.values() if i.spec.tp == tp), default=0.0)
 
     def _free_instance(self, model: str, planned: dict[str, list[Action]]) -> InstanceState | None:

@@ -21,7 +21,7 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
-from scheduler.costs import CostModel, InstanceSpec, ModelProfile
+from scheduler.costs import CostModel, InstanceSpec, ModelProfile, kv_capacity
 from scheduler.plan import Action, Stop, Switch
 from scheduler.policies.base import PolicyBase
 from scheduler.request import Request
@@ -94,7 +94,7 @@ class SpatialPolicy(PolicyBase):
         self.hosts: dict[str, list[str]] = {name: [] for name in self.models}
         for iid, names in self.placement.items():
             inst = self.instances[iid]
-            inst.kv_capacity_bytes = inst.spec.memory_bytes - sum(self.models[n].weight_bytes for n in names)
+            inst.kv_capacity_bytes = kv_capacity(inst.spec, sum(self.models[n].weight_bytes for n in names))
             for name in names:
                 self.hosts[name].append(iid)
 

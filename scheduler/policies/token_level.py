@@ -59,7 +59,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Final
 
-from scheduler.costs import CostModel, InstanceSpec, ModelProfile
+from scheduler.costs import CostModel, InstanceSpec, ModelProfile, kv_capacity
 from scheduler.plan import Action, Decode, Event, KvMoved, Prefetch, Prefill, StepDone, Stop, SwapIn, SwapOut, Switch
 from scheduler.policies.base import InstanceState, PolicyBase
 from scheduler.quotas import first_decode_quota
@@ -153,7 +153,7 @@ class TokenLevelPolicy(PolicyBase):
     def _kv_capacity(self, spec: InstanceSpec) -> float:
         # the device buffer holds KV | current model | prefetched model
         biggest = max((m.weight_bytes for m in self.models.values() if m.tp == spec.tp), default=0.0)
-        return spec.memory_bytes - 2 * biggest
+        return kv_capacity(spec, 2 * biggest)
 
     # ---- planning --------------------------------------------------------------
     def _plan(self, now: float) -> dict[str, list[Action]]:

@@ -63,13 +63,17 @@ def run_requests(pool: LivePool, timeout_s: float = 120.0) -> dict[tuple[str, in
 @pytest.mark.parametrize("k", [1, 3, 7])
 def test_three_models_share_one_instance_preempted_every_k_tokens(k: int, tiny, reference) -> None:
     models = [served_model(name, path, dtype="float32") for name, path in tiny.items()]
-    # tell the scheduler the device holds KV for one model's requests only, so every turn change swaps
-    need = max(m.profile.kv_bytes_per_token for m in models) * (max(map(len, PROMPTS)) + NEW_TOKENS)
-    instances = slot_instances(1, models, int(len(PROMPTS) * 1.2 * need / 0.9))
+    # a device that holds KV for one model's requests only, so every turn change swaps: slabs of 3 tiny-llama
+    # (or 4 tiny-qwen3) blocks, two of them, one kept for a slab part-filled by the other shape; each request
+    # takes two 16-token blocks, so the one usable slab holds the three requests of one model
+    slab = 3 * 16 * 2 * 2 * 2 * 64 * 4
+    engine = EngineSpec("torch", {"dtype": "float32", "kv_bytes": 2 * slab, "device_slab_bytes": slab})
+    instances = slot_instances(1, models, 2 * slab)
     log = io.StringIO()
-    pool = LivePool(models, instances, "token-level", LinearCosts(), engine=ENGINE,
+    pool = LivePool(models, instances, "token-level", LinearCosts(), engine=engine,
                     backend="inprocess", policy_options={"fixed_turn_steps": k}, plan_log=log)
     with pool:
+        assert pool.planned_instances[0].kv_bytes == slab  # the scheduler plans with what the engine reports
         sinks = run_requests(pool)
     for key, sink in sinks.items():
         assert sink.tokens == reference[key], key

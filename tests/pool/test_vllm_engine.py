@@ -382,3 +382,18 @@ def test_engine_is_built_and_driven_inside_a_ray_actor(engine, demo_models):
         assert got == expected and call("stats").num_requests == 0
     finally:
         ray.shutdown()
+
+
+def test_kv_capacity_is_each_model_cache_less_the_null_block_and_holds_what_it_says(engine):
+    report = engine.kv_capacity()
+    assert set(report.tokens) == set(MODELS) and engine.stats().kv_capacity == report
+    for name in MODELS:
+        info = engine._models[name].info
+        assert report.block_tokens[name] == 32 == info.block_size
+        assert report.tokens[name] == (info.num_kv_blocks - 1) * 32 > 0
+    # fill one model's cache to the report in requests of whole blocks (8 each: 247 prompt + 9 output tokens)
+    model = MODELS[0]
+    count = report.tokens[model] // 256
+    requests = [GenRequest(f"fill-{i}", model, [5 + i % 7] * 247, greedy(9)) for i in range(count)]
+    outs = run(engine, requests)  # OutOfKvMemory if vLLM could not keep them all going
+    assert all(len(o) == 9 and o[-1].finished for o in outs.values()) and engine.stats().num_requests == 0

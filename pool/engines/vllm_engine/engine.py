@@ -40,7 +40,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from pool.engines.base import EngineError, EngineStats, GenRequest, KvExport, OutOfKvMemory, Table, TokenOut
+from pool.engines.base import EngineError, EngineStats, GenRequest, KvCapacity, KvExport, OutOfKvMemory, Table, TokenOut
 from pool.engines.sampling import OutputText, random_seed
 from pool.engines.vllm_engine.config import VllmEngineConfig
 from pool.engines.vllm_engine.core import ChildCore, VllmCore
@@ -236,6 +236,13 @@ class VllmEngine:
             logger.info("import_kv: %d requests; their %d KV tokens are dropped and recomputed when they resume",
                         len(seqs), dropped)
 
+    def kv_capacity(self) -> KvCapacity:
+        """Each model's vLLM engine has a KV cache of its own: its blocks but the one vLLM keeps back (its
+        block pool's null block), in whole blocks of its block size."""
+        return KvCapacity(
+            tokens={m.name: max(0, m.info.num_kv_blocks - 1) * m.info.block_size for m in self._models.values()},
+            block_tokens={m.name: m.info.block_size for m in self._models.values()})
+
     def stats(self) -> EngineStats:
         awake = [m for m in self._models.values() if m.awake]
         c = self.counters
@@ -243,6 +250,7 @@ class VllmEngine:
             device=self.device,
             kv_device_bytes=sum(m.info.kv_cache_bytes for m in awake),
             kv_device_used_bytes=int(sum(m.core.kv_used_fraction() * m.info.kv_cache_bytes for m in awake)),
+            kv_capacity=self.kv_capacity(),
             host_weight_bytes=sum(m.info.weight_bytes for m in self._models.values() if not m.awake),
             loaded_models=tuple(self._models),
             active_model=self.active_model,

@@ -1,0 +1,165 @@
+"""The KV an engine reports is the KV it has: slab sizing, the slab pool's promise, each engine's report, and
+the scheduler's budget built from the reports (`plan_kv`)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pool.engines.base import GenRequest, KvCapacity, OutOfKvMemory, SamplingParams
+from pool.engines.kv import KvShape, SlabPool, slab_bytes_for
+from pool.engines.sim_engine import SimEngine
+from pool.engines.torch_engine import TorchEngine, TorchEngineConfig
+from pool.served import plan_kv, served_model, slot_instances
+from scheduler import InstanceSpec, ModelProfile, Request, make_scheduler
+from tests.factories import LinearCosts
+
+MiB = 1 << 20
+
+
+def shape(layers: int, heads: int, dim: int, block: int = 16, dtype: torch.dtype = torch.float32) -> KvShape:
+    return KvShape(layers, heads, dim, block, dtype)
+
+
+def pool_of(slab_bytes: int, num_slabs: int) -> SlabPool:
+    region = torch.empty(slab_bytes * num_slabs, dtype=torch.uint8)
+    return SlabPool(slab_bytes, num_slabs, lambda i: region[i * slab_bytes:(i + 1) * slab_bytes],
+                    slab_offset=lambda i: i * slab_bytes)
+
+
+# ---- slab sizing ------------------------------------------------------------------------------------------
+def test_auto_slabs_hold_whole_blocks_of_every_shape_so_the_demo_loses_no_slab_tail() -> None:
+    smollm2, tiny, qwen3 = (shape(30, 3, 64).block_bytes, shape(2, 2, 64).block_bytes, shape(2, 2, 48).block_bytes)
+    slab = slab_bytes_for([smollm2, tiny, qwen3], MiB)
+    assert slab >= MiB and all(slab % b == 0 for b in (smollm2, tiny, qwen3))
+    assert slab == math.lcm(smollm2, tiny, qwen3) * -(-MiB // math.lcm(smollm2, tiny, qwen3))
+    # the old fixed 1 MiB slab held one 720 KiB SmolLM2 block: 28% of the region lost
+    assert MiB // smollm2 * smollm2 / MiB < 0.71
+    # no common multiple within 4x: a whole number of the largest block
+    odd = slab_bytes_for([3 * 1000003, 7 * 999983], MiB)
+    assert odd % (7 * 999983) == 0 and odd >= MiB
+    assert slab_bytes_for([], MiB) == MiB
+
+
+# ---- the pool's promise -----------------------------------------------------------------------------------
+def test_one_shape_can_use_every_block_it_is_promised_and_not_one_more() -> None:
+    s = shape(2, 2, 64)
+    pool = pool_of(5 * s.block_bytes + 100, 7)  # slabs off the row grid: some hold a block less, and say so
+    usable = pool.usable_blocks(s, [s])
+    assert 28 < usable < 35 and pool.usable_blocks(s, [s], held=1) == usable - 1
+    pool.allocate(s, usable)
+    with pytest.raises(OutOfKvMemory):
+        pool.allocate(s, 1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 3), st.integers(1, 2), st.sampled_from([16, 32, 48, 64])), min_size=1,
+                max_size=3, unique=True),
+       st.integers(1, 12), st.integers(2, 10), st.booleans(), st.data())
+def test_any_mix_whose_shares_add_up_to_one_fits(dims, blocks_per_slab, num_slabs, held, data) -> None:
+    """Requests of several shapes, each counted as blocks / usable_blocks of its shape: while the shares sum to
+    at most 1, every allocation succeeds (with a scratch block per shape held when `held`)."""
+    shapes = [shape(layers, heads, dim) for layers, heads, dim in dims]
+    slab = max(s.block_bytes for s in shapes) * blocks_per_slab
+    pool = pool_of(slab, num_slabs)
+    usable = {s: pool.usable_blocks(s, shapes, int(held)) for s in shapes}
+    if held:
+        for s in shapes:
+            if usable[s]:
+                pool.allocate(s, 1)
+    share = 0.0
+    for _ in range(40):
+        s = data.draw(st.sampled_from(shapes))
+        count = data.draw(st.integers(1, 4))
+        if not usable[s] or share + count / usable[s] > 1 + 1e-12:
+            continue
+        pool.allocate(s, count)  # must not raise
+        share += count / usable[s]
+
+
+# ---- each engine's report ---------------------------------------------------------------------------------
+def test_torch_engine_report_is_exact_for_smollm2_and_true_beside_the_tiny_models(demo_models, smollm2) -> None:
+    alone = TorchEngine(TorchEngineConfig(dtype="float32", kv_bytes=8 * MiB))
+    alone.load("smollm2-135m", smollm2)
+    report = alone.kv_capacity()
+    assert report.block_tokens == {"smollm2-135m": 16}
+    per_token = 2 * 30 * 3 * 64 * 4
+    slab = alone._kv.device.slab_bytes  # type: ignore[union-attr]
+    assert slab % (16 * per_token) == 0  # no slab loses a tail; the region loses less than a slab
+    assert report.tokens["smollm2-135m"] == 8 * MiB // slab * slab // per_token > (8 * MiB - slab) // per_token
+    alone.activate("smollm2-135m")
+    request = [GenRequest(f"r{k}", "smollm2-135m", [1] * 16, SamplingParams(max_tokens=2)) for k in range(12)]
+    done = 0
+    for r in request:  # one block each: exactly as many as reported fit
+        if done == report.tokens["smollm2-135m"] // 16:
+            with pytest.raises(OutOfKvMemory):
+                alone.prefill([r])
+            break
+        alone.prefill([r])
+        done += 1
+    assert done == report.tokens["smollm2-135m"] // 16
+    assert alone.stats().kv_capacity == report
+    alone.close()
+    mixed = TorchEngine(TorchEngineConfig(dtype="float32", kv_bytes=8 * MiB))
+    for name, path in demo_models.items():
+        mixed.load(name, path)
+    both = mixed.kv_capacity()
+    slab = mixed._kv.device.slab_bytes  # type: ignore[union-attr]
+    slabs = 8 * MiB // slab - (3 - 1)  # three block shapes: two slabs kept for part-filled ones
+    assert both.tokens["smollm2-135m"] == slabs * slab // per_token
+    assert both.tokens["tiny-llama"] == both.tokens["tiny-qwen2"] == slabs * slab // (2 * 2 * 2 * 64 * 4)
+    mixed.close()
+
+
+def test_sim_engine_reports_its_bytes_by_the_token() -> None:
+    engine = SimEngine(LinearCosts(), kv_bytes=10_000, kv_bytes_per_token={"a": 300, "b": 7})
+    engine.load("a")
+    engine.load("b")
+    assert engine.kv_capacity() == KvCapacity({"a": 33, "b": 1428}, {"a": 1, "b": 1})
+
+
+# ---- the scheduler's budget -------------------------------------------------------------------------------
+def test_plan_kv_gives_the_scheduler_the_least_budget_every_model_allows_and_the_block() -> None:
+    profiles = {"a": ModelProfile("a", 1, 1e6, 100, 4096, 1, 0.1), "b": ModelProfile("b", 1, 2e6, 10, 4096, 1, 0.1)}
+    specs = [InstanceSpec("s0", 1, 9e9), InstanceSpec("s1", 1, 9e9)]
+    reports = {"s0": KvCapacity({"a": 1000, "b": 20_000}, {"a": 16, "b": 16}),
+               "s1": KvCapacity({"a": 900, "b": 20_000}, {"a": 16, "b": 32})}
+    planned, planned_profiles = plan_kv(specs, profiles, reports)
+    assert [s.kv_bytes for s in planned] == [100_000.0, 90_000.0]
+    assert planned_profiles["a"].kv_block_tokens == 16 and planned_profiles["b"].kv_block_tokens == 32
+    for policy in ("dedicated", "request-level", "spatial", "token-level"):
+        options = {"replicas": {"a": 1, "b": 1}} if policy == "dedicated" else {}
+        planned_specs = planned if policy != "token-level" else [
+            InstanceSpec(s.instance_id, 1, s.memory_bytes, role, s.kv_bytes)
+            for s, role in zip(planned, ("prefill", "decode"))]
+        sched = make_scheduler(policy, planned_profiles, planned_specs, LinearCosts(), **options)
+        capacity = {iid: inst.kv_capacity_bytes for iid, inst in sched.instances.items()}  # type: ignore[attr-defined]
+        assert capacity == {"s0": 100_000.0, "s1": 90_000.0}, policy  # whatever weights the policy places
+        assert sched.kv_room("a") in (100_000.0, 90_000.0), policy  # type: ignore[attr-defined]
+        # 17 tokens take two blocks of 16: 32 tokens of KV
+        assert sched.kv_need_bytes(Request("r", "a", 0.0, 10, 7)) == 3200  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="reported no KV"):
+        plan_kv(specs, profiles, {"s0": reports["s0"]})
+    with pytest.raises(ValueError, match=r"no KV for \['b'\]"):
+        plan_kv(specs, profiles, {"s0": KvCapacity({"a": 1}, {"a": 1}), "s1": reports["s1"]})
+
+
+def test_the_live_pool_plans_with_what_its_engines_report(demo_models, smollm2) -> None:
+    from pool.actor import EngineSpec
+    from pool.service import LivePool
+
+    models = [served_model("smollm2-135m", smollm2, dtype="float32")]
+    pool = LivePool(models, slot_instances(1, models, 8 * MiB), "request-level", LinearCosts(),
+                    engine=EngineSpec("torch", {"dtype": "float32", "kv_bytes": 8 * MiB}), backend="threads")
+    with pool:
+        planned = pool.planned_instances[0]
+        block = 16 * 2 * 30 * 3 * 64 * 4  # 720 KiB: a slab (at least 1 MiB) holds two
+        assert planned.kv_bytes == 8 * MiB // (2 * block) * 2 * block
+        status = pool.status()["instances"]["slot0"]
+        assert status["kv_capacity_bytes"] == planned.kv_bytes
+        (info,) = pool.model_infos()
+        assert info.max_model_len == planned.kv_bytes // (2 * 30 * 3 * 64 * 4)
