@@ -20,7 +20,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -104,7 +104,8 @@ def gpu_kv_bytes(usable_bytes: int, per_gpu: int, biggest_model_bytes: int) -> i
     return (usable_bytes - per_gpu * (2 * biggest_model_bytes + GPU_HEADROOM_BYTES)) // per_gpu
 
 
-def demo_deployment(engine: str, num_gpus: int, num_instances: int | None, kv_mib: int | None) -> Deployment:
+def demo_deployment(engine: str, num_gpus: int, num_instances: int | None, kv_mib: int | None,
+                    gpu: str | None = None) -> Deployment:
     from pool.demo import MANIFEST, build_demo_models, default_cache_dir
 
     cache = default_cache_dir()
@@ -122,7 +123,7 @@ def demo_deployment(engine: str, num_gpus: int, num_instances: int | None, kv_mi
     if on_gpu:
         kv = (kv_mib or 8 * 1024) * MiB
         spec = EngineSpec("torch", {"device": "cuda", "kv_bytes": kv})
-        costs: Any = _gpu_costs(models)
+        costs: Any = _gpu_costs(models, gpu)
     else:
         kv = (kv_mib or CPU_SLOT_KV_BYTES // MiB) * MiB
         spec = EngineSpec("torch", {"dtype": "float32", "kv_bytes": kv})
@@ -241,27 +242,44 @@ def _roles(count: int, policy: str, prefill_fraction: float) -> list[str] | None
     return ["prefill"] * num_prefill + ["decode"] * (count - num_prefill)
 
 
-def _gpu_costs(models: list[ServedModel]) -> Any:
+def _gpu_costs(models: list[ServedModel], gpu: str | None) -> Any:
     from scheduler.fleet import Arch, arch_from_hf_config
     from sims.costmodel import RooflineCostModel
 
     archs = {m.name: (Arch.model_validate(arch_from_hf_config(json.loads((m.path / "config.json").read_text()))), 1)
              for m in models}
-    return RooflineCostModel.for_models(archs, _gpu_key())
+    return RooflineCostModel.for_models(archs, gpu_key(gpu))
 
 
-def _gpu_key() -> str:
-    """The catalogue GPU closest to the local device (h100 when unknown)."""
+def gpu_key(given: str | None, device_name: Callable[[], str] | None = None) -> str:
+    """The catalogue GPU the demo's cost model counts with: `given` (--gpu), else the one named like this
+    machine's GPU 0 (`device_name`, default torch's). A GPU the catalogue does not know is an error naming
+    it and the known ones: costing it as some other GPU would mis-time every plan without a word."""
+    from scheduler.catalog import GPUS
+
+    known = ", ".join(GPUS)
+    if given is not None:
+        if given.lower() not in GPUS:
+            raise typer.BadParameter(f"unknown GPU type {given!r}; known: {known}", param_hint="--gpu")
+        return given.lower()
     try:
-        import torch
-
-        name = torch.cuda.get_device_name(0).lower()
-    except Exception:
-        return "h100"
+        name = (device_name or _cuda_device_name)()
+    except Exception as exc:
+        raise typer.BadParameter(f"cannot read this machine's GPU name ({exc!r}); give the GPU type to cost the "
+                                 f"demo with: --gpu KEY (known: {known})", param_hint="--gpu") from None
+    lowered = name.lower()
     for key in ("h200", "h20", "h800", "h100", "a100"):
-        if key in name:
+        if key in lowered:
             return "a100-80gb" if key == "a100" else key
-    return "h100"
+    raise typer.BadParameter(f"GPU {name!r} is not in the catalogue (known: {known}); give --gpu KEY to cost the "
+                             "demo as one of them, or serve a fleet file whose `gpus:` describes it",
+                             param_hint="--gpu")
+
+
+def _cuda_device_name() -> str:
+    import torch
+
+    return str(torch.cuda.get_device_name(0))
 
 
 def _has_ray() -> bool:
@@ -339,9 +357,12 @@ def serve_command(
     address: str | None = typer.Option(None, "--address", help="Join this Ray cluster (`ray start --head`); "
                                        "default: start an embedded local one."),
     host: str = typer.Option("127.0.0.1", "--host", help="Interface to listen on (0.0.0.0 exposes the pool)."),
-    port: int = typer.Option(8000, "--port", "-p"),
-    policy: str = typer.Option("token-level", "--policy", help="dedicated | request-level | spatial | token-level"),
+    port: int = typer.Option(8000, "--port", help="Port to listen on."),
+    policy: str = typer.Option("token-level", "--policy", "-p", help="dedicated | request-level | spatial | token-level"),
     instances: int | None = typer.Option(None, "--instances", help="Instances: default 2 CPU slots, or every GPU."),
+    gpu: str | None = typer.Option(None, "--gpu", help="GPU type the demo fleet's cost model counts with (a catalogue "
+                                   "key: h20, h200, ...); default: this machine's GPU, by its name. A fleet file "
+                                   "names its own (pool.gpu)."),
     backend: str | None = typer.Option(None, "--backend", help="ray | processes | threads | inprocess (default: "
                                        "ray, or processes where Ray is not installed; threads for --engine sim). "
                                        "processes: one OS process per instance on this machine."),
@@ -381,6 +402,11 @@ def serve_command(
 
     if engine not in ("torch", "vllm", "sim"):
         raise typer.BadParameter(f"unknown engine {engine!r}; choose torch, vllm or sim", param_hint="--engine")
+    if gpu is not None:
+        if fleet_path is not None:
+            raise typer.BadParameter("--gpu is for the demo fleet; a fleet file names its GPU (pool.gpu)",
+                                     param_hint="--gpu")
+        gpu_key(gpu)  # a bad name fails now, not after the cluster starts
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     backend = backend or ("threads" if engine == "sim" else "ray" if _has_ray() else "processes")
@@ -391,7 +417,7 @@ def serve_command(
     num_gpus = count_gpus(backend, address) if engine != "sim" else 0
     try:
         dep = (fleet_deployment(fleet_path, engine, num_gpus, instances, policy, kv_mib, profile) if fleet_path
-               else demo_deployment(engine, num_gpus, instances, kv_mib))
+               else demo_deployment(engine, num_gpus, instances, kv_mib, gpu))
     except FleetFileError as exc:
         for problem in exc.problems:
             typer.echo(str(problem), err=True)

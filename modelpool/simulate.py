@@ -27,10 +27,10 @@ def simulate_command(
                                     "the fewest the policy can run on when that is more: dedicated, one per model)."),
     duration: float = typer.Option(600.0, "--duration", help="Seconds of workload for `fleet` and synthetic traces."),
     seed: int = typer.Option(0, "--seed", help="Seed for generated workloads."),
-    out: Path | None = typer.Option(None, "--out", help="Folder for metrics.json and requests.csv."),
+    out: Path | None = typer.Option(None, "--out", "-o", help="Folder for metrics.json and requests.csv."),
     plan_log: Path | None = typer.Option(None, "--plan-log", help="Write every Plan as JSONL here."),
     skip_bad_rows: bool = typer.Option(False, "--skip-bad-rows", help="Skip (and count) malformed trace rows."),
-    policy_option: list[str] = typer.Option([], "--policy-option", "-o", metavar="KEY=VALUE",
+    policy_option: list[str] = typer.Option([], "--policy-option", metavar="KEY=VALUE",
                                             help="A keyword of the policy, repeatable: e.g. -o min_turn_tpot=0 "
                                                  "(token-level's quota formula alone), -o first_tokens=1."),
     profile: str = typer.Option("default", "--profile", help="Calibration profile: a shipped name (default, "

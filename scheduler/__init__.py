@@ -11,7 +11,6 @@ library, pydantic and numpy.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -54,13 +53,13 @@ class Scheduler(Protocol):
 
 
 def make_scheduler(policy: str, models: Mapping[str, ModelProfile], instances: Sequence[InstanceSpec],
-                   costs: CostModel, *, rng: random.Random | None = None, **options: Any) -> Scheduler:
+                   costs: CostModel, **options: Any) -> Scheduler:
     """Build the named policy (`dedicated`, `request-level`, `spatial`, `token-level`)."""
     try:
         cls = POLICIES[policy]
     except KeyError:
         raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}") from None
-    return cls(models, instances, costs, rng=rng, **options)
+    return cls(models, instances, costs, **options)
 
 
 __all__ = [

@@ -176,7 +176,6 @@ class PoolSpec(_Frozen):
     num_gpus: PosInt = Field(default=8, description="GPUs in the pool.")
     prefill_fraction: Annotated[float, Field(gt=0, lt=1)] = Field(default=0.375, description="Share of token-level instances that prefill (the Aegaeon artifact runs 3 prefill + 5 decode per 8-GPU node).")
     gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = Field(default=0.9, description="Share of device memory the pool may use.")
-    host_cache_gb: PosFloat = Field(default=64.0, description="Pinned host-memory model cache per node in GB (the artifact uses 64 GiB).")
     host_kv_gb: PosFloat = Field(default=256.0, description="Host memory for swapped-out KV caches per node in GB.")
     gpus_per_node: PosInt = Field(default=8, description="GPUs per host (bounds tensor parallelism).")
     gpus_per_host_link: Annotated[int, Field(ge=0)] = Field(
@@ -188,6 +187,15 @@ class PoolSpec(_Frozen):
     max_batch_size: PosInt = Field(default=256, description="Most requests decoded in one batch.")
     max_prefill_tokens: PosInt = Field(default=8192, description="Most prompt tokens prefilled in one step.")
     default_slo: Slo = Field(default_factory=Slo, description="SLOs for models that set none.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _retired_keys(cls, data: object) -> object:
+        if isinstance(data, dict) and "host_cache_gb" in data:
+            raise ValueError(f"host_cache_gb ({data['host_cache_gb']!r}) is no longer read: nothing bounded the host "
+                             "model cache by it (every served model's weights are held in host memory, and the "
+                             "simulator charges no cache misses); remove the key")
+        return data
 
 
 class FleetProblem(ValueError):

@@ -39,7 +39,7 @@ from scheduler.instance import ModelSlots, kv_move_s, prefill_s
 from scheduler.policies.base import PolicyBase
 from sims.errors import InvariantViolation
 
-ARRIVAL: Final = 0  # phases at one instant, in order (Final: C constants when compiled)
+# heap phases at one instant, in order; arrivals come from the trace before either (Final: C constants when compiled)
 COMPLETION: Final = 1
 FAULT: Final = 2
 # (first token time, tokens, seconds between them). Typed as a variable-length tuple on purpose: compiled, a

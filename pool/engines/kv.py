@@ -268,9 +268,6 @@ class SlabPool:
     def made_bytes(self) -> int:
         return len(self._slabs) * self.slab_bytes
 
-    def num_parked(self) -> int:
-        return sum(len(blocks) for _, _, blocks in self._parked)
-
 
 def slab_bytes_for(block_bytes: Sequence[int], at_least: int, max_factor: int = 4) -> int:
     """A device slab size of at least `at_least` bytes that holds a whole number of blocks of every size in

@@ -28,7 +28,6 @@ iterations. Policies that plan through `continuous_step` as-is opt in with
 
 from __future__ import annotations
 
-import random
 from bisect import bisect_right
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
@@ -91,7 +90,7 @@ class PolicyBase:
     supports_chunked_prefill: ClassVar[bool] = False
 
     def __init__(self, models: Mapping[str, ModelProfile], instances: Sequence[InstanceSpec], costs: CostModel, *,
-                 max_batch_size: int = 256, max_prefill_tokens: int = 8192, rng: random.Random | None = None,
+                 max_batch_size: int = 256, max_prefill_tokens: int = 8192,
                  chunked_prefill_tokens: int | None = None, keep_ended: bool = True) -> None:
         if chunked_prefill_tokens is not None:
             if not self.supports_chunked_prefill:
@@ -108,7 +107,6 @@ class PolicyBase:
         self._dirty = True  # something happened since the last _plan that may enable an action
         self._touched: set[str] = set()  # instances whose state changed since the last _plan (see touch)
         self._queued_news = True  # a request joined a queue since the last _plan
-        self.rng = rng or random.Random(0)
         self.requests: dict[str, Request] = {}
         # keep_ended=False (a long-running pool): a request that ended leaves `requests` at the start of the next
         # schedule() call, so memory holds live requests only; a later event naming it is ignored for it

@@ -15,7 +15,6 @@ rest of its token budget with prompt chunks (see `PolicyBase.chunked_step`).
 
 from __future__ import annotations
 
-import random
 from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
@@ -59,10 +58,10 @@ class DedicatedPolicy(PolicyBase):
     def __init__(self, models: Mapping[str, ModelProfile], instances: Sequence[InstanceSpec], costs: CostModel, *,
                  replicas: Mapping[str, int] | None = None,
                  # PolicyBase's keywords spelled out, not **kwargs: mypyc miscompiles **kwargs beside int defaults
-                 max_batch_size: int = 256, max_prefill_tokens: int = 8192, rng: random.Random | None = None,
+                 max_batch_size: int = 256, max_prefill_tokens: int = 8192,
                  chunked_prefill_tokens: int | None = None, keep_ended: bool = True) -> None:
         super().__init__(models, instances, costs, max_batch_size=max_batch_size, max_prefill_tokens=max_prefill_tokens,
-                         rng=rng, chunked_prefill_tokens=chunked_prefill_tokens, keep_ended=keep_ended)
+                         chunked_prefill_tokens=chunked_prefill_tokens, keep_ended=keep_ended)
         self.skip_quiet_schedules = True  # _plan reads only state, plans only idle instances
         self.owner = assign_replicas(self.models, instances, replicas)
         self.serving: dict[str, list[str]] = {}

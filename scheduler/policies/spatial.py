@@ -17,7 +17,6 @@ weights). Weights never move after start.
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
@@ -86,10 +85,10 @@ class SpatialPolicy(PolicyBase):
     def __init__(self, models: Mapping[str, ModelProfile], instances: Sequence[InstanceSpec], costs: CostModel, *,
                  min_kv_tokens: int = 4096,
                  # PolicyBase's keywords spelled out, not **kwargs: mypyc miscompiles **kwargs beside int defaults
-                 max_batch_size: int = 256, max_prefill_tokens: int = 8192, rng: random.Random | None = None,
+                 max_batch_size: int = 256, max_prefill_tokens: int = 8192,
                  chunked_prefill_tokens: int | None = None, keep_ended: bool = True) -> None:
         super().__init__(models, instances, costs, max_batch_size=max_batch_size, max_prefill_tokens=max_prefill_tokens,
-                         rng=rng, chunked_prefill_tokens=chunked_prefill_tokens, keep_ended=keep_ended)
+                         chunked_prefill_tokens=chunked_prefill_tokens, keep_ended=keep_ended)
         self.placement = place_models(self.models, instances, min_kv_tokens)
         self.hosts: dict[str, list[str]] = {name: [] for name in self.models}
         for iid, names in self.placement.items():

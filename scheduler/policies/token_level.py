@@ -54,7 +54,6 @@ group unless a decode batch is behind its pace and the group can still wait
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Final
@@ -110,10 +109,10 @@ class TokenLevelPolicy(PolicyBase):
                  switch_aversion: float = 1.0, first_tokens: int = 8, min_turn_tpot: float = 1.0,
                  fixed_turn_steps: int | None = None,
                  # PolicyBase's keywords spelled out, not **kwargs: mypyc miscompiles **kwargs beside int defaults
-                 max_batch_size: int = 256, max_prefill_tokens: int = 8192, rng: random.Random | None = None,
+                 max_batch_size: int = 256, max_prefill_tokens: int = 8192,
                  chunked_prefill_tokens: int | None = None, keep_ended: bool = True) -> None:
         super().__init__(models, instances, costs, max_batch_size=max_batch_size, max_prefill_tokens=max_prefill_tokens,
-                         rng=rng, chunked_prefill_tokens=chunked_prefill_tokens, keep_ended=keep_ended)
+                         chunked_prefill_tokens=chunked_prefill_tokens, keep_ended=keep_ended)
         self.max_group_size = max_group_size
         self.max_quota_s = max_quota_s
         self.round_target_s = round_target_s

@@ -61,6 +61,12 @@ def test_unknown_key(tmp_path: pathlib.Path) -> None:
     assert "pool.colour: unknown key 'colour'; allowed: gpu, num_gpus" in msg
 
 
+def test_retired_host_cache_gb_says_why_and_what_to_do(tmp_path: pathlib.Path) -> None:
+    (msg,) = problems(GOOD.replace("num_gpus: 8", "num_gpus: 8, host_cache_gb: 64"), tmp_path)
+    assert msg.startswith(f"{tmp_path / 'fleet.yaml'}:1:") and "pool: host_cache_gb (64) is no longer read" in msg
+    assert "remove the key" in msg
+
+
 def test_wrong_type(tmp_path: pathlib.Path) -> None:
     (msg,) = problems(GOOD.replace("tp: 4", "tp: four"), tmp_path)
     assert ":4:" in msg and "models[1].tp" in msg and "'four'" in msg

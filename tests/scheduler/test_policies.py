@@ -248,7 +248,7 @@ def test_every_policy_takes_the_base_keywords_with_the_base_defaults() -> None:
         pytest.skip("compiled with mypyc (setup.py): no Python signatures to read")
     base = {name: p.default for name, p in inspect.signature(PolicyBase.__init__).parameters.items()
             if p.kind is p.KEYWORD_ONLY}
-    assert base.keys() >= {"max_batch_size", "rng", "keep_ended"}
+    assert base.keys() >= {"max_batch_size", "keep_ended"}
     for cls in POLICIES.values():
         params = inspect.signature(cls.__init__).parameters
         assert not any(p.kind is p.VAR_KEYWORD for p in params.values()), cls.name

@@ -68,7 +68,7 @@ def test_simulate_cli_passes_policy_options(tmp_path: pathlib.Path) -> None:
     """-o KEY=VALUE reaches the policy: token-level's formula alone (min_turn_tpot=0) makes more, shorter turns
     than the default floor on the same trace, and metrics.json records the options."""
     runs = {}
-    for name, extra in (("floor", []), ("formula", ["-o", "min_turn_tpot=0"])):
+    for name, extra in (("floor", []), ("formula", ["--policy-option", "min_turn_tpot=0"])):
         res = CliRunner().invoke(app, ["simulate", "--fleet", str(ROOT / "models.yaml"), "--duration", "60",
                                        "--gpus", "24", "--out", str(tmp_path / name), *extra])
         assert res.exit_code == 0, res.output
@@ -85,7 +85,7 @@ def test_simulate_cli_passes_policy_options(tmp_path: pathlib.Path) -> None:
     ("min_turn_tpot=-1", "min_turn_tpot must be >= 0"),
 ])
 def test_simulate_cli_names_a_bad_policy_option(option: str, message: str) -> None:
-    res = CliRunner().invoke(app, ["simulate", "--fleet", str(ROOT / "models.yaml"), "--duration", "10", "-o", option])
+    res = CliRunner().invoke(app, ["simulate", "--fleet", str(ROOT / "models.yaml"), "--duration", "10", "--policy-option", option])
     assert res.exit_code == 1 and message in res.output, res.output
 
 
