@@ -47,7 +47,7 @@ class StepTimings:
         return timer
 
     @staticmethod
-    def _seconds(timer: Any) -> float:
+    def seconds(timer: Any) -> float:
         if isinstance(timer, float):
             return timer
         return timer[0].elapsed_time(timer[1]) / 1e3  # both recorded before the step's sampling synced
@@ -61,7 +61,7 @@ class StepTimings:
         """A decode step of `request_ids` entered at `entered_at`; `forward` from forward_end (None: untimed)."""
         last = self._last
         if last is not None and last[0] == request_ids and last[2] is not None:
-            self.decodes.append((len(request_ids), entered_at - last[1], self._seconds(last[2]), last[3]))
+            self.decodes.append((len(request_ids), entered_at - last[1], self.seconds(last[2]), last[3]))
         self._last = (request_ids, entered_at, forward, time.perf_counter() - entered_at)
 
     def other(self) -> None:

@@ -223,7 +223,8 @@ class TorchEngine:
         for group in _by_model(seqs):
             group_out, group_forward = self._decode_batch(kv, group)
             outs.update((o.request_id, o) for o in group_out)
-            forward = None if forward is None or group_forward is None else forward + group_forward
+            # a CUDA forward is a pair of events, complete once the batch's tokens were read: seconds now
+            forward = None if forward is None or group_forward is None else forward + self.timings.seconds(group_forward)
         self.timings.decode(tuple(request_ids), entered_at, forward)
         return [outs[rid] for rid in request_ids]
 
