@@ -155,9 +155,10 @@ def fleet_deployment(fleet_path: Path, engine: str, num_gpus: int, num_instances
                                  f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''} "
                                  "(give each a local weights folder, or dry-run with --engine sim)", param_hint="--fleet")
     wide = [e.name for e in fleet.models if e.tp > 1]
-    if wide and engine == "torch":
-        raise typer.BadParameter(f"the torch engine runs one GPU per instance; tp > 1: {', '.join(wide)} "
-                                 "(use --engine vllm)", param_hint="--fleet")
+    if wide and engine == "torch" and num_gpus:
+        raise typer.BadParameter(f"tensor-parallel torch instances run on CPU ranks only so far (no GPU layout for "
+                                 f"them yet); tp > 1: {', '.join(wide)} (use --engine vllm, or serve without GPUs)",
+                                 param_hint="--fleet")
     models = [served_model(e.name, base / str(e.weights), ttft_s=fleet.slo(e).ttft_s, tpot_s=fleet.slo(e).tpot_s,
                            tp=e.tp, dtype=None if num_gpus else "float32") for e in fleet.models]
     count, devices, share = gpu_layout(num_gpus, num_instances, policy) if num_gpus else (num_instances or 2, {}, 1.0)
@@ -184,9 +185,11 @@ def fleet_deployment(fleet_path: Path, engine: str, num_gpus: int, num_instances
         costs = CpuCosts({m.name: m.profile for m in models})
     spec = EngineSpec(engine, options)
     limits = {"max_batch_size": fleet.pool.max_batch_size, "max_prefill_tokens": fleet.pool.max_prefill_tokens}
-    return _finish(Deployment(models, slot_instances(count, models, kv, roles), costs, spec, "ray",
-                              "cuda" if num_gpus else "cpu", devices=devices, gpu_share=share,
-                              policy_options=limits), engine)
+    # one set of instances per TP class (a model runs only on instances of its tp): CPU slots, tp ranks each
+    instances = [inst for tp in sorted({e.tp for e in fleet.models})
+                 for inst in slot_instances(count, models, kv, roles, prefix="slot" if tp == 1 else f"tp{tp}-", tp=tp)]
+    return _finish(Deployment(models, instances, costs, spec, "ray", "cuda" if num_gpus else "cpu", devices=devices,
+                              gpu_share=share, policy_options=limits), engine)
 
 
 def _finish(dep: Deployment, engine: str, time_scale: float = 1.0) -> Deployment:

@@ -22,11 +22,17 @@ class EngineSpec:
     options: Mapping[str, Any] = field(default_factory=dict)
 
 
-def make_engine(spec: EngineSpec) -> Engine:
+def make_engine(spec: EngineSpec, ranks: str = "processes") -> Engine:
+    """The engine of `spec`; a torch engine of tp > 1 runs its other ranks as `ranks` (processes or ray)."""
     if spec.kind == "torch":
         from pool.engines.torch_engine import TorchEngine, TorchEngineConfig
 
-        return TorchEngine(TorchEngineConfig(**spec.options))
+        config = TorchEngineConfig(**spec.options)
+        if config.tp > 1:
+            from pool.engines.tp import TpEngine
+
+            return TpEngine(config, ranks=ranks)
+        return TorchEngine(config)
     if spec.kind == "vllm":
         from pool.engines import vllm_engine
 
@@ -51,7 +57,7 @@ class InstanceActor:
         except ImportError:
             pass
         self.instance_id = instance_id
-        self.engine = make_engine(spec)
+        self.engine = make_engine(spec, ranks="ray")  # a TP instance's other ranks: actors in its placement group
         for name, path in models.items():
             self.engine.load(name, Path(path))
         warm_up = getattr(self.engine, "warm_up", None)
@@ -87,15 +93,14 @@ def start_actors(instances: Mapping[str, int], spec: EngineSpec, models: Mapping
     that cannot be placed within `placement_timeout_s` raises
     `PlacementTimeout`). Its actor sits in bundle 0, and the actors it starts
     (the engine's other ranks) are placed in the same group. The vLLM engine
-    spreads the model over the group's GPUs; the torch engine runs one device
-    per instance and refuses TP > 1. A one-GPU instance asks for `gpu_share`
-    of its GPU (0.5: two instances share one).
+    spreads the model over the group's GPUs; the torch engine's actor is its
+    rank 0 and starts one rank actor in each other bundle (`pool.engines.tp`).
+    A one-GPU instance asks for `gpu_share` of its GPU (0.5: two instances
+    share one).
     """
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    if spec.kind == "torch" and any(tp > 1 for tp in instances.values()):
-        raise ValueError("the torch engine runs one device per instance; serve tensor-parallel models with --engine vllm")
     if placements is None and any(tp > 1 for tp in instances.values()):
         raise ValueError("start_actors: tensor-parallel instances need `placements` to keep their placement groups")
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -116,7 +121,8 @@ def start_actors(instances: Mapping[str, int], spec: EngineSpec, models: Mapping
                 group = placements.reserve(instance_id, tp, use_gpus=use_gpus, timeout_s=wait_s)
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     group, placement_group_bundle_index=0, placement_group_capture_child_tasks=True)
-            actors[instance_id] = remote.options(**options).remote(instance_id, spec, dict(models), threads,
+            engine = EngineSpec(spec.kind, {**spec.options, "tp": tp}) if spec.kind == "torch" and tp > 1 else spec
+            actors[instance_id] = remote.options(**options).remote(instance_id, engine, dict(models), threads,
                                                                    max_tokens)
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         ray.get([actor.ready.remote() for actor in actors.values()], timeout=left)  # type: ignore[attr-defined]

@@ -155,22 +155,19 @@ class _Worker:
         self.lock = threading.Lock()
 
 
-def start_workers(instances: Mapping[str, str], spec: EngineSpec, models: Mapping[str, str], *,
+def start_workers(instances: Mapping[str, EngineSpec], models: Mapping[str, str], *,
                   max_tokens: int | None = None, threads: int = 1,
                   timeout_s: float | None = None) -> dict[str, _Worker]:
-    """One process per instance id (value: its torch device, e.g. 'cuda:0'); returns once every engine has
+    """One process per instance id (value: its engine, device and tp included); returns once every engine has
     loaded its models and captured its decode graphs (for requests up to `max_tokens` tokens). A worker that
-    fails to start stops them all (RuntimeError)."""
+    fails to start stops them all (RuntimeError). A tensor-parallel torch instance's process is its rank 0 and
+    starts the other ranks as its own subprocesses (`pool.engines.tp`)."""
     ctx = mp.get_context("spawn")  # CUDA cannot be forked
     workers: dict[str, _Worker] = {}
-    for instance_id, device in instances.items():
-        options = dict(spec.options)
-        if device and spec.kind == "torch":
-            options["device"] = device
+    for instance_id, spec in instances.items():
         parent, child = ctx.Pipe()
         process = ctx.Process(target=_worker_main, name=f"modelpool-{instance_id}", daemon=True,
-                              args=(child, instance_id, EngineSpec(spec.kind, options), dict(models),
-                                    max_tokens, threads))
+                              args=(child, instance_id, spec, dict(models), max_tokens, threads))
         process.start()
         child.close()
         workers[instance_id] = _Worker(instance_id, process, parent)

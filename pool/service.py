@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import queue
 import threading
 import time
@@ -174,8 +175,10 @@ class LivePool:
             import ray
 
             if not ray.is_initialized():
+                # an embedded cluster counts a CPU per instance rank at least (a TP instance's ranks are actors)
+                cpus = None if self.address else max(os.cpu_count() or 1, sum(spec.tp for spec in self.instances))
                 ray.init(address=self.address, include_dashboard=False, log_to_driver=False,
-                         ignore_reinit_error=True)
+                         ignore_reinit_error=True, num_cpus=cpus)
             self._use_gpus = float(ray.cluster_resources().get("GPU", 0)) > 0
             self._actors = start_actors({spec.instance_id: spec.tp for spec in self.instances}, self.engine,
                                         self._paths(), use_gpus=self._use_gpus, gpu_share=self.gpu_share,
@@ -184,8 +187,8 @@ class LivePool:
             self.nodes = dict(zip(self._actors, ray.get([actor.node.remote() for actor in self._actors.values()])))
             backend: Any = RayBackend(self._actors)
         elif self.backend_kind == "processes":
-            backend = ProcessBackend(start_workers({iid: self.devices.get(iid, "") for iid in ids}, self.engine,
-                                                   self._paths(), max_tokens=self.max_tokens))
+            backend = ProcessBackend(start_workers({iid: self._engine_spec(iid) for iid in ids}, self._paths(),
+                                                   max_tokens=self.max_tokens))
         else:
             engines = {iid: self._new_engine(iid) for iid in ids}
             backend = InProcessBackend(engines) if self.backend_kind == "inprocess" else ThreadBackend(engines)
@@ -359,10 +362,16 @@ class LivePool:
         return {name: str(m.path) for name, m in self.models.items()}
 
     def _engine_spec(self, instance_id: str) -> EngineSpec:
-        device = self.devices.get(instance_id)
-        if not device or self.engine.kind != "torch":
+        """The engine of one instance: the pool's, on the instance's device, at its tp (torch: ranks)."""
+        if self.engine.kind != "torch":
             return self.engine
-        return EngineSpec(self.engine.kind, {**self.engine.options, "device": device})
+        options = dict(self.engine.options)
+        if self.devices.get(instance_id):
+            options["device"] = self.devices[instance_id]
+        tp = next(spec.tp for spec in self.instances if spec.instance_id == instance_id)
+        if tp > 1:
+            options["tp"] = tp
+        return EngineSpec(self.engine.kind, options)
 
     def _new_engine(self, instance_id: str) -> Engine:
         """An engine with every model loaded and its decode graphs captured (outside any backend call)."""
@@ -383,7 +392,7 @@ class LivePool:
             if retire is not None and not retire(instance_id, timeout_s=min(60.0, self.restart_timeout_s)):
                 log.warning("instance %s: the lost engine is still in a call; its memory is not free yet", instance_id)
             if self.backend_kind == "processes":
-                return start_workers({instance_id: self.devices.get(instance_id, "")}, self.engine, self._paths(),
+                return start_workers({instance_id: self._engine_spec(instance_id)}, self._paths(),
                                      max_tokens=self.max_tokens,
                                      timeout_s=self.restart_timeout_s)[instance_id]
             return self._new_engine(instance_id)

@@ -19,6 +19,7 @@ decode below stays the reference and the CPU path.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -122,8 +123,11 @@ class Decoder:
     """One model's forward pass, bound to its weight views, its KV row view and its shape's shared tensors."""
 
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], kv: torch.Tensor,
-                 fused: bool | None = None, shared: SharedTensors | None = None) -> None:
+                 fused: bool | None = None, shared: SharedTensors | None = None, comm: Any = None) -> None:
         self.spec = spec
+        # A tensor-parallel shard's collectives (`pool.engines.tp.TpComm`): the row-parallel o and down outputs
+        # are summed over ranks, the vocabulary-parallel logits gathered. None (tp 1): not a single extra call.
+        self.comm = comm
         # Decode through the fused Triton kernels (CUDA; `pool.engines.fused`), else plain torch ops.
         self.fused = fused_ops.usable(kv.device) if fused is None else fused
         self.kv = kv  # [rows, block_size, head_dim]; a block is rows (layer, k/v, head) from its first row
@@ -174,10 +178,16 @@ class Decoder:
         return qk[:, : s.num_heads], qk[:, s.num_heads :], v
 
     def _finish_layer(self, layer: _Layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        x = x + F.linear(attn, layer.o, layer.o_bias)
+        out = F.linear(attn, layer.o, layer.o_bias)
+        if self.comm is not None:
+            self.comm.all_reduce(out)
+        x = x + out
         h = rms_norm(x, layer.ln2, self.spec.rms_norm_eps)
         gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, layer.down)
+        out = F.linear(F.silu(gate) * up, layer.down)
+        if self.comm is not None:
+            self.comm.all_reduce(out)
+        return x + out
 
     def _rows(self, first_rows: torch.Tensor, n: int, kind: int) -> torch.Tensor:
         """KV rows of layer n, keys (0) or values (1), every head: `first_rows.shape + (kv_heads,)`."""
@@ -188,7 +198,8 @@ class Decoder:
         self.kv[self._rows(rows, n, 1), offsets[:, None]] = v
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(rms_norm(x, self.norm, self.spec.rms_norm_eps), self.lm_head).float()
+        logits = F.linear(rms_norm(x, self.norm, self.spec.rms_norm_eps), self.lm_head).float()
+        return logits if self.comm is None else self.comm.gather_vocab(logits, self.spec.vocab_size)
 
     # ---- prefill ----
     def prefill(self, inp: PrefillInputs) -> torch.Tensor:
@@ -244,11 +255,17 @@ class Decoder:
             q = ops.qkv_rope_write(qkv, cos, sin, self.qk_norms[n], self.kv, write_row, write_offset, n,
                                    s.num_heads, s.num_kv_heads, s.head_dim, eps)
             attn = ops.paged_attention(q, self.kv, table, lengths, n, s.num_kv_heads, self.scale, plan)
-            x, h = ops.add_rms_norm(x, F.linear(attn, layer.o, layer.o_bias), layer.ln2, eps)
+            out = F.linear(attn, layer.o, layer.o_bias)
+            if self.comm is not None:
+                self.comm.all_reduce(out)
+            x, h = ops.add_rms_norm(x, out, layer.ln2, eps)
             mlp = F.linear(ops.silu_mul(F.linear(h, layer.gate_up)), layer.down)
+            if self.comm is not None:
+                self.comm.all_reduce(mlp)
             following = self.layers[n + 1].ln1 if n + 1 < len(self.layers) else self.norm
             x, h = ops.add_rms_norm(x, mlp, following, eps)
-        return F.linear(h, self.lm_head).float()
+        logits = F.linear(h, self.lm_head).float()
+        return logits if self.comm is None else self.comm.gather_vocab(logits, self.spec.vocab_size)
 
     @property
     def spec_block_size(self) -> int:

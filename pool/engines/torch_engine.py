@@ -59,12 +59,13 @@ class TorchEngineConfig:
     cuda_graphs: bool = True  # replay decode steps from CUDA graphs captured by warm_up() (CUDA only)
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # padded batch sizes graphs are captured for
     graph_block_widths: tuple[int, ...] = (16, 64, 256, 1024)  # block-table widths graphs are captured for
+    tp: int = 1  # tensor-parallel ranks of the instance (> 1: `pool.engines.tp.TpEngine`, one process per rank)
 
     def __post_init__(self) -> None:
         if self.dtype is not None and not isinstance(getattr(torch, self.dtype, None), torch.dtype):
             raise ValueError(f"TorchEngineConfig.dtype = {self.dtype!r} is not a torch dtype")
         GraphBuckets(self.graph_batch_sizes, self.graph_block_widths)  # raises on a bad set
-        for name in ("block_size", "device_slab_bytes", "host_slab_bytes"):
+        for name in ("block_size", "device_slab_bytes", "host_slab_bytes", "tp"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"TorchEngineConfig.{name} = {getattr(self, name)!r} must be >= 1")
         for name in ("kv_bytes", "max_host_kv_bytes", "host_kv_prealloc_bytes"):
@@ -99,8 +100,10 @@ class _Seq:
 class TorchEngine:
     """Implements `pool.engines.base.Engine` on PyTorch (CPU or one CUDA device)."""
 
-    def __init__(self, config: TorchEngineConfig | None = None, weight_cache: HostWeightCache | None = None) -> None:
+    def __init__(self, config: TorchEngineConfig | None = None, weight_cache: HostWeightCache | None = None,
+                 rank: Any = None) -> None:
         self.config = config or TorchEngineConfig()
+        self.rank = rank  # a tensor-parallel rank (`pool.engines.tp.TpRank`): its shard of every model; None: all
         self.device = torch.device(self.config.device)
         self.dtype = getattr(torch, self.config.dtype) if self.config.dtype else None
         self.weights = weight_cache or shared_weight_cache()
@@ -117,7 +120,8 @@ class TorchEngine:
         self._shared: dict[tuple[Any, torch.dtype, int], SharedTensors] = {}  # (spec, dtype, slot) -> tensors
         self._graphs: Any = None
         self.buckets = GraphBuckets(self.config.graph_batch_sizes, self.config.graph_block_widths)
-        self.use_cuda_graphs = self.streams.cuda and self.config.cuda_graphs  # may be switched off later
+        # may be switched off later; a TP rank decodes eagerly (its all-reduces are not captured in graphs yet)
+        self.use_cuda_graphs = self.streams.cuda and self.config.cuda_graphs and rank is None
         self.fused_decode: bool | None = None  # fused Triton decode kernels; None: wherever they run (CUDA)
         if self.use_cuda_graphs:
             from pool.engines.graphs import DecodeGraphs
@@ -133,7 +137,8 @@ class TorchEngine:
             return
         from transformers import AutoTokenizer
 
-        image = self.weights.load(model, Path(path), self.dtype)
+        shard = (0, 1) if self.rank is None else (self.rank.rank, self.rank.size)
+        image = self.weights.load(model, Path(path), self.dtype, shard)
         self.add_image(image, AutoTokenizer.from_pretrained(path), _eos_ids(Path(path)))
 
     def add_image(self, image: ModelImage, tokenizer: Any = None, eos_ids: Iterable[int] = ()) -> None:
@@ -516,7 +521,8 @@ class TorchEngine:
                 self._shared[shared_key] = SharedTensors(image.spec, image.dtype, self.device)
             self._decoders[key] = Decoder(image.spec, image.views(slots.region[offset: offset + image.nbytes]),
                                           self._kv_store().view(model.kv_shape), fused=self.fused_decode,
-                                          shared=self._shared[shared_key])
+                                          shared=self._shared[shared_key],
+                                          comm=None if self.rank is None else self.rank.comm)
         return self._decoders[key]
 
     def _emit(self, seqs: list[_Seq], logits: torch.Tensor) -> list[TokenOut]:

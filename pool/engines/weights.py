@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,8 @@ class ModelSpec:
     sliding_window: int | None
     inv_freq: tuple[float, ...]  # rope inverse frequencies (float32), from transformers' rope code
     rope_scaling: float  # transformers' attention_scaling for cos/sin
+    tp_rank: int = 0  # a tensor-parallel shard (`shard()`): heads and MLP columns are this rank's part
+    tp_size: int = 1
 
     @classmethod
     def from_config(cls, config: Any) -> ModelSpec:
@@ -78,6 +80,41 @@ class ModelSpec:
             rope_scaling=float(scaling),
         )
 
+    def shard(self, rank: int, size: int) -> ModelSpec:
+        """Rank `rank`'s part of this model at tensor-parallel size `size` (Megatron-style, see `pool.engines.tp`):
+        its share of the query and KV heads and of the MLP's intermediate columns, and of the vocabulary in the
+        output head; embeddings and norms whole."""
+        if self.tp_size != 1:
+            raise ValueError(f"{self.model_type}: already a shard ({self.tp_rank} of {self.tp_size})")
+        if not 0 <= rank < size:
+            raise ValueError(f"tp rank {rank} is not in [0, {size})")
+        for what, count in (("attention heads", self.num_heads), ("KV heads", self.num_kv_heads),
+                            ("intermediate size", self.intermediate_size)):
+            if count % size:
+                raise ValueError(f"{self.model_type}: {what} {count} do not split over tp {size}")
+        return replace(self, num_heads=self.num_heads // size, num_kv_heads=self.num_kv_heads // size,
+                       intermediate_size=self.intermediate_size // size, tp_rank=rank, tp_size=size)
+
+    def whole(self) -> ModelSpec:
+        """The model this spec is a shard of (itself when it is not one)."""
+        size = self.tp_size
+        return replace(self, num_heads=self.num_heads * size, num_kv_heads=self.num_kv_heads * size,
+                       intermediate_size=self.intermediate_size * size, tp_rank=0, tp_size=1)
+
+    @property
+    def vocab_width(self) -> int:
+        """Vocabulary rows of the output head per shard (the last may hold fewer)."""
+        return -(-self.vocab_size // self.tp_size)
+
+    @property
+    def vocab_start(self) -> int:
+        return min(self.vocab_size, self.tp_rank * self.vocab_width)
+
+    @property
+    def vocab_rows(self) -> int:
+        """Rows of the output head held here: the whole vocabulary, or a shard's part of it."""
+        return min(self.vocab_size, self.vocab_start + self.vocab_width) - self.vocab_start
+
     @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
@@ -106,7 +143,7 @@ class ModelSpec:
             yield f"{n}.down", (h, i)
         yield "norm", (h,)
         if not self.tie_word_embeddings:
-            yield "lm_head", (self.vocab_size, h)
+            yield "lm_head", (self.vocab_rows, h)
 
 
 def _rope(config: Any) -> tuple[torch.Tensor, float]:
@@ -175,10 +212,12 @@ class ModelImage:
             count = math.prod(slot.shape)
             out[tname] = storage[slot.offset : slot.offset + count * esize].view(self.dtype).view(slot.shape)
         if self.spec.tie_word_embeddings:
-            out["lm_head"] = out["embed"]
+            start = self.spec.vocab_start
+            out["lm_head"] = out["embed"][start : start + self.spec.vocab_rows]
         return out
 
     def fill_from_safetensors(self, folder: Path) -> None:
+        """This image's tensors (of its shard: only those bytes are read) from a transformers folder."""
         from safetensors import safe_open
 
         files = sorted(folder.glob("*.safetensors"))
@@ -195,20 +234,62 @@ class ModelImage:
                 if key not in where:
                     raise KeyError(f"{self.name}: tensor {key!r} is missing from {folder}")
                 with safe_open(str(where[key]), framework="pt") as handle:
-                    parts.append(handle.get_tensor(key))
+                    source = handle.get_slice(key)
+                    parts.append(_shard_part(tname, source, tuple(source.get_shape()), self.spec))
             views[tname].copy_(torch.cat(parts, dim=0) if len(parts) > 1 else parts[0])
 
     def fill_random(self, seed: int = 0, std: float = 0.02, device: str | torch.device = "cpu") -> None:
-        """Random weights (norms = 1) for benchmarks; generated on `device`, then copied here."""
+        """Random weights (norms = 1) for benchmarks; generated on `device`, then copied here. A shard gets its
+        part of the very weights the whole model would get from the same seed."""
         gen = torch.Generator(device=device).manual_seed(seed)
-        for tname, view in self.views().items():
-            if tname == "lm_head" and self.spec.tie_word_embeddings:
-                continue
+        whole = self.spec.whole()
+        views = self.views()
+        for tname, shape in whole.layout():
+            view = views[tname]
             if "norm" in tname or tname.endswith(("ln1", "ln2")):
                 view.fill_(1.0)
-            else:
-                noise = torch.randn(view.shape, generator=gen, device=device, dtype=torch.float32)
-                view.copy_((noise * std).to(self.dtype))
+                continue
+            noise = torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
+            if self.spec.tp_size > 1:
+                sizes = _part_rows(tname, whole)
+                parts = noise.split(sizes, dim=0) if sizes else [noise]
+                noise = torch.cat([_shard_part(tname, part, tuple(part.shape), self.spec) for part in parts])
+            view.copy_((noise * std).to(self.dtype))
+
+
+def _part_rows(tname: str, whole: ModelSpec) -> list[int] | None:
+    """Rows of each checkpoint tensor stacked in a fused tensor of the whole model (None: just one)."""
+    part = tname.split(".", 1)[-1]
+    if part in ("qkv", "qkv_bias"):
+        return [whole.q_size, whole.kv_size, whole.kv_size]
+    if part == "gate_up":
+        return [whole.intermediate_size] * 2
+    return None
+
+
+def _shard_part(tname: str, source: Any, shape: tuple[int, ...], spec: ModelSpec) -> torch.Tensor:
+    """Rank `spec.tp_rank`'s part of one checkpoint tensor of the fused tensor `tname` (whole at tp 1).
+
+    Megatron's split: q/k/v and gate/up by output rows (column-parallel), o and down by input columns
+    (row-parallel, their outputs summed over ranks), the output head by vocabulary rows; the o bias is added
+    once, by rank 0; embeddings and norms are whole on every rank. `source` is a tensor or a safetensors
+    slice (only the rows or columns taken are read).
+    """
+    rank, size = spec.tp_rank, spec.tp_size
+    part = tname.split(".", 1)[-1]
+    if size == 1 or part in ("embed", "norm", "ln1", "ln2", "q_norm", "k_norm"):
+        return source[:]
+    if part == "o_bias":
+        return source[:] if rank == 0 else torch.zeros(shape, dtype=source[:1].dtype)
+    if part in ("o", "down"):
+        cols = shape[1] // size
+        return source[:, rank * cols : (rank + 1) * cols]
+    if part == "lm_head":
+        return source[spec.vocab_start : spec.vocab_start + spec.vocab_rows]
+    if part in ("qkv", "qkv_bias", "gate_up"):
+        rows = shape[0] // size
+        return source[rank * rows : (rank + 1) * rows]
+    raise ValueError(f"no tensor-parallel split is known for {tname!r}")
 
 
 class HostWeightCache:
@@ -220,31 +301,34 @@ class HostWeightCache:
 
     def __init__(self, pin: bool | None = None) -> None:
         self.pin = torch.cuda.is_available() if pin is None else pin
-        self._images: dict[tuple[str, torch.dtype], ModelImage] = {}
+        self._images: dict[tuple[str, torch.dtype, tuple[int, int]], ModelImage] = {}
         self._lock = threading.Lock()
 
-    def load(self, name: str, path: Path, dtype: torch.dtype | None = None) -> ModelImage:
-        """The image of `name` from `path` (a transformers folder); read at most once per dtype."""
+    def load(self, name: str, path: Path, dtype: torch.dtype | None = None,
+             shard: tuple[int, int] = (0, 1)) -> ModelImage:
+        """The image of `name` from `path` (a transformers folder), or of its tensor-parallel `shard` (rank,
+        size); read at most once per dtype and shard."""
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(path)
         dtype = dtype or _config_dtype(config)
-        return self._get_or_build(name, dtype, lambda: _from_folder(name, path, config, dtype, self.pin))
+        return self._get_or_build(name, dtype, shard, lambda: _from_folder(name, path, config, dtype, self.pin, shard))
 
     def add_random(self, name: str, config: Any, dtype: torch.dtype, seed: int = 0,
-                   device: str | torch.device = "cpu") -> ModelImage:
-        """A random-weight model built from an in-memory config (benchmarks)."""
+                   device: str | torch.device = "cpu", shard: tuple[int, int] = (0, 1)) -> ModelImage:
+        """A random-weight model (or its `shard`) built from an in-memory config (benchmarks)."""
 
         def build() -> ModelImage:
-            image = ModelImage(name, ModelSpec.from_config(config), dtype, self.pin)
+            image = ModelImage(name, _spec(config, shard), dtype, self.pin)
             image.fill_random(seed=seed, device=device)
             return image
 
-        return self._get_or_build(name, dtype, build)
+        return self._get_or_build(name, dtype, shard, build)
 
-    def _get_or_build(self, name: str, dtype: torch.dtype, build: Callable[[], ModelImage]) -> ModelImage:
+    def _get_or_build(self, name: str, dtype: torch.dtype, shard: tuple[int, int],
+                      build: Callable[[], ModelImage]) -> ModelImage:
         with self._lock:
-            key = (name, dtype)
+            key = (name, dtype, tuple(shard))
             if key not in self._images:
                 self._images[key] = build()
             return self._images[key]
@@ -267,10 +351,16 @@ def _config_dtype(config: Any) -> torch.dtype:
 RANDOM_WEIGHTS_FILE = "random_weights.json"  # {"seed": N}: a folder of a model's shape, with no weights
 
 
-def _from_folder(name: str, path: Path, config: Any, dtype: torch.dtype, pin: bool) -> ModelImage:
+def _spec(config: Any, shard: tuple[int, int]) -> ModelSpec:
+    spec = ModelSpec.from_config(config)
+    return spec if tuple(shard) == (0, 1) else spec.shard(*shard)
+
+
+def _from_folder(name: str, path: Path, config: Any, dtype: torch.dtype, pin: bool,
+                 shard: tuple[int, int] = (0, 1)) -> ModelImage:
     """The image of a transformers folder: its safetensors, or - for a folder that holds only a config, a
     tokenizer and `random_weights.json` (load tests of a fleet's shapes, no download) - seeded random weights."""
-    image = ModelImage(name, ModelSpec.from_config(config), dtype, pin)
+    image = ModelImage(name, _spec(config, shard), dtype, pin)
     marker = Path(path) / RANDOM_WEIGHTS_FILE
     if marker.is_file() and not any(Path(path).glob("*.safetensors")):
         import json
