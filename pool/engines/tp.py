@@ -34,6 +34,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -66,6 +67,10 @@ class TpComm:
         import torch.distributed as dist
 
         self.rank, self.size = rank, size
+        # what this rank exchanged (stats, benchmarks); seconds are the host's wait: the collective's time under
+        # gloo, only its launch under NCCL
+        self.num_all_reduce = self.num_gather = self.bytes = 0
+        self.seconds = 0.0
         store = dist.FileStore(store_path, size)
         timeout = datetime.timedelta(seconds=timeout_s)
         if device.type == "cuda":
@@ -81,7 +86,11 @@ class TpComm:
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum `tensor` over the ranks, in place."""
+        started = time.perf_counter()
         self.group.allreduce([tensor]).wait()
+        self.seconds += time.perf_counter() - started
+        self.num_all_reduce += 1
+        self.bytes += tensor.numel() * tensor.element_size()
 
     def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """Each rank's `[N, its vocabulary rows]` -> `[N, vocab_size]` (rank order), the same on every rank; the
@@ -90,8 +99,16 @@ class TpComm:
         if logits.shape[-1] < width:
             logits = torch.nn.functional.pad(logits, (0, width - logits.shape[-1]))
         parts = [torch.empty_like(logits) for _ in range(self.size)]
+        started = time.perf_counter()
         self.group.allgather([parts], [logits.contiguous()]).wait()
+        self.seconds += time.perf_counter() - started
+        self.num_gather += 1
+        self.bytes += logits.numel() * logits.element_size()
         return torch.cat(parts, dim=-1)[:, :vocab_size]
+
+    def figures(self) -> dict[str, float]:
+        return {"all_reduces": self.num_all_reduce, "gathers": self.num_gather, "bytes": self.bytes,
+                "wait_s": self.seconds}
 
 
 @dataclass(frozen=True, slots=True)
@@ -468,7 +485,8 @@ class TpEngine:
         ranks = [{"device": s.device, "bytes_h2d": s.bytes_h2d, "bytes_d2h": s.bytes_d2h, "switch_s": s.switch_s,
                   "kv_device_used_bytes": s.kv_device_used_bytes} for s in everyone]
         return replace(local, **summed, switch_s=max(s.switch_s for s in everyone),
-                       extra={**local.extra, "tp": self.size, "tp_rank_pids": list(self.rank_pids), "tp_ranks": ranks})
+                       extra={**local.extra, "tp": self.size, "tp_rank_pids": list(self.rank_pids), "tp_ranks": ranks,
+                              "tp_collectives": self.local.rank.comm.figures()})
 
     def close(self) -> None:
         for remote in getattr(self, "_remotes", []):

@@ -11,8 +11,12 @@ other instance with identical tokens without anything hanging; `serve
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -161,32 +165,59 @@ def test_a_dead_rank_fails_the_call_at_once_and_every_later_one(demo_models):
         engine.close()
 
 
+def tp2_pool(tiny, backend: str) -> LivePool:  # noqa: F811
+    models = [served_model(name, path, dtype="float32", tp=2) for name, path in tiny.items()]
+    return LivePool(models, slot_instances(2, models, KV_BYTES, tp=2), "token-level", LinearCosts(), engine=ENGINE,
+                    backend=backend, stats_interval_s=0.1, max_restarts=0, policy_options={"fixed_turn_steps": 4})
+
+
+def kill_rank_mid_decode(pool: LivePool) -> tuple[str, set[str]]:
+    """SIGKILL rank 1 of the instance holding the most part-decoded requests; returns it and what it held."""
+    def victim() -> str | None:
+        held = [home for home, _, produced in homes(pool).values() if 1 <= produced < LONG_TOKENS - 8]
+        return max(set(held), key=held.count) if held else None
+
+    wait_until(lambda: victim() is not None and len(pool.engine_stats) == 2, 60, "a TP2 instance decoding")
+    chosen = victim()
+    assert chosen is not None
+    held = {rid for rid, h in homes(pool).items() if h[0] == chosen}
+    os.kill(pool.engine_stats[chosen]["extra"]["tp_rank_pids"][1], signal.SIGKILL)
+    return chosen, held
+
+
+def assert_resumed_elsewhere(pool: LivePool, sinks, reference, chosen: str, held: set[str]) -> None:
+    result = outcomes(sinks, reference, lambda key: pool.holds(f"{key[0]}-{key[1]}"), 120)
+    counts = result.counts()
+    assert counts == {"identical": len(sinks), "clean_errors": 0, "wrong": 0, "hung": 0, "lost": 0}, result
+    status = pool.status()
+    assert held and status["lost_instances"] == [chosen] and status["tick_errors"] == 0
+    wait_until(lambda: allocated(pool) == NOTHING, 10, f"nothing allocated: {allocated(pool)}")
+
+
 @pytest.mark.slow
 def test_rank_killed_mid_decode_requests_resume_on_the_other_instance(tiny, long_reference):  # noqa: F811
-    models = [served_model(name, path, dtype="float32", tp=2) for name, path in tiny.items()]
-    pool = LivePool(models, slot_instances(2, models, KV_BYTES, tp=2), "token-level", LinearCosts(), engine=ENGINE,
-                    backend="processes", stats_interval_s=0.1, max_restarts=0,
-                    policy_options={"fixed_turn_steps": 4})
-    with pool:
+    with tp2_pool(tiny, "processes") as pool:
         sinks = submit_all(pool)
-
-        def victim() -> str | None:
-            held = [home for home, _, produced in homes(pool).values() if 1 <= produced < LONG_TOKENS - 8]
-            return max(set(held), key=held.count) if held else None
-
-        wait_until(lambda: victim() is not None and len(pool.engine_stats) == 2, 60, "a TP2 instance decoding")
-        chosen = victim()
-        held = {rid for rid, h in homes(pool).items() if h[0] == chosen}
-        rank1 = pool.engine_stats[chosen]["extra"]["tp_rank_pids"][1]
-        os.kill(rank1, signal.SIGKILL)
-        result = outcomes(sinks, long_reference, lambda key: pool.holds(f"{key[0]}-{key[1]}"), 120)
-        counts = result.counts()
-        assert counts == {"identical": len(sinks), "clean_errors": 0, "wrong": 0, "hung": 0, "lost": 0}, result
-        assert held and chosen in pool.status()["lost_instances"]
-        assert pool.status()["tick_errors"] == 0
-        wait_until(lambda: allocated(pool) == NOTHING, 10, f"nothing allocated: {allocated(pool)}")
+        chosen, held = kill_rank_mid_decode(pool)
+        assert_resumed_elsewhere(pool, sinks, long_reference, chosen, held)
         worker = pool._backend.workers[chosen].process
     wait_until(lambda: not worker.is_alive(), 30, "the lost instance's rank 0 process ended")
+
+
+@pytest.mark.slow
+def test_ray_rank_actors_in_the_placement_group_and_one_killed_mid_decode(tiny, long_reference):  # noqa: F811
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        with tp2_pool(tiny, "ray") as pool:
+            groups = ray.util.placement_group_table().values()
+            assert sorted(len(g["bundles"]) for g in groups if g["state"] == "CREATED") == [2, 2]
+            sinks = submit_all(pool, models=("tiny-llama", "tiny-qwen3"))  # two models: a shorter test
+            chosen, held = kill_rank_mid_decode(pool)
+            assert_resumed_elsewhere(pool, sinks, long_reference, chosen, held)
+    finally:
+        ray.shutdown()
 
 
 def test_fleet_with_a_tp2_model_deploys_tp2_instances_on_cpu_ranks(demo_models, tmp_path):
@@ -203,3 +234,19 @@ def test_fleet_with_a_tp2_model_deploys_tp2_instances_on_cpu_ranks(demo_models, 
     assert {m.name: m.profile.tp for m in dep.models} == {"one": 1, "two": 2}
     with pytest.raises(typer.BadParameter, match="CPU ranks only"):
         fleet_deployment(fleet, "torch", num_gpus=2, num_instances=None, policy="token-level", kv_mib=None)
+
+
+@pytest.mark.slow
+def test_tp_benchmark_runs_tiny_on_cpu_and_counts_two_all_reduces_a_layer(tmp_path):
+    out = tmp_path / "tp.json"
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, str(repo / "benchmarks" / "gpu_tp.py"), "--tiny", "--shapes", "tiny",
+                           "--batches", "1", "8", "--prefill", "64", "--steps", "3", "--reps", "1", "--out", str(out)],
+                          cwd=repo, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    runs = json.loads(out.read_text())["shapes"]["tiny"]
+    one, two = runs["tp1"], runs["tp2"]
+    assert one["shard_bytes"] / 2 < two["shard_bytes"] < one["shard_bytes"] and two["switch_s"] > 0
+    step = two["decode"]["1"]["per_step"]
+    assert step["all_reduces"] == two["cost_model"]["allreduces_per_step"] == 4 and step["gathers"] == 1
+    assert two["decode"]["8"]["kv_bytes_per_rank"] == [one["decode"]["8"]["kv_bytes_per_rank"][0] // 2] * 2
