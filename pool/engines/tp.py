@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from pool.controller import InstanceDied
-from pool.engines.base import EngineError, EngineStats, GenRequest, KvExport, TokenOut
+from pool.engines.base import EngineError, EngineStats, GenRequest, KvCapacity, KvExport, TokenOut
 from pool.engines.torch_engine import TorchEngine, TorchEngineConfig
 
 TIMEOUT_S = 120.0  # a collective waiting this long on a live but silent peer fails (a dead one fails at once)
@@ -474,6 +474,13 @@ class TpEngine:
         exports = list(exports)
         shards = [split_kv(e, self.size) for e in exports]
         self._all("import_kv", per_rank=[([s[r] for s in shards],) for r in range(self.size)])
+
+    def kv_capacity(self) -> KvCapacity:
+        """Tokens of each model the instance's device KV holds: the least any rank holds (ranks hold one
+        token's KV heads each, in equal shapes, so they agree)."""
+        reports = self._all("kv_capacity")
+        return KvCapacity(tokens={m: min(r.tokens[m] for r in reports) for m in reports[0].tokens},
+                          block_tokens=dict(reports[0].block_tokens))
 
     def synchronize(self) -> None:
         self._all("synchronize")

@@ -21,7 +21,7 @@ from tests.factories import LinearCosts
 
 MiB = 1 << 20
 FOLDERS = {"a": "tiny-llama", "b": "tiny-qwen2", "c": "tiny-llama"}
-KINDS = ["torch", "sim", "fake", pytest.param("vllm", marks=pytest.mark.vllm)]
+KINDS = ["torch", "torch-tp2", "sim", "fake", pytest.param("vllm", marks=pytest.mark.vllm)]
 
 
 def make_engine(kind: str, demo_models: dict[str, Path], names: tuple[str, ...]) -> Any:
@@ -30,6 +30,11 @@ def make_engine(kind: str, demo_models: dict[str, Path], names: tuple[str, ...])
         from pool.engines.weights import HostWeightCache
 
         engine: Any = TorchEngine(TorchEngineConfig(dtype="float32", kv_bytes=8 * MiB), HostWeightCache())
+    elif kind == "torch-tp2":  # two ranks (rank 1 a subprocess), gloo
+        from pool.engines.torch_engine import TorchEngineConfig
+        from pool.engines.tp import TpEngine
+
+        engine = TpEngine(TorchEngineConfig(dtype="float32", kv_bytes=8 * MiB, tp=2), threads=1)
     elif kind == "sim":
         from pool.engines.sim_engine import SimEngine
 
