@@ -250,3 +250,45 @@ def test_tp_benchmark_runs_tiny_on_cpu_and_counts_two_all_reduces_a_layer(tmp_pa
     step = two["decode"]["1"]["per_step"]
     assert step["all_reduces"] == two["cost_model"]["allreduces_per_step"] == 4 and step["gathers"] == 1
     assert two["decode"]["8"]["kv_bytes_per_rank"] == [one["decode"]["8"]["kv_bytes_per_rank"][0] // 2] * 2
+
+
+@pytest.mark.slow
+def test_modelpool_serve_fleet_serves_a_tp2_model_on_cpu_ranks(demo_models, tmp_path):
+    """The same weights as a TP1 model and a TP2 model: greedy completions through the gateway are equal."""
+    import re
+    import time
+
+    import httpx
+
+    from pool.gateway.server import free_port
+    from tests.pool.fault_tools import stop_serve
+
+    path = demo_models["tiny-llama"]
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(f"pool: {{gpu: h100, num_gpus: 2}}\nmodels:\n  - {{name: one, arch: {path}, weights: {path}}}\n"
+                     f"  - {{name: two, arch: {path}, weights: {path}, tp: 2}}\n")
+    repo, port = Path(__file__).resolve().parents[2], free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)}
+    proc = subprocess.Popen([sys.executable, "-m", "modelpool.cli", "serve", "--fleet", str(fleet), "--backend",
+                             "threads", "--instances", "1", "--kv-mib", "16", "--port", str(port)], cwd=repo,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 240
+        while not any("OpenAI-compatible endpoint" in line for line in lines):
+            line = proc.stdout.readline()  # type: ignore[union-attr]
+            assert line and time.monotonic() < deadline, "serve did not come up:\n" + "".join(lines)
+            lines.append(line)
+        url = re.search(r"(http://\S+)/v1", lines[-1]).group(1)  # type: ignore[union-attr]
+        body = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+        texts = {m: httpx.post(f"{url}/v1/completions", json={**body, "model": m}, timeout=120).json()
+                 for m in ("one", "two")}
+        assert texts["one"]["usage"]["completion_tokens"] == texts["two"]["usage"]["completion_tokens"] == 24, texts
+        assert texts["one"]["choices"][0]["text"] == texts["two"]["choices"][0]["text"], texts
+        status = httpx.get(f"{url}/pool/status", timeout=30).json()
+        assert {iid: i["tp"] for iid, i in status["instances"].items()} == {"slot0": 1, "tp2-0": 2}
+        assert status["instances"]["tp2-0"]["engine_extra"]["tp"] == 2 and status["tick_errors"] == 0
+    finally:
+        stop_serve(proc)
+    rest = proc.stdout.read()  # type: ignore[union-attr]
+    assert proc.returncode == 0 and "Traceback" not in rest, "".join(lines) + rest
