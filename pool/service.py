@@ -583,6 +583,7 @@ class LivePool:
                 "queues": dict(view.queued), "models": models,
                 "requests_in_pool": len(controller.requests), "plans": controller.num_plans,
                 "tick_errors": self.num_tick_errors, "lost_instances": sorted(controller.lost),
+                "kv_refusals": controller.num_kv_refusals,
                 "restarts": sum(self.restarts.num_restarts.values()),
                 "switches": sum(self.num_switches.values()), "recent_switches": list(self.recent_switches)}
 

@@ -106,7 +106,8 @@ def test_demo_pool_past_its_kv_capacity_completes_every_stream(demo_models, smol
     # never more requests held KV than it holds; the others waited for it (in the pool, not as errors)
     assert seen["on_device"] <= capacity and seen["waiting"] >= NUM_REQUESTS - capacity, seen
     assert 0.5 < seen["kv_used"] <= 1.0, seen
-    assert controller.num_kv_refusals == 0 and not controller.lost and status["restarts"] == 0
+    assert status["kv_refusals"] == controller.num_kv_refusals == 0 and not controller.lost
+    assert status["restarts"] == 0
     print(f"\n{NUM_REQUESTS} concurrent streams, KV for {capacity} at once: all complete; "
           f"{seen['waiting']:.0f} waited at most, planned KV peaked at {seen['kv_used']:.0%} of the engines' report, "
           f"{time.perf_counter() - started:.1f} s of load after {started - began:.1f} s of start-up")
