@@ -123,7 +123,9 @@ class KvCapacity:
     `tokens[m]` is what the device KV holds of model m alone; a request of m
     holds whole blocks of `block_tokens[m]` tokens. A mix fits when each
     request's blocks, counted as its share `blocks * block_tokens[m] / tokens[m]`,
-    add up to at most 1. This is the KV the scheduler plans with
+    add up to at most 1 (models of one KV shape always; models of several
+    shapes unless the engine's memory is fragmented between them, see
+    `pool.engines.kv`). This is the KV the scheduler plans with
     (`pool.served.plan_kv`); a call that still finds no room raises `OutOfKvMemory`.
     """
 

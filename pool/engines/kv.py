@@ -17,15 +17,19 @@ one layer are a single `index_select` of rows, already in the
 Freed blocks that an in-flight copy still reads or writes are parked with
 that copy's event and come back once it has completed.
 
-What the pool can promise (`usable_blocks`): blocks of several shapes share
-its slabs, so each shape in use may leave one slab part-filled that no other
-shape can use. Counting each request of shape i as `blocks / usable_i`, any
-set of requests whose shares sum to at most 1 fits: with n_i blocks per slab,
-S slabs and M shapes, usable_i = floor(n_i * (S - (M - 1) - sum_j h_j / n_j))
-where h_j are blocks held outside requests (a graph's scratch block), because
-the slabs needed, sum_i ceil((k_i + h_i) / n_i), are then fewer than S + 1.
-Slabs sized to a whole number of every shape's blocks (`slab_bytes_for`)
-lose nothing else.
+What the pool can promise (`usable_blocks`): with one block shape, every
+block of every slab. Blocks of several shapes share the slabs, and a slab
+part-filled by one shape is lost to the others. Packed (each shape's slabs
+full but its last), counting each request of shape i as `blocks / usable_i`,
+any set of requests whose shares sum to at most 1 fits: with n_i blocks per
+slab, S slabs and M shapes, usable_i = floor(n_i * (S - (M - 1) - sum_j
+h_j / n_j)) where h_j are blocks held outside requests (a graph's scratch
+block), because the slabs needed, sum_i ceil((k_i + h_i) / n_i), are then
+fewer than S + 1. Frees can leave a shape more part-filled slabs than that
+(new blocks fill them first, but another shape cannot use them), so with
+several shapes an allocation can still find no slab: OutOfKvMemory, which
+the pool treats as a refusal, not a failure. Slabs sized to a whole number
+of every shape's blocks (`slab_bytes_for`) lose nothing else.
 """
 
 from __future__ import annotations

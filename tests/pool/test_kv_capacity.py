@@ -62,7 +62,8 @@ def test_one_shape_can_use_every_block_it_is_promised_and_not_one_more() -> None
        st.integers(1, 12), st.integers(2, 10), st.booleans(), st.data())
 def test_any_mix_whose_shares_add_up_to_one_fits(dims, blocks_per_slab, num_slabs, held, data) -> None:
     """Requests of several shapes, each counted as blocks / usable_blocks of its shape: while the shares sum to
-    at most 1, every allocation succeeds (with a scratch block per shape held when `held`)."""
+    at most 1, every allocation succeeds (with a scratch block per shape held when `held`). Allocations only:
+    frees can fragment the slabs between shapes, which the promise does not cover (see pool.engines.kv)."""
     shapes = [shape(layers, heads, dim) for layers, heads, dim in dims]
     slab = max(s.block_bytes for s in shapes) * blocks_per_slab
     pool = pool_of(slab, num_slabs)
