@@ -59,14 +59,15 @@ TTFT_SLO_S, TPOT_SLO_S = 2.0, 0.05  # Aegaeon-style tight SLOs (0.2x and 0.5x of
 
 
 # ---- models and fleet ---------------------------------------------------------------------------------------
-def build_models(folder: Path, fleet: list[tuple[str, str]], gpu: str) -> Path:
+def build_models(folder: Path, fleet: list[tuple[str, str]], gpu: str, num_gpus: int = 1) -> Path:
     """Model folders (config, tokenizer, random_weights.json) and a fleet file; returns the fleet file."""
     from transformers import Qwen2Config
 
     from pool.engines.weights import RANDOM_WEIGHTS_FILE
 
     folder.mkdir(parents=True, exist_ok=True)
-    lines = ["pool:", f"  gpu: {'h200' if gpu == 'cpu' else gpu}", "  num_gpus: 1", "  gpus_per_node: 1", "  host_kv_gb: 16",
+    lines = ["pool:", f"  gpu: {'h200' if gpu == 'cpu' else gpu}", f"  num_gpus: {num_gpus}", f"  gpus_per_node: {num_gpus}",
+             "  host_kv_gb: 16",
              f"  default_slo: {{ttft_s: {TTFT_SLO_S}, tpot_s: {TPOT_SLO_S}}}", "models:"]
     for seed, (name, shape) in enumerate(fleet):
         target = folder / name
@@ -400,11 +401,13 @@ def prefill_ratios(live: list[list], alone: dict[str, tuple[float, float]]) -> d
 
 
 # ---- the simulator on the same trace ----------------------------------------------------------------------
-def simulated(fleet_path: Path, trace_path: Path, profile: Path | None, tiny: bool, layout: str) -> dict[str, Any]:
-    """The simulator's per-request TTFT/TPOT for the trace, with the live pool's layout for one GPU."""
+def simulated(fleet_path: Path, trace_path: Path, profile: Path | None, tiny: bool, layout: str,
+              num_gpus: int = 1) -> dict[str, Any]:
+    """The simulator's per-request TTFT/TPOT for the trace, with the live pool's layout on `num_gpus` GPUs."""
     from benchmarks.gpu_pool_sim import simulate_live_layout
 
-    return simulate_live_layout(fleet_path, trace_path, profile, cpu=tiny, num_instances=LAYOUTS[layout])
+    return simulate_live_layout(fleet_path, trace_path, profile, cpu=tiny, num_instances=LAYOUTS[layout],
+                                num_gpus=num_gpus)
 
 
 def compare(live_rows: list[dict], sim_rows: dict[int, dict]) -> dict[str, Any]:
@@ -436,6 +439,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="pd: the default one-GPU layout (a prefill and a decode instance); mixed: one instance")
     parser.add_argument("--duration", type=float, default=90.0, help="seconds of arrivals per run")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--gpus", type=int, default=1, help="GPUs of the box (2: the pd layout puts the prefill "
+                        "instance on one and the decode instance on the other; the simulator is told the same)")
     parser.add_argument("--prompt", type=int, nargs=2, default=None, help="prompt tokens, uniform [lo, hi]")
     parser.add_argument("--output", type=int, nargs=2, default=None, help="output tokens, uniform [lo, hi]")
     parser.add_argument("--prompt-vocab", type=int, default=2000, help="prompt token ids drawn below this")
@@ -454,7 +459,8 @@ def main(argv: list[str] | None = None) -> int:
     args.prompt = tuple(args.prompt or ((20, 200) if args.tiny else (200, 2000)))
     args.output = tuple(args.output or ((8, 32) if args.tiny else (64, 512)))
     args.out.mkdir(parents=True, exist_ok=True)
-    fleet = build_models(args.out / "models", TINY_FLEET if args.tiny else FLEET, "cpu" if args.tiny else "h200")
+    fleet = build_models(args.out / "models", TINY_FLEET if args.tiny else FLEET, "cpu" if args.tiny else "h200",
+                         args.gpus)
     device = "cpu" if args.tiny else "cuda"
     summary: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M"), "argv": sys.argv[1:], "runs": []}
     all_prefills: list[list] = []
@@ -477,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
         result["prefill_vs_standalone"] = prefill_ratios(samples, alone)
         if not args.no_sim:
             try:
-                sim = simulated(fleet, args.out / result["trace"], args.profile, args.tiny, result["layout"])
+                sim = simulated(fleet, args.out / result["trace"], args.profile, args.tiny, result["layout"], args.gpus)
                 result["sim_aggregate"] = sim["aggregate"]
                 result["fidelity"] = compare(result["requests"], sim["requests"])
                 result["sim_switches"] = sim.get("switches")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent GPU box (no Ray, no pydantic/fastapi/uvicorn: carried as wheels in .whl):
-#   bash benchmarks/gpu_pool_device.sh STAGE...    stages: tests, light, heavy, calibrate, RATE=<r>, BACKENDS=<a,b>
+#   bash benchmarks/gpu_pool_device.sh STAGE...    stages: tests, light, heavy, calibrate, tp (two GPUs), RATE=<r>,
+#   BACKENDS=<a,b>; on two GPUs, GPUS_ARG='--gpus 2' gives light/heavy the prefill-GPU + decode-GPU layout
 # Results go to $OUT (gpu_pool-<stage>.tgz and the logs' tails). The calibrate stage also needs typer, rich,
 # click, shellingham, markdown-it-py, mdurl and pygments as wheels (download them into .whl as for the others).
 set -u
@@ -19,10 +20,12 @@ for stage in "$@"; do
         tests/pool/test_torch_engine.py tests/pool/test_kv_transfer.py tests/pool/test_fused_decode.py 2>&1 | tail -8 ;;
     light)
       timeout ${LIGHT_S:-330} python3 benchmarks/gpu_pool.py --out /tmp/gp-light --backend processes --backend threads --layout pd \
-        --rate 1 --duration "$DUR" 2>&1 | grep -v '^   {' ; pack light ;;
+        --rate 1 --duration "$DUR" ${GPUS_ARG:-} 2>&1 | grep -v '^   {' ; pack light ;;
     heavy)
       timeout ${HEAVY_S:-200} python3 benchmarks/gpu_pool.py --out /tmp/gp-heavy --backend ${HEAVY_BACKENDS:-processes} \
-        --rate ${RATE:-8} --duration "$DUR" 2>&1 | grep -v '^   {' ; pack heavy ;;
+        --rate ${RATE:-8} --duration "$DUR" ${GPUS_ARG:-} 2>&1 | grep -v '^   {' ; pack heavy ;;
+    tp)  # two GPUs (issue 21): the torch engine at TP1 and TP2, NCCL
+      timeout ${TP_S:-550} python3 benchmarks/gpu_tp.py --out "$OUT/h200x2-tp.json" ${TP_ARGS:-} 2>&1 | tail -40 ;;
     calibrate)
       timeout ${CAL_S:-200} python3 -m modelpool.cli calibrate --fleet /tmp/gp-light/models/fleet.yaml --device cuda \
         --out "$OUT/h200-calibrated.json" ${CAL_ARGS:-} 2>&1 | tail -30 ;;

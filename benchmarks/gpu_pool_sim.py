@@ -14,8 +14,8 @@ PROFILE = "h200-cudagraph"
 
 
 def simulate_live_layout(fleet_path: Path, trace_path: Path, profile: Path | str | None = None, *,
-                         cpu: bool = False, policy: str = "token-level", num_instances: int | None = None
-                         ) -> dict[str, Any]:
+                         cpu: bool = False, policy: str = "token-level", num_instances: int | None = None,
+                         num_gpus: int = 1) -> dict[str, Any]:
     from modelpool.config import load_fleet
     from modelpool.serve import fleet_deployment
     from sims.costmodel import RooflineCostModel
@@ -25,10 +25,12 @@ def simulate_live_layout(fleet_path: Path, trace_path: Path, profile: Path | str
     from sims.workload import request_id
 
     fleet = load_fleet(fleet_path)
-    dep = fleet_deployment(fleet_path, "torch", 0 if cpu else 1, num_instances, policy, None)
+    dep = fleet_deployment(fleet_path, "torch", 0 if cpu else num_gpus, num_instances, policy, None)
     workload = read_generic(trace_path)
     costs = RooflineCostModel(fleet, profile=load_profile(profile or PROFILE), gpus_per_host_link=1)
-    gpu_of = {spec.instance_id: 0 for spec in dep.instances}
+    # each instance on the GPU serve gives it (two GPUs: the prefill instance on one, the decode one on the other)
+    gpu_of = {spec.instance_id: int(dep.devices.get(spec.instance_id, "cuda:0").partition(":")[2] or 0)
+              for spec in dep.instances}
     result = simulate(fleet, workload, policy, instances=dep.instances, gpu_of=gpu_of, costs=costs)
     rows: dict[int, dict[str, Any]] = {}
     for k in range(len(workload.arrival_s)):
@@ -42,7 +44,7 @@ def simulate_live_layout(fleet_path: Path, trace_path: Path, profile: Path | str
     aggregate = {"slo_attainment": _get(metrics, "slo_attainment", "attainment"),
                  "ttft_s": _get(metrics, "ttft_s", "ttft"), "tpot_s": _get(metrics, "tpot_s", "tpot")}
     return {"requests": rows, "aggregate": aggregate, "switches": _get(metrics, "switches", "num_switches"),
-            "profile": str(profile or PROFILE), "instances": [s.instance_id for s in dep.instances]}
+            "profile": str(profile or PROFILE), "instances": [s.instance_id for s in dep.instances], "gpu_of": gpu_of}
 
 
 def _get(metrics: Any, *names: str) -> Any:

@@ -14,7 +14,8 @@ device, as the 72B's 145 GB do not fit one H200):
   size at --context tokens, with the collectives one step runs (count, bytes, host wait) from rank 0;
 - KV swap: `save_kv` / `restore_kv` of a batch of 8 at the context, and the bytes each rank moved;
 - the cost model's terms for the same shape and tp (`sims.costmodel`, --gpu): decode step, prefill, switch,
-  and its all-reduce terms (2 per layer; per step and per token).
+  and its all-reduce terms (2 per layer; per step and per token);
+- one all-reduce alone (`TpComm` between two processes) at each payload a decode step sends (hidden x batch).
 TP ranks are processes (rank 0 here); on CUDA they take cuda:0 and cuda:1 and decode eagerly (CUDA graphs are
 not captured at tp > 1 yet), so compare TP2 with TP1 run eagerly as well (--no-graphs).
 """
@@ -155,6 +156,20 @@ def measure(engine: Any, names: list[str], shape: dict[str, int], args: argparse
     return out
 
 
+def layout_bytes(folder: Path, tp: int, dtype: str) -> int:
+    """Bytes of one rank's image (rank 0: the largest), from the engine's own layout; nothing is allocated."""
+    import math
+
+    from transformers import AutoConfig
+
+    from pool.engines.device import align_up
+    from pool.engines.weights import ModelSpec
+
+    spec = ModelSpec.from_config(AutoConfig.from_pretrained(folder))
+    spec = spec if tp == 1 else spec.shard(0, tp)
+    return sum(align_up(math.prod(shape) * getattr(torch, dtype).itemsize) for _, shape in spec.layout())
+
+
 def cost_terms(name: str, folder: Path, tp: int, gpu: str, args: argparse.Namespace) -> dict[str, Any]:
     from scheduler.fleet import Arch, arch_from_hf_config
     from sims.costmodel import RooflineCostModel
@@ -168,6 +183,46 @@ def cost_terms(name: str, folder: Path, tp: int, gpu: str, args: argparse.Namesp
             "decode_step_s": {str(b): cost.decode_step_s(name, b, b * args.context) for b in args.batches},
             "allreduces_per_step": 2 * arch.num_layers if tp > 1 else 0,
             "allreduce_fixed_s": c.allreduce_fixed_s, "allreduce_s_per_token": c.allreduce_s_per_token}
+
+
+def _all_reduce_rank(rank: int, size: int, store: str, device: str, sizes: list[int], reps: int, out: Any) -> None:
+    from pool.engines.tp import TpComm
+
+    torch.set_num_threads(1)
+    comm = TpComm(store, rank, size, torch.device(device))
+    rows = {}
+    for nbytes in sizes:
+        tensor = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+        times = []
+        for rep in range(reps + 10):  # the first ten warm up
+            if device != "cpu":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            comm.all_reduce(tensor)
+            if device != "cpu":
+                torch.cuda.synchronize(device)
+            if rep >= 10:
+                times.append(time.perf_counter() - start)
+        rows[str(nbytes)] = {"median_s": statistics.median(times), "p10_s": sorted(times)[len(times) // 10]}
+    if rank == 0:
+        out.put(rows)
+
+
+def all_reduce_latency(size: int, cuda: bool, sizes: list[int], reps: int = 200) -> dict[str, Any]:
+    """One all-reduce through `TpComm` (gloo or NCCL) between `size` processes, alone, by message size."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    store = str(Path(tempfile.mkdtemp()) / "store")
+    procs = [ctx.Process(target=_all_reduce_rank, args=(r, size, store, f"cuda:{r}" if cuda else "cpu", sizes, reps,
+                                                        out)) for r in range(size)]
+    for proc in procs:
+        proc.start()
+    rows = out.get(timeout=300)
+    for proc in procs:
+        proc.join(60)
+    return rows
 
 
 def main() -> None:
@@ -202,6 +257,11 @@ def main() -> None:
                               "bandwidth": copy_bandwidth(torch.device(args.device), 1 * GiB if cuda else 64 << 20, 3),
                               "shapes": {}}
     h2d = result["bandwidth"]["h2d_GBps"] * 1e9
+    if max(args.tp) > 1:
+        hidden = [shape["hidden_size"] * (2 if cuda else 4) for shape in shapes.values()]
+        sizes = sorted({h * b for h in hidden for b in args.batches})  # one decode step's all-reduce payloads
+        result["all_reduce"] = all_reduce_latency(max(args.tp), cuda, sizes)
+        print("all-reduce:", json.dumps(result["all_reduce"]), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for shape_name, shape in shapes.items():
             names = [f"{shape_name}-a", f"{shape_name}-b"]
@@ -209,10 +269,12 @@ def main() -> None:
             runs: dict[str, Any] = {}
             for tp in args.tp:
                 terms = cost_terms(names[0], folders[0], tp, args.gpu, args)
-                per_gpu = terms["weight_bytes_per_gpu"]
+                per_gpu = layout_bytes(folders[0], tp, args.dtype)
                 if device_bytes is not None and 2 * per_gpu + args.kv_gib * GiB > 0.95 * device_bytes:
-                    runs[f"tp{tp}"] = {"skipped": f"two slots of {per_gpu / 1e9:.1f} GB do not fit one device",
-                                       "cost_model": terms}
+                    # the engine's model region holds two models' worth (the switch target beside the active one)
+                    runs[f"tp{tp}"] = {"skipped": f"two model slots of {per_gpu / 1e9:.1f} GB and {args.kv_gib} GiB "
+                                                  f"of KV do not fit one device", "cost_model": terms}
+                    print(f"{shape_name} tp{tp}: {runs[f'tp{tp}']['skipped']}", flush=True)
                     continue
                 engine = None
                 try:

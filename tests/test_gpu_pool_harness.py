@@ -33,3 +33,19 @@ def test_tiny_harness_serves_every_request_with_no_capture_on_the_request_path(t
     assert run["fidelity"]["ttft_s"]["pairs"] == len(served)  # the simulator ran the same trace
     trace = (out / run["trace"]).read_text().splitlines()
     assert trace[0] == "timestamp_s,model,input_tokens,output_tokens" and len(trace) == aggregate["requests"] + 1
+
+
+def test_simulator_side_of_the_two_gpu_prefill_decode_layout(tmp_path) -> None:
+    """--gpus 2 (issue 21): the fleet says two GPUs and the simulator puts the prefill instance on one and the
+    decode instance on the other, as serve does on a two-GPU box (the live side needs the GPUs)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from benchmarks.gpu_pool_sim import simulate_live_layout
+    from gpu_pool import TINY_FLEET, build_models, make_trace, write_trace
+
+    fleet = build_models(tmp_path, TINY_FLEET, "cpu", num_gpus=2)
+    assert "num_gpus: 2" in fleet.read_text()
+    write_trace(make_trace([name for name, _ in TINY_FLEET], 2.0, 5.0, (20, 60), (4, 8), 1), tmp_path / "t.csv")
+    one = simulate_live_layout(fleet, tmp_path / "t.csv", cpu=False, num_gpus=1)
+    two = simulate_live_layout(fleet, tmp_path / "t.csv", cpu=False, num_gpus=2)
+    assert one["gpu_of"] == {"slot0": 0, "slot1": 0} and two["gpu_of"] == {"slot0": 0, "slot1": 1}
+    assert len(two["requests"]) == len(one["requests"]) > 3

@@ -69,10 +69,16 @@ _SOURCES = {
     "switch_fixed_s": f"fitted to the same swaps (intercept; {ANCHORS})",
     "launch_s_per_layer": f"7B decode without CUDA graphs took 11.1 ms: (11.1 ms - decode_fixed_s) / 28 layers ({ANCHORS})",
 }
+# What the TP terms multiply is checked against the torch engine's TP ranks on CPU (benchmarks/gpu_tp.py --tiny,
+# BENCHMARKS.md): 2 all-reduces a layer of hidden x dtype bytes a token, weights and KV heads split by tp. Their
+# NVLink rates are not measured (that needs two GPUs; gloo over loopback says nothing of NVLink).
+_TP_CHECKED = ("; the count it multiplies (2 all-reduces a layer, hidden x dtype bytes a token) is the torch engine's "
+               "at tp 2 on CPU (benchmarks/gpu_tp.py)")
 _ESTIMATES = {
-    "eff_nvlink": (0.5, "assumed: ring all-reduce bus bandwidth about half the bidirectional NVLink figure; not measured here"),
+    "eff_nvlink": (0.5, "assumed: ring all-reduce bus bandwidth about half the bidirectional NVLink figure; not measured "
+                        "here" + _TP_CHECKED),
     "allreduce_latency_s": (1e-5, "assumed: ~10 us per small all-reduce over NVLink (one-shot kernels are faster, NCCL slower); "
-                                  "not measured here"),
+                                  "not measured here" + _TP_CHECKED),
 }
 
 
