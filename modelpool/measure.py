@@ -89,7 +89,7 @@ def unsupported(arch: Arch, tp: int) -> str:
     if arch.is_moe:
         return "a mixture of experts (the torch engine runs dense models)"
     if tp > 1:
-        return f"tensor parallel (tp {tp}; the torch engine runs one device per instance)"
+        return f"tensor parallel (tp {tp}; calibrate times one device: benchmarks/gpu_tp.py measures TP instances)"
     if arch.family.split("_")[0] not in FAMILIES and arch.family != "yi":
         return f"family {arch.family!r} (the torch engine runs {', '.join(FAMILIES)})"
     return ""
