@@ -11,6 +11,7 @@ other instance with identical tokens without anything hanging; `serve
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -29,7 +30,7 @@ from pool.service import LivePool, served_model, slot_instances
 from tests.factories import LinearCosts
 from tests.pool.fault_tools import NOTHING, allocated, homes, outcomes, wait_until
 from tests.pool.test_faults import LONG_TOKENS, long_reference, submit_all  # noqa: F401
-from tests.pool.test_live_pool import ENGINE, KV_BYTES, tiny  # noqa: F401
+from tests.pool.test_live_pool import ENGINE, KV_BYTES, reference, run_requests, tiny  # noqa: F401
 from tests.pool.test_torch_engine import (TINY, hf_greedy, ids_of, make_engine, prompt_ids, run, run_preempted,
                                           tiny_requests)
 
@@ -148,6 +149,23 @@ def test_tp2_prefill_instance_hands_kv_to_a_tp2_decode_instance(tp2, demo_models
             assert got == want, model
     finally:
         decode.close()
+
+
+def test_tp2_prefill_and_decode_instances_in_the_live_pool(tiny, reference):  # noqa: F811
+    """Token-level's split with two TP2 instances: prompts prefilled on one, KV handed (all heads, joined from
+    and split back to the ranks) to the other, which decodes the uninterrupted greedy tokens."""
+    models = [served_model(name, path, dtype="float32", tp=2) for name, path in tiny.items()]
+    log = io.StringIO()
+    pool = LivePool(models, slot_instances(2, models, KV_BYTES, roles=["prefill", "decode"], tp=2), "token-level",
+                    LinearCosts(), engine=ENGINE, backend="threads", policy_options={"fixed_turn_steps": 3},
+                    plan_log=log)
+    with pool:
+        sinks = run_requests(pool, timeout_s=300)
+    for key, sink in sinks.items():
+        assert sink.tokens == reference[key], key
+    plans = [json.loads(line)["actions"] for line in log.getvalue().splitlines()]
+    assert {"SwapIn", "Decode"} <= {a["op"] for p in plans for a in p.get("slot1", [])}
+    assert "Prefill" not in {a["op"] for p in plans for a in p.get("slot1", [])}
 
 
 def test_a_dead_rank_fails_the_call_at_once_and_every_later_one(demo_models):
