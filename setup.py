@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parent
 MYPYC_MODULES = [
     "scheduler/plan.py", "scheduler/request.py", "scheduler/quotas.py", "scheduler/costs.py", "scheduler/instance.py",
     "scheduler/policies/base.py", "scheduler/policies/dedicated.py", "scheduler/policies/request_level.py",
-    "scheduler/policies/spatial.py", "scheduler/policies/token_level.py",
+    "scheduler/policies/spatial.py", "scheduler/policies/token_level.py", "scheduler/policies/token_prefill.py",
+    "scheduler/policies/token_decode.py",
     "sims/simulator.py", "sims/costmodel.py",
 ]
 _TREE = ["scheduler", "sims", "modelpool", "pool", "pyproject.toml", "README.md", "setup.py"]  # what a build reads

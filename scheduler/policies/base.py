@@ -131,7 +131,7 @@ class PolicyBase:
         self._dirty = True
         why = self._refuse(request)
         if why:
-            self._fail(request, why)
+            self.fail(request, why)
             return
         request.kv_reserved_bytes = 0.0
         self.queues[request.model].append(request.request_id)
@@ -280,14 +280,14 @@ class PolicyBase:
                 (i.kv_capacity_bytes for i in self.instances.values() if i.spec.tp == tp), default=0.0)
         return room
 
-    def _fail(self, request: Request, why: str) -> None:
-        self._release(request)
+    def fail(self, request: Request, why: str) -> None:
+        self.release(request)
         transition(request, FAILED, why)
         self._ended.append(request.request_id)
         self._forget(request)
         self._failed.append((request.request_id, why))
 
-    def _reserve(self, inst: InstanceState, request: Request) -> None:
+    def reserve(self, inst: InstanceState, request: Request) -> None:
         need = self.kv_need_bytes(request)
         self._touched.add(inst.instance_id)
         inst.kv_used_bytes += need
@@ -297,6 +297,11 @@ class PolicyBase:
         request.kv_reserved_bytes = need
         request.instance_id = inst.instance_id
 
+    def note_news(self) -> None:
+        """Something happened that may enable an action though it came with a quiet event (see the module
+        docstring): the next schedule() plans."""
+        self._dirty = True
+
     def touch(self, instance_id: str | None) -> None:
         """Note that an instance's state changed. Every change goes through an event of the instance, a
         request placed on or leaving it, or a reservation or release of its KV: a policy that plans only
@@ -304,7 +309,7 @@ class PolicyBase:
         if instance_id is not None:
             self._touched.add(instance_id)
 
-    def _release(self, request: Request) -> None:
+    def release(self, request: Request) -> None:
         """Give back the device KV a request holds (if any)."""
         self.touch(request.instance_id)
         if request.kv_reserved_bytes and request.instance_id is not None:
@@ -332,13 +337,13 @@ class PolicyBase:
                 continue
             req.num_output_tokens += steps
             if (finished and rid in finished) or req.num_output_tokens >= req.max_output_tokens:
-                self._release(req)
+                self.release(req)
                 transition(req, FINISHED)
                 self._ended.append(rid)
                 self._forget(req)
             elif status is PREFILLING:
                 if to_host:
-                    self._release(req)
+                    self.release(req)
                     transition(req, SWAPPED)
                 else:
                     transition(req, RUNNING)
@@ -351,7 +356,7 @@ class PolicyBase:
             return
         if req.status is QUEUED:
             self._drop_from_queue(req)
-        self._release(req)
+        self.release(req)
         transition(req, CANCELLED, event.reason)
         self._ended.append(req.request_id)
         self._forget(req)
@@ -370,7 +375,7 @@ class PolicyBase:
         inst.resident.clear()
         victims = [r for r in self.requests.values() if r.instance_id == inst.instance_id and not r.done]
         for req in sorted(victims, key=lambda r: r.arrival_at, reverse=True):
-            self._release(req)
+            self.release(req)
             self._forget(req)
             req.instance_id = None
             if req.status is not QUEUED:
@@ -399,7 +404,7 @@ class PolicyBase:
             if self.kv_need_bytes(req) > inst.kv_free_bytes:
                 break
             queue.popleft()
-            self._reserve(inst, req)
+            self.reserve(inst, req)
             transition(req, PREFILLING)
             tokens += need_tokens
             batch.append(req)
@@ -457,7 +462,7 @@ class PolicyBase:
         running = self.running_on(inst)
         actions: list[Action] = []
         admitted = 0
-        for model in (models if len(models) == 1 else sorted(models, key=self._head_arrival)):
+        for model in (models if len(models) == 1 else sorted(models, key=self.head_arrival)):
             batch = self.take_prefill_batch(inst, self.queues[model], len(running) + admitted)
             if batch:
                 admitted += len(batch)
@@ -473,14 +478,14 @@ class PolicyBase:
         running = self.running_on(inst)
         budget = self.chunked_prefill_tokens - len(running)
         members, pending = len(running) + len(inst.prefilling), sum(inst.prefilling.values())
-        for model in (models if len(models) == 1 else sorted(models, key=self._head_arrival)):
+        for model in (models if len(models) == 1 else sorted(models, key=self.head_arrival)):
             queue = self.queues[model]
             while queue and pending < budget and members < self.max_batch_size:
                 req = self.requests[queue[0]]
                 if self.kv_need_bytes(req) > inst.kv_free_bytes:
                     break
                 queue.popleft()
-                self._reserve(inst, req)
+                self.reserve(inst, req)
                 transition(req, PREFILLING)
                 inst.prefilling[req.request_id] = req.context_tokens
                 members, pending = members + 1, pending + req.context_tokens
@@ -514,7 +519,7 @@ class PolicyBase:
             self.queued_models = {m: None for m in waiting}
         return waiting
 
-    def _head_arrival(self, model: str) -> tuple[float, str]:
+    def head_arrival(self, model: str) -> tuple[float, str]:
         queue = self.queues[model]
         return (self.requests[queue[0]].arrival_at, model) if queue else (float("inf"), model)
 

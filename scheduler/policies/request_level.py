@@ -35,7 +35,7 @@ class RequestLevelPolicy(PolicyBase):
                 if acts:
                     out[inst.instance_id] = acts
         # 2. models still waiting: interrupt a holder with room, or switch a free instance over
-        waiting = sorted(self.waiting_models(), key=self._head_arrival)
+        waiting = sorted(self.waiting_models(), key=self.head_arrival)
         for model in waiting:
             victim = self.stop_to_admit(model, holders.get(model, ()))
             if victim is not None:

@@ -105,7 +105,7 @@ def test_token_level_groups_fcfs_prefills_switches_and_prefetches() -> None:
     assert [type(a) for a in acts] == [Switch, Prefetch, Prefill]
     assert acts[0].model == "m0" and acts[2].request_ids == ("a", "c") and acts[2].kv_to_host
     assert acts[1].model == "m1"  # the next group's model, fetched while m0 prefills (so it comes first)
-    assert [g.model for g in sched.groups["i0"]] == ["m1"]
+    assert [g.model for g in sched.prefill.groups["i0"]] == ["m1"]
 
 
 def test_token_level_prefill_instance_decodes_the_first_tokens_then_hands_off() -> None:
@@ -140,7 +140,7 @@ def test_token_level_keeps_prompts_queued_while_no_prefill_instance_lives() -> N
     sched.on_event(InstanceAdded("i0"), 0.3)
     acts = sched.schedule(0.3).actions["i0"]
     assert [type(a) for a in acts] == [Switch, Prefetch, Prefill] and acts[2].request_ids == ("a",)
-    assert [g.model for g in sched.groups["i0"]] == ["m1"]  # b waits in the next group, a before it (FCFS)
+    assert [g.model for g in sched.prefill.groups["i0"]] == ["m1"]  # b waits in the next group, a before it (FCFS)
     assert not sched.queued_models and not any(sched.queues.values())
 
 

@@ -300,18 +300,21 @@ def test_forgetting_ended_requests_changes_no_decision(policy, roles) -> None:
                                           ("dedicated", None), ("spatial", None), ("request-level", None)])
 def test_the_event_loop_makes_no_reference_cycles(policy, roles) -> None:
     """The loop runs with the cyclic collector off (its passes over the growing records cost time and found
-    nothing to free); a cycle made there would stay until the next collection, so none may be made. Faults
-    and chunked prefill included. The collector is on again afterwards."""
+    nothing to free); a cycle made there and dropped would stay until the next collection, so none may be
+    made. Faults and chunked prefill included. The collector is on again afterwards. (The simulator and the
+    scheduler are held while collecting: token-level's prefill and decode sides refer back to their policy,
+    one cycle per scheduler, made when it is built and freed with it.)"""
     import gc
 
     models = make_models(3)
     options = {"chunked_prefill_tokens": 512} if policy == "dedicated" else {}
     gc.collect()
     assert gc.isenabled()
-    run_sim(policy, models, make_instances(4, roles=roles), make_workload(300, list(models), seed=5),
-            faults=[(20.0, "i1")], **options)
+    sim, sched = run_sim(policy, models, make_instances(4, roles=roles), make_workload(300, list(models), seed=5),
+                         faults=[(20.0, "i1")], **options)
     assert gc.isenabled()
     assert gc.collect() == 0
+    assert sim.records and sched is not None
 
 
 def test_a_prefill_that_moves_its_kv_to_host_takes_the_move_after_its_token() -> None:

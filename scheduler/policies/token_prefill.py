@@ -1,0 +1,254 @@
+"""token-level's prefill side: which prefill instance takes each prompt, and what it runs next.
+
+Prefill (and mixed) instances keep an FCFS list of *groups*, each holding at most `max_group_size`
+requests of one model. The per-model queues are drained oldest head first; each request goes where its
+prefill is predicted to end first: joining the first group of its model with room there, else a new group
+at the tail, whose switch counts `1 + switch_aversion` times. An instance prefills its head group (batched
+up to a token budget), switching when the group's model is not loaded, and prefetches the next group's
+model while it computes.
+
+On a prefill instance the prompt's KV then goes to host memory for a decode instance; with
+`first_tokens` > 1 the instance first decodes that many tokens where weights and KV already are (the
+*hand-off*: decode, then move), so the move hides behind time banked against the TPOT SLO. On a mixed
+instance the KV stays where it was prefilled.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Final
+
+from scheduler.plan import Action, Decode, Prefill, Switch
+from scheduler.policies.base import InstanceState
+from scheduler.request import RUNNING, Request
+
+if TYPE_CHECKING:
+    from scheduler.policies.token_level import TokenLevelPolicy
+
+_INF: Final = float("inf")
+
+
+class Group:
+    """Queued requests of one model on a prefill instance, prefilled together."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.ids: list[str] = []
+
+
+class PrefillSide:
+    """The prefill and mixed instances' groups and hand-offs (the module docstring says how)."""
+
+    def __init__(self, policy: TokenLevelPolicy) -> None:
+        self.policy = policy
+        self.groups: dict[str, list[Group]] = {}
+        self.busy_until: dict[str, float] = {}  # instance -> predicted end of its planned work
+        self.handoff: dict[str, tuple[str, list[str]]] = {}  # prefill instance -> ("decode" | "move", requests)
+        self.by_tp: dict[int, list[InstanceState]] = {}  # prefill and mixed instances per TP, in order
+        for inst in policy.instances.values():
+            if inst.spec.role in ("prefill", "mixed"):
+                self.groups[inst.instance_id] = []
+                self.by_tp.setdefault(inst.spec.tp, []).append(inst)
+
+    # ---- dispatch ----------------------------------------------------------------
+    def dispatch(self, now: float) -> None:
+        """Place every queued request in a group of a prefill instance (oldest queue head first)."""
+        policy = self.policy
+        queues = policy.queues
+        waiting = policy.waiting_models()
+        stuck: list[str] = []
+        ends: dict[str, list[float]] = {}  # per prefill instance, predicted end of each queued group
+        while waiting:
+            model = waiting[0] if len(waiting) == 1 else min(waiting, key=policy.head_arrival)
+            queue = queues[model]
+            req = policy.requests[queue[0]]
+            choice = self._pick_instance(req, now, ends)
+            if choice is None:  # every prefill instance of its TP is lost; wait for one (InstanceAdded)
+                waiting.remove(model)
+                stuck.append(model)
+                continue
+            inst_id, group = choice
+            queue.popleft()
+            if not queue:
+                waiting.remove(model)
+            if group is None:
+                group = Group(model)
+                self.groups[inst_id].append(group)
+            group.ids.append(req.request_id)
+            req.instance_id = inst_id
+            policy.touch(inst_id)
+            ends.pop(inst_id, None)
+            if policy.instances[inst_id].spec.role == "mixed":  # let the turn boundary weigh the prompt
+                policy.decode.preempt(inst_id)
+        policy.queued_models = {m: None for m in stuck}  # every other queue is empty now
+
+    def _pick_instance(self, req: Request, now: float,
+                       ends: dict[str, list[float]]) -> tuple[str, Group | None] | None:
+        """The instance (and group to join, None = a new one at the tail) where `req`'s prefill is predicted
+        to finish first: joining a group of its model saves a switch, a shorter queue saves waiting."""
+        policy = self.policy
+        model = req.model
+        own_s = policy.costs.prefill_s(model, req.context_tokens)
+        best_at, best_id, best_group = _INF, None, None  # the earliest end, ties to the first instance
+        for inst in self.by_tp.get(policy.models[model].tp, []):
+            if inst.lost:
+                continue
+            iid = inst.instance_id
+            groups = self.groups[iid]
+            inst_ends = ends.get(iid)
+            if inst_ends is None:
+                inst_ends = ends[iid] = self._group_ends(inst, now)
+            index = -1  # the first group of the model with room (loops, not next(genexpr): once per request and instance)
+            for k, candidate in enumerate(groups):
+                if candidate.model == model and len(candidate.ids) < policy.max_group_size:
+                    index = k
+                    break
+            if index >= 0:
+                done_at, group = inst_ends[index] + own_s, groups[index]
+            else:
+                tail_model = inst.active
+                for candidate in reversed(groups):
+                    if candidate.ids:
+                        tail_model = candidate.model
+                        break
+                tail_at = inst_ends[-1] if inst_ends else max(now, self.busy_until.get(iid, now))
+                free = tail_model == model or (not groups and inst.prefetched == model)
+                switch_s = 0.0 if free else policy.costs.switch_s(model)
+                done_at, group = tail_at + (1.0 + policy.switch_aversion) * switch_s + own_s, None
+            if best_id is None or done_at < best_at:
+                best_at, best_id, best_group = done_at, iid, group
+        return None if best_id is None else (best_id, best_group)
+
+    def _group_ends(self, inst: InstanceState, now: float) -> list[float]:
+        """Predicted finish of each queued group (a switch is hidden as far as the previous prefill lasts)."""
+        costs, requests = self.policy.costs, self.policy.requests
+        t = max(now, self.busy_until.get(inst.instance_id, now))
+        model, previous_s, out = inst.active, 0.0, []
+        for group in self.groups[inst.instance_id]:
+            if group.ids:
+                if group.model != model:
+                    t += max(0.0, costs.switch_s(group.model) - previous_s)
+                    model = group.model
+                tokens = sum(requests[rid].context_tokens for rid in group.ids)
+                previous_s = costs.prefill_s(group.model, tokens, len(group.ids))
+                t += previous_s
+            out.append(t)
+        return out
+
+    # ---- planning ----------------------------------------------------------------
+    def step(self, inst: InstanceState) -> list[Action]:
+        """An idle instance's next prefill work: the hand-off of the last prompts, else its head group."""
+        policy = self.policy
+        acts = self._hand_off(inst)
+        if acts and isinstance(acts[0], Decode):
+            return acts
+        groups = self.groups[inst.instance_id]
+        while groups and not groups[0].ids:
+            groups.pop(0)
+        if not groups:
+            return acts
+        head = groups[0]
+        mixed = inst.spec.role == "mixed"
+        if inst.on_device and mixed:  # make room for prompts
+            head_need = policy.kv_need_bytes(policy.requests[head.ids[0]])
+            if head_need > inst.kv_free_bytes:
+                out = policy.decode.evictees(inst, set(), head_need - inst.kv_free_bytes)
+                acts.append(policy.swap_out(out, "make room to prefill"))
+        acts += policy.use_model(inst, head.model, f"head group is {head.model}")
+        batch = policy.take_prefill_batch(inst, _ListQueue(head.ids))  # type: ignore[arg-type]
+        if not batch:
+            return acts  # the head does not fit even an empty instance: _refuse prevents this
+        if not head.ids:
+            groups.pop(0)
+        nxt = next((g.model for g in groups if g.model != head.model), None)
+        acts += policy.prefetch(inst, nxt, "model of the next group")  # before the prefill: the copy overlaps it
+        ids = tuple(r.request_id for r in batch)
+        going_on = [r.request_id for r in batch if r.max_output_tokens > 1]
+        why = f"head group of {head.model}: {len(batch)} prompt(s)"
+        if mixed:  # the KV stays: this instance decodes it
+            acts.append(Prefill(ids, reason=why))
+        elif policy.first_tokens <= 1 or not going_on:
+            acts.append(Prefill(ids, kv_to_host=True, reason=why))
+        else:  # the KV stays for the first tokens (see _hand_off)
+            acts.append(Prefill(ids, reason=f"{why}; first {policy.first_tokens} tokens here"))
+            self.handoff[inst.instance_id] = ("decode", going_on)
+        return acts
+
+    def _hand_off(self, inst: InstanceState) -> list[Action]:
+        """After a prefill that kept its KV: decode the first tokens where weights and KV already are, then
+        (in the next plan, which may go on to the next prompts) move the KV to host for a decode instance.
+        The time those tokens bank against the TPOT SLO hides the hand-off."""
+        policy = self.policy
+        pending = self.handoff.pop(inst.instance_id, None)
+        if pending is None:
+            return []
+        stage, ids = pending
+        live = [rid for rid in ids if rid in policy.requests and policy.requests[rid].status is RUNNING]
+        if not live:
+            return []
+        if stage == "decode":
+            ids_now = tuple(live)
+            steps = min(policy.first_tokens - 1, policy.decode_steps(ids_now))
+            self.handoff[inst.instance_id] = ("move", live)
+            return [Decode(ids_now, steps, reason=f"first {steps + 1} tokens before the hand-off")]
+        return [policy.swap_out(live, "hand the KV over to a decode instance")]
+
+    def head_start_by(self, inst: InstanceState) -> tuple[float, float] | None:
+        """(latest start that keeps the head group's TTFT SLO, that SLO) on a mixed instance; None without one."""
+        policy = self.policy
+        head = next((g for g in self.groups[inst.instance_id] if g.ids), None)
+        if head is None:
+            return None
+        reqs = [policy.requests[rid] for rid in head.ids]
+        ttft = policy.models[head.model].ttft_slo_s
+        start_by = min(r.arrival_at for r in reqs) + ttft - policy.costs.prefill_s(
+            head.model, sum(r.context_tokens for r in reqs), len(reqs))
+        return start_by, ttft
+
+    def planned(self, inst: InstanceState, acts: list[Action], now: float) -> None:
+        """Note when the planned work should end (dispatch predicts queues from it)."""
+        self.busy_until[inst.instance_id] = now + self._predict_s(acts)
+
+    def _predict_s(self, acts: list[Action]) -> float:
+        """Predicted time the planned actions keep an instance busy (prefetches overlap)."""
+        costs, requests = self.policy.costs, self.policy.requests
+        took = 0.0
+        for act in acts:
+            if isinstance(act, Switch):
+                took += costs.switch_s(act.model)
+            elif isinstance(act, Prefill):
+                for rid in act.request_ids:
+                    req = requests[rid]
+                    took += costs.prefill_s(req.model, req.context_tokens)
+            elif isinstance(act, Decode):
+                ctx = sum(requests[rid].context_tokens for rid in act.request_ids)
+                took += act.max_steps * costs.decode_step_s(requests[act.request_ids[0]].model,
+                                                            len(act.request_ids), ctx)
+        return took
+
+    # ---- events ----------------------------------------------------------------
+    def forget(self, request: Request, instance_id: str) -> None:
+        for group in self.groups.get(instance_id, ()):
+            if request.request_id in group.ids:
+                group.ids.remove(request.request_id)
+                break
+
+    def lose(self, instance_id: str) -> None:
+        if instance_id in self.groups:
+            self.groups[instance_id] = []
+            self.handoff.pop(instance_id, None)
+
+
+class _ListQueue:
+    """The deque interface `take_prefill_batch` uses, over a group's list."""
+
+    def __init__(self, items: list[str]) -> None:
+        self.items = items
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+    def __getitem__(self, index: int) -> str:
+        return self.items[index]
+
+    def popleft(self) -> str:
+        return self.items.pop(0)
