@@ -73,7 +73,11 @@ class Controller:
         self.clock = clock
         self.plan_log = plan_log
         self.requests: dict[str, LiveRequest] = {}
-        self.runners = {iid: InstanceRunner(iid, self._issuer(iid), self.requests, self._deliver) for iid in instance_ids}
+        instance_ids = list(instance_ids)
+        roles = {iid: inst.role for iid, inst in scheduler.view().instances.items()}
+        # a prefill instance hands its requests over: its SwapOut exports and the controller carries the KV
+        self.runners = {iid: InstanceRunner(iid, self._issuer(iid), self.requests, self._deliver,
+                                            hands_off=roles.get(iid) == "prefill") for iid in instance_ids}
         self.lost: set[str] = set()
         self.generation = {iid: 0 for iid in self.runners}  # bumped by each restore()
         # a request in this many failed calls ends instead of resuming: it may be what kills the instances (a
@@ -107,7 +111,9 @@ class Controller:
             return
         live.cancelled = True
         self.scheduler.on_event(Cancelled(request_id, reason), self.clock.now())
-        if live.kv_home is not None and live.kv_home not in self.lost:  # free its KV at the next call boundary
+        if live.kv_export is not None:  # out of every engine: dropping it frees it
+            live.kv_export = None
+        elif live.kv_home is not None and live.kv_home not in self.lost:  # free its KV at the next call boundary
             self._issue(None, live.kv_home, "release", ([request_id],), {})
 
     def complete(self, handle: int, result: Any) -> bool:
@@ -151,7 +157,8 @@ class Controller:
         still sat here (a hand-off in transit) cannot be re-queued through the
         scheduler's contract; it ends with a clean `RequestFailed`, as does a
         suspect (carried by the call that failed) for the
-        `max_losses_per_request`-th time.
+        `max_losses_per_request`-th time. A request handed over already (its KV
+        exported, carried by the controller) goes on where it was placed.
         """
         if instance_id in self.lost:
             return
@@ -167,9 +174,12 @@ class Controller:
         for live in self.requests.values():
             if live.kv_home != instance_id:
                 continue
-            live.kv_home = None  # resume from prompt + produced tokens
             placed = self.scheduler.request_view(live.request_id)
-            if placed is not None and placed.instance_id not in (None, instance_id):
+            elsewhere = placed is not None and placed.instance_id not in (None, instance_id)
+            if elsewhere and live.kv_export is not None:
+                continue  # handed over: its KV is not here any more
+            live.kv_home = live.kv_export = None  # resume from prompt + produced tokens, as the scheduler will
+            if elsewhere:
                 ended[live.request_id] = f"its KV was on instance {instance_id}, which was lost ({reason})"
         self._report(InstanceLost(instance_id, reason))
         for request_id, why in ended.items():
@@ -199,9 +209,9 @@ class Controller:
         for live in self.requests.values():
             placed = _placed_on(self.scheduler, live.request_id)
             if placed == instance_id or (placed is None and live.kv_home == instance_id):
-                if live.kv_home is not None and live.kv_home not in self.lost:
+                if live.kv_home is not None and live.kv_home not in self.lost and live.kv_export is None:
                     freed.setdefault(live.kv_home, []).append(live.request_id)
-                live.kv_home = None
+                live.kv_home = live.kv_export = None
         for home, ids in sorted(freed.items()):  # before anything planned next: calls to one engine run in order
             self._issue(None, home, "release", (ids,), {})
         self._report(KvRefused(instance_id, reason))

@@ -10,7 +10,11 @@ manual clock) drive the same code. Semantics match the simulator's executor:
 - Prefill -> `prefill` (+ `save_kv` when `kv_to_host`) -> StepDone(prefill).
 - Decode -> `decode_step` per step; the turn ends after `max_steps`, at the
   first finished request, or at the step boundary after a Stop -> StepDone.
-- SwapOut -> `save_kv` -> KvMoved(host); SwapIn -> (`export_kv` from the
+- SwapOut -> `save_kv` -> KvMoved(host); on an instance that hands its
+  requests over (a prefill instance), `export_kv` instead: the KV leaves the
+  engine then and the controller carries it (`LiveRequest.kv_export`), so
+  the instance that takes the request over never waits for this one.
+- SwapIn -> (`import_kv` of KV the controller carries; `export_kv` from the
   instance whose host memory holds the KV, `import_kv` here) `restore_kv`
   -> KvMoved(device).
 """
@@ -37,7 +41,8 @@ class LiveRequest:
     arrival_at: float
     output_token_ids: list[int] = field(default_factory=list)
     sink: Callable[[TokenOut | BaseException], None] | None = None
-    kv_home: str | None = None  # the instance whose engine holds its KV (device or host)
+    kv_home: str | None = None  # the instance whose engine holds its KV (device or host), as the scheduler has it
+    kv_export: Any = None  # its KV out of every engine (a KvExport), from a hand-off; kv_home is where it left
     cancelled: bool = False
     finished: bool = False
 
@@ -52,8 +57,9 @@ Issue = Callable[[str, str, tuple[Any, ...], dict[str, Any]], int]
 
 class InstanceRunner:
     def __init__(self, instance_id: str, issue: Issue, requests: dict[str, LiveRequest],
-                 deliver: Callable[[LiveRequest, TokenOut], None]) -> None:
+                 deliver: Callable[[LiveRequest, TokenOut], None], hands_off: bool = False) -> None:
         self.instance_id = instance_id
+        self.hands_off = hands_off  # SwapOut exports (see the module docstring)
         self._issue = issue
         self._requests = requests
         self._deliver = deliver
@@ -66,6 +72,8 @@ class InstanceRunner:
         self._finished: list[str] = []
         self._imports: list[tuple[str, list[str]]] = []
         self._importing: list[str] = []  # request ids of the import_kv in flight
+        self._carried: list[str] = []  # request ids whose KV the controller carries, to import first
+        self._exporting: list[str] = []  # request ids of the hand-off export_kv in flight
 
     @property
     def busy(self) -> bool:
@@ -100,6 +108,7 @@ class InstanceRunner:
         elif isinstance(action, Decode):
             events += self._decode_result(action, result)
         elif isinstance(action, SwapOut):
+            self._carry(result)
             events.append(KvMoved(self.instance_id, action.request_ids, "host"))
         elif isinstance(action, SwapIn):
             events += self._swap_in_result(action, result)
@@ -138,9 +147,19 @@ class InstanceRunner:
                 self._current = None
                 return [event] + self._next()
             elif isinstance(action, SwapOut):
-                self._call("save_kv", list(action.request_ids))
+                if not self.hands_off:
+                    self._call("save_kv", list(action.request_ids))
+                    return []
+                self._exporting = [rid for rid in self._live(action.request_ids)
+                                   if self._requests[rid].kv_home == self.instance_id]
+                if not self._exporting:  # all cancelled (or finished) meanwhile
+                    self._current = None
+                    return [KvMoved(self.instance_id, action.request_ids, "host")] + self._next()
+                self._call("export_kv", list(self._exporting), kv_move=True)
             elif isinstance(action, SwapIn):
-                self._imports = self._foreign(action.request_ids)
+                live = self._live(action.request_ids)
+                self._carried = [rid for rid in live if self._requests[rid].kv_export is not None]
+                self._imports = self._foreign([rid for rid in live if rid not in self._carried])
                 self._swap_in_next(action)
             else:
                 raise RuntimeError(f"{self.instance_id}: cannot run {action!r}")
@@ -218,7 +237,25 @@ class InstanceRunner:
                 out.setdefault(home, []).append(rid)
         return sorted(out.items())
 
+    def _carry(self, exports: Any) -> None:
+        """A hand-off's export_kv ended: the controller carries each request's KV until it is imported."""
+        if self._stage != "export_kv":
+            return
+        for rid, export in zip(self._exporting, exports):
+            live = self._requests.get(rid)
+            if live is not None and not live.cancelled and not live.finished:
+                live.kv_export = export
+        self._exporting = []
+
     def _swap_in_next(self, action: SwapIn) -> None:
+        if self._carried:
+            ids, self._carried = self._live(self._carried), []
+            exports = [self._requests[rid].kv_export for rid in ids]
+            for rid in ids:
+                self._requests[rid].kv_export = None
+            self._importing = ids
+            self._call("import_kv", exports, transfer=True)
+            return
         if self._imports:
             home, ids = self._imports[0]
             self._stage = "export_kv"  # runs on the home instance, after whatever it is doing

@@ -161,6 +161,9 @@ class SimEngine:
         if len(set(request_ids)) != len(request_ids):
             raise EngineError(f"duplicate request ids in export_kv: {list(request_ids)}")
         seqs = [self._seqs.require(rid) for rid in request_ids]
+        on_device = [(s.request.model, s.num_tokens) for s in seqs if s.on_device]
+        if on_device:  # read off the device: a move to the host, as save_kv
+            self._sleep(instance.kv_move_s(self.costs, on_device))
         out = []
         for seq in seqs:
             req = seq.request

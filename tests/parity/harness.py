@@ -134,10 +134,9 @@ class ManualBackend:
         return now + self._move(ids), None
 
     def _export_kv(self, inst: FakeInstance, now: float, ids: list[str], **_: Any) -> tuple[float, list[str]]:
-        for rid in ids:
-            inst.kv.require(rid)
+        on_device = [rid for rid in ids if inst.kv.require(rid)]  # read off the device: a move to the host
         inst.kv.release(ids)
-        return now, list(ids)
+        return now + (self._move(on_device) if on_device else 0.0), list(ids)
 
     def _import_kv(self, inst: FakeInstance, now: float, exports: list[str], **_: Any) -> tuple[float, None]:
         for rid in exports:

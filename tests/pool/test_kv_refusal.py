@@ -52,7 +52,7 @@ def submit_all(controller: Controller, clock: ManualClock, max_tokens: int = NEW
 @pytest.mark.parametrize("policy, roles, method, refuse_at", [
     ("request-level", None, "decode_step", 4),  # mid-turn: tokens out already, KV on the device
     ("request-level", None, "prefill", 2),
-    ("token-level", ["prefill", "decode"], "save_kv", 2),  # the prefill instance's host memory is full
+    ("token-level", ["prefill", "decode"], "import_kv", 1),  # the decoder's host memory has no room for a hand-off
     ("token-level", ["prefill", "decode"], "restore_kv", 1),  # the decoder's device has no room for a swap-in
 ])
 def test_a_refusal_requeues_the_instances_requests_and_keeps_it(tiny, reference, policy, roles, method,  # noqa: F811
@@ -63,7 +63,7 @@ def test_a_refusal_requeues_the_instances_requests_and_keeps_it(tiny, reference,
         engines[iid] = make_engine(ENGINE)
         for m in models:
             engines[iid].load(m.name, m.path)
-    target = "slot1" if method == "restore_kv" else "slot0"
+    target = "slot1" if method in ("restore_kv", "import_kv") else "slot0"
     engines[target] = Refusing(engines[target], refuse_at, method)
     backend, clock = InProcessBackend(engines), ManualClock()
     options = {"fixed_turn_steps": 3} if policy == "token-level" else {}
