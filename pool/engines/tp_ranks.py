@@ -44,6 +44,18 @@ class ProcessRank:
     def pid(self) -> int:
         return self.process.pid
 
+    def started(self, timeout_s: float = 120.0) -> None:
+        """Wait until the rank's process runs (before rank 0 meets it in the process group, which would wait out
+        its timeout for a rank that never came up)."""
+        if not self.conn.poll(timeout_s):
+            raise RuntimeError(f"tp rank {self.rank} (pid {self.pid}) did not start within {timeout_s} s")
+        try:
+            status, _ = self.recv()
+        except RankLost as exc:
+            raise RuntimeError(f"tp rank {self.rank} failed to start: {exc}") from None
+        if status != "alive":
+            raise RuntimeError(f"tp rank {self.rank}: unexpected first message {status!r}")
+
     def ready(self) -> int:
         """Wait until the rank is built; its pid."""
         status, result = self.recv()
@@ -89,6 +101,7 @@ def _rank_main(fd: int) -> None:
     conn = Connection(fd)
     setup: RankSetup = pickle.loads(conn.recv_bytes())
     torch.set_num_threads(setup.threads)
+    conn.send_bytes(pickle.dumps(("alive", os.getpid())))
     try:
         engine = build_rank(setup)
     except BaseException as exc:  # noqa: BLE001 - told to rank 0, whose start fails with it
@@ -114,7 +127,15 @@ def _rank_main(fd: int) -> None:
 
 
 def process_ranks(setups: Sequence[RankSetup]) -> list[ProcessRank]:
-    return [ProcessRank(setup) for setup in setups]
+    ranks = [ProcessRank(setup) for setup in setups]
+    try:
+        for rank in ranks:
+            rank.started()
+    except BaseException:
+        for rank in ranks:
+            rank.kill()
+        raise
+    return ranks
 
 
 # ---- ranks as Ray actors ---------------------------------------------------------------------------------------

@@ -212,6 +212,18 @@ def assert_resumed_elsewhere(pool: LivePool, sinks, reference, chosen: str, held
     wait_until(lambda: allocated(pool) == NOTHING, 10, f"nothing allocated: {allocated(pool)}")
 
 
+def test_a_rank_that_cannot_start_fails_the_instance_at_once(monkeypatch):
+    import time
+
+    from pool.engines import tp_ranks
+
+    monkeypatch.setattr(tp_ranks.sys, "executable", "/bin/false")  # the rank's process exits at once
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="tp rank 1 failed to start"):
+        TpEngine(TorchEngineConfig(dtype="float32", tp=2))
+    assert time.monotonic() - started < 10  # not the process group's timeout
+
+
 @pytest.mark.slow
 def test_rank_killed_mid_decode_requests_resume_on_the_other_instance(tiny, long_reference):  # noqa: F811
     with tp2_pool(tiny, "processes") as pool:
