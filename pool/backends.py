@@ -119,6 +119,7 @@ class ThreadBackend:
         self._done: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
         self._work: dict[str, queue.SimpleQueue[tuple[int, str, tuple[Any, ...]] | None]] = {}
         self.in_flight = 0  # touched by the loop thread only
+        self._retired: set[str] = set()  # freed by retire() and not replaced since
         for iid, engine in self.engines.items():
             self._start_worker(iid, engine)
 
@@ -176,16 +177,23 @@ class ThreadBackend:
         """A fresh engine (and worker) for a lost instance; the old worker ends after its current call."""
         self._work[instance_id].put(None)
         self.engines[instance_id] = engine
+        self._retired.discard(instance_id)
         self._start_worker(instance_id, engine)
 
     def retire(self, instance_id: str, timeout_s: float = 30.0) -> bool:
         """Write a lost instance's engine off and free its device memory (after the call it may be running):
         its later calls end with `InstanceDied`. True once freed; False if its worker is still stuck in a
-        call after `timeout_s` (a hung kernel: the memory cannot be taken back)."""
+        call after `timeout_s` (a hung kernel: the memory cannot be taken back). Retired already (a restart
+        tried again): True at once."""
+        if instance_id in self._retired:
+            return True
         self.engines[instance_id] = None  # type: ignore[assignment]
         freed = threading.Event()
         self._work[instance_id].put(freed)
-        return freed.wait(timeout_s)
+        if not freed.wait(timeout_s):
+            return False
+        self._retired.add(instance_id)
+        return True
 
     def kill(self, instance_id: str) -> None:
         self.engines[instance_id] = None  # type: ignore[assignment]

@@ -230,6 +230,7 @@ class LivePool:
         """Stop the loop and the instances; requests still in the pool end with `PoolClosed`, their KV freed."""
         with self._lock:  # a restart finishing now sees this under the same lock (`_rebuilt`)
             self._running = False
+        self.restarts.close()
         if self._thread is not None:
             self._inbox.put(("wake", None))
             self._thread.join(timeout=10)

@@ -1,0 +1,52 @@
+"""Restarts: a rebuild that raises is tried again while its instance has restarts left, as one more restart."""
+
+from __future__ import annotations
+
+import queue
+
+from pool.restarts import Restarts
+
+
+def restarts(outcomes: list, max_restarts: int) -> tuple[Restarts, queue.SimpleQueue, list]:
+    """Restarts whose k-th build returns (or raises) outcomes[k]; the deliveries land in the queue."""
+    delivered: queue.SimpleQueue = queue.SimpleQueue()
+    calls: list[str] = []
+
+    def build(instance_id: str) -> str:
+        outcome = outcomes[len(calls)]
+        calls.append(instance_id)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    return Restarts(build, lambda iid, what: delivered.put((iid, what)), max_restarts, retry_after_s=0.01), \
+        delivered, calls
+
+
+def test_a_failed_rebuild_is_tried_again_and_counts_as_a_restart() -> None:
+    lost_node = RuntimeError("the actor died because its node has died")
+    r, delivered, calls = restarts([lost_node, "fresh actor"], max_restarts=3)
+    r.watch(["slot0"])
+    assert delivered.get(timeout=10) == ("slot0", "fresh actor")
+    assert calls == ["slot0", "slot0"] and r.num_restarts["slot0"] == 2 and r.num_failed == 1
+    r.done("slot0", True)
+    assert not r.pending and not r.given_up
+
+
+def test_rebuilds_stop_at_max_restarts_and_the_last_error_is_delivered() -> None:
+    errors = [RuntimeError(f"attempt {k}") for k in range(5)]
+    r, delivered, calls = restarts(errors, max_restarts=3)
+    r.watch(["slot0"])
+    instance_id, what = delivered.get(timeout=10)
+    assert instance_id == "slot0" and what is errors[2] and len(calls) == 3 and r.num_restarts["slot0"] == 3
+    r.done("slot0", False)
+    r.watch(["slot0"])  # given up: no fourth attempt
+    assert r.given_up == {"slot0"} and len(calls) == 3 and delivered.empty()
+
+
+def test_no_retry_once_the_pool_stopped() -> None:
+    r, delivered, calls = restarts([RuntimeError("no room"), "never built"], max_restarts=3)
+    r.close()
+    r.watch(["slot0"])
+    instance_id, what = delivered.get(timeout=10)
+    assert isinstance(what, RuntimeError) and calls == ["slot0"]
