@@ -12,8 +12,9 @@ each GPU's own link, all ranks at once.
 `TpEngine` is the instance as the pool sees it (the `Engine` protocol): it
 runs rank 0 in its own process and hands every call to the other ranks too,
 in parallel - ranks as subprocesses (the processes and thread backends)
-or as Ray actors in the instance's placement group (`pool.engines.tp_ranks`). All ranks take the same calls in the same order, so their
-block tables, sampling and stopping agree without being told; the sampled
+or as Ray actors in the instance's placement group (`pool.engines.tp_ranks`).
+All ranks take the same calls in the same order, so their block tables,
+sampling and stopping agree without being told; the sampled
 tokens are compared every step all the same. KV leaves and enters as one
 `KvExport` of all heads (the ranks' shards joined on the head axis), the
 same format as at tp 1.
@@ -236,9 +237,6 @@ class TpEngine:
         self._broken = why
         for remote in self._remotes:
             remote.kill()
-
-    def _one(self, method: str, *args: Any) -> Any:
-        return self._all(method, *args)[0]
 
     # ---- models ---------------------------------------------------------------------------------------
     def load(self, model: str, path: Path) -> None:
