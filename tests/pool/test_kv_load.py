@@ -69,10 +69,11 @@ def watch(pool: LivePool, stop: threading.Event, seen: dict[str, float]) -> None
 
 
 @pytest.mark.slow
-def test_demo_pool_past_its_kv_capacity_completes_every_stream(demo_models, smollm2, monkeypatch) -> None:
+@pytest.mark.parametrize("policy", ["token-level", "spatial"])  # spatial: several models resident per engine
+def test_demo_pool_past_its_kv_capacity_completes_every_stream(demo_models, smollm2, monkeypatch, policy) -> None:
     monkeypatch.setenv("MODELPOOL_CACHE", str(smollm2.parent))
     dep = demo_deployment("torch", num_gpus=0, num_instances=None, kv_mib=KV_MIB)
-    pool = LivePool(dep.models, dep.instances, "token-level", dep.costs, engine=dep.engine, backend="threads")
+    pool = LivePool(dep.models, dep.instances, policy, dep.costs, engine=dep.engine, backend="threads")
     began = time.perf_counter()
     with pool:
         server = BackgroundServer(create_app(pool, GatewaySettings())).start()
