@@ -128,6 +128,11 @@ def _rank_main(fd: int) -> None:
 
 def process_ranks(setups: Sequence[RankSetup]) -> list[ProcessRank]:
     ranks = [ProcessRank(setup) for setup in setups]
+    return _started(ranks)
+
+
+def _started(ranks: list[Any]) -> list[Any]:
+    """`ranks` once each runs (all killed when one does not)."""
     try:
         for rank in ranks:
             rank.started()
@@ -145,7 +150,13 @@ class RankActor:
     def __init__(self, setup: RankSetup) -> None:
         os.environ["OMP_NUM_THREADS"] = str(setup.threads)
         torch.set_num_threads(setup.threads)
-        self.engine = build_rank(setup)
+        self.setup = setup
+        self.engine: Any = None
+
+    def build(self) -> int:
+        """Meet the other ranks in the process group and build the engine (after `pid` said the actor runs)."""
+        self.engine = build_rank(self.setup)
+        return os.getpid()
 
     def call(self, method: str, *args: Any) -> tuple[str, Any]:
         status, result = run_call(self.engine, method, args)
@@ -164,19 +175,32 @@ class RayRank:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        from pool.placement import rank_bundle
+
         self._ray, self.rank = ray, setup.rank
-        options: dict[str, Any] = {"num_cpus": 0.5 if use_gpus else 1, "num_gpus": 1 if use_gpus else 0,
-                                   "max_restarts": 0}
+        bundle = rank_bundle(use_gpus)
+        options: dict[str, Any] = {"num_cpus": bundle["CPU"], "num_gpus": bundle.get("GPU", 0), "max_restarts": 0}
         if placement_group is not None:
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 placement_group, placement_group_bundle_index=setup.rank)
         self.actor = ray.remote(RankActor).options(**options).remote(setup)
         self._ref: Any = None
+        self._built: Any = None
+
+    def started(self, timeout_s: float = 300.0) -> None:
+        """Wait until the actor runs, then have it meet rank 0 in the process group (see `ProcessRank.started`)."""
+        try:
+            self._ray.get(self.actor.pid.remote(), timeout=timeout_s)
+        except self._ray.exceptions.GetTimeoutError:
+            raise RuntimeError(f"tp rank {self.rank} (Ray actor) did not start within {timeout_s} s") from None
+        except self._ray.exceptions.RayError as exc:
+            raise RuntimeError(f"tp rank {self.rank} (Ray actor) failed to start: {exc}") from None
+        self._built = self.actor.build.remote()
 
     def ready(self) -> int:
         """Wait until the rank is built; its pid."""
         try:
-            return int(self._ray.get(self.actor.pid.remote()))
+            return int(self._ray.get(self._built))
         except self._ray.exceptions.RayError as exc:
             raise RuntimeError(f"tp rank {self.rank} (Ray actor) failed to start: {exc}") from None
 
@@ -203,7 +227,8 @@ def ray_ranks(setups: Sequence[RankSetup]) -> list[RayRank]:
 
     use_gpus = bool(ray.get_runtime_context().get_accelerator_ids().get("GPU"))
     group = get_current_placement_group()
-    return [RayRank(setup, group, use_gpus) for setup in setups]
+    ranks = [RayRank(setup, group, use_gpus) for setup in setups]
+    return _started(ranks)
 
 
 if __name__ == "__main__":
