@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One call on the lent GPU box (no Ray, no pydantic/fastapi/uvicorn: carried as wheels in .whl):
-#   bash benchmarks/gpu_pool_device.sh STAGE...    stages: tests, light, heavy, calibrate, tp (two GPUs), RATE=<r>,
+#   bash benchmarks/gpu_pool_device.sh STAGE...    stages: tests, pool, light, heavy, calibrate, tp (two GPUs), RATE=<r>,
 #   BACKENDS=<a,b>; on two GPUs, GPUS_ARG='--gpus 2' gives light/heavy the prefill-GPU + decode-GPU layout
+# `pool` is the issues-16/17 run (both backends, 1 and 10 req/s, ~6 min; compare with the simulator afterwards on
+# the saved traces, benchmarks/gpu_pool_sim.py); PROFILE=<file> gives serve a calibration profile.
 # Results go to $OUT (gpu_pool-<stage>.tgz and the logs' tails). The calibrate stage also needs typer, rich,
 # click, shellingham, markdown-it-py, mdurl and pygments as wheels (download them into .whl as for the others).
 set -u
@@ -12,12 +14,16 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,memory.used,utilization.gpu --format=csv,noheader
 df -h /dev/shm | tail -1; free -g | sed -n 2p; nproc
 DUR=${DUR:-40}
-pack() { tar czf "$OUT/gpu_pool-$1.tgz" -C "/tmp/gp-$1" --exclude models --exclude '*.plans.jsonl' . 2>/dev/null; }
+pack() { tar czf "$OUT/gpu_pool-$1.tgz" -C "/tmp/gp-$1" --exclude models . 2>/dev/null; }  # plan logs kept: turns, hand-offs
 for stage in "$@"; do
   case $stage in
     tests)
       timeout ${TEST_S:-150} python3 -m pytest -q -x -p no:cacheprovider -k cuda \
         tests/pool/test_torch_engine.py tests/pool/test_kv_transfer.py tests/pool/test_fused_decode.py 2>&1 | tail -8 ;;
+    pool)
+      timeout ${POOL_S:-450} python3 benchmarks/gpu_pool.py --out /tmp/gp-pool --backend processes --backend threads \
+        --layout pd --rate 1 --rate 10 --duration 30 --request-timeout 60 --no-standalone --no-sim \
+        ${PROFILE:+--serve-arg=--profile --serve-arg=$PROFILE} 2>&1 | grep -v '^   {' ; pack pool ;;
     light)
       timeout ${LIGHT_S:-330} python3 benchmarks/gpu_pool.py --out /tmp/gp-light --backend processes --backend threads --layout pd \
         --rate 1 --duration "$DUR" ${GPUS_ARG:-} 2>&1 | grep -v '^   {' ; pack light ;;
