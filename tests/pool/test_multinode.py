@@ -27,7 +27,10 @@ import httpx
 import pytest
 
 from pool.gateway.server import free_port
-from tests.pool.fault_tools import Stream, run_streams, stop_serve, wait_until
+from tests.pool.fault_tools import Stream, homes, outcomes, run_streams, stop_serve, wait_until
+from tests.pool.test_faults import LONG_TOKENS, long_reference, submit_all  # noqa: F401
+from tests.pool.test_live_pool import tiny  # noqa: F401
+from tests.pool.test_tp import tp2_pool
 
 REPO = Path(__file__).resolve().parents[2]
 NUM_NODES = 3
@@ -214,4 +217,44 @@ def test_a_tp_group_packs_on_one_node_or_says_which_nodes_fall_short(cluster, mo
         assert placed == {wide.node_id}, placed
     finally:
         placements.close()
+        ray.shutdown()
+
+
+def test_a_tp2_instance_lost_with_its_node_resumes_on_the_other_and_gives_its_group_back(
+        cluster, monkeypatch, tiny, long_reference) -> None:  # noqa: F811
+    """Two TP2 torch instances (rank 1 a Ray actor in the instance's group), each packed on its own two-CPU
+    node; that node removed mid-decode: the requests finish on the other instance with transformers' greedy
+    tokens, and the lost instance's placement group is removed (not left pending for a node that is gone)."""
+    import ray
+    import ray._private.ray_constants
+    from ray.util.placement_group import placement_group_table
+
+    monkeypatch.setattr(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", False)
+    for _ in range(2):
+        cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1")
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        wide = {n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU") == 2}
+        with tp2_pool(tiny, "ray") as pool:
+            groups = [g for g in placement_group_table().values() if g["state"] == "CREATED"]
+            packed = [set(g["bundles_to_node_id"].values()) for g in groups]
+            assert len(packed) == 2 and all(len(p) == 1 for p in packed) and set.union(*packed) <= wide, packed
+            assert len(set(pool.nodes.values())) == 2 and set(pool.nodes.values()) == set.union(*packed), pool.nodes
+            sinks = submit_all(pool, models=("tiny-qwen3",))
+            wait_until(lambda: any(1 <= produced < LONG_TOKENS - 8 for _, _, produced in homes(pool).values()), 60,
+                       "a TP2 instance decoding")
+            victim = max((h[0] for h in homes(pool).values()), key=[h[0] for h in homes(pool).values()].count)
+            held = [rid for rid, h in homes(pool).items() if h[0] == victim]
+            cluster.remove_node(next(n for n in cluster.worker_nodes if n.node_id == pool.nodes[victim]),
+                                allow_graceful=False)
+            result = outcomes(sinks, long_reference, lambda key: pool.holds(f"{key[0]}-{key[1]}"), 120)
+            counts = result.counts()
+            print(f"\nTP2 instance {victim} lost with its node holding {len(held)} requests; outcomes {counts}")
+            assert counts == {"identical": len(sinks), "clean_errors": 0, "wrong": 0, "hung": 0, "lost": 0}, result
+            assert held and pool.status()["lost_instances"] == [victim]
+            wait_until(lambda: sum(g["state"] == "CREATED" for g in placement_group_table().values()) == 1, 30,
+                       "the lost instance's group removed")
+            assert not [g for g in placement_group_table().values() if g["state"] == "PENDING"]
+        assert not [g for g in placement_group_table().values() if g["state"] in ("CREATED", "PENDING")]
+    finally:
         ray.shutdown()
