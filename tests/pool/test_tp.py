@@ -221,7 +221,7 @@ def test_a_rank_that_cannot_start_fails_the_instance_at_once(monkeypatch):
     started = time.monotonic()
     with pytest.raises(RuntimeError, match="tp rank 1 failed to start"):
         TpEngine(TorchEngineConfig(dtype="float32", tp=2))
-    assert time.monotonic() - started < 10  # not the process group's timeout
+    assert time.monotonic() - started < 60  # not the process group's 120 s timeout
 
 
 @pytest.mark.slow
