@@ -78,6 +78,32 @@ def worker_ids(cluster: Any) -> set[str]:
     return {node.node_id for node in cluster.worker_nodes}
 
 
+LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}
+
+
+def listening(cluster: Any, *pids: int) -> dict[str, set[str]]:
+    """What every process of the cluster (its services, agents and workers) and of `pids` listens on."""
+    import psutil
+
+    session, procs = cluster.head_node.session_name, [psutil.Process(pid) for pid in pids]
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if session in " ".join(proc.cmdline()):
+                procs += [proc, *proc.children(recursive=True)]
+        except psutil.Error:
+            continue
+    out: dict[str, set[str]] = {}
+    for proc in set(procs):
+        try:
+            name = proc.name()
+            for conn in proc.net_connections(kind="inet"):
+                if conn.status == psutil.CONN_LISTEN:
+                    out.setdefault(f"{name} ({proc.pid})", set()).add(f"{conn.laddr.ip}:{conn.laddr.port}")
+        except psutil.Error:
+            continue
+    return out
+
+
 def test_capacity_spreads_its_simulations_over_the_nodes(cluster, demo_models, tmp_path) -> None:
     fleet = tmp_path / "fleet.yaml"
     fleet.write_text("pool: {gpu: h20, num_gpus: 4}\nmodels:\n"
@@ -148,6 +174,13 @@ def test_serve_on_every_node_and_a_node_lost_mid_decode(cluster, demo_models, tm
         _, join = run_streams(url, bodies("undisturbed"), TIMEOUT_S)
         reference = {key: s.text for key, s in join().items() if s.kind == "finished"}
         assert len(reference) == len(MODELS) * len(PROMPTS) and all(reference.values()), reference
+        # loopback only: every socket of every node's services, agents and workers, and the gateway's
+        sockets = listening(cluster, proc.pid)
+        exposed = {name: addrs for name, addrs in sockets.items() if any(a.rsplit(":", 1)[0] not in LOOPBACK
+                                                                         for a in addrs)}
+        assert not exposed and sum(map(len, sockets.values())) >= 20, sockets
+        assert f"127.0.0.1:{port}" in set.union(*sockets.values())
+        print(f"\n{sum(map(len, sockets.values()))} listening sockets in {len(sockets)} processes, all on loopback")
 
         started, join = run_streams(url, bodies("node-lost"), TIMEOUT_S)
         assert all(event.wait(60) for event in started.values()), "streams did not start"
