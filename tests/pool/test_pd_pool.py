@@ -13,7 +13,13 @@ from tests.factories import LinearCosts
 from tests.pool.test_live_pool import ENGINE, KV_BYTES, reference, run_requests, tiny  # noqa: F401
 
 
-@pytest.mark.parametrize("backend", ["inprocess", "ray"])
+def _shm_files() -> set[str]:
+    from pool.procs import _SHM_DIR
+
+    return {p.name for p in _SHM_DIR.glob("modelpool-*") if not p.name.startswith("modelpool-tp-")}
+
+
+@pytest.mark.parametrize("backend", ["inprocess", "ray", "processes"])  # processes: the KV handed over in /dev/shm
 def test_prefill_and_decode_on_different_instances(backend: str, tiny, reference) -> None:  # noqa: F811
     import ray
 
@@ -21,6 +27,7 @@ def test_prefill_and_decode_on_different_instances(backend: str, tiny, reference
     if backend == "ray":
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
     log = io.StringIO()
+    shm_before = _shm_files()
     try:
         pool = LivePool(models, slot_instances(2, models, KV_BYTES, roles=["prefill", "decode"]), "token-level",
                         LinearCosts(), engine=ENGINE, backend=backend, policy_options={"fixed_turn_steps": 3},
@@ -32,6 +39,7 @@ def test_prefill_and_decode_on_different_instances(backend: str, tiny, reference
             ray.shutdown()
     for key, sink in sinks.items():
         assert sink.tokens == reference[key], key
+    assert _shm_files() <= shm_before, "every handed-over KV file in shared memory is gone with its request"
     plans = [json.loads(line)["actions"] for line in log.getvalue().splitlines()]
     prefill_ops = {a["op"] for p in plans for a in p.get("slot0", [])}
     decode_ops = {a["op"] for p in plans for a in p.get("slot1", [])}
