@@ -9,3 +9,8 @@ class IllegalTransition(RuntimeError):
 class RefusedAction(ValueError):
     """An action an instance cannot carry out in its state (scheduler.instance): a model not resident, a request
     whose KV is elsewhere, weights that do not fit. The executor or engine turns it into its own error."""
+
+
+class NoKvRoom(RefusedAction):
+    """The refusal of KV that does not fit the device (scheduler.instance.KvPlaces with a capacity): an engine
+    answers it with its out-of-KV error, which the pool handles as a refusal, not a lost instance."""

@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from scheduler.costs import CostModel
-from scheduler.errors import RefusedAction
+from scheduler.errors import NoKvRoom, RefusedAction
 
 
 class ModelSlots:
@@ -132,22 +132,46 @@ class ModelSlots:
                                 f"bytes of weights; the instance's model region holds {self.capacity_bytes:.0f}")
 
 
+def kv_fits(used_bytes: float, capacity_bytes: float) -> bool:
+    """Whether `used_bytes` of KV fit a device that holds `capacity_bytes` (up to float rounding)."""
+    return used_bytes <= capacity_bytes * (1 + 1e-9)
+
+
 class KvPlaces:
-    """Where each request's KV is, for one instance: on its device (True) or in host memory (False)."""
+    """Where each request's KV is, for one instance: on its device (True) or in host memory (False).
 
-    def __init__(self) -> None:
+    With `capacity_bytes`, the device holds at most that much KV: each request counts the bytes given when
+    it was placed or admitted (the simulator's rule: its whole context, prompt and every output token), and
+    a placement or move that would exceed it is refused (an engine's refusal for lack of KV).
+    """
+
+    def __init__(self, capacity_bytes: float | None = None) -> None:
         self.on_device: dict[str, bool] = {}
+        self.capacity_bytes = capacity_bytes
+        self.nbytes: dict[str, float] = {}
+        self.device_bytes = self.peak_bytes = 0.0
 
-    def place(self, request_id: str) -> None:
+    def place(self, request_id: str, nbytes: float = 0.0) -> None:
         """A prefill put the request's KV on the device (an imported request's arrives in host memory)."""
         if request_id in self.on_device:
             raise RefusedAction(f"request {request_id!r} is already on this instance")
+        self._to_device([request_id], {request_id: nbytes})
         self.on_device[request_id] = True
+        self.nbytes[request_id] = nbytes
 
-    def admit_to_host(self, request_id: str) -> None:
+    def admit_to_host(self, request_id: str, nbytes: float = 0.0) -> None:
         if request_id in self.on_device:
             raise RefusedAction(f"request {request_id!r} is already on this instance")
         self.on_device[request_id] = False
+        self.nbytes[request_id] = nbytes
+
+    def _to_device(self, request_ids: Sequence[str], nbytes: Mapping[str, float]) -> None:
+        adding = sum(nbytes[rid] for rid in request_ids)
+        if self.capacity_bytes is not None and not kv_fits(self.device_bytes + adding, self.capacity_bytes):
+            raise NoKvRoom(f"no room for the KV of {list(request_ids)}: {adding / 1e9:.3f} GB more on a device "
+                                f"holding {self.device_bytes / 1e9:.3f} of {self.capacity_bytes / 1e9:.3f} GB")
+        self.device_bytes += adding
+        self.peak_bytes = max(self.peak_bytes, self.device_bytes)
 
     def require(self, request_id: str) -> bool:
         """Whether the request's KV is on the device; refused when the instance does not hold the request."""
@@ -163,6 +187,10 @@ class KvPlaces:
     def move(self, request_ids: Sequence[str], to_device: bool) -> list[str]:
         """Move the requests' KV (all must be held here); returns those that moved (the others were there)."""
         moved = [rid for rid in request_ids if self.require(rid) != to_device]
+        if to_device:
+            self._to_device(moved, self.nbytes)
+        else:
+            self.device_bytes -= sum(self.nbytes[rid] for rid in moved)
         for rid in moved:
             self.on_device[rid] = to_device
         return moved
@@ -170,7 +198,9 @@ class KvPlaces:
     def release(self, request_ids: Sequence[str]) -> None:
         """Forget the requests wherever their KV is; unknown ids are ignored."""
         for rid in request_ids:
-            self.on_device.pop(rid, None)
+            if self.on_device.pop(rid, False):
+                self.device_bytes -= self.nbytes[rid]
+            self.nbytes.pop(rid, None)
 
 
 def kv_move_s(costs: CostModel, moves: Sequence[tuple[str, int]]) -> float:

@@ -35,7 +35,7 @@ from typing import IO, Final
 from scheduler import (Action, Decode, Event, InstanceLost, KvMoved, Plan, Prefetch, Prefill, Request, Scheduler,
                        StepDone, Stop, SwapIn, SwapOut, Switch, SwitchDone)
 from scheduler.costs import CopyLinks, CostModel, GpuShares
-from scheduler.instance import ModelSlots, kv_move_s, prefill_s
+from scheduler.instance import ModelSlots, kv_fits, kv_move_s, prefill_s
 from scheduler.policies.base import PolicyBase
 from sims.errors import InvariantViolation
 
@@ -565,7 +565,7 @@ class Simulator:
         if self.kv_capacity is None:
             return
         used = sum(dev.kv.values())
-        if used > self.kv_capacity[iid] * (1 + 1e-9):
+        if not kv_fits(used, self.kv_capacity[iid]):
             raise InvariantViolation(f"{iid}: {used / 1e9:.3f} GB of KV on a device that holds "
                                      f"{self.kv_capacity[iid] / 1e9:.3f} GB")
 

@@ -19,20 +19,21 @@ from collections.abc import Sequence
 from typing import Any
 
 from pool.controller import Controller
-from pool.engines.base import EngineError, EngineStats, GenRequest, SamplingParams, TokenOut
+from pool.engines.base import EngineError, EngineStats, GenRequest, OutOfKvMemory, SamplingParams, TokenOut
 from pool.runner import LiveRequest
 from scheduler import ManualClock, Request
-from scheduler.errors import RefusedAction
+from scheduler.errors import NoKvRoom, RefusedAction
 from scheduler.instance import KvPlaces, ModelSlots, decode_turn_s, kv_move_s, prefill_s
 
 
 class FakeInstance:
-    """One instance's engine state: its model slots and where its requests' KV is."""
+    """One instance's engine state: its model slots and where its requests' KV is (at most `kv_bytes` of it
+    on the device, when given: the KV the engine reports)."""
 
-    def __init__(self, models: Sequence[str] | None) -> None:
+    def __init__(self, models: Sequence[str] | None, kv_bytes: float | None = None) -> None:
         self.models = None if models is None else set(models)  # loaded models; None: any
         self.slots = ModelSlots()
-        self.kv = KvPlaces()
+        self.kv = KvPlaces(kv_bytes)
         self.turn: tuple[float, float] = (0.0, 0.0)  # the decode turn's start and step seconds
         self.num_weight_copies = 0
 
@@ -42,10 +43,15 @@ class FakeInstance:
 
 
 class ManualBackend:
-    def __init__(self, clock: ManualClock, costs: Any, models: Sequence[str] | None = None) -> None:
+    def __init__(self, clock: ManualClock, costs: Any, models: Sequence[str] | None = None,
+                 kv_bytes: dict[str, float] | None = None, kv_bytes_per_token: dict[str, int] | None = None) -> None:
+        """`kv_bytes`: each instance's device KV (None: unbounded); a request holds `kv_bytes_per_token` of
+        its model for its whole context (prompt + max_tokens), as the simulator counts it."""
         self.clock = clock
         self.costs = costs
         self.model_names = models
+        self.kv_bytes = kv_bytes or {}
+        self.kv_bytes_per_token = kv_bytes_per_token or {}
         self.instances: dict[str, FakeInstance] = {}
         self._heap: list[tuple[float, int, Any]] = []
         self._seq = 0
@@ -60,13 +66,14 @@ class ManualBackend:
         self._seq += 1
         self.num_calls += 1
         now = self.clock.now()
-        inst = self.instances.get(instance_id) or self.instances.setdefault(instance_id,
-                                                                          FakeInstance(self.model_names))
+        inst = self.instances.get(instance_id) or self.instances.setdefault(
+            instance_id, FakeInstance(self.model_names, self.kv_bytes.get(instance_id)))
         try:
             at, result = getattr(self, "_" + method)(inst, now, *args, **meta)
-        except RefusedAction as err:
+        except RefusedAction as err:  # KV that does not fit: the engine's out-of-KV answer, as a real one's
             self.refused.append(f"{instance_id} {method}: {err}")
-            at, result = now, EngineError(f"{instance_id} {method}: {err}")
+            error = OutOfKvMemory if isinstance(err, NoKvRoom) else EngineError
+            at, result = now, error(f"{instance_id} {method}: {err}")
         heapq.heappush(self._heap, (at, self._seq, result))
         return self._seq
 
@@ -103,7 +110,7 @@ class ManualBackend:
         if len({r.request_id for r in requests}) != len(requests):
             raise RefusedAction(f"duplicate request ids in prefill: {[r.request_id for r in requests]}")
         for req in requests:
-            inst.kv.place(req.request_id)
+            inst.kv.place(req.request_id, self._kv_need(req.model, len(req.prompt_token_ids), req.sampling.max_tokens))
             self.model[req.request_id] = req.model
             self.context[req.request_id] = len(req.prompt_token_ids)
             self.produced[req.request_id] = len(req.output_token_ids)
@@ -142,12 +149,15 @@ class ManualBackend:
         for rid in exports:
             inst.require_loaded(self.model[rid])
         for rid in exports:
-            inst.kv.admit_to_host(rid)
+            inst.kv.admit_to_host(rid, self._kv_need(self.model[rid], self.context[rid], self.limit[rid]))
         return now, None
 
     def _release(self, inst: FakeInstance, now: float, ids: list[str], **_: Any) -> tuple[float, None]:
         inst.kv.release(ids)
         return now, None
+
+    def _kv_need(self, model: str, prompt_tokens: int, max_tokens: int) -> float:
+        return float(self.kv_bytes_per_token.get(model, 0) * (prompt_tokens + max_tokens))
 
     def _ctx(self, rid: str) -> int:
         return self.context[rid] + self.produced[rid]

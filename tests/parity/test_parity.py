@@ -5,6 +5,7 @@ is refused."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import pytest
@@ -13,7 +14,7 @@ from typing import Any
 
 from scheduler import ManualClock, Plan, Prefill, Switch, make_scheduler
 from sims.simulator import Simulator
-from tests.factories import LinearCosts, make_instances, make_models, make_workload
+from tests.factories import GB, LinearCosts, make_instances, make_models, make_workload
 from tests.parity.harness import ManualBackend, run_pool
 
 SETUPS = {  # policy, instance roles, policy options
@@ -23,6 +24,7 @@ SETUPS = {  # policy, instance roles, policy options
     "dedicated": ("dedicated", None, {}),
     "spatial": ("spatial", None, {}),
 }
+TIGHT_KV_GB = 0.3  # an instance's device KV in the KV-bound setups: ~3 of the trace's largest requests
 
 
 class _MoveOverheadCosts(LinearCosts):
@@ -32,25 +34,36 @@ class _MoveOverheadCosts(LinearCosts):
         return 0.004
 
 
-@pytest.mark.parametrize("setup", list(SETUPS) + ["token-level, KV moves with a per-move overhead"])
+KV_BOUND = [f"{name}, KV for a few requests" for name in ("token-level", "request-level", "spatial")]
+
+
+@pytest.mark.parametrize("setup", list(SETUPS) + ["token-level, KV moves with a per-move overhead"] + KV_BOUND)
 def test_plan_logs_of_simulator_and_pool_are_identical(setup: str) -> None:
-    policy, roles, options = SETUPS.get(setup, SETUPS["token-level, KV to host after the prefill"])
+    policy, roles, options = SETUPS.get(setup.removesuffix(", KV for a few requests"),
+                                        SETUPS["token-level, KV to host after the prefill"])
     models = make_models(3, weight_gb=20.0 if policy == "spatial" else 14.0)
     instances = make_instances(3, roles=roles)
+    kv_bytes = None
+    if setup in KV_BOUND:  # the engines' KV is small and known: the scheduler plans with it, the fakes enforce it
+        instances = [dataclasses.replace(i, kv_bytes=TIGHT_KV_GB * GB) for i in instances]
+        kv_bytes = {i.instance_id: TIGHT_KV_GB * GB for i in instances}
     costs = _MoveOverheadCosts() if "overhead" in setup else LinearCosts()
     trace = make_workload(50, list(models), rate=4.0, seed=11, max_prompt=1500, max_output=200)
+    per_token = {n: m.kv_bytes_per_token for n, m in models.items()}
 
     sim_log = io.StringIO()
     sim_sched = make_scheduler(policy, models, instances, costs, **options)
     Simulator(sim_sched, costs, [r for r in make_workload(50, list(models), rate=4.0, seed=11, max_prompt=1500,
                                                            max_output=200)],
-              kv_bytes_per_token={n: m.kv_bytes_per_token for n, m in models.items()}, plan_log=sim_log).run()
+              kv_bytes_per_token=per_token, kv_capacity=kv_bytes, plan_log=sim_log).run()
 
     pool_log = io.StringIO()
     pool_sched = make_scheduler(policy, models, instances, costs, keep_ended=False, **options)  # as the pool runs it
-    backend = ManualBackend(ManualClock(), costs, models=list(models))
+    backend = ManualBackend(ManualClock(), costs, models=list(models), kv_bytes=kv_bytes, kv_bytes_per_token=per_token)
     controller = run_pool(pool_sched, costs, [i.instance_id for i in instances], trace, pool_log, backend)
     assert backend.refused == []  # every call of every Plan is one an engine carries out
+    if kv_bytes:  # and the KV bound: some instance held most of what its device has
+        assert max(inst.kv.peak_bytes for inst in backend.instances.values()) > 0.8 * TIGHT_KV_GB * GB
 
     sim_lines, pool_lines = sim_log.getvalue().splitlines(), pool_log.getvalue().splitlines()
     assert len(sim_lines) > 50
@@ -90,3 +103,19 @@ def test_the_fake_engines_refuse_a_plan_an_engine_would_refuse() -> None:
     assert any('"op":"Prefill"' in line for line in log.getvalue().splitlines())  # the bad Plan was sent
     assert backend.refused and "not resident" in backend.refused[0] and backend.refused[0].startswith("i0 prefill")
     assert controller.lost == {"i0"} and len(controller.requests) == 4  # written off, nothing served
+
+
+def test_the_fake_engines_refuse_kv_the_scheduler_overbooks() -> None:
+    """A scheduler told of more KV than the engines have (4 GB planned, 0.3 GB there): the fakes refuse the
+    KV that does not fit with the engine's out-of-KV error, which the pool takes as a refusal - the
+    requests go back to the queue, no instance is lost, every request ends."""
+    models = make_models(3)
+    instances = [dataclasses.replace(i, kv_bytes=4 * GB) for i in make_instances(2)]
+    costs = LinearCosts()
+    trace = make_workload(30, list(models), rate=4.0, seed=11, max_prompt=1500, max_output=200)
+    backend = ManualBackend(ManualClock(), costs, models=list(models), kv_bytes={i.instance_id: 0.3 * GB for i in instances},
+                            kv_bytes_per_token={n: m.kv_bytes_per_token for n, m in models.items()})
+    controller = run_pool(make_scheduler("request-level", models, instances, costs, keep_ended=False), costs,
+                          [i.instance_id for i in instances], trace, io.StringIO(), backend)
+    assert backend.refused and all("no room for the KV" in why for why in backend.refused)
+    assert controller.num_kv_refusals == len(backend.refused) and not controller.lost and controller.requests == {}
