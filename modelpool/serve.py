@@ -29,6 +29,7 @@ import typer
 
 from pool.actor import EngineSpec
 from pool.engines.base import SamplingParams
+from pool.placement import PlacementTimeout
 from pool.served import ServedModel, served_model, slot_instances
 from pool.service import BACKENDS, LivePool
 from scheduler import CostModel, InstanceSpec, ModelProfile
@@ -388,6 +389,9 @@ def serve_command(
     call_timeout_s: float = typer.Option(300.0, "--call-timeout-s", min=0, help="An engine call unanswered this "
                                          "long marks its instance hung: written off and restarted (0 = wait for "
                                          "ever)."),
+    placement_timeout_s: float = typer.Option(120.0, "--placement-timeout-s", min=0.1, help="A tensor-parallel "
+                                              "instance whose Ray placement group (one GPU per rank on one node) is "
+                                              "not placed by then fails to start, saying what the cluster has."),
     kv_mib: int | None = typer.Option(None, "--kv-mib", help="Device KV per instance in MiB (default: 128 on a "
                                       "CPU slot, what fits on a GPU)."),
     sim_time_scale: float = typer.Option(1.0, "--sim-time-scale", help="sim engine: multiply predicted times "
@@ -440,7 +444,8 @@ def serve_command(
     pool = LivePool(dep.models, dep.instances, policy, dep.costs, engine=dep.engine, backend=backend,
                     address=address, plan_log=log_file, devices=dep.devices, gpu_share=dep.gpu_share,
                     policy_options=dep.policy_options, max_queued_per_model=max_queued_per_model,
-                    max_requests=max_requests, max_restarts=max_restarts, call_timeout_s=call_timeout_s or None)
+                    max_requests=max_requests, max_restarts=max_restarts, call_timeout_s=call_timeout_s or None,
+                    placement_timeout_s=placement_timeout_s)
     typer.echo(f"Starting {len(dep.instances)} instance(s) with {len(dep.models)} model(s)...")
     # Ctrl-C and SIGTERM stop start-up and warm-up at once (the finally below stops the pool), also in a process
     # started with SIGINT ignored (a background job of a script): uvicorn installs its own handlers only later
@@ -454,6 +459,9 @@ def serve_command(
         except KeyboardInterrupt:
             typer.echo("Interrupted before serving: stopping the pool.", err=True)
             raise typer.Exit(130) from None
+        except PlacementTimeout as exc:  # the cluster has no node for a TP instance: say so, no traceback
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(1) from None
         server = GatewayServer(uvicorn_config(create_app(pool, settings), host, port, log_level="info"))
         url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
         text = banner(dep, pool, url, policy, bool(settings.api_keys))

@@ -126,6 +126,28 @@ def test_capacity_spreads_its_simulations_over_the_nodes(cluster, demo_models, t
     assert set(report["policies"]) == {"dedicated", "token-level"}
 
 
+def test_serve_says_which_tp_instance_no_node_can_hold_and_exits(cluster, demo_models, tmp_path) -> None:
+    """Only one-CPU nodes: a TP2 instance (two CPU ranks on one node) cannot be placed; serve ends within its
+    --placement-timeout-s with one line saying what was asked and what each node has, not a traceback."""
+    path = demo_models["tiny-llama"]
+    fleet = tmp_path / "tp2.yaml"
+    fleet.write_text(f"pool: {{gpu: h100, num_gpus: 2}}\nmodels:\n  - {{name: two, arch: {path}, weights: {path}, "
+                     "tp: 2}\n")
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "modelpool.cli", "serve", "--address", cluster.address, "--fleet",
+                           str(fleet), "--instances", "1", "--kv-mib", "16", "--placement-timeout-s", "2",
+                           "--no-warmup", "--port", str(free_port())], cwd=REPO, env=driver_env(demo_models),
+                          capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - started
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    line = next((x for x in done.stderr.splitlines() if x.startswith("error: instance tp2-0")), None)
+    assert line and "2 bundles {'CPU': 1.0} packed on one node (STRICT_PACK) within 2 s" in line, done.stderr
+    for node_id in worker_ids(cluster):
+        assert f"node {node_id[:8]} (127.0.0.1): CPU 1 free of 1" in line, (node_id, line)
+    assert "Traceback" not in done.stdout + done.stderr and took < 60, (took, done.stderr[-2000:])
+    print(f"\nserve with a TP2 instance and one-CPU nodes: exit 1 after {took:.1f} s: {line[:120]}...")
+
+
 # ---- `modelpool serve --address`: an instance per node, one node lost mid-decode ------------------------------
 def bodies(tag: str, num_tokens: int = NUM_TOKENS) -> dict[tuple[str, int], dict[str, Any]]:
     return {(model, k): {"model": model, "prompt": prompt, "max_tokens": num_tokens, "temperature": 0,
