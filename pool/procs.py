@@ -266,9 +266,12 @@ class ProcessBackend:
         """A fresh process for a lost instance (the old one was stopped by `retire` first)."""
         self._adopt(worker)
 
-    def retire(self, instance_id: str, timeout_s: float = 30.0) -> None:
-        """Stop a lost instance's process and wait until it is gone (its GPU memory is free then)."""
-        stop_worker(self.workers[instance_id], timeout_s)
+    def retire(self, instance_id: str, timeout_s: float = 30.0) -> bool:
+        """Stop a lost instance's process and wait until it is gone (its GPU memory is free then); True once
+        it is (False: it outlived its kill too)."""
+        worker = self.workers[instance_id]
+        stop_worker(worker, timeout_s)
+        return not worker.process.is_alive()
 
     def kill(self, instance_id: str) -> None:
         """Fault injection: kill the process (as a crash would)."""

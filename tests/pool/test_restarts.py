@@ -50,3 +50,16 @@ def test_no_retry_once_the_pool_stopped() -> None:
     r.watch(["slot0"])
     instance_id, what = delivered.get(timeout=10)
     assert isinstance(what, RuntimeError) and calls == ["slot0"]
+
+
+def test_a_retired_worker_process_reports_itself_gone() -> None:
+    """The pool's restart waits on retire() and warns when it answers False ("still in a call")."""
+    from pool.actor import EngineSpec
+    from pool.procs import ProcessBackend, start_workers
+    from tests.factories import LinearCosts
+
+    backend = ProcessBackend(start_workers({"w0": EngineSpec("sim", {"costs": LinearCosts(), "time_scale": 0})}, {},
+                                           timeout_s=60))
+    process = backend.workers["w0"].process
+    assert process.is_alive()
+    assert backend.retire("w0", timeout_s=10) is True and not process.is_alive()
