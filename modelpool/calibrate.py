@@ -40,9 +40,17 @@ def calibrate_command(
                                "up to --max-shapes shapes spanning the fleet's sizes)."),
     max_shapes: int = typer.Option(3, "--max-shapes", min=1, help="Most distinct shapes measured."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random weights and prompts."),
+    from_live: Path | None = typer.Option(None, "--from-live", help="Measure nothing: fit the live pool's host time "
+                                          "per decode step (decode_host_s, decode_host_request_s) to this run of "
+                                          "the live pool (a benchmarks/gpu_pool.py run JSON) on top of --profile."),
+    base: str | None = typer.Option(None, "--profile", help="With --from-live: the profile to start from (a file "
+                                    "`modelpool calibrate` wrote, or a shipped name)."),
 ) -> None:
     """Measure prefill, decode, switch, KV-move, shared-link and live-pool host times on this device; write a profile."""
     started = time.perf_counter()
+    if from_live is not None:
+        _from_live(from_live, base, out)
+        return
     try:
         fleet = load_fleet(fleet_path)
     except FleetFileError as exc:
@@ -89,6 +97,34 @@ def calibrate_command(
     console.print(_terms_table(profile, fit_errors(profile, archs, fleet.gpu(gpu_key))))
     console.print(f"wrote {out} in {time.perf_counter() - started:.0f} s; use it with "
                   f"`modelpool simulate --profile {out}` or `modelpool capacity --profile {out}`")
+
+
+def _from_live(run_path: Path, base: str | None, out: Path) -> None:
+    """`--from-live`: the base profile with the host terms fitted to a live pool run (sims.profiles.calibrated)."""
+    from sims.profiles import load_profile
+    from sims.profiles.calibrated import with_live_host
+
+    if base is None:
+        _fail("--from-live needs --profile: the profile whose engine terms the live pool's host time goes on top of")
+    try:
+        run = json.loads(run_path.read_text())
+    except (OSError, ValueError) as exc:
+        _fail(f"--from-live {run_path}: cannot read a run JSON ({exc})")
+    try:
+        profile = load_profile(base)
+    except (FileNotFoundError, ValueError) as exc:
+        _fail(f"--profile {base}: {exc}")
+    when = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    try:
+        profile = with_live_host(profile, run, f"{run_path.name}, fitted {when}")
+    except ValueError as exc:
+        _fail(f"--from-live {run_path}: {exc}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(profile.model_dump(mode="json"), indent=2) + "\n")
+    terms = profile.terms
+    console.print(f"decode_host_s {terms.decode_host_s * 1e3:.4g} ms + decode_host_request_s "
+                  f"{terms.decode_host_request_s * 1e6:.4g} us per request, from {run_path}")
+    console.print(f"wrote {out}; use it with `modelpool simulate --profile {out}`")
 
 
 def pick_shapes(fleet: Any, names: list[str], max_shapes: int, device_bytes: int | None) -> tuple[dict[str, Any], list[str]]:

@@ -24,8 +24,9 @@ plus overheads. A scheduler.costs.CostModel. Assumptions:
   PCIe link, all in parallel. Norms, rotary, sampling, activation traffic are
   left to the fitted fixed terms.
 - The live pool's host time (controller tick, backend hop, token delivery) adds
-  decode_host_s to every decode step and prefill_host_s to every prefill, after
-  the GPU time and the launch floor: the host waits for each step's token.
+  decode_host_s (+ decode_host_request_s per request of the batch) to every
+  decode step and prefill_host_s to every prefill, after the GPU time and the
+  launch floor: the host waits for each step's tokens.
 - Host links: with pool.gpus_per_host_link >= 1, `host_links` gives the
   simulator the links its instances copy over (sims.links), where overlapping
   copies split the bandwidth; else every copy runs at the full link rate.
@@ -83,6 +84,7 @@ class ModelConstants:
     prefill_request_s: float  # per prompt
     prefill_host_s: float  # the live pool's host time per prefill, after the GPU time and the floor
     decode_fixed_s: float  # with the live pool's host time per step
+    decode_request_s: float  # the live pool's host time per request of a step's batch
     prefill_floor_s: float  # host launch floor (0 with CUDA graphs)
     decode_floor_s: float
     switch_s: float
@@ -120,6 +122,7 @@ def model_constants(arch: Arch, tp: int, gpu: GpuSpec, terms: ProfileTerms) -> M
         prefill_request_s=terms.prefill_request_s,
         prefill_host_s=terms.prefill_host_s,
         decode_fixed_s=terms.decode_fixed_s + terms.decode_host_s,
+        decode_request_s=terms.decode_host_request_s,
         prefill_floor_s=0.0 if terms.prefill_cuda_graphs else layers * terms.launch_s_per_layer,
         decode_floor_s=0.0 if terms.decode_cuda_graphs else layers * terms.launch_s_per_layer,
         switch_s=arch.weight_bytes / tp / (gpu.h2d_gb_s * 1e9 * terms.eff_pcie) + terms.switch_fixed_s,
@@ -303,7 +306,7 @@ class RooflineCostModel(CostModel):
         compute_a = batch_size * (c.gemm_s_per_token + c.lm_head_s_per_row)
         shape = _DecodeShape(mem_a=memory_a + overhead, mem_b=c.kv_read_s_per_token,
                              flop_a=compute_a + overhead, flop_b=c.attn_s_per_pair,
-                             floor_s=c.decode_floor_s, fixed_s=c.decode_fixed_s)
+                             floor_s=c.decode_floor_s, fixed_s=c.decode_fixed_s + batch_size * c.decode_request_s)
         shapes = self._shapes.setdefault(model, [])
         if len(shapes) <= batch_size:
             shapes.extend([None] * (batch_size + 1 - len(shapes)))

@@ -69,3 +69,23 @@ def test_calibrate_refuses_what_it_cannot_measure(tmp_path: Path) -> None:
     assert "mixture of experts" in res.output and "no model shape" in res.output
     res = CliRunner().invoke(app, ["calibrate", "--fleet", str(fleet), "--device", "cpu", "--gpu", "nosuch"])
     assert res.exit_code == 1 and "--gpu 'nosuch'" in res.output
+
+
+def test_calibrate_from_a_live_run_fits_the_host_terms_on_a_profile(tmp_path: Path) -> None:
+    """`--from-live`: no measurement; the live pool's time outside the engine per decode step (a gpu_pool.py run
+    JSON) becomes decode_host_s + decode_host_request_s on top of --profile, and simulate reads the result."""
+    run = {"backend": "processes", "layout": "pd", "rate_rps": 1.0, "decode_timings": {"slot1": {
+        "<=1": {"steps": 50, "batch_mean": 1.0, "outside_ms_p50": 0.3},
+        "<=8": {"steps": 50, "batch_mean": 6.0, "outside_ms_p50": 0.35}}}}
+    run_path, out = tmp_path / "run.json", tmp_path / "live.json"
+    run_path.write_text(json.dumps(run))
+    res = CliRunner().invoke(app, ["calibrate", "--from-live", str(run_path), "--profile", "h200-cudagraph",
+                                   "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    profile = load_profile(out)
+    assert abs(profile.terms.decode_host_s - 2.9e-4) < 1e-9 and abs(profile.terms.decode_host_request_s - 1e-5) < 1e-12
+    assert profile.provenance["decode_host_s"].status == "measured"
+    res = CliRunner().invoke(app, ["simulate", "--profile", str(out), "--duration", "30"])
+    assert res.exit_code == 0, res.output
+    res = CliRunner().invoke(app, ["calibrate", "--from-live", str(run_path), "--out", str(out)])
+    assert res.exit_code == 1 and "--from-live needs --profile" in res.output

@@ -83,7 +83,7 @@ class StepTimings:
                 overhead = (picked[:, 1] - picked[:, 2]) * 1e3
                 outside = (picked[:, 1] - picked[:, 3]) * 1e3
                 decode[f"<={high}"] = {
-                    "steps": int(len(picked)), "period_ms_p50": round(float(np.median(picked[:, 1])) * 1e3, 4),
+                    "steps": int(len(picked)), "batch_mean": round(float(picked[:, 0].mean()), 3), "period_ms_p50": round(float(np.median(picked[:, 1])) * 1e3, 4),
                     "forward_ms_p50": round(float(np.median(picked[:, 2])) * 1e3, 4),
                     "overhead_ms_p50": round(float(np.median(overhead)), 4),
                     "overhead_ms_p90": round(float(np.percentile(overhead, 90)), 4),

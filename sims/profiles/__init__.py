@@ -56,6 +56,10 @@ class ProfileTerms(_Frozen):
     decode_host_s: Seconds = Field(default=0.0, description="Host time the live pool adds to each decode step beyond "
                                                             "the engine's own: the first token to the next at the "
                                                             "sink, less the engine's decode step.")
+    decode_host_request_s: Seconds = Field(default=0.0, description="Host time the live pool adds to a decode step "
+                                                                    "for each request in its batch (its token out of "
+                                                                    "the engine, through the backend and the "
+                                                                    "controller), on top of decode_host_s.")
     eff_kv_move: Fraction | None = Field(default=None, description="Achieved share of nominal host link bandwidth "
                                                                    "when KV moves between host and device memory "
                                                                    "(paged block copies); None: eff_pcie.")

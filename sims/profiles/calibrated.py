@@ -12,7 +12,12 @@ by `sims.profiles.fitting`, as the shipped profiles are. On top of them:
   terms predict (first token after submit; the gap between tokens);
 - gpu_share_slowdown, from benchmarks/gpu_prefill_probe.py (measurements'
   "gpu_share", added by `with_gpu_share`): the median over prompts of a prefill's
-  time while another process decodes on the same GPU, over its time alone.
+  time while another process decodes on the same GPU, over its time alone;
+- decode_host_s and decode_host_request_s from a run of the live pool itself
+  (`with_live_host`: a benchmarks/gpu_pool.py run, on the backend and layout
+  that served): each decode step's time outside the engine (the backend hop,
+  the controller, the runner: period less the engine's call), per batch size,
+  fitted as a + b x batch.
 
 Terms not measured (the NVLink ones; a family with no points) keep the base
 profile's value and provenance. No torch here: the measurements are plain data.
@@ -234,3 +239,48 @@ def _host_terms(draft: CalibrationProfile, live: Mapping[str, Any], archs: Mappi
         figures.update(live_decode_gap_s=decode["gap_s"], live_decode_predicted_s=round(predicted, 7))
         if engine is not None:
             figures["live_decode_engine_s"] = engine
+
+
+MIN_STEPS = 20  # batch buckets with fewer decode steps are left out of the live fit
+
+
+def with_live_host(profile: CalibrationProfile, run: Mapping[str, Any], where: str) -> CalibrationProfile:
+    """`profile` with decode_host_s and decode_host_request_s fitted to a live pool run (benchmarks/gpu_pool.py's
+    run JSON: `decode_timings`, each engine's decode figures per batch bucket) measured `where` (in words).
+
+    The engine that decoded most steps (the decode instance) gives, per bucket of at least MIN_STEPS steps, its
+    median time outside the engine's call and the bucket's mean batch (the bucket's middle in runs that did not
+    record it); a least-squares line through them, weighted by steps, is a + b x batch (both held >= 0)."""
+    timings = run.get("decode_timings") or {}
+    if not timings:
+        raise ValueError("the run has no decode_timings (a benchmarks/gpu_pool.py run JSON has them per engine)")
+    engine, buckets = max(timings.items(), key=lambda kv: sum(b.get("steps", 0) for b in kv[1].values()))
+    points = []  # (batch, outside seconds, steps)
+    low = 0
+    for key, figures in sorted(buckets.items(), key=lambda kv: int(kv[0].removeprefix("<="))):
+        high = int(key.removeprefix("<="))
+        if figures.get("steps", 0) >= MIN_STEPS and figures.get("outside_ms_p50") is not None:
+            batch = figures.get("batch_mean") or (low + 1 + high) / 2
+            points.append((float(batch), figures["outside_ms_p50"] / 1e3, figures["steps"]))
+        low = high
+    if len(points) < 2:
+        raise ValueError(f"engine {engine!r}: {len(points)} batch bucket(s) with {MIN_STEPS}+ decode steps and an "
+                         f"outside time; the fit needs two (a run that predates StepTimings' in-engine time has none)")
+    total = sum(w for _, _, w in points)
+    mean_x = sum(x * w for x, _, w in points) / total
+    mean_y = sum(y * w for _, y, w in points) / total
+    var = sum(w * (x - mean_x) ** 2 for x, _, w in points)
+    slope = max(0.0, sum(w * (x - mean_x) * (y - mean_y) for x, y, w in points) / var) if var > 0 else 0.0
+    intercept = max(0.0, mean_y - slope * mean_x)
+    gpu = profile.calibration.gpu if profile.calibration is not None else None
+    backend, layout = run.get("backend", "?"), run.get("layout", "?")
+    shown = ", ".join(f"{x:g}: {y * 1e3:.3f} ms" for x, y, _ in points)
+    source = (f"the live pool itself ({backend} backend, {layout} layout, {run.get('rate_rps', '?')} req/s; engine "
+              f"{engine}): each decode step's time outside the engine's call, median per batch bucket ({shown}), "
+              f"fitted as a + b x batch ({where})")
+    provenance = {
+        "decode_host_s": Provenance(status="measured", gpus=(gpu,) if gpu else (), source=f"a of {source}"),
+        "decode_host_request_s": Provenance(status="measured", gpus=(gpu,) if gpu else (), source=f"b of {source}")}
+    terms = {**profile.terms.model_dump(), "decode_host_s": sig(intercept), "decode_host_request_s": sig(slope)}
+    return profile.model_copy(update={"terms": ProfileTerms.model_validate(terms),
+                                      "provenance": {**profile.provenance, **provenance}})

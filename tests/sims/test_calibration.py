@@ -8,7 +8,7 @@ import pytest
 from scheduler.fleet import GPUS, Arch
 from sims.costmodel import RooflineCostModel
 from sims.profiles import CalibrationProfile, load_profile
-from sims.profiles.calibrated import build_profile, fit_errors
+from sims.profiles.calibrated import MIN_STEPS, build_profile, fit_errors, with_live_host
 from sims.profiles.fitting import Anchor, fit
 
 SMALL = Arch(family="qwen2", num_layers=24, hidden_size=1536, num_heads=12, num_kv_heads=2, intermediate_size=8960,
@@ -108,6 +108,10 @@ def test_the_live_pool_terms_are_charged_after_the_gpu_time() -> None:
     live = RooflineCostModel.for_models({"m": (LARGE, 1)}, "h200", base.model_copy(update={"terms": terms}))
     assert live.decode_step_s("m", 8, 8000) == pytest.approx(plain.decode_step_s("m", 8, 8000) + 1e-3)
     assert live.decode_turn_s("m", 8, 8000, 10) == pytest.approx(plain.decode_turn_s("m", 8, 8000, 10) + 10e-3)
+    per_request = RooflineCostModel.for_models({"m": (LARGE, 1)}, "h200", base.model_copy(
+        update={"terms": terms.model_copy(update={"decode_host_request_s": 2e-5})}))
+    assert per_request.decode_step_s("m", 8, 8000) == pytest.approx(live.decode_step_s("m", 8, 8000) + 8 * 2e-5)
+    assert per_request.decode_turn_s("m", 8, 8000, 10) == pytest.approx(live.decode_turn_s("m", 8, 8000, 10) + 1.6e-3)
     assert live.prefill_s("m", 2048, 4) == pytest.approx(plain.prefill_s("m", 2048, 4) + 5e-3 + 4 * 2e-4)
     assert live.kv_move_s("m", 1000) == pytest.approx(2 * plain.kv_move_s("m", 1000))
     assert (live.kv_move_overhead_s("m"), plain.kv_move_overhead_s("m")) == (1e-4, 0.0)
@@ -154,3 +158,30 @@ def test_one_copy_waiting_for_the_other_reads_as_first_come_first_served() -> No
     profile = build_profile(m, ARCHS, "h200", GPUS["h200"], run=RUN)
     assert profile.terms.link_sharing == "fifo" and "the other waited" in profile.provenance["link_sharing"].source
     assert profile.terms.eff_pcie_shared == pytest.approx(profile.terms.eff_pcie, rel=0.01)
+
+
+def _live_run(buckets: dict[str, dict], other: dict[str, dict] | None = None) -> dict:
+    return {"backend": "processes", "layout": "pd", "rate_rps": 10.0,
+            "decode_timings": {"slot1": buckets, "slot0": other or {}}}
+
+
+def test_the_live_pool_host_terms_come_from_a_run_of_the_live_pool() -> None:
+    """decode_host_s + decode_host_request_s x batch through each bucket's time outside the engine: a line the
+    fit recovers, from the engine that decoded most, buckets of too few steps left out."""
+    line = {"<=1": 1.0, "<=4": 3.2, "<=16": 11.0, "<=64": 40.5}  # bucket -> mean batch
+    buckets = {key: {"steps": 100, "batch_mean": batch, "outside_ms_p50": 0.25 + 0.012 * batch} for key, batch in line.items()}
+    buckets["<=256"] = {"steps": MIN_STEPS - 1, "batch_mean": 200.0, "outside_ms_p50": 50.0}  # too few: ignored
+    few = {"<=1": {"steps": 30, "batch_mean": 1.0, "outside_ms_p50": 9.0}}  # the prefill instance's few decodes
+    base = load_profile("h200-cudagraph")
+    fitted = with_live_host(base, _live_run(buckets, few), "a test")
+    assert fitted.terms.decode_host_s == pytest.approx(2.5e-4, rel=1e-3)
+    assert fitted.terms.decode_host_request_s == pytest.approx(1.2e-5, rel=1e-3)
+    source = fitted.provenance["decode_host_request_s"]
+    assert source.status == "measured" and "processes backend, pd layout" in source.source and "slot1" in source.source
+    assert fitted.terms.decode_fixed_s == base.terms.decode_fixed_s  # the engine's terms stay
+    old = {key: {k: v for k, v in b.items() if k != "batch_mean"} for key, b in buckets.items()}  # before batch_mean
+    assert with_live_host(base, _live_run(old), "a test").terms.decode_host_request_s > 0
+    with pytest.raises(ValueError, match="decode_timings"):
+        with_live_host(base, {"backend": "threads"}, "a test")
+    with pytest.raises(ValueError, match="needs two"):
+        with_live_host(base, _live_run({"<=1": {"steps": 500, "period_ms_p50": 2.0}}), "a test")
