@@ -344,6 +344,8 @@ def phase_result(backend: str, layout: str, rate: float, args: argparse.Namespac
             "graph_misses": delta("extra", "graph_misses"), "graph_replays": delta("extra", "graph_replays"),
             "decode_timings": {iid: e["extra"].get("timings", {}).get("decode") for iid, e in engines.items()},
             "prefill_samples": {iid: e["extra"].get("timings", {}).get("prefills") for iid, e in engines.items()},
+            # KV calls in each engine (the P/D hand-off: export_kv on the prefill instance, import_kv on the decoder)
+            "kv_timings": {iid: e["extra"].get("timings", {}).get("kv") for iid, e in engines.items()},
             "errors": sorted({str(r["error"])[:200] for r in rows_out if r["error"]})[:10],
             "requests": rows_out,
             "metrics_graph_lines": [line for line in metrics_text.splitlines() if line.startswith("modelpool_graph")]}

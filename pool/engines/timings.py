@@ -29,6 +29,7 @@ class StepTimings:
         # sampling, tokens out); period - call = the time outside it (backend hop, controller, runner)
         self.decodes: deque[tuple[int, float, float, float]] = deque(maxlen=keep)
         self._last: tuple[tuple[str, ...], float, Any, float] | None = None  # (ids, entered at, forward, call s)
+        self.kv_calls: deque[tuple[str, int, int, float]] = deque(maxlen=keep)  # (method, requests, bytes, s)
 
     # ---- forward timer: CUDA events around the forward, or the host clock on CPU ----
     def forward_begin(self) -> Any:
@@ -64,6 +65,12 @@ class StepTimings:
             self.decodes.append((len(request_ids), entered_at - last[1], self.seconds(last[2]), last[3]))
         self._last = (request_ids, entered_at, forward, time.perf_counter() - entered_at)
 
+    def kv_call(self, method: str, num_requests: int, nbytes: int, seconds: float) -> None:
+        """A KV call (save_kv, restore_kv, export_kv, import_kv): its requests, bytes and time in the engine
+        (the host's part: save and restore copies run on their own streams and are not waited for)."""
+        self.kv_calls.append((method, num_requests, nbytes, seconds))
+        self._last = None
+
     def other(self) -> None:
         """Any other engine call: the next decode step starts a new run of the same batch."""
         self._last = None
@@ -91,4 +98,11 @@ class StepTimings:
                     "outside_ms_p50": round(float(np.median(outside)), 4),
                     "outside_ms_p90": round(float(np.percentile(outside, 90)), 4)}
         prefills = [[m, t, n, round(s, 6)] for m, t, n, s in list(self.prefills)[-max_prefills:]]
-        return {"decode": decode, "prefills": prefills}
+        kv: dict[str, Any] = {}
+        for method in sorted({call[0] for call in self.kv_calls}):
+            calls = [c for c in self.kv_calls if c[0] == method]
+            ms = np.array([c[3] for c in calls]) * 1e3
+            kv[method] = {"calls": len(calls), "requests": sum(c[1] for c in calls),
+                          "mb": round(sum(c[2] for c in calls) / 1e6, 3), "ms_p50": round(float(np.median(ms)), 4),
+                          "ms_p90": round(float(np.percentile(ms, 90)), 4), "ms_max": round(float(ms.max()), 4)}
+        return {"decode": decode, "prefills": prefills, "kv": kv}

@@ -293,12 +293,16 @@ class TorchEngine:
 
     # ---- KV movement ---------------------------------------------------------------------------
     def save_kv(self, request_ids: Sequence[str]) -> None:
-        self.timings.other()
-        self._kv_store().save([self._seqs.require(rid).kv for rid in request_ids])
+        started, kv = time.perf_counter(), self._kv_store()
+        before = kv.bytes_d2h
+        kv.save([self._seqs.require(rid).kv for rid in request_ids])
+        self.timings.kv_call("save_kv", len(request_ids), kv.bytes_d2h - before, time.perf_counter() - started)
 
     def restore_kv(self, request_ids: Sequence[str]) -> None:
-        self.timings.other()
-        self._kv_store().restore([self._seqs.require(rid).kv for rid in request_ids])
+        started, kv = time.perf_counter(), self._kv_store()
+        before = kv.bytes_h2d
+        kv.restore([self._seqs.require(rid).kv for rid in request_ids])
+        self.timings.kv_call("restore_kv", len(request_ids), kv.bytes_h2d - before, time.perf_counter() - started)
 
     def release(self, request_ids: Sequence[str]) -> None:
         self.timings.other()
@@ -311,16 +315,18 @@ class TorchEngine:
         """Move requests out (see `KvExport`): KV read from host memory, or off the device; then forget them."""
         if len(set(request_ids)) != len(request_ids):
             raise EngineError(f"duplicate request ids in export_kv: {list(request_ids)}")
+        started = time.perf_counter()
         seqs = [self._seqs.require(rid) for rid in request_ids]
         exports = [self._export(seq) for seq in seqs]  # nothing changes until all are copied out
         for seq in seqs:
             del self._seqs[seq.request.request_id]
             self._free_kv(seq.kv)
+        self.timings.kv_call("export_kv", len(exports), sum(e.kv_bytes for e in exports), time.perf_counter() - started)
         return exports
 
     def import_kv(self, exports: Sequence[KvExport]) -> None:
         """Admit exported requests with their KV in host memory, as after `save_kv` (all or none)."""
-        exports = list(exports)
+        started, exports = time.perf_counter(), list(exports)
         ids = [e.request.request_id for e in exports]
         if len(set(ids)) != len(ids):
             raise EngineError(f"duplicate request ids in import_kv: {ids}")
@@ -331,6 +337,7 @@ class TorchEngine:
             write_tokens(export.kv_tensor(), self._host_kv, seq.kv.shape, blocks)
             seq.kv.host_blocks = blocks
             self._seqs[seq.request.request_id] = seq
+        self.timings.kv_call("import_kv", len(exports), sum(e.kv_bytes for e in exports), time.perf_counter() - started)
 
     def synchronize(self) -> None:
         self.streams.synchronize()

@@ -160,3 +160,26 @@ def test_one_gpu_layout_is_a_prefill_and_a_decode_instance_sharing_it() -> None:
     kv = gpu_kv_bytes(usable, 2, biggest)
     assert 2 * (kv + 2 * biggest + GPU_HEADROOM_BYTES) <= usable  # both instances fit on the GPU
     assert gpu_kv_bytes(usable, 1, biggest) > 2 * kv
+
+
+def test_the_engine_times_its_kv_calls_with_their_bytes(tiny_engine) -> None:
+    """save/restore/export/import each leave (requests, bytes, seconds) in the step timings' summary, which the
+    live pool reports per engine (/pool/status) and benchmarks/gpu_pool.py records: the hand-off's cost."""
+    from pool.engines.base import GenRequest, SamplingParams
+
+    other = TorchEngine(TorchEngineConfig(dtype="float32", kv_bytes=4 << 20), weight_cache=tiny_engine.weights)
+    other.add_image(tiny_engine.weights.add_random("tiny", None, torch.float32))  # the cached image, as built
+    other.activate("tiny")
+    request = GenRequest("r", "tiny", tuple(range(5, 45)), SamplingParams(max_tokens=8, ignore_eos=True))
+    tiny_engine.prefill([request])
+    tiny_engine.save_kv(["r"])
+    tiny_engine.restore_kv(["r"])
+    exports = tiny_engine.export_kv(["r"])
+    other.import_kv(exports)
+    kv = tiny_engine.stats().extra["timings"]["kv"]
+    assert set(kv) == {"save_kv", "restore_kv", "export_kv"}
+    assert all(kv[m]["calls"] == 1 and kv[m]["requests"] == 1 and kv[m]["ms_max"] >= 0 for m in kv)
+    assert kv["save_kv"]["mb"] == kv["restore_kv"]["mb"] > 0  # the same blocks out and back
+    assert kv["export_kv"]["mb"] == pytest.approx(exports[0].kv_bytes / 1e6, abs=1e-3)
+    imported = other.stats().extra["timings"]["kv"]["import_kv"]
+    assert imported["requests"] == 1 and imported["mb"] == kv["export_kv"]["mb"]
