@@ -164,13 +164,8 @@ class Controller:
             return
         self.lost.add(instance_id)
         self.runners[instance_id].reset()
-        ended: dict[str, str] = {}
-        for rid in suspects:
-            if rid in self.requests:
-                self._losses[rid] += 1
-                if self._losses[rid] >= self.max_losses_per_request:
-                    ended[rid] = (f"it was in the failing call of {self._losses[rid]} instances that were lost, "
-                                  f"the last {instance_id} ({reason})")
+        ended = {rid: f"it was in the failing call of {count} instances that were lost, the last {instance_id} "
+                      f"({reason})" for rid, count in self._strike(self._losses, suspects, self.max_losses_per_request)}
         for live in self.requests.values():
             if live.kv_home != instance_id:
                 continue
@@ -199,12 +194,8 @@ class Controller:
         log.warning("instance %s: KV refused, its requests go back to the queue: %s", instance_id, reason)
         self.num_kv_refusals += 1
         self.runners[instance_id].reset()
-        ended: dict[str, str] = {}
-        for rid in refused:
-            if rid in self.requests:
-                self._refusals[rid] += 1
-                if self._refusals[rid] >= self.max_refusals_per_request:
-                    ended[rid] = f"its KV was refused {self._refusals[rid]} times, the last by {instance_id} ({reason})"
+        ended = {rid: f"its KV was refused {count} times, the last by {instance_id} ({reason})"
+                 for rid, count in self._strike(self._refusals, refused, self.max_refusals_per_request)}
         freed: dict[str, list[str]] = {}
         for live in self.requests.values():
             placed = _placed_on(self.scheduler, live.request_id)
@@ -217,6 +208,17 @@ class Controller:
         self._report(KvRefused(instance_id, reason))
         for request_id, why in ended.items():
             self.fail(request_id, why)
+
+    def _strike(self, counter: Counter[str], request_ids: Iterable[str], limit: int) -> list[tuple[str, int]]:
+        """Count one more strike (a failed or refused call) against each request still here; those at `limit`
+        now, with their count."""
+        out = []
+        for rid in request_ids:
+            if rid in self.requests:
+                counter[rid] += 1
+                if counter[rid] >= limit:
+                    out.append((rid, counter[rid]))
+        return out
 
     def restore(self, instance_id: str) -> None:
         """A fresh engine runs on a lost instance again: the scheduler hears `InstanceAdded`."""

@@ -155,7 +155,7 @@ class InstanceRunner:
                 if not self._exporting:  # all cancelled (or finished) meanwhile
                     self._current = None
                     return [KvMoved(self.instance_id, action.request_ids, "host")] + self._next()
-                self._call("export_kv", list(self._exporting), kv_move=True)
+                self._call("export_kv", list(self._exporting))
             elif isinstance(action, SwapIn):
                 live = self._live(action.request_ids)
                 self._carried = [rid for rid in live if self._requests[rid].kv_export is not None]

@@ -132,6 +132,11 @@ class ModelSlots:
                                 f"bytes of weights; the instance's model region holds {self.capacity_bytes:.0f}")
 
 
+def kv_held_bytes(bytes_per_token: float, prompt_tokens: int, output_tokens: int) -> float:
+    """The device KV a request holds on an instance: its whole context, the prompt and every output token."""
+    return float(bytes_per_token * (prompt_tokens + output_tokens))
+
+
 def kv_fits(used_bytes: float, capacity_bytes: float) -> bool:
     """Whether `used_bytes` of KV fit a device that holds `capacity_bytes` (up to float rounding)."""
     return used_bytes <= capacity_bytes * (1 + 1e-9)
@@ -141,7 +146,7 @@ class KvPlaces:
     """Where each request's KV is, for one instance: on its device (True) or in host memory (False).
 
     With `capacity_bytes`, the device holds at most that much KV: each request counts the bytes given when
-    it was placed or admitted (the simulator's rule: its whole context, prompt and every output token), and
+    it was placed or admitted (`kv_held_bytes`, as the simulator counts them), and
     a placement or move that would exceed it is refused (an engine's refusal for lack of KV).
     """
 

@@ -35,7 +35,7 @@ from typing import IO, Final
 from scheduler import (Action, Decode, Event, InstanceLost, KvMoved, Plan, Prefetch, Prefill, Request, Scheduler,
                        StepDone, Stop, SwapIn, SwapOut, Switch, SwitchDone)
 from scheduler.costs import CopyLinks, CostModel, GpuShares
-from scheduler.instance import ModelSlots, kv_fits, kv_move_s, prefill_s
+from scheduler.instance import ModelSlots, kv_fits, kv_held_bytes, kv_move_s, prefill_s
 from scheduler.policies.base import PolicyBase
 from sims.errors import InvariantViolation
 
@@ -559,7 +559,7 @@ class Simulator:
 
     # ---- checks ------------------------------------------------------------------
     def _kv_bytes(self, record: RequestRecord) -> float:
-        return float(self.kv_bytes_per_token[record.model] * (record.prompt_tokens + record.output_tokens))
+        return kv_held_bytes(self.kv_bytes_per_token[record.model], record.prompt_tokens, record.output_tokens)
 
     def _check_kv(self, iid: str, dev: _Device) -> None:
         if self.kv_capacity is None:

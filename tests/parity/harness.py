@@ -23,7 +23,7 @@ from pool.engines.base import EngineError, EngineStats, GenRequest, OutOfKvMemor
 from pool.runner import LiveRequest
 from scheduler import ManualClock, Request
 from scheduler.errors import NoKvRoom, RefusedAction
-from scheduler.instance import KvPlaces, ModelSlots, decode_turn_s, kv_move_s, prefill_s
+from scheduler.instance import KvPlaces, ModelSlots, decode_turn_s, kv_held_bytes, kv_move_s, prefill_s
 
 
 class FakeInstance:
@@ -157,7 +157,7 @@ class ManualBackend:
         return now, None
 
     def _kv_need(self, model: str, prompt_tokens: int, max_tokens: int) -> float:
-        return float(self.kv_bytes_per_token.get(model, 0) * (prompt_tokens + max_tokens))
+        return kv_held_bytes(self.kv_bytes_per_token.get(model, 0), prompt_tokens, max_tokens)
 
     def _ctx(self, rid: str) -> int:
         return self.context[rid] + self.produced[rid]
