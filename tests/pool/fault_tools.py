@@ -3,6 +3,7 @@ stopping a `modelpool serve` process."""
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import threading
@@ -209,6 +210,20 @@ def run_streams(url: str, bodies: Mapping[Any, dict[str, Any]], timeout_s: float
 
 
 # ---- `modelpool serve` as a process -----------------------------------------------------------------------
+def wait_for_serve(proc: subprocess.Popen[str], timeout_s: float = 240) -> tuple[str, list[str]]:
+    """Read a `modelpool serve` process's output until it announces its endpoint; (its base URL, the lines read).
+    It ending first, or not coming up within `timeout_s`, fails the test with what it printed."""
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while not any("OpenAI-compatible endpoint" in line for line in lines):
+        line = proc.stdout.readline()  # type: ignore[union-attr]
+        assert line and time.monotonic() < deadline, "serve did not come up:\n" + "".join(lines)
+        lines.append(line)
+    match = re.search(r"(http://\S+)/v1", lines[-1])
+    assert match, lines[-1]
+    return match.group(1), lines
+
+
 def stop_serve(proc: subprocess.Popen[str], *, interrupt: bool = True, timeout_s: float = 60) -> None:
     """Wait for a `modelpool serve` process to exit, first pressing Ctrl-C (SIGINT) if `interrupt` and it still runs.
 

@@ -19,10 +19,12 @@ from tests.pool.test_live_pool import ENGINE, KV_BYTES, MODELS, NEW_TOKENS, PROM
 
 
 class Flaky:
-    """An engine whose `fail_at`-th call of `method` raises, as a crashed device would."""
+    """An engine whose `fail_at`-th call of `method` raises `error` (by default as a crashed device would)."""
 
-    def __init__(self, engine, fail_at: int, method: str = "decode_step") -> None:
+    def __init__(self, engine, fail_at: int, method: str = "decode_step",
+                 error: Exception | None = None) -> None:
         self.engine, self.fail_at, self.method, self.calls = engine, fail_at, method, 0
+        self.error = error or RuntimeError("device fell off the bus")
 
     def __getattr__(self, name):
         attr = getattr(self.engine, name)
@@ -32,7 +34,7 @@ class Flaky:
         def call(*args):
             self.calls += 1
             if self.calls == self.fail_at:
-                raise RuntimeError("device fell off the bus")
+                raise self.error
             return attr(*args)
         return call
 

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -16,7 +14,7 @@ import typer
 
 from modelpool.serve import CpuCosts, demo_deployment, fleet_deployment
 from pool.gateway.server import free_port
-from tests.pool.fault_tools import stop_serve
+from tests.pool.fault_tools import stop_serve, wait_for_serve
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -61,12 +59,7 @@ def test_modelpool_serve_with_no_arguments_answers_the_openai_client_with_real_t
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     try:
-        deadline = time.monotonic() + 240
-        while not any("OpenAI-compatible endpoint" in line for line in lines):
-            line = proc.stdout.readline()  # type: ignore[union-attr]
-            assert line and time.monotonic() < deadline, "serve did not come up:\n" + "".join(lines)
-            lines.append(line)
-        url = re.search(r"(http://\S+)/v1", lines[-1]).group(1)  # type: ignore[union-attr]
+        url, lines = wait_for_serve(proc)
         assert url == f"http://127.0.0.1:{port}"
         while not any("curl" in line for line in lines):
             lines.append(proc.stdout.readline())  # type: ignore[union-attr]

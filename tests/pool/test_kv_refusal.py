@@ -14,28 +14,14 @@ from pool.runner import LiveRequest
 from pool.service import served_model, slot_instances
 from scheduler import InstanceSpec, ManualClock, ModelProfile, RequestStatus, make_scheduler
 from tests.factories import LinearCosts
-from tests.pool.test_faults import drive
+from tests.pool.test_faults import Flaky, drive
 from tests.pool.test_live_pool import (ENGINE, KV_BYTES, MODELS, NEW_TOKENS, PROMPTS, Collector,  # noqa: F401
                                        reference, tiny)
 
 
-class Refusing:
+def refusing(engine, refuse_at: int, method: str) -> Flaky:
     """An engine whose `refuse_at`-th call of `method` finds no room for KV (and changes nothing)."""
-
-    def __init__(self, engine, refuse_at: int, method: str) -> None:
-        self.engine, self.refuse_at, self.method, self.calls = engine, refuse_at, method, 0
-
-    def __getattr__(self, name):
-        attr = getattr(self.engine, name)
-        if name != self.method:
-            return attr
-
-        def call(*args):
-            self.calls += 1
-            if self.calls == self.refuse_at:
-                raise OutOfKvMemory("need 3 KV blocks; 1 free (a test's refusal)")
-            return attr(*args)
-        return call
+    return Flaky(engine, refuse_at, method, OutOfKvMemory("need 3 KV blocks; 1 free (a test's refusal)"))
 
 
 def submit_all(controller: Controller, clock: ManualClock, max_tokens: int = NEW_TOKENS) -> dict:
@@ -64,7 +50,7 @@ def test_a_refusal_requeues_the_instances_requests_and_keeps_it(tiny, reference,
         for m in models:
             engines[iid].load(m.name, m.path)
     target = "slot1" if method in ("restore_kv", "import_kv") else "slot0"
-    engines[target] = Refusing(engines[target], refuse_at, method)
+    engines[target] = refusing(engines[target], refuse_at, method)
     backend, clock = InProcessBackend(engines), ManualClock()
     options = {"fixed_turn_steps": 3} if policy == "token-level" else {}
     scheduler = make_scheduler(policy, {m.name: m.profile for m in models},

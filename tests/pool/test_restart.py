@@ -12,7 +12,8 @@ import pytest
 
 from pool.gateway import create_app
 from pool.gateway.server import BackgroundServer
-from tests.pool.fault_tools import NOTHING, allocated, run_streams, stop_serve, stream_completion, wait_until
+from tests.pool.fault_tools import (NOTHING, allocated, run_streams, stop_serve, stream_completion, wait_for_serve,
+                                     wait_until)
 from tests.pool.test_faults import LONG_TOKENS, MODELS, ray_pool, stream_bodies, tally
 from tests.pool.test_live_pool import tiny  # noqa: F401
 from tests.pool.test_faults import ray_cluster  # noqa: F401
@@ -128,12 +129,8 @@ def test_modelpool_serve_stopped_mid_stream_ends_streams_cleanly_and_serves_agai
                                  "--port", str(port)], cwd=Path(__file__).resolve().parents[2], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
-            lines = []
-            while not any("OpenAI-compatible endpoint" in line for line in lines):
-                line = proc.stdout.readline()  # type: ignore[union-attr]
-                assert line, "serve did not come up:\n" + "".join(lines)
-                lines.append(line)
-            url = f"http://127.0.0.1:{port}"
+            url, _ = wait_for_serve(proc)
+            assert url == f"http://127.0.0.1:{port}"
             if run == "restarted":
                 done = stream_completion(url, {**bodies[("tiny-llama", 0)], "max_tokens": 8}, TIMEOUT_S)
                 assert done.kind == "finished", done

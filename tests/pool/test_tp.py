@@ -285,13 +285,10 @@ def test_tp_benchmark_runs_tiny_on_cpu_and_counts_two_all_reduces_a_layer(tmp_pa
 @pytest.mark.slow
 def test_modelpool_serve_fleet_serves_a_tp2_model_on_cpu_ranks(demo_models, tmp_path):
     """The same weights as a TP1 model and a TP2 model: greedy completions through the gateway are equal."""
-    import re
-    import time
-
     import httpx
 
     from pool.gateway.server import free_port
-    from tests.pool.fault_tools import stop_serve
+    from tests.pool.fault_tools import stop_serve, wait_for_serve
 
     path = demo_models["tiny-llama"]
     fleet = tmp_path / "fleet.yaml"
@@ -304,12 +301,7 @@ def test_modelpool_serve_fleet_serves_a_tp2_model_on_cpu_ranks(demo_models, tmp_
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     try:
-        deadline = time.monotonic() + 240
-        while not any("OpenAI-compatible endpoint" in line for line in lines):
-            line = proc.stdout.readline()  # type: ignore[union-attr]
-            assert line and time.monotonic() < deadline, "serve did not come up:\n" + "".join(lines)
-            lines.append(line)
-        url = re.search(r"(http://\S+)/v1", lines[-1]).group(1)  # type: ignore[union-attr]
+        url, lines = wait_for_serve(proc)
         body = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
         texts = {m: httpx.post(f"{url}/v1/completions", json={**body, "model": m}, timeout=120).json()
                  for m in ("one", "two")}
