@@ -35,7 +35,8 @@ def calibrate_command(
     device: str = typer.Option("cuda", "--device", help="cpu | cuda | cuda:N (the torch device to measure)."),
     quick: bool = typer.Option(False, "--quick", help="A smoke run: fewer points and repeats (~1 min on an H200)."),
     gpu: str | None = typer.Option(None, "--gpu", help="GPU type the measurements count for: a catalogue key or one "
-                                   "of the fleet's `gpus:` (default: the fleet's pool.gpu)."),
+                                   "of the fleet's `gpus:` (default: the fleet's pool.gpu; with --from-live: the "
+                                   "GPU type --profile was calibrated on)."),
     models: str = typer.Option("", "--models", help="Comma-separated fleet models whose shapes to measure (default: "
                                "up to --max-shapes shapes spanning the fleet's sizes)."),
     max_shapes: int = typer.Option(3, "--max-shapes", min=1, help="Most distinct shapes measured."),
@@ -49,7 +50,7 @@ def calibrate_command(
     """Measure prefill, decode, switch, KV-move, shared-link and live-pool host times on this device; write a profile."""
     started = time.perf_counter()
     if from_live is not None:
-        _from_live(from_live, base, out)
+        _from_live(from_live, base, out, gpu)
         return
     try:
         fleet = load_fleet(fleet_path)
@@ -58,11 +59,15 @@ def calibrate_command(
     gpu_key = (gpu or fleet.pool.gpu).lower()
     if gpu_key not in {*fleet.gpus, *_catalogue()}:
         _fail(f"--gpu {gpu_key!r}: not in the GPU catalogue ({', '.join(sorted(_catalogue()))}) nor the fleet's gpus")
+    cuda = device.startswith("cuda")
+    if not cuda and gpu_key in _catalogue():
+        _fail(f"--device {device} measures this machine's CPU, not a {gpu_key.upper()}: the profile would say its "
+              f"terms were measured on {gpu_key}. Describe the CPU as a GPU type in the fleet's `gpus:` (memory_gb, "
+              f"hbm_tb_s, bf16_tflops, h2d_gb_s, nvlink_gb_s, usd_per_hour) and pass --gpu NAME")
     import torch
 
-    if device.startswith("cuda") and not torch.cuda.is_available():
+    if cuda and not torch.cuda.is_available():
         _fail(f"--device {device}: torch sees no CUDA device here (torch {torch.__version__}); use --device cpu")
-    cuda = device.startswith("cuda")
     memory = torch.cuda.get_device_properties(torch.device(device)).total_memory if cuda else None
     archs, skipped = pick_shapes(fleet, [m.strip() for m in models.split(",") if m.strip()], max_shapes, memory)
     for line in skipped:
@@ -99,8 +104,9 @@ def calibrate_command(
                   f"`modelpool simulate --profile {out}` or `modelpool capacity --profile {out}`")
 
 
-def _from_live(run_path: Path, base: str | None, out: Path) -> None:
-    """`--from-live`: the base profile with the host terms fitted to a live pool run (sims.profiles.calibrated)."""
+def _from_live(run_path: Path, base: str | None, out: Path, gpu: str | None) -> None:
+    """`--from-live`: the base profile with the host terms fitted to a live pool run (sims.profiles.calibrated),
+    named after `out` as a profile `modelpool calibrate` measures is."""
     from sims.profiles import load_profile
     from sims.profiles.calibrated import with_live_host
 
@@ -114,9 +120,13 @@ def _from_live(run_path: Path, base: str | None, out: Path) -> None:
         profile = load_profile(base)
     except (FileNotFoundError, ValueError) as exc:
         _fail(f"--profile {base}: {exc}")
+    if gpu is not None and gpu.lower() not in _catalogue() and (
+            profile.calibration is None or gpu.lower() != profile.calibration.gpu):
+        _fail(f"--gpu {gpu!r}: not in the GPU catalogue ({', '.join(sorted(_catalogue()))}) nor the GPU type "
+              f"--profile {base} was calibrated on")
     when = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
     try:
-        profile = with_live_host(profile, run, f"{run_path.name}, fitted {when}")
+        profile = with_live_host(profile, run, f"{run_path.name}, fitted {when}", gpu, name=out.stem)
     except ValueError as exc:
         _fail(f"--from-live {run_path}: {exc}")
     out.parent.mkdir(parents=True, exist_ok=True)

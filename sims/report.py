@@ -20,7 +20,7 @@ from scheduler.fleet import Fleet
 from sims.capacity import POLICY_ORDER
 from sims.capacity_eval import Context
 from sims.capacity_study import NO_SCALE, StudyResult
-from sims.profiles import BASES, TERM_NAMES, CalibrationProfile
+from sims.profiles import BASES, TERM_NAMES, CalibrationProfile, ProfileTerms
 
 HOURS_PER_MONTH = 730.0
 SCHEMA_VERSION = 1
@@ -390,11 +390,8 @@ def _assumptions(result: StudyResult, ctx: Context) -> list[dict[str, str]]:
          "value": f"bracket x1.5, bisect, verify {result.config.goal.window} counts below each answer; "
                   "runs sure to miss a per-request target are stopped early (their attainment is an upper bound)",
          "source": "sims/capacity.py"},
-        {"what": "host links", "status": "input",
-         "value": (f"{fleet.pool.gpus_per_host_link} GPU(s) per PCIe link: overlapping weight and KV copies on "
-                   f"a link split its bandwidth (sims/links.py)" if fleet.pool.gpus_per_host_link else
-                   "not shared (pool.gpus_per_host_link 0): every copy at the full link rate"),
-         "source": "the fleet file (pool.gpus_per_host_link)"},
+        _host_links(fleet.pool.gpus_per_host_link, costs.terms),
+        _gpu_sharing(costs.terms),
         {"what": "not modelled", "status": "estimated",
          "value": "prefix caching, network and gateway time, engine start-up, failures", "source": "sims/simulator.py"},
     ]
@@ -402,3 +399,27 @@ def _assumptions(result: StudyResult, ctx: Context) -> list[dict[str, str]]:
         if options:
             out.append({"what": f"{policy} options", "status": "input", "value": str(dict(options)), "source": "--option"})
     return out
+
+
+def _host_links(gpus_per_link: int, terms: ProfileTerms) -> dict[str, str]:
+    """How the simulation shares host links: the fleet's pool setting, served as the profile's link_sharing says."""
+    if not gpus_per_link:
+        return {"what": "host links", "status": "input", "source": "the fleet file (pool.gpus_per_host_link)",
+                "value": "not shared (pool.gpus_per_host_link 0): every copy at the full link rate"}
+    how = ("one at a time in the order they start (link_sharing fifo: the later copy waits)"
+           if terms.link_sharing == "fifo" else "together (link_sharing fair: each of n copies at 1/n of the rate)")
+    rate = (terms.eff_pcie_shared or terms.eff_pcie) / terms.eff_pcie
+    return {"what": "host links", "status": "input",
+            "value": f"{gpus_per_link} GPU(s) per PCIe link: weight and KV copies that overlap on a link are served "
+                     f"{how}, the link moving {rate:.3g} of one copy's rate while shared (sims/links.py)",
+            "source": "the fleet file (pool.gpus_per_host_link); link_sharing and eff_pcie_shared from the profile"}
+
+
+def _gpu_sharing(terms: ProfileTerms) -> dict[str, str]:
+    """GPU time-sharing: the capacity layouts give every instance GPUs of its own, so the profile's term is idle."""
+    term = ("the profile's gpu_share_slowdown " + f"{terms.gpu_share_slowdown:g}" if terms.gpu_share_slowdown
+            else "gpu_share_slowdown, which this profile does not set,")
+    return {"what": "GPU time-sharing", "status": "estimated",
+            "value": f"none: every instance of the layouts searched has its GPUs to itself; {term} applies only where "
+                     f"instances share a GPU (the live pool's one-GPU layout, benchmarks/gpu_pool_sim.py)",
+            "source": "sims/capacity_eval.py (layouts) and sims/gpu_share.py"}

@@ -62,13 +62,24 @@ def test_calibrate_on_cpu_then_simulate_with_the_profile(tmp_path: Path) -> None
 
 def test_calibrate_refuses_what_it_cannot_measure(tmp_path: Path) -> None:
     fleet = tmp_path / "moe.yaml"
-    fleet.write_text("pool: {gpu: h200}\nmodels:\n  - {name: moe, arch: qwen3-30b-a3b}\n")
+    fleet.write_text("gpus:\n  big-cpu: {memory_gb: 512, hbm_tb_s: 0.2, bf16_tflops: 2, h2d_gb_s: 20, nvlink_gb_s: 10, "
+                     "usd_per_hour: 1}\npool: {gpu: big-cpu}\nmodels:\n  - {name: moe, arch: qwen3-30b-a3b}\n")
     res = CliRunner().invoke(app, ["calibrate", "--fleet", str(fleet), "--device", "cpu", "--out",
                                    str(tmp_path / "p.json")])
     assert res.exit_code == 1
     assert "mixture of experts" in res.output and "no model shape" in res.output
     res = CliRunner().invoke(app, ["calibrate", "--fleet", str(fleet), "--device", "cpu", "--gpu", "nosuch"])
     assert res.exit_code == 1 and "--gpu 'nosuch'" in res.output
+
+
+def test_a_cpu_measurement_does_not_count_for_a_gpu_type(tmp_path: Path) -> None:
+    """--device cpu for a catalogue GPU would write a profile whose terms read as measured on that GPU."""
+    fleet = tmp_path / "tiny.yaml"
+    fleet.write_text(FLEET)
+    out = tmp_path / "p.json"
+    res = CliRunner().invoke(app, ["calibrate", "--fleet", str(fleet), "--device", "cpu", "--gpu", "h200",
+                                   "--quick", "--out", str(out)])
+    assert res.exit_code == 1 and "measures this machine's CPU, not a H200" in res.output and not out.exists()
 
 
 def test_calibrate_from_a_live_run_fits_the_host_terms_on_a_profile(tmp_path: Path) -> None:
@@ -81,11 +92,39 @@ def test_calibrate_from_a_live_run_fits_the_host_terms_on_a_profile(tmp_path: Pa
     run_path.write_text(json.dumps(run))
     res = CliRunner().invoke(app, ["calibrate", "--from-live", str(run_path), "--profile", "h200-cudagraph",
                                    "--out", str(out)])
+    assert res.exit_code == 1 and "--gpu TYPE" in res.output  # a shipped profile does not say which GPU ran live
+    res = CliRunner().invoke(app, ["calibrate", "--from-live", str(run_path), "--profile", "h200-cudagraph",
+                                   "--gpu", "h200", "--out", str(out)])
     assert res.exit_code == 0, res.output
     profile = load_profile(out)
     assert abs(profile.terms.decode_host_s - 2.9e-4) < 1e-9 and abs(profile.terms.decode_host_request_s - 1e-5) < 1e-12
-    assert profile.provenance["decode_host_s"].status == "measured"
+    assert profile.status("decode_host_s", "h200") == "measured" and profile.status("decode_host_s", "h100") == "estimated"
+    assert profile.name == "live" and "from the live pool run run.json" in profile.description
     res = CliRunner().invoke(app, ["simulate", "--profile", str(out), "--duration", "30"])
     assert res.exit_code == 0, res.output
     res = CliRunner().invoke(app, ["calibrate", "--from-live", str(run_path), "--out", str(out)])
     assert res.exit_code == 1 and "--from-live needs --profile" in res.output
+
+
+def test_capacity_with_a_calibrated_profile_says_which_and_whether_measured_on_its_gpu(tmp_path: Path) -> None:
+    """`modelpool capacity --profile FILE` with the profile calibrated on the H200: the report names it, says it was
+    measured on this GPU type and by which command, and how the profile shares links and GPUs."""
+    fleet = tmp_path / "h200.yaml"
+    fleet.write_text("pool: {gpu: h200, num_gpus: 2, gpus_per_node: 2, gpus_per_host_link: 1}\nmodels:\n"
+                     "  - {name: a, arch: qwen2.5-1.5b, traffic: {rate_rps: 0.3}}\n"
+                     "  - {name: b, arch: qwen2.5-7b, traffic: {rate_rps: 0.3}}\n")
+    path = Path(__file__).resolve().parents[1] / "benchmarks/results/h200-calibrated.json"
+    out = tmp_path / "report"
+    res = CliRunner().invoke(app, ["capacity", "--fleet", str(fleet), "--profile", str(path), "--workers", "0",
+                                   "--policies", "dedicated,token-level", "--duration", "60", "--what-if-tpot", "0",
+                                   "--gpu-types", "h200,h100", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    report = json.loads((out / "report.json").read_text())
+    assert report["profile"]["name"] == "h200-calibrated" and report["profile"]["measured_on_this_gpu"]
+    rows = {a["what"]: a["value"] for a in report["assumptions"]}
+    calibrated = load_profile(path).calibration
+    assert rows["cost model profile on H200"].startswith(f"profile h200-calibrated (measured on this GPU type; "
+                                                         f"`{calibrated.command}` on NVIDIA H200")
+    assert "one at a time in the order they start" in rows["host links"]  # the H200's copy engine: fifo
+    assert "gpu_share_slowdown 1.774 applies only where instances share a GPU" in rows["GPU time-sharing"]
+    assert "cost model profile on H200" in (out / "report.md").read_text()

@@ -244,13 +244,20 @@ def _host_terms(draft: CalibrationProfile, live: Mapping[str, Any], archs: Mappi
 MIN_STEPS = 20  # batch buckets with fewer decode steps are left out of the live fit
 
 
-def with_live_host(profile: CalibrationProfile, run: Mapping[str, Any], where: str) -> CalibrationProfile:
+def with_live_host(profile: CalibrationProfile, run: Mapping[str, Any], where: str, gpu: str | None = None,
+                   name: str = "") -> CalibrationProfile:
     """`profile` with decode_host_s and decode_host_request_s fitted to a live pool run (benchmarks/gpu_pool.py's
-    run JSON: `decode_timings`, each engine's decode figures per batch bucket) measured `where` (in words).
+    run JSON: `decode_timings`, each engine's decode figures per batch bucket) measured `where` (in words) on GPU
+    type `gpu` (default: the one `profile` was calibrated on; a profile without a calibration run needs it: the
+    run JSON does not say). The result is named `name` (default: the profile's name).
 
     The engine that decoded most steps (the decode instance) gives, per bucket of at least MIN_STEPS steps, its
     median time outside the engine's call and the bucket's mean batch (the bucket's middle in runs that did not
     record it); a least-squares line through them, weighted by steps, is a + b x batch (both held >= 0)."""
+    gpu = (gpu or (profile.calibration.gpu if profile.calibration is not None else "")).lower()
+    if not gpu:
+        raise ValueError(f"profile {profile.name!r} has no calibration run to say which GPU type the live run was "
+                         f"on: name it (modelpool calibrate --from-live ... --gpu TYPE)")
     timings = run.get("decode_timings") or {}
     if not timings:
         raise ValueError("the run has no decode_timings (a benchmarks/gpu_pool.py run JSON has them per engine)")
@@ -272,15 +279,19 @@ def with_live_host(profile: CalibrationProfile, run: Mapping[str, Any], where: s
     var = sum(w * (x - mean_x) ** 2 for x, _, w in points)
     slope = max(0.0, sum(w * (x - mean_x) * (y - mean_y) for x, y, w in points) / var) if var > 0 else 0.0
     intercept = max(0.0, mean_y - slope * mean_x)
-    gpu = profile.calibration.gpu if profile.calibration is not None else None
     backend, layout = run.get("backend", "?"), run.get("layout", "?")
     shown = ", ".join(f"{x:g}: {y * 1e3:.3f} ms" for x, y, _ in points)
     source = (f"the live pool itself ({backend} backend, {layout} layout, {run.get('rate_rps', '?')} req/s; engine "
               f"{engine}): each decode step's time outside the engine's call, median per batch bucket ({shown}), "
               f"fitted as a + b x batch ({where})")
     provenance = {
-        "decode_host_s": Provenance(status="measured", gpus=(gpu,) if gpu else (), source=f"a of {source}"),
-        "decode_host_request_s": Provenance(status="measured", gpus=(gpu,) if gpu else (), source=f"b of {source}")}
+        "decode_host_s": Provenance(status="measured", gpus=(gpu,), source=f"a of {source}"),
+        "decode_host_request_s": Provenance(status="measured", gpus=(gpu,), source=f"b of {source}")}
     terms = {**profile.terms.model_dump(), "decode_host_s": sig(intercept), "decode_host_request_s": sig(slope)}
-    return profile.model_copy(update={"terms": ProfileTerms.model_validate(terms),
-                                      "provenance": {**profile.provenance, **provenance}})
+    description = (f"{profile.description} " if profile.description else "") + (
+        f"decode_host_s and decode_host_request_s from the live pool run {where} (on {gpu}), on top of "
+        f"profile {profile.name}.")
+    return CalibrationProfile.model_validate({**profile.model_dump(), "name": name or profile.name,
+                                              "description": description, "terms": terms,
+                                              "provenance": {**profile.model_dump()["provenance"],
+                                                             **{k: v.model_dump() for k, v in provenance.items()}}})

@@ -173,15 +173,18 @@ def test_the_live_pool_host_terms_come_from_a_run_of_the_live_pool() -> None:
     buckets["<=256"] = {"steps": MIN_STEPS - 1, "batch_mean": 200.0, "outside_ms_p50": 50.0}  # too few: ignored
     few = {"<=1": {"steps": 30, "batch_mean": 1.0, "outside_ms_p50": 9.0}}  # the prefill instance's few decodes
     base = load_profile("h200-cudagraph")
-    fitted = with_live_host(base, _live_run(buckets, few), "a test")
+    with pytest.raises(ValueError, match="which GPU type"):  # a shipped profile: no calibration run names the GPU
+        with_live_host(base, _live_run(buckets, few), "a test")
+    fitted = with_live_host(base, _live_run(buckets, few), "a test", "h200")
     assert fitted.terms.decode_host_s == pytest.approx(2.5e-4, rel=1e-3)
     assert fitted.terms.decode_host_request_s == pytest.approx(1.2e-5, rel=1e-3)
     source = fitted.provenance["decode_host_request_s"]
     assert source.status == "measured" and "processes backend, pd layout" in source.source and "slot1" in source.source
+    assert fitted.status("decode_host_request_s", "h200") == "measured" and fitted.name == base.name
     assert fitted.terms.decode_fixed_s == base.terms.decode_fixed_s  # the engine's terms stay
     old = {key: {k: v for k, v in b.items() if k != "batch_mean"} for key, b in buckets.items()}  # before batch_mean
-    assert with_live_host(base, _live_run(old), "a test").terms.decode_host_request_s > 0
+    assert with_live_host(base, _live_run(old), "a test", "h200").terms.decode_host_request_s > 0
     with pytest.raises(ValueError, match="decode_timings"):
-        with_live_host(base, {"backend": "threads"}, "a test")
+        with_live_host(base, {"backend": "threads"}, "a test", "h200")
     with pytest.raises(ValueError, match="needs two"):
-        with_live_host(base, _live_run({"<=1": {"steps": 500, "period_ms_p50": 2.0}}), "a test")
+        with_live_host(base, _live_run({"<=1": {"steps": 500, "period_ms_p50": 2.0}}), "a test", "h200")
