@@ -30,26 +30,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pool.engines.base import GenRequest, SamplingParams  # noqa: E402
 from pool.engines.torch_engine import TorchEngine, TorchEngineConfig  # noqa: E402
 from pool.engines.weights import HostWeightCache  # noqa: E402
+from scheduler.fleet import catalogue_arch, hf_shape  # noqa: E402
 
 GiB = 1 << 30
-SHAPES = {  # Qwen2.5 configs (hidden, layers, heads, kv heads, intermediate); vocab 152064, untied
-    "qwen2.5-7b-shape": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                             intermediate_size=18944, vocab_size=152064),
-    "qwen2.5-14b-shape": dict(hidden_size=5120, num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8,
-                              intermediate_size=13824, vocab_size=152064),
-}
+# Qwen2.5 shapes from the arch catalogue (scheduler/catalog.py), as Qwen2Config keys
+SHAPES = {f"{key}-shape": hf_shape(catalogue_arch(key)) for key in ("qwen2.5-7b", "qwen2.5-14b")}
 TINY_SHAPES = {
     "tiny-a": dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                   intermediate_size=512, vocab_size=1024),
+                   intermediate_size=512, vocab_size=1024, tie_word_embeddings=False),
     "tiny-b": dict(hidden_size=384, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
-                   intermediate_size=768, vocab_size=1024),
+                   intermediate_size=768, vocab_size=1024, tie_word_embeddings=False),
 }
 
 
 def qwen2_config(shape: dict[str, int]):
     from transformers import Qwen2Config
 
-    return Qwen2Config(**shape, max_position_embeddings=32768, rope_theta=1e6, tie_word_embeddings=False)
+    return Qwen2Config(**shape, max_position_embeddings=32768, rope_theta=1e6)
 
 
 def sync(device: torch.device, compute_only: bool = False) -> None:

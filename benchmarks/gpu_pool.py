@@ -42,14 +42,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-# Qwen2.5 shapes (hidden, layers, heads, kv heads, intermediate); vocab 151936
-QWEN = {
-    "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                 intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True),
-    "3b": dict(hidden_size=2048, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
-               intermediate_size=11008, vocab_size=151936, tie_word_embeddings=True),
-    "7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-               intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
+from scheduler.fleet import catalogue_arch, hf_shape  # noqa: E402
+
+# Qwen2.5 shapes from the arch catalogue (scheduler/catalog.py), as Qwen2Config keys; "tiny" for CPU runs
+QWEN = {size: hf_shape(catalogue_arch(f"qwen2.5-{size}")) for size in ("1.5b", "3b", "7b")} | {
     "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=256, vocab_size=2048, tie_word_embeddings=False),
 }

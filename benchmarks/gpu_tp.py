@@ -43,21 +43,16 @@ from pool.engines.base import GenRequest, SamplingParams  # noqa: E402
 from pool.engines.torch_engine import TorchEngine, TorchEngineConfig  # noqa: E402
 from pool.engines.tp import TpEngine  # noqa: E402
 from pool.engines.weights import RANDOM_WEIGHTS_FILE  # noqa: E402
+from scheduler.fleet import catalogue_arch, hf_shape  # noqa: E402
 
 GiB = 1 << 30
-SHAPES = {  # Qwen2.5 configs; vocab 152064
-    "qwen2.5-14b-shape": dict(hidden_size=5120, num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8,
-                              intermediate_size=13824, vocab_size=152064),
-    "qwen2.5-32b-shape": dict(hidden_size=5120, num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8,
-                              intermediate_size=27648, vocab_size=152064),
-    "qwen2.5-72b-shape": dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
-                              intermediate_size=29568, vocab_size=152064),
-}
+# Qwen2.5 shapes from the arch catalogue (scheduler/catalog.py), as Qwen2Config keys
+SHAPES = {f"{key}-shape": hf_shape(catalogue_arch(key)) for key in ("qwen2.5-14b", "qwen2.5-32b", "qwen2.5-72b")}
 CPU_SHAPES = {
     "tiny": dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=512, vocab_size=1024),
+                 intermediate_size=512, vocab_size=1024, tie_word_embeddings=False),
     "small": dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
-                  intermediate_size=2816, vocab_size=8192),
+                  intermediate_size=2816, vocab_size=8192, tie_word_embeddings=False),
 }
 
 
@@ -66,8 +61,7 @@ def build_folder(root: Path, name: str, shape: dict[str, int], dtype: str, seed:
 
     folder = root / name
     folder.mkdir(parents=True, exist_ok=True)
-    Qwen2Config(**shape, max_position_embeddings=32768, rope_theta=1e6, tie_word_embeddings=False,
-                torch_dtype=dtype).save_pretrained(folder)
+    Qwen2Config(**shape, max_position_embeddings=32768, rope_theta=1e6, torch_dtype=dtype).save_pretrained(folder)
     word_tokenizer(shape["vocab_size"]).save_pretrained(folder)
     (folder / RANDOM_WEIGHTS_FILE).write_text(json.dumps({"seed": seed}))
     return folder

@@ -28,7 +28,7 @@ import torch
 from pool.engines.base import GenRequest, SamplingParams
 from pool.engines.torch_engine import TorchEngine, TorchEngineConfig
 from pool.engines.weights import HostWeightCache, ModelImage
-from scheduler.fleet import Arch
+from scheduler.fleet import Arch, hf_shape
 
 MiB, GiB = 1 << 20, 1 << 30
 FAMILIES = {"qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "llama": "LlamaConfig", "mistral": "MistralConfig"}
@@ -78,10 +78,7 @@ def hf_config(arch: Arch) -> Any:
         extra["attention_bias"] = True
     if family == "mistral":
         extra["sliding_window"] = None
-    return cls(hidden_size=arch.hidden_size, num_hidden_layers=arch.num_layers, num_attention_heads=arch.num_heads,
-               num_key_value_heads=arch.num_kv_heads, intermediate_size=arch.intermediate_size,
-               vocab_size=arch.vocab_size, tie_word_embeddings=arch.tie_embeddings,
-               max_position_embeddings=arch.max_context, **extra)
+    return cls(**hf_shape(arch), max_position_embeddings=arch.max_context, **extra)
 
 
 def unsupported(arch: Arch, tp: int) -> str:

@@ -292,3 +292,19 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> dict[str, Any]:
         "dtype": dtype if dtype in ("bfloat16", "float16", "float32") else "bfloat16",
         "max_context": cfg.get("max_position_embeddings", 32768),
     }
+
+
+def hf_shape(arch: Arch) -> dict[str, Any]:
+    """`arch`'s shape as the Hugging Face config keys every family's config class takes (what
+    arch_from_hf_config reads back); family-specific keys (head_dim, attention_bias, rope ...) are the caller's."""
+    return {"hidden_size": arch.hidden_size, "num_hidden_layers": arch.num_layers,
+            "num_attention_heads": arch.num_heads, "num_key_value_heads": arch.num_kv_heads,
+            "intermediate_size": arch.intermediate_size, "vocab_size": arch.vocab_size,
+            "tie_word_embeddings": arch.tie_embeddings}
+
+
+def catalogue_arch(key: str) -> Arch:
+    """The catalogue's architecture `key` (e.g. 'qwen2.5-7b')."""
+    if key not in ARCHS:
+        raise ValueError(f"unknown arch {key!r}; known archs: {', '.join(sorted(ARCHS))}")
+    return Arch.model_validate(ARCHS[key])

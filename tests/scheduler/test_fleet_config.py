@@ -11,7 +11,7 @@ import pytest
 
 from modelpool.config import FleetFileError, load_fleet, parse_fleet
 from scheduler.catalog import ARCHS
-from scheduler.fleet import Arch
+from scheduler.fleet import Arch, arch_from_hf_config, catalogue_arch, hf_shape
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 GOOD = """\
@@ -116,6 +116,22 @@ def test_catalogue_params_match_the_architecture_shapes() -> None:
         assert abs(arch.computed_params / arch.params - 1) < 0.02, key
     moe = Arch(**ARCHS["qwen3-30b-a3b"])
     assert 3.0e9 < moe.active_params < 3.6e9
+
+
+def test_hf_shape_is_what_arch_from_hf_config_reads_back() -> None:
+    """The catalogue as config.json keys (the benchmarks and `modelpool calibrate` build their random-weight models
+    from it): every dense arch comes back with the same shape."""
+    shape = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size", "vocab_size",
+             "tie_embeddings")
+    for key in ARCHS:
+        arch = catalogue_arch(key)
+        if arch.is_moe:
+            continue
+        back = Arch.model_validate(arch_from_hf_config({**hf_shape(arch), "model_type": arch.family}))
+        assert {f: getattr(back, f) for f in shape} == {f: getattr(arch, f) for f in shape}, key
+    assert hf_shape(catalogue_arch("qwen2.5-1.5b"))["tie_word_embeddings"] is True
+    with pytest.raises(ValueError, match="unknown arch 'qwen9-7b'; known archs: .*qwen2.5-7b"):
+        catalogue_arch("qwen9-7b")
 
 
 def test_validate_cli_exit_codes(tmp_path: pathlib.Path) -> None:
