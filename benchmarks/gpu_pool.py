@@ -42,6 +42,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.gpu_pool_sim import quantiles  # noqa: E402
 from scheduler.fleet import catalogue_arch, hf_shape  # noqa: E402
 
 # Qwen2.5 shapes from the arch catalogue (scheduler/catalog.py), as Qwen2Config keys; "tiny" for CPU runs
@@ -244,13 +245,6 @@ def per_request(results: list[dict]) -> list[dict[str, Any]]:
                        itl_s=list(np.diff(r["token_s"])), e2e_s=last - r["arrival_s"])
         out.append(row)
     return out
-
-
-def quantiles(values: list[float]) -> dict[str, float | None]:
-    if not values:
-        return {"p50": None, "p90": None, "p99": None}
-    a = np.asarray(values, dtype=float)
-    return {f"p{q}": round(float(np.percentile(a, q)), 5) for q in (50, 90, 99)}
 
 
 def aggregate(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -484,7 +478,11 @@ def main(argv: list[str] | None = None) -> int:
                 sim = simulated(fleet, args.out / result["trace"], args.profile, args.tiny, result["layout"], args.gpus)
                 result["sim_aggregate"] = sim["aggregate"]
                 result["fidelity"] = compare(result["requests"], sim["requests"])
-                result["sim_switches"] = sim.get("switches")
+                result["sim_switches"] = sim["switches"]
+                result["sim_profile"] = sim["profile"]
+                for row in result["requests"]:  # side by side, per request
+                    row["sim_ttft_s"], row["sim_tpot_s"] = (sim["requests"].get(row["index"], {}).get(k)
+                                                            for k in ("ttft_s", "tpot_s"))
             except Exception as exc:
                 result["sim_error"] = repr(exc)
         tag = run_tag(result["backend"], result["layout"], result["rate_rps"])
@@ -530,8 +528,12 @@ def print_table(runs: list[dict[str, Any]]) -> None:
                           f"{f['ratio_p90']}, log-corr {f['log_corr']}; live p50/p90/p99 "
                           f"{'/'.join(ms(f['live'][p]) for p in ('p50', 'p90', 'p99'))} ms, sim "
                           f"{'/'.join(ms(f['sim'][p]) for p in ('p50', 'p90', 'p99'))} ms")
-        if r.get("sim_aggregate"):
-            print(f"    sim attainment {r['sim_aggregate'].get('slo_attainment')}, switches {r.get('sim_switches')}")
+        sim = r.get("sim_aggregate")
+        if sim:
+            print(f"    sim ({r['sim_profile']}) attainment {sim['slo_attainment']} (live {a['slo_attainment']}), "
+                  f"switches {r['sim_switches']} (live {r['switches_planned']}); all requests: TTFT p50/p90/p99 "
+                  f"{'/'.join(ms(sim['ttft_s'][p]) for p in ('p50', 'p90', 'p99'))} ms, TPOT "
+                  f"{'/'.join(ms(sim['tpot_s'][p]) for p in ('p50', 'p90', 'p99'))} ms")
 
 
 if __name__ == "__main__":

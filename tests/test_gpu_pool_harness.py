@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,6 +32,9 @@ def test_tiny_harness_serves_every_request_with_no_capture_on_the_request_path(t
     assert set(run["decode_timings"]) == {"slot0", "slot1"}  # a prefill and a decode instance
     assert run["prefill_vs_standalone"]["samples"] > 0
     assert run["fidelity"]["ttft_s"]["pairs"] == len(served)  # the simulator ran the same trace
+    assert all(r["sim_ttft_s"] > 0 for r in served)  # side by side, per request
+    sim = run["sim_aggregate"]
+    assert 0 < sim["ttft_s"]["p50"] <= sim["ttft_s"]["p99"] and 0 < sim["tpot_s"]["p50"] <= sim["tpot_s"]["p99"]
     trace = (out / run["trace"]).read_text().splitlines()
     assert trace[0] == "timestamp_s,model,input_tokens,output_tokens" and len(trace) == aggregate["requests"] + 1
 
@@ -49,3 +53,8 @@ def test_simulator_side_of_the_two_gpu_prefill_decode_layout(tmp_path) -> None:
     two = simulate_live_layout(fleet, tmp_path / "t.csv", cpu=False, num_gpus=2)
     assert one["gpu_of"] == {"slot0": 0, "slot1": 0} and two["gpu_of"] == {"slot0": 0, "slot1": 1}
     assert len(two["requests"]) == len(one["requests"]) > 3
+    for result in (one, two):  # the aggregate over the simulated requests, as the live side reports its own
+        ttft, tpot = result["aggregate"]["ttft_s"], result["aggregate"]["tpot_s"]
+        assert 0 < ttft["p50"] <= ttft["p90"] <= ttft["p99"] and 0 < tpot["p50"] <= tpot["p99"]
+        assert ttft["p99"] == pytest.approx(float(np.percentile([r["ttft_s"] for r in result["requests"].values()], 99)),
+                                            abs=1e-5)
