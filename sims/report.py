@@ -335,6 +335,22 @@ def _calibrated(profile: CalibrationProfile, gpu: str) -> str:
     return f"{here}; `{run.command}` on {run.device} at {run.measured_at}{', quick' if run.quick else ''}"
 
 
+def _profile_row(profile: CalibrationProfile, gpu: str) -> dict[str, str]:
+    """Which of `profile`'s terms were measured on GPU type `gpu`, estimated from datasheet ratios, carried over
+    unchanged or assumed."""
+    bases = profile.bases(gpu)
+    elsewhere = ", ".join(sorted({g for basis in ("datasheet ratio", "carried over") for term in bases[basis]
+                                  for g in profile.entry(term, gpu).gpus})) or "another GPU"
+    labels = {"measured": f"measured on {gpu}",
+              "datasheet ratio": f"estimated from datasheet ratios (efficiencies measured on {elsewhere})",
+              "carried over": f"carried over unchanged from {elsewhere}", "assumed": "assumed (measured on no GPU)"}
+    groups = [f"{labels[basis]}: {', '.join(bases[basis]) or 'none'}" for basis in BASES]
+    return {"what": f"cost model profile on {gpu.upper()}",
+            "status": "measured" if len(bases["measured"]) == len(TERM_NAMES) else "estimated",
+            "value": f"profile {profile.name} ({_calibrated(profile, gpu)}); " + "; ".join(groups),
+            "source": "the profile's provenance (sims/profiles; `modelpool estimate` prints the same split)"}
+
+
 def _assumptions(result: StudyResult, ctx: Context) -> list[dict[str, str]]:
     fleet, gpu = ctx.fleet, result.gpu
     spec = fleet.gpu(gpu)
@@ -347,17 +363,8 @@ def _assumptions(result: StudyResult, ctx: Context) -> list[dict[str, str]]:
         {"what": "GPU price", "status": "estimated" if "estimat" in spec.source else "input",
          "value": f"${spec.usd_per_hour:g} per GPU-hour, {HOURS_PER_MONTH:g} hours a month", "source": spec.source},
     ]
-    bases = profile.bases(gpu)
-    elsewhere = ", ".join(sorted({g for basis in ("datasheet ratio", "carried over") for term in bases[basis]
-                                  for g in profile.entry(term, gpu).gpus})) or "another GPU"
-    labels = {"measured": f"measured on {gpu}",
-              "datasheet ratio": f"estimated from datasheet ratios (efficiencies measured on {elsewhere})",
-              "carried over": f"carried over unchanged from {elsewhere}", "assumed": "assumed (measured on no GPU)"}
-    groups = [f"{labels[basis]}: {', '.join(bases[basis]) or 'none'}" for basis in BASES]
-    out.append({"what": f"cost model profile on {gpu.upper()}",
-                "status": "measured" if len(bases["measured"]) == len(TERM_NAMES) else "estimated",
-                "value": f"profile {profile.name} ({_calibrated(profile, gpu)}); " + "; ".join(groups),
-                "source": "the profile's provenance (sims/profiles; `modelpool estimate` prints the same split)"})
+    # every GPU type the study sized: the comparison's figures are only as measured as each one's terms
+    out += [_profile_row(ctx.costs(g).profile, g) for g in (gpu, *(g for g in result.config.gpus if g != gpu))]
     for term in ("eff_compute", "eff_mem", "eff_kv", "eff_pcie", "eff_nvlink", "decode_fixed_s", "prefill_fixed_s",
                  "allreduce_latency_s"):
         entry = profile.entry(term, gpu)

@@ -125,6 +125,10 @@ def test_capacity_with_a_calibrated_profile_says_which_and_whether_measured_on_i
     calibrated = load_profile(path).calibration
     assert rows["cost model profile on H200"].startswith(f"profile h200-calibrated (measured on this GPU type; "
                                                          f"`{calibrated.command}` on NVIDIA H200")
+    # the other GPU type compared: the H200's efficiencies carried by datasheet ratios, its times carried over
+    assert rows["cost model profile on H100"].startswith("profile h200-calibrated (measured on h200, not on h100: "
+                                                        "estimated;")
+    assert "estimated from datasheet ratios (efficiencies measured on h200): eff_compute" in rows["cost model profile on H100"]
     assert "one at a time in the order they start" in rows["host links"]  # the H200's copy engine: fifo
     assert "gpu_share_slowdown 1.774 applies only where instances share a GPU" in rows["GPU time-sharing"]
     assert "cost model profile on H200" in (out / "report.md").read_text()
