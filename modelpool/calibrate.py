@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 import shlex
 import time
 from pathlib import Path
@@ -180,8 +181,16 @@ def pick_shapes(fleet: Any, names: list[str], max_shapes: int, device_bytes: int
 
 
 def _check_device(name: str, gpu_key: str, cuda: bool) -> None:
-    squeeze = name.lower().replace(" ", "").replace("-", "")
-    if cuda and gpu_key.replace("-", "") not in squeeze:
+    """Refuse to count a device that is one catalogue GPU for another (an H200 measured as the fleet's H20: the
+    profile would say its terms were measured on the H20); note a name that matches no catalogue GPU."""
+    if not cuda:
+        return
+    words = set(re.split(r"[^a-z0-9]+", name.lower()))
+    device_is = sorted(key for key in _catalogue() if key.split("-")[0] in words)  # "NVIDIA H200" -> h200
+    if device_is and gpu_key in _catalogue() and gpu_key not in device_is:
+        _fail(f"this device is {name} (GPU type {' or '.join(device_is)}), not {gpu_key}: the profile would say its "
+              f"terms were measured on {gpu_key}; pass --gpu {device_is[0]} (on {gpu_key} they then read as estimates)")
+    if gpu_key not in device_is:
         console.print(f"[yellow]note[/]: measuring {name} for GPU type {gpu_key!r}: the profile says it was "
                       f"measured on {gpu_key}; pass --gpu if that is not what this device is")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from modelpool.cli import app
@@ -132,3 +133,21 @@ def test_capacity_with_a_calibrated_profile_says_which_and_whether_measured_on_i
     assert "one at a time in the order they start" in rows["host links"]  # the H200's copy engine: fifo
     assert "gpu_share_slowdown 1.774 applies only where instances share a GPU" in rows["GPU time-sharing"]
     assert "cost model profile on H200" in (out / "report.md").read_text()
+
+
+def test_a_gpu_is_not_counted_as_another_catalogue_gpu(capsys) -> None:  # type: ignore[no-untyped-def]
+    """An H200 measured for a fleet whose pool.gpu is the H20 (the shipped models.yaml's) would write 'measured on
+    h20'; a device the catalogue does not name, counted for a type of the fleet's own, only gets a note."""
+    import typer
+
+    from modelpool.calibrate import _check_device
+
+    with pytest.raises(typer.Exit):
+        _check_device("NVIDIA H200", "h20", cuda=True)
+    assert "pass --gpu h200" in capsys.readouterr().err
+    for name, gpu in (("NVIDIA H200", "h200"), ("NVIDIA H20", "h20"), ("NVIDIA A100-SXM4-80GB", "a100-80gb"),
+                      ("NVIDIA H100 80GB HBM3", "h100")):
+        _check_device(name, gpu, cuda=True)
+    assert "note" not in capsys.readouterr().out
+    _check_device("NVIDIA L40S", "my-l40s", cuda=True)
+    assert "measuring NVIDIA L40S for GPU type 'my-l40s'" in capsys.readouterr().out
