@@ -20,7 +20,8 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,10 +34,12 @@ from pool.placement import PlacementTimeout
 from pool.served import ServedModel, served_model, slot_instances
 from pool.service import BACKENDS, LivePool
 from scheduler import CostModel, InstanceSpec, ModelProfile
+from scheduler.instance import staging_instances
 
 MiB, GiB = 1 << 20, 1 << 30
 CPU_SLOT_KV_BYTES = 128 * MiB
 GPU_HEADROOM_BYTES = 2 * GiB  # activations, CUDA graphs, allocator slack
+HANDOFF_BATCHES = 4  # prefill steps' worth of KV a staging instance's hand-off arena holds
 DEMO_TTFT_S, DEMO_TPOT_S = 10.0, 0.5  # SLOs at CPU pace: SmolLM2 decodes ~8 tokens/s on one core
 
 
@@ -99,10 +102,17 @@ def gpu_layout(num_gpus: int, num_instances: int | None, policy: str) -> tuple[i
     return count, {f"slot{k}": f"cuda:{k % num_gpus}" for k in range(count)}, 1.0 / per_gpu
 
 
-def gpu_kv_bytes(usable_bytes: int, per_gpu: int, biggest_model_bytes: int) -> int:
+def gpu_kv_bytes(usable_bytes: int, per_gpu: int, biggest_model_bytes: int, reserved_bytes: int = 0) -> int:
     """Device KV of each of `per_gpu` instances sharing one GPU: what is left of its usable memory after
-    every instance's two model slots and headroom, split evenly."""
-    return (usable_bytes - per_gpu * (2 * biggest_model_bytes + GPU_HEADROOM_BYTES)) // per_gpu
+    `reserved_bytes` (hand-off arenas) and every instance's two model slots and headroom, split evenly."""
+    return (usable_bytes - reserved_bytes - per_gpu * (2 * biggest_model_bytes + GPU_HEADROOM_BYTES)) // per_gpu
+
+
+def handoff_bytes(max_prefill_tokens: int, models: Sequence[ServedModel]) -> int:
+    """The device memory a staging prefill instance sets aside for hand-offs in transit (pool.engines.handoff):
+    the KV of HANDOFF_BATCHES full prefill steps of the model with the most KV per token; a hand-off that
+    finds it full goes through host memory."""
+    return HANDOFF_BATCHES * max_prefill_tokens * max(m.profile.kv_bytes_per_token for m in models)
 
 
 def demo_deployment(engine: str, num_gpus: int, num_instances: int | None, kv_mib: int | None,
@@ -164,17 +174,23 @@ def fleet_deployment(fleet_path: Path, engine: str, num_gpus: int, num_instances
                            tp=e.tp, dtype=None if num_gpus else "float32") for e in fleet.models]
     count, devices, share = gpu_layout(num_gpus, num_instances, policy) if num_gpus else (num_instances or 2, {}, 1.0)
     roles = _roles(count, policy, fleet.pool.prefill_fraction) if num_gpus else None
+    # prefill instances that share their GPU with every decode instance hand off through device memory
+    staging = staging_instances({f"slot{k}": role for k, role in enumerate(roles or ())},
+                                {iid: (device,) for iid, device in devices.items()})
+    arena = handoff_bytes(fleet.pool.max_prefill_tokens, models) if staging and engine == "torch" else 0
     if num_gpus:
         usable = int(fleet.gpu().memory_gb * 1e9 * fleet.pool.gpu_memory_utilization)
         biggest = int(max(m.profile.weight_bytes for m in models))
         per_gpu = round(1 / share)
-        kv = kv_mib * MiB if kv_mib else gpu_kv_bytes(usable, per_gpu, biggest)
+        arenas = max(Counter(devices[iid] for iid in staging).values(), default=0) * arena  # on the fullest GPU
+        kv = kv_mib * MiB if kv_mib else gpu_kv_bytes(usable, per_gpu, biggest, arenas)
         if kv <= 0:
             raise typer.BadParameter(f"{per_gpu} instance(s) with two copies each of the largest model "
                                      f"({biggest / 1e9:.1f} GB) leave no KV room on one {fleet.pool.gpu}",
                                      param_hint="--fleet")
         options = {"device": "cuda", "kv_bytes": kv, "max_host_kv_bytes": int(fleet.pool.host_kv_gb * 1e9
-                                                                               / fleet.pool.gpus_per_node)}
+                                                                               / fleet.pool.gpus_per_node),
+                   "handoff_bytes": arena}
         from sims.profiles import load_profile
 
         costs = RooflineCostModel.for_models({m.name: (e.arch, e.tp) for m, e in zip(models, fleet.models)},

@@ -111,9 +111,10 @@ class Controller:
             return
         live.cancelled = True
         self.scheduler.on_event(Cancelled(request_id, reason), self.clock.now())
-        if live.kv_export is not None:  # out of every engine: dropping it frees it
+        if live.kv_export is not None and not live.kv_staged:  # out of every engine: dropping it frees it
             live.kv_export = None
-        elif live.kv_home is not None and live.kv_home not in self.lost:  # free its KV at the next call boundary
+        elif live.kv_home is not None and live.kv_home not in self.lost:  # free its KV (or the KV it staged for a
+            live.kv_export = None  # hand-off) at the next call boundary
             self._issue(None, live.kv_home, "release", ([request_id],), {})
 
     def complete(self, handle: int, result: Any) -> bool:
@@ -171,8 +172,8 @@ class Controller:
                 continue
             placed = self.scheduler.request_view(live.request_id)
             elsewhere = placed is not None and placed.instance_id not in (None, instance_id)
-            if elsewhere and live.kv_export is not None:
-                continue  # handed over: its KV is not here any more
+            if elsewhere and live.kv_export is not None and not live.kv_staged:
+                continue  # handed over: its KV is not here any more (staged KV was in this instance's memory)
             live.kv_home = live.kv_export = None  # resume from prompt + produced tokens, as the scheduler will
             if elsewhere:
                 ended[live.request_id] = f"its KV was on instance {instance_id}, which was lost ({reason})"
@@ -200,7 +201,8 @@ class Controller:
         for live in self.requests.values():
             placed = _placed_on(self.scheduler, live.request_id)
             if placed == instance_id or (placed is None and live.kv_home == instance_id):
-                if live.kv_home is not None and live.kv_home not in self.lost and live.kv_export is None:
+                if live.kv_home is not None and live.kv_home not in self.lost and (live.kv_export is None
+                                                                                   or live.kv_staged):
                     freed.setdefault(live.kv_home, []).append(live.request_id)
                 live.kv_home = live.kv_export = None
         for home, ids in sorted(freed.items()):  # before anything planned next: calls to one engine run in order

@@ -16,7 +16,9 @@ manual clock) drive the same code. Semantics match the simulator's executor:
   the instance that takes the request over never waits for this one.
 - SwapIn -> (`import_kv` of KV the controller carries; `export_kv` from the
   instance whose host memory holds the KV, `import_kv` here) `restore_kv`
-  -> KvMoved(device).
+  -> KvMoved(device). KV an exporting engine staged in its device memory (a
+  hand-off on one GPU, `KvExport.staged`) is freed there with a `release` once
+  the import has copied it.
 """
 
 from __future__ import annotations
@@ -46,6 +48,12 @@ class LiveRequest:
     cancelled: bool = False
     finished: bool = False
 
+    @property
+    def kv_staged(self) -> bool:
+        """The KV it carries waits in the exporting engine's device memory (`KvExport.staged`), which frees it
+        when it releases the request (kv_home)."""
+        return bool(getattr(self.kv_export, "staged", False))
+
     def gen_request(self) -> GenRequest:
         return GenRequest(self.request_id, self.model, tuple(self.prompt_token_ids), self.sampling,
                           tuple(self.output_token_ids))
@@ -74,6 +82,7 @@ class InstanceRunner:
         self._importing: list[str] = []  # request ids of the import_kv in flight
         self._carried: list[str] = []  # request ids whose KV the controller carries, to import first
         self._exporting: list[str] = []  # request ids of the hand-off export_kv in flight
+        self._release_after: list[tuple[str | None, str]] = []  # (exporter, request id) of staged KV importing
 
     @property
     def busy(self) -> bool:
@@ -94,6 +103,7 @@ class InstanceRunner:
         """Forget everything in flight (the instance was lost)."""
         self._actions.clear()
         self._current, self._pending, self._stage = None, None, ""
+        self._release_after = []  # the controller frees what a lost or refused call left behind
 
     def on_result(self, handle: int, result: Any) -> list[Event]:
         if handle != self._pending:
@@ -250,6 +260,7 @@ class InstanceRunner:
     def _swap_in_next(self, action: SwapIn) -> None:
         if self._carried:
             ids, self._carried = self._live(self._carried), []
+            self._release_after = [(self._requests[rid].kv_home, rid) for rid in ids if self._requests[rid].kv_staged]
             exports = [self._requests[rid].kv_export for rid in ids]
             for rid in ids:
                 self._requests[rid].kv_export = None
@@ -266,16 +277,28 @@ class InstanceRunner:
             self._requests[rid].kv_home = self.instance_id
         self._call("restore_kv", ids)
 
+    def _release_staged(self) -> None:
+        """The import copied the KV the exporting instances staged in device memory: they may free it now."""
+        homes: dict[str, list[str]] = {}
+        for home, rid in self._release_after:
+            if home is not None and home != self.instance_id:
+                homes.setdefault(home, []).append(rid)
+        self._release_after = []
+        for home, ids in sorted(homes.items()):
+            self._issue(home, "release", (ids,), {"fire_and_forget": True})
+
     def _swap_in_result(self, action: SwapIn, result: Any) -> list[Event]:
         if self._stage == "export_kv":
-            _, ids = self._imports.pop(0)
+            home, ids = self._imports.pop(0)
             # one export per id, in order (none when the home instance was lost); a request cancelled while
             # its KV was on the way is not imported: nobody would release it here
             kept = [(rid, export) for rid, export in zip(ids, result) if self._live([rid])]
+            self._release_after = [(home, rid) for rid, export in zip(ids, result) if getattr(export, "staged", False)]
             self._importing = [rid for rid, _ in kept]
             self._call("import_kv", [export for _, export in kept], transfer=True)
             return []
         if self._stage == "import_kv":
+            self._release_staged()
             gone = [rid for rid in self._importing if not self._live([rid])]  # cancelled during the import
             if gone:
                 self._issue(self.instance_id, "release", (gone,), {"fire_and_forget": True})

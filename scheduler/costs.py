@@ -105,6 +105,11 @@ class CostModel:
         """Time to move `num_tokens` tokens of KV between host and device."""
         raise NotImplementedError
 
+    def kv_device_copy_s(self, model: str, num_tokens: int) -> float:
+        """Time to copy `num_tokens` tokens of KV within device memory (a hand-off staged on one GPU). Here
+        what a host move takes: a cost model that knows the device's memory bandwidth overrides it."""
+        return self.kv_move_s(model, num_tokens)
+
     def kv_move_overhead_s(self, model: str) -> float:
         """Time one KV move (a SwapOut or SwapIn of several requests, a prefill's KV to host) takes on top of
         its requests' kv_move_s: the engine issues a move's copies together. None here."""

@@ -23,7 +23,8 @@ KV. A request's KV is on this instance's device or in host memory. Prefill place
 decode needs it there; a SwapOut (`save_kv`) moves it to host memory, a SwapIn (`restore_kv`) back; a
 release frees it wherever it is and costs nothing. One KV move (a SwapOut or SwapIn of several requests,
 a prefill's KV sent to host) costs its requests' `kv_move_s` plus one `kv_move_overhead_s`: the engine
-issues a move's copies together (`kv_move_s` below).
+issues a move's copies together (`kv_move_s` below). A hand-off between a prefill and a decode instance on
+one GPU moves KV within it instead (`staging_instances`, `kv_copy_s`).
 
 Refusals raise `RefusedAction` (scheduler.errors) with a message that names the model or request; the
 callers turn it into their own error (EngineError, InvariantViolation).
@@ -31,7 +32,7 @@ callers turn it into their own error (EngineError, InvariantViolation).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Hashable, Mapping, Sequence
 
 from scheduler.costs import CostModel
 from scheduler.errors import NoKvRoom, RefusedAction
@@ -216,6 +217,30 @@ def kv_move_s(costs: CostModel, moves: Sequence[tuple[str, int]]) -> float:
     took = 0.0
     for model, tokens in moves:
         took += costs.kv_move_s(model, tokens)
+    return took + costs.kv_move_overhead_s(moves[0][0])
+
+
+def staging_instances(roles: Mapping[str, str], gpus: Mapping[str, Collection[Hashable]]) -> set[str]:
+    """The instances that hand requests off through device memory (pool.engines.handoff): the prefill instances
+    on GPUs every decode instance shares. Their SwapOut stages a request's KV in their own device memory, the
+    decode instance's SwapIn copies it from there: both copies within the GPU (`kv_copy_s(on_device=True)`),
+    none on a host link. Other prefill instances hand off through host memory. `gpus`: each instance's GPUs."""
+    decoders = [iid for iid, role in roles.items() if role == "decode"]
+    return {iid for iid, role in roles.items()
+            if role == "prefill" and decoders and all(set(gpus[d]) == set(gpus[iid]) for d in decoders)}
+
+
+def kv_copy_s(costs: CostModel, moves: Sequence[tuple[str, int]], on_device: bool) -> float:
+    """One KV move of (model, tokens) pairs: between host and device (`kv_move_s`), or within the device
+    (`on_device`: a staged hand-off's gather or scatter, each request's `kv_device_copy_s`, plus the same one
+    overhead per move)."""
+    if not on_device:
+        return kv_move_s(costs, moves)
+    if not moves:
+        return 0.0
+    took = 0.0
+    for model, tokens in moves:
+        took += costs.kv_device_copy_s(model, tokens)
     return took + costs.kv_move_overhead_s(moves[0][0])
 
 

@@ -91,6 +91,7 @@ class ModelConstants:
     h2d_s_per_byte: float
     kv_s_per_byte: float  # KV moves (at eff_kv_move)
     kv_move_fixed_s: float  # per move (kv_move_overhead_s)
+    kv_copy_s_per_byte: float  # KV copied within the device: read and written at eff_mem of HBM
 
 
 def model_constants(arch: Arch, tp: int, gpu: GpuSpec, terms: ProfileTerms) -> ModelConstants:
@@ -129,6 +130,7 @@ def model_constants(arch: Arch, tp: int, gpu: GpuSpec, terms: ProfileTerms) -> M
         h2d_s_per_byte=1.0 / (gpu.h2d_gb_s * 1e9 * terms.eff_pcie),
         kv_s_per_byte=1.0 / (gpu.h2d_gb_s * 1e9 * (terms.eff_kv_move or terms.eff_pcie)),
         kv_move_fixed_s=terms.kv_move_fixed_s,
+        kv_copy_s_per_byte=2.0 / (hbm * terms.eff_mem),
     )
 
 
@@ -219,6 +221,10 @@ class RooflineCostModel(CostModel):
     def kv_move_s(self, model: str, num_tokens: int) -> float:
         c = self._models[model]
         return num_tokens * c.kv_bytes_per_token_gpu * c.kv_s_per_byte
+
+    def kv_device_copy_s(self, model: str, num_tokens: int) -> float:
+        c = self._models[model]
+        return num_tokens * c.kv_bytes_per_token_gpu * c.kv_copy_s_per_byte
 
     def kv_move_overhead_s(self, model: str) -> float:
         return self._models[model].kv_move_fixed_s

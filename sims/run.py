@@ -15,6 +15,7 @@ from typing import IO, Any
 
 from scheduler import InstanceSpec, Request, make_instances, make_scheduler, model_profiles
 from scheduler.fleet import Fleet
+from scheduler.instance import staging_instances
 from sims.costmodel import RooflineCostModel
 from sims.links import gpus_of
 from sims.metrics import summarize
@@ -117,7 +118,8 @@ def simulate(fleet: Fleet, workload: Workload, policy: str, *, num_gpus: int | N
     truncated = [0]
     sim = Simulator(scheduler, costs, requests_from(workload, fleet, truncated),
                     kv_bytes_per_token={name: p.kv_bytes_per_token for name, p in profiles.items()}, plan_log=plan_log,
-                    links=costs.host_links(instances, gpu_of), gpus=costs.gpu_shares(instances, gpu_of))
+                    links=costs.host_links(instances, gpu_of), gpus=costs.gpu_shares(instances, gpu_of),
+                    staging=staging_instances({s.instance_id: s.role for s in instances}, gpus_of(instances, gpu_of)))
     started, cpu_started = time.perf_counter(), time.process_time()
     records = sim.run(progress=progress)
     sim_wall_s, sim_cpu_s = time.perf_counter() - started, time.process_time() - cpu_started

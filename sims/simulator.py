@@ -28,14 +28,14 @@ from __future__ import annotations
 import gc
 import heapq
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import IO, Final
 
 from scheduler import (Action, Decode, Event, InstanceLost, KvMoved, Plan, Prefetch, Prefill, Request, Scheduler,
                        StepDone, Stop, SwapIn, SwapOut, Switch, SwitchDone)
 from scheduler.costs import CopyLinks, CostModel, GpuShares
-from scheduler.instance import ModelSlots, kv_fits, kv_held_bytes, kv_move_s, prefill_s
+from scheduler.instance import ModelSlots, kv_copy_s, kv_fits, kv_held_bytes, kv_move_s, prefill_s
 from scheduler.policies.base import PolicyBase
 from sims.errors import InvariantViolation
 
@@ -157,7 +157,8 @@ class Simulator:
     def __init__(self, scheduler: Scheduler, costs: CostModel, requests: Iterable[Request], *,
                  kv_bytes_per_token: dict[str, int], kv_capacity: dict[str, float] | None = None,
                  plan_log: IO[str] | None = None, faults: Iterable[tuple[float, str]] = (),
-                 links: CopyLinks | None = None, gpus: GpuShares | None = None) -> None:
+                 links: CopyLinks | None = None, gpus: GpuShares | None = None,
+                 staging: Collection[str] = ()) -> None:
         self.scheduler = scheduler
         # the same object when it is one of our policies: compiled, calls through this typed reference are native
         # (through the Protocol they are generic method calls, with their arguments boxed and parsed)
@@ -165,6 +166,8 @@ class Simulator:
         self.costs = costs
         self.links = links  # shared host links (costs.host_links), or None: every copy at its time alone
         self.gpus = gpus  # shared GPUs (costs.gpu_shares), or None: every instance's steps at their time alone
+        self.staging = frozenset(staging)  # instances that hand off through device memory (staging_instances)
+        self._staged: dict[str, str] = {}  # request id -> the staging instance its KV waits on, until a SwapIn
         self._arrivals = iter(requests)
         self._next_arrival: Request | None = next(self._arrivals, None)
         self.kv_bytes_per_token = kv_bytes_per_token
@@ -381,18 +384,28 @@ class Simulator:
         out = type(action) is SwapOut
         turn = dev.turn  # a Decode earlier in this same plan adds its tokens before the move happens
         moves: list[tuple[str, int]] = []
+        # a staging instance's SwapOut, and the SwapIn of what it staged, copy within the GPU (off the host link):
+        # the engine imports those first, then copies the rest in (two moves)
+        staged: list[tuple[str, int]] = []
+        stages = out and iid in self.staging
         for rid in action.request_ids:
             record = self.records[rid]
             ahead = turn.max_steps if turn is not None and rid in turn.ids else 0
-            moves.append((record.model, record.prompt_tokens + record.generated + ahead))
+            move = (record.model, record.prompt_tokens + record.generated + ahead)
             if out:
                 dev.kv_moved_bytes += dev.kv.pop(rid, 0.0)
+                if stages:
+                    self._staged[rid] = iid
             else:
                 dev.kv[rid] = self._kv_bytes(record)
                 dev.kv_moved_bytes += dev.kv[rid]
-        took = kv_move_s(self.costs, moves)  # one move: the engine issues its copies together
+            if stages or (not out and self._staged.pop(rid, None) is not None):
+                staged.append(move)
+            else:
+                moves.append(move)
         self._check_kv(iid, dev)
-        end = self._copy_end(iid, not out, t, took)
+        t += kv_copy_s(self.costs, staged, on_device=True)
+        end = self._copy_end(iid, not out, t, kv_move_s(self.costs, moves)) if moves else t  # one move each
         self._push(end, COMPLETION, KvMoved(iid, action.request_ids, "host" if out else "device"), dev)
         return end
 

@@ -4,8 +4,10 @@ The scheduler's actions map onto these calls one to one: Switch -> `activate`,
 Prefetch -> `prefetch`, Prefill -> `prefill`, Decode -> `decode_step` (once per
 step), SwapOut -> `save_kv`, SwapIn -> `restore_kv`; a finished or cancelled
 request ends with `release`. A request moves between engines (instances) with
-`export_kv` on one and `import_kv` on the other, its KV through host memory.
-An engine never decides anything itself.
+`export_kv` on one and `import_kv` on the other, its KV through host memory
+or, between engines on one GPU, staged in the exporter's device memory until
+the exporter's `release` (`pool.engines.handoff`). An engine never decides
+anything itself.
 """
 
 from __future__ import annotations
@@ -78,6 +80,28 @@ class TokenOut:
 
 
 @dataclass(frozen=True, slots=True)
+class ArenaRef:
+    """A staging arena of device memory (`pool.engines.handoff`), as another process opens it."""
+
+    pid: int  # the owner's process
+    key: str
+    nbytes: int
+    device: str
+    ipc: tuple[Any, ...] | None  # CUDA: what torch.multiprocessing's rebuild_cuda_tensor takes
+    path: str | None  # CPU: its shared-memory file
+
+
+@dataclass(frozen=True, slots=True)
+class StagedKv:
+    """A request's KV staged in device memory for a hand-off: `nbytes` at `offset` in `arena`, laid out as
+    `KvExport.kv` is. The region is the exporting engine's until it releases the request."""
+
+    arena: ArenaRef
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
 class KvExport:
     """One request moved out of an engine: all another engine needs to continue it (picklable).
 
@@ -87,7 +111,9 @@ class KvExport:
     `kv_dtype`: only tokens, no block padding, so the importing engine may page
     it with another block size. It is a flat numpy uint8 array (numpy has no
     bfloat16), which pickle protocol 5 - Ray's object store - carries out of
-    band, without a copy; `kv_tensor()` gives it back as a torch tensor.
+    band, without a copy; or, for a hand-off between engines on one GPU, a
+    `StagedKv` in the exporter's device memory (`staged`). `kv_tensor()` gives
+    it back as a torch tensor (on the device, for a staged one).
     """
 
     request: GenRequest  # output_token_ids: every token produced so far (all already returned)
@@ -104,11 +130,21 @@ class KvExport:
     def kv_bytes(self) -> int:
         return int(self.kv.nbytes)
 
+    @property
+    def staged(self) -> bool:
+        """Its KV waits in the exporting engine's device memory (released with the request there)."""
+        return isinstance(self.kv, StagedKv)
+
     def kv_tensor(self) -> Any:
-        """The KV as a CPU torch tensor of `kv_shape` and `kv_dtype` (shares memory with `kv`)."""
+        """The KV as a torch tensor of `kv_shape` and `kv_dtype` (shares memory with `kv`)."""
         import warnings
 
         import torch
+
+        if isinstance(self.kv, StagedKv):
+            from pool.engines.handoff import staged_view
+
+            return staged_view(self.kv.arena, self.kv.offset, getattr(torch, self.kv_dtype), tuple(self.kv_shape))
 
         with warnings.catch_warnings():  # unpickled (Ray) arrays are read-only; the tensor is only read
             warnings.simplefilter("ignore", UserWarning)

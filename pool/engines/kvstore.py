@@ -137,6 +137,26 @@ class KvStore:
         return out
 
 
+    def stage(self, kv: SeqKv, num_tokens: int, out: torch.Tensor) -> None:
+        """Gather the first `num_tokens` tokens' KV of a request on the device into `out` (a device tensor of
+        `[L, 2, kv_heads, num_tokens, head_dim]`, in a staging arena), after the compute that wrote it."""
+        self.before_compute([kv])
+        with torch.no_grad():
+            read_tokens(self.device, kv.shape, kv.blocks, num_tokens, out=out)
+
+    def admit_device(self, kvs: Sequence[SeqKv], sources: Sequence[torch.Tensor]) -> None:
+        """Place requests arriving with their KV in device memory (`sources[i]`: `[L, 2, kv_heads, tokens,
+        head_dim]`, staged by another engine) straight into device blocks (all or none); the copies are queued
+        on the compute stream."""
+        counts = [kv.shape.blocks_for(src.shape[3]) for kv, src in zip(kvs, sources)]
+        targets = allocate_all(self.device, kvs, counts)  # OutOfKvMemory: nothing taken
+        with torch.no_grad():
+            for kv, src, blocks in zip(kvs, sources, targets):
+                write_blocks(src, self.device, kv.shape, blocks)
+                kv.on_device, kv.host_blocks = True, []
+                self._place(kv, blocks)
+
+
 def read_host(pool: SlabPool, kv: SeqKv, num_tokens: int) -> torch.Tensor:
     """A copy of the first `num_tokens` tokens' KV of a request whose KV is in host memory."""
     wait_event(kv.ready)  # its swap-out has landed
@@ -149,17 +169,20 @@ def free_host(pool: SlabPool, kv: SeqKv) -> None:
     kv.host_blocks = []
 
 
-def read_tokens(pool: SlabPool, shape: KvShape, blocks: Sequence[BlockRef], num_tokens: int) -> torch.Tensor:
-    """The first `num_tokens` tokens of `blocks` as one new `[L, 2, kv_heads, num_tokens, head_dim]` tensor."""
+def read_tokens(pool: SlabPool, shape: KvShape, blocks: Sequence[BlockRef], num_tokens: int,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """The first `num_tokens` tokens of `blocks` as one `[L, 2, kv_heads, num_tokens, head_dim]` tensor: a new
+    one, or written into `out`."""
     if not 0 <= num_tokens <= len(blocks) * shape.block_size:
         raise ValueError(f"{num_tokens} tokens do not fit in {len(blocks)} blocks of {shape.block_size}")
     used = shape.blocks_for(num_tokens)
     if used == 0:
-        return torch.empty(shape.num_layers, 2, shape.num_kv_heads, 0, shape.head_dim, dtype=shape.dtype)
+        empty = torch.empty(shape.num_layers, 2, shape.num_kv_heads, 0, shape.head_dim, dtype=shape.dtype)
+        return empty if out is None else out
     last = num_tokens - (used - 1) * shape.block_size
     parts = [pool.block(shape, ref) for ref in blocks[: used - 1]]
     parts.append(pool.block(shape, blocks[used - 1])[:, :, :, :last])
-    return torch.cat(parts, dim=3)
+    return torch.cat(parts, dim=3) if out is None else torch.cat(parts, dim=3, out=out)
 
 
 def write_tokens(kv: torch.Tensor, pool: SlabPool, shape: KvShape, blocks: Sequence[BlockRef]) -> None:
@@ -175,6 +198,27 @@ def write_tokens(kv: torch.Tensor, pool: SlabPool, shape: KvShape, blocks: Seque
         block = pool.block(shape, ref)
         block[:, :, :, : chunk.shape[3]].copy_(chunk)
         block[:, :, :, chunk.shape[3] :].zero_()
+
+
+def write_blocks(kv: torch.Tensor, pool: SlabPool, shape: KvShape, blocks: Sequence[BlockRef]) -> None:
+    """Write a `[L, 2, kv_heads, tokens, head_dim]` tensor into `blocks` with one copy per run of adjacent
+    blocks (`write_tokens` copies block by block): padded to whole blocks (zeros: see `write_tokens`) and laid
+    out block-major first, on `kv`'s device."""
+    size, tokens = shape.block_size, kv.shape[3]
+    if len(blocks) * size < tokens:
+        raise ValueError(f"{tokens} tokens do not fit in {len(blocks)} blocks of {size}")
+    L, _, heads, _, dim = shape.dims
+    padded = torch.zeros(L, 2, heads, len(blocks) * size, dim, dtype=kv.dtype, device=kv.device)
+    padded[:, :, :, :tokens].copy_(kv)
+    block_major = padded.view(L, 2, heads, len(blocks), size, dim).permute(3, 0, 1, 2, 4, 5)
+    i = 0
+    while i < len(blocks):
+        run = 1
+        while i + run < len(blocks) and _adjacent(blocks[i + run - 1], blocks[i + run]):
+            run += 1
+        target = pool.span(shape, blocks[i], run).view(shape.dtype).view(run, L, 2, heads, size, dim)
+        target.copy_(block_major[i : i + run])
+        i += run
 
 
 def allocate_all(pool: SlabPool, kvs: Sequence[SeqKv], counts: Sequence[int]) -> list[list[BlockRef]]:

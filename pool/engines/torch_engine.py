@@ -23,10 +23,11 @@ from typing import Any
 
 import torch
 
-from pool.engines.base import EngineError, EngineStats, GenRequest, KvCapacity, KvExport, Table, TokenOut
+from pool.engines.base import EngineError, EngineStats, GenRequest, KvCapacity, KvExport, StagedKv, Table, TokenOut
 from pool.engines.device import DeviceBuffer, Streams, align_up, held_device_bytes
 from pool.engines.forward import Decoder, DecodeInputs, SharedTensors
 from pool.engines.graphs import NO_GRAPHS, GraphBuckets
+from pool.engines.handoff import StagingArena
 from pool.engines.kv import KvShape, host_pool, slab_bytes_for
 from pool.engines.kvstore import (KvStore, SeqKv, allocate_all, decode_inputs, free_host, prefill_inputs, read_host,
                                   write_tokens)
@@ -60,6 +61,9 @@ class TorchEngineConfig:
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # padded batch sizes graphs are captured for
     graph_block_widths: tuple[int, ...] = (16, 64, 256, 1024)  # block-table widths graphs are captured for
     tp: int = 1  # tensor-parallel ranks of the instance (> 1: `pool.engines.tp.TpEngine`, one process per rank)
+    # device memory in which export_kv stages a hand-off's KV for an engine on the same GPU (pool.engines.handoff),
+    # made at the first export; 0: hand-offs go through host memory
+    handoff_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype is not None and not isinstance(getattr(torch, self.dtype, None), torch.dtype):
@@ -68,7 +72,7 @@ class TorchEngineConfig:
         for name in ("block_size", "device_slab_bytes", "host_slab_bytes", "tp"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"TorchEngineConfig.{name} = {getattr(self, name)!r} must be >= 1")
-        for name in ("kv_bytes", "max_host_kv_bytes", "host_kv_prealloc_bytes"):
+        for name in ("kv_bytes", "max_host_kv_bytes", "host_kv_prealloc_bytes", "handoff_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"TorchEngineConfig.{name} = {getattr(self, name)!r} must be >= 0")
 
@@ -116,6 +120,8 @@ class TorchEngine:
         self._kv_report: tuple[Any, KvCapacity] | None = None  # kv_capacity()'s answer for these models
         self._host_kv = host_pool(self.config.host_slab_bytes, self.config.max_host_kv_bytes, self.streams.cuda)
         self._host_kv.reserve(-(-self.config.host_kv_prealloc_bytes // self.config.host_slab_bytes))
+        self._arena: StagingArena | None = None  # made at the first staged export
+        self._staged: dict[str, int] = {}  # request id -> offset of its staged KV in the arena, until released
         self._decoders: dict[tuple[str, int, bool | None], Decoder] = {}
         self._shared: dict[tuple[Any, torch.dtype, int], SharedTensors] = {}  # (spec, dtype, slot) -> tensors
         self._graphs: Any = None
@@ -305,39 +311,65 @@ class TorchEngine:
         self.timings.kv_call("restore_kv", len(request_ids), kv.bytes_h2d - before, time.perf_counter() - started)
 
     def release(self, request_ids: Sequence[str]) -> None:
+        """Forget the requests and free their KV, wherever it is (also KV staged for a hand-off, once the
+        importing engine has copied it); unknown ids are ignored."""
         self.timings.other()
         for rid in request_ids:
             seq = self._seqs.pop(rid, None)
             if seq is not None:
                 self._free_kv(seq.kv)
+            offset = self._staged.pop(rid, None)
+            if offset is not None and self._arena is not None:
+                self._arena.free(offset)
 
     def export_kv(self, request_ids: Sequence[str]) -> list[KvExport]:
-        """Move requests out (see `KvExport`): KV read from host memory, or off the device; then forget them."""
+        """Move requests out (see `KvExport`): KV read from host memory, or off the device (staged in device
+        memory when the engine has a hand-off arena with room: `handoff_bytes`); then forget them."""
         if len(set(request_ids)) != len(request_ids):
             raise EngineError(f"duplicate request ids in export_kv: {list(request_ids)}")
         started = time.perf_counter()
         seqs = [self._seqs.require(rid) for rid in request_ids]
         exports = [self._export(seq) for seq in seqs]  # nothing changes until all are copied out
+        if any(e.staged for e in exports):
+            self.streams.synchronize()  # the gathers are complete before anyone reads the regions
         for seq in seqs:
             del self._seqs[seq.request.request_id]
             self._free_kv(seq.kv)
-        self.timings.kv_call("export_kv", len(exports), sum(e.kv_bytes for e in exports), time.perf_counter() - started)
+        self._kv_timing("export_kv", exports, started)
         return exports
 
     def import_kv(self, exports: Sequence[KvExport]) -> None:
-        """Admit exported requests with their KV in host memory, as after `save_kv` (all or none)."""
+        """Admit exported requests (all or none): KV from host memory into host blocks, as after `save_kv`;
+        KV staged in device memory straight into device blocks, copied before this returns (the exporter may
+        then free it: the caller releases the requests there)."""
         started, exports = time.perf_counter(), list(exports)
         ids = [e.request.request_id for e in exports]
         if len(set(ids)) != len(ids):
             raise EngineError(f"duplicate request ids in import_kv: {ids}")
         seqs = [self._imported(e) for e in exports]  # all checked before any block is taken
-        counts = [s.kv.shape.blocks_for(e.num_tokens) for s, e in zip(seqs, exports)]
-        targets = allocate_all(self._host_kv, [s.kv for s in seqs], counts)  # OutOfKvMemory: nothing taken
-        for seq, export, blocks in zip(seqs, exports, targets):
+        staged = [(s, e) for s, e in zip(seqs, exports) if e.staged]
+        hosted = [(s, e) for s, e in zip(seqs, exports) if not e.staged]
+        counts = [s.kv.shape.blocks_for(e.num_tokens) for s, e in hosted]
+        targets = allocate_all(self._host_kv, [s.kv for s, _ in hosted], counts)  # OutOfKvMemory: nothing taken
+        if staged:
+            try:
+                self._kv_store().admit_device([s.kv for s, _ in staged], [e.kv_tensor() for _, e in staged])
+            except Exception:
+                for (seq, _), blocks in zip(hosted, targets):
+                    self._host_kv.free(seq.kv.shape, blocks)
+                raise
+            self.streams.synchronize()  # copied: the exporter's regions may be reused once released
+        for (seq, export), blocks in zip(hosted, targets):
             write_tokens(export.kv_tensor(), self._host_kv, seq.kv.shape, blocks)
             seq.kv.host_blocks = blocks
+        for seq in seqs:
             self._seqs[seq.request.request_id] = seq
-        self.timings.kv_call("import_kv", len(exports), sum(e.kv_bytes for e in exports), time.perf_counter() - started)
+        self._kv_timing("import_kv", exports, started)
+
+    def _kv_timing(self, method: str, exports: list[KvExport], started: float) -> None:
+        """One KV call's timing; a call that moved staged KV is booked as `method(device)`."""
+        name = f"{method}(device)" if any(e.staged for e in exports) else method
+        self.timings.kv_call(name, len(exports), sum(e.kv_bytes for e in exports), time.perf_counter() - started)
 
     def synchronize(self) -> None:
         self.streams.synchronize()
@@ -382,6 +414,8 @@ class TorchEngine:
                    "host_slabs": host.num_slabs, "weights_on_device": tuple(slots.placed) if slots else (),
                    **(self._graphs.figures() if self._graphs is not None else NO_GRAPHS),
                    "held_device_bytes": held_device_bytes(self.device),
+                   "handoff_arena_bytes": self._arena.ref.nbytes if self._arena else 0,
+                   "handoff_staged_bytes": self._arena.used_bytes if self._arena else 0,
                    "timings": self.timings.summary()},
         )
 
@@ -400,6 +434,7 @@ class TorchEngine:
         self._decoders.clear()
         self._shared.clear()
         self._buffer = self._slots = self._kv = None
+        self._arena, self._staged = None, {}
         self._kv_report = None
         if self.streams.cuda:
             torch.cuda.empty_cache()
@@ -428,20 +463,33 @@ class TorchEngine:
 
     def _export(self, seq: _Seq) -> KvExport:
         num_tokens = len(seq.tokens) - 1
-        if seq.kv.on_device:
-            data = self._kv_store().read_device(seq.kv, num_tokens)
-        else:
-            data = read_host(self._host_kv, seq.kv, num_tokens)
         shape = seq.kv.shape
+        dims = (shape.num_layers, 2, shape.num_kv_heads, num_tokens, shape.head_dim)
+        kv: Any = self._stage(seq, dims) if seq.kv.on_device and self.config.handoff_bytes else None
+        if kv is None:
+            data = (self._kv_store().read_device(seq.kv, num_tokens) if seq.kv.on_device
+                    else read_host(self._host_kv, seq.kv, num_tokens))
+            kv = data.reshape(-1).view(torch.uint8).numpy()
         return KvExport(
             request=replace(seq.request, prompt_token_ids=tuple(seq.tokens[: seq.num_prompt]),
                             output_token_ids=tuple(seq.tokens[seq.num_prompt :])),
             seed=seq.seed, num_tokens=num_tokens,
-            kv=data.reshape(-1).view(torch.uint8).numpy(), kv_dtype=str(shape.dtype).removeprefix("torch."),
-            kv_shape=tuple(data.shape),
+            kv=kv, kv_dtype=str(shape.dtype).removeprefix("torch."), kv_shape=dims,
             text=seq.text.text, text_emitted=seq.text.emitted,
             detok_offsets=(seq.text.prefix_offset, seq.text.read_offset),
         )
+
+    def _stage(self, seq: _Seq, dims: tuple[int, ...]) -> StagedKv | None:
+        """Gather the request's device KV into a region of the hand-off arena; None when it has no room."""
+        nbytes = int(torch.Size(dims).numel()) * seq.kv.shape.dtype.itemsize
+        if self._arena is None:
+            self._arena = StagingArena(self.config.handoff_bytes, self.device)
+        offset = self._arena.alloc(nbytes)
+        if offset is None:
+            return None
+        self._kv_store().stage(seq.kv, dims[3], self._arena.view(offset, seq.kv.shape.dtype, dims))
+        self._staged[seq.request.request_id] = offset
+        return StagedKv(self._arena.ref, offset, nbytes)
 
     def _imported(self, export: KvExport) -> _Seq:
         """A request from another engine, checked against this engine's model; KV not placed yet."""

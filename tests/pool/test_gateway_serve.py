@@ -12,7 +12,7 @@ import openai
 import pytest
 import typer
 
-from modelpool.serve import CpuCosts, demo_deployment, fleet_deployment
+from modelpool.serve import HANDOFF_BATCHES, CpuCosts, demo_deployment, fleet_deployment, gpu_kv_bytes
 from pool.gateway.server import free_port
 from tests.pool.fault_tools import stop_serve, wait_for_serve
 
@@ -45,6 +45,16 @@ def test_fleet_deployment_serves_weights_folders_or_refuses_clearly(demo_models,
     assert dep.engine.options["kv_bytes"] == 64 << 20
     gpu = fleet_deployment(fleet, "torch", num_gpus=2, num_instances=None, policy="token-level", kv_mib=None)
     assert [i.role for i in gpu.instances] == ["prefill", "decode"] and gpu.engine.options["device"] == "cuda"
+    assert gpu.engine.options["handoff_bytes"] == 0  # on two GPUs: hand-offs through host memory
+    # on one GPU the prefill instance stages its hand-offs in device memory, set aside from the KV of both
+    one = fleet_deployment(fleet, "torch", num_gpus=1, num_instances=None, policy="token-level", kv_mib=None)
+    arena = one.engine.options["handoff_bytes"]
+    kv_per_token = max(m.profile.kv_bytes_per_token for m in one.models)
+    assert arena == HANDOFF_BATCHES * 8192 * kv_per_token > 0  # the pool's max_prefill_tokens (default 8192)
+    usable = int(80e9 * 0.9)  # h100, the default gpu_memory_utilization
+    biggest = max(int(m.profile.weight_bytes) for m in one.models)
+    assert one.engine.options["kv_bytes"] == gpu_kv_bytes(usable, 2, biggest, arena) == \
+        gpu_kv_bytes(usable, 2, biggest) - arena // 2
     with pytest.raises(typer.BadParameter, match="--engine sim"):
         fleet_deployment(REPO / "models.yaml", "torch", 0, None, "token-level", None)
     dry = fleet_deployment(REPO / "models.yaml", "sim", 0, None, "token-level", None)

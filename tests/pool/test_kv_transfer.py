@@ -10,6 +10,7 @@ from __future__ import annotations
 import pickle
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -301,3 +302,112 @@ def test_cuda_requests_move_between_engines_mid_swap(graphs, demo_models):
     for engine, block_size in zip(engines, (16, 8)):
         scratch = BLOCK_BYTES * block_size // 16 if graphs else 0  # the block padded graph rows write to
         assert kv_used(engine) == (scratch, 0, 0)
+
+
+# ---- hand-offs staged in device memory (pool.engines.handoff) ---------------------------------------------------
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("block_b", [16, 8])
+def test_staged_hand_off_lands_on_the_device_and_equals_one_engine(params, block_b, demo_models):
+    a = make_engine(demo_models, handoff_bytes=1 << 20)
+    b = make_engine(demo_models, block_size=block_b)
+    prompts = [ids(a, p) for p in PROMPTS]
+    requests = [GenRequest(f"r{i}", MODEL, p, params) for i, p in enumerate(prompts)]
+    expected = run(make_engine(demo_models), requests)
+
+    a.activate(MODEL)
+    outs = {o.request_id: [o] for o in a.prefill(requests)}
+    rids = list(outs)
+    exports = a.export_kv(rids)
+    assert all(e.staged for e in exports)
+    assert kv_used(a) == (0, 0, 0)  # out of its KV blocks at once ...
+    staged = sum(e.kv_bytes for e in exports)
+    assert a.stats().extra["handoff_staged_bytes"] >= staged  # ... into its arena until released
+    blob = pickle.dumps(exports)
+    assert len(blob) < 3 * 2048  # names a region: no KV bytes travel
+    b.import_kv(pickle.loads(blob))
+    blocks = sum(-(-len(p) // block_b) for p in prompts)
+    assert kv_used(b) == (blocks * BLOCK_BYTES * block_b // 16, 0, 3)  # straight onto b's device
+    a.release(rids)
+    assert a.stats().extra["handoff_staged_bytes"] == 0
+    b.activate(MODEL)
+    b.restore_kv(rids)  # a no-op: already there
+    decode_all(b, rids, outs)
+    for rid in rids:
+        assert tokens(outs[rid]) == tokens(expected[rid]), rid
+        assert text(outs[rid]) == text(expected[rid])
+    assert kv_used(b) == (0, 0, 0)
+    timings = b.stats().extra["timings"]["kv"]
+    assert timings["import_kv(device)"]["requests"] == 3 and "import_kv" not in timings
+
+
+def test_a_full_arena_hands_off_through_host_memory(demo_models):
+    a = make_engine(demo_models, handoff_bytes=BLOCK_BYTES)  # room for one short prompt's KV
+    b = make_engine(demo_models)
+    prompts = [ids(a, PROMPTS[2]), ids(a, PROMPTS[1])]
+    assert len(prompts[0]) < 16 < len(prompts[1])
+    a.activate(MODEL)
+    a.prefill([GenRequest(f"r{i}", MODEL, p, GREEDY) for i, p in enumerate(prompts)])
+    small, big = a.export_kv(["r0", "r1"])
+    assert small.staged and not big.staged and isinstance(big.kv, np.ndarray)
+    b.import_kv([small, big])  # one call, each its way
+    assert kv_used(b) == (BLOCK_BYTES, -(-len(prompts[1]) // 16) * BLOCK_BYTES, 2)
+
+
+def test_a_refused_staged_import_takes_nothing(demo_models):
+    a = make_engine(demo_models, handoff_bytes=1 << 20, kv_bytes=64 * SLAB)
+    b = make_engine(demo_models, kv_bytes=2 * SLAB)
+    a.activate(MODEL)
+    a.prefill([GenRequest("long", MODEL, ids(a, PROMPTS[1] * 8), GREEDY)])
+    export = a.export_kv(["long"])[0]
+    assert export.staged and export.kv_bytes > 2 * SLAB
+    with pytest.raises(OutOfKvMemory):
+        b.import_kv([export])
+    assert kv_used(b) == (0, 0, 0)
+    a.release(["long"])
+    assert a.stats().extra["handoff_staged_bytes"] == 0
+
+
+def _staging_child(conn, models: dict[str, Path], device: str, requests: list[GenRequest]) -> None:
+    """Another process's prefill engine: prefill, export staged, then release when told (and report)."""
+    a = make_engine(models, device=device, handoff_bytes=1 << 22)
+    a.activate(MODEL)
+    first = a.prefill(requests)
+    conn.send(pickle.dumps((first, a.export_kv([r.request_id for r in requests]))))
+    conn.recv()
+    staged_before = a.stats().extra["handoff_staged_bytes"]
+    a.release([r.request_id for r in requests])
+    conn.send((staged_before, a.stats().extra["handoff_staged_bytes"]))
+    conn.recv()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_a_hand_off_staged_in_another_process(device, demo_models):
+    """The processes backend's case: the arena opened from another process (CUDA IPC; a shared-memory file on CPU)."""
+    import multiprocessing as mp
+
+    ref = make_engine(demo_models, device=device)
+    requests = [GenRequest(f"r{i}", MODEL, ids(ref, p), GREEDY) for i, p in enumerate(PROMPTS)]
+    expected = run(ref, requests)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    process = ctx.Process(target=_staging_child, args=(child, demo_models, device, requests), daemon=True)
+    process.start()
+    try:
+        assert parent.poll(120), "the exporting process did not answer"
+        first, exports = pickle.loads(parent.recv())
+        assert all(e.staged and e.kv.arena.pid == process.pid for e in exports)
+        b = make_engine(demo_models, device=device, block_size=8)
+        b.import_kv(exports)
+        parent.send("release")
+        staged_before, staged_after = parent.recv()
+        assert staged_before >= sum(e.kv_bytes for e in exports) and staged_after == 0
+        b.activate(MODEL)
+        outs = {o.request_id: [o] for o in first}
+        decode_all(b, list(outs), outs)
+        for rid, want in expected.items():
+            assert tokens(outs[rid]) == tokens(want), rid
+    finally:
+        parent.send("bye")
+        process.join(30)
+    assert process.exitcode == 0

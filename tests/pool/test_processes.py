@@ -25,10 +25,10 @@ from tests.pool.test_faults import LONG_TOKENS, kill_mid_decode, long_reference,
 from tests.pool.test_live_pool import ENGINE, KV_BYTES, tiny  # noqa: F401
 
 
-def local_pool(tiny, backend: str, num_instances: int = 2, roles=None, **options) -> LivePool:  # noqa: F811
+def local_pool(tiny, backend: str, num_instances: int = 2, roles=None, engine=ENGINE, **options) -> LivePool:  # noqa: F811
     models = [served_model(name, path, dtype="float32") for name, path in tiny.items()]
     return LivePool(models, slot_instances(num_instances, models, KV_BYTES, roles), "token-level", LinearCosts(),
-                    engine=ENGINE, backend=backend, stats_interval_s=0.1, policy_options={"fixed_turn_steps": 4},
+                    engine=engine, backend=backend, stats_interval_s=0.1, policy_options={"fixed_turn_steps": 4},
                     **options)
 
 
@@ -114,3 +114,40 @@ def test_threads_restart_frees_the_lost_engine_before_building_its_successor(tin
         gc.collect()
         assert old() is None, "the lost engine is still referenced"
         assert held_device_bytes("cpu") == others + mine  # the successor's buffer
+
+
+@pytest.mark.parametrize("backend", ["processes", "threads"])
+def test_prefill_decode_hand_off_staged_in_device_memory(tiny, long_reference, backend) -> None:  # noqa: F811
+    """KV staged for hand-offs (pool.engines.handoff; CPU: a shared-memory arena opened by the decode process):
+    the same tokens, every hand-off staged, and every staged region released once imported or cancelled."""
+    from pool.actor import EngineSpec
+
+    engine = EngineSpec("torch", {**ENGINE.options, "handoff_bytes": 8 << 20})
+    with local_pool(tiny, backend, roles=["prefill", "decode"], engine=engine) as pool:
+        sinks = submit_all(pool)
+
+        def carried() -> list[str]:  # handed over, their KV staged, waiting for the decode instance's SwapIn
+            with pool._lock:
+                return [rid for rid, live in list(pool.controller.requests.items()) if live.kv_staged]
+
+        wait_until(lambda: bool(carried()), 60, "a request handed over and waiting with its KV staged")
+        cancelled = set(carried()[:2])
+        for request_id in cancelled:  # their regions are freed at the prefill instance (else they would leak)
+            pool.cancel(request_id)
+        result = outcomes({k: s for k, s in sinks.items() if f"{k[0]}-{k[1]}" not in cancelled}, long_reference,
+                          lambda key: True, 120)
+        assert result.counts()["identical"] == len(sinks) - len(cancelled), result
+        wait_until(lambda: allocated(pool) == NOTHING, 10, f"nothing allocated: {allocated(pool)}")
+
+        def staged() -> tuple[int, int, int]:
+            prefill, decode = pool.engine_stats["slot0"]["extra"], pool.engine_stats["slot1"]["extra"]
+            kv_out, kv_in = prefill["timings"]["kv"], decode["timings"]["kv"]
+            return (prefill["handoff_staged_bytes"], kv_out.get("export_kv(device)", {}).get("requests", 0),
+                    kv_in.get("import_kv(device)", {}).get("requests", 0))
+
+        wait_until(lambda: len(pool.engine_stats) == 2 and staged()[0] == 0 and staged()[2] > 0, 10,
+                   "every staged region released")
+        _, exported, imported = staged()
+        assert exported >= len(sinks) - len(cancelled) and imported >= len(sinks) - len(cancelled)
+        kv = pool.engine_stats["slot0"]["extra"]["timings"]["kv"]
+        assert "export_kv" not in kv  # none went through host memory

@@ -135,3 +135,37 @@ def test_a_host_link_cannot_span_hosts(tmp_path) -> None:  # type: ignore[no-unt
     path.write_text("pool:\n  gpu: h200\n  gpus_per_host_link: 2\nmodels:\n  - {name: a, arch: qwen2.5-7b}\n")
     assert RooflineCostModel(load_fleet(path)).gpus_per_host_link == 2
     assert RooflineCostModel(load_fleet(path), gpus_per_host_link=1).gpus_per_host_link == 1  # the caller's wins
+
+
+# ---- hand-offs staged in device memory: off the host link ----------------------------------------------
+class _StagingCosts(LinearCosts):
+    def kv_device_copy_s(self, model: str, num_tokens: int) -> float:
+        return self.kv_move_s(model, num_tokens) / 20
+
+
+def _handoff_finish(staging: set[str]) -> tuple[float, float]:
+    """(first, last) token times of one request handed from a prefill to a decode instance."""
+    from tests.factories import make_request, run_sim
+
+    costs = _StagingCosts(kv_per_token_s=1e-4)
+    sim, _ = make_sim("token-level", make_models(1), make_instances(2, roles=["prefill", "decode"]),
+                      [make_request(prompt_tokens=1000, max_output_tokens=40)], costs)
+    sim.staging = frozenset(staging)
+    record = sim.run()["r1"]
+    return record.first_token_at, record.finished_at
+
+
+def test_a_staged_hand_off_copies_within_the_gpu_at_its_own_cost() -> None:
+    from scheduler.instance import staging_instances
+
+    assert staging_instances({"p": "prefill", "d": "decode"}, {"p": [0], "d": [0]}) == {"p"}
+    assert staging_instances({"p": "prefill", "d": "decode"}, {"p": [0], "d": [1]}) == set()
+    assert staging_instances({"p": "prefill", "d": "decode", "e": "decode"}, {"p": [0], "d": [0], "e": [1]}) == set()
+    assert staging_instances({"p": "prefill", "m": "mixed"}, {"p": [0], "m": [0]}) == set()  # nobody to hand to
+    costs = _StagingCosts(kv_per_token_s=1e-4)
+    first, host = _handoff_finish(set())
+    first_staged, staged = _handoff_finish({"i0"})
+    assert first_staged == first  # the hand-off comes after the first tokens
+    # the SwapOut and the SwapIn each pay a device copy instead of a host move (1000 prompt tokens + 8 produced)
+    saved = 2 * (costs.kv_move_s("m0", 1008) - costs.kv_device_copy_s("m0", 1008))
+    assert host - staged == pytest.approx(saved, rel=0.05)
