@@ -82,9 +82,12 @@ def capacity_command(
     spec = fleet_workload_spec(fleet, duration) if trace == "fleet" else trace
     try:
         workload = load_workload(spec, [m.name for m in fleet.models], seed=seed)
-        calibration = load_profile(profile)
     except (TraceError, FileNotFoundError) as exc:
         _fail(str(exc))
+    try:
+        calibration = load_profile(profile)
+    except (FileNotFoundError, ValueError) as exc:
+        _fail(f"--profile: {exc}")
     goal = Goal(slo_target, slo_metric, window, max_instances)
     ctx = Context(fleet, workload, calibration, stop_below=slo_target if slo_metric == "per-request" else None)
     config = StudyConfig(chosen, gpus, goal, what_if_tpot or None)

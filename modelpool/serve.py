@@ -193,9 +193,12 @@ def fleet_deployment(fleet_path: Path, engine: str, num_gpus: int, num_instances
                    "handoff_bytes": arena}
         from sims.profiles import load_profile
 
+        try:
+            calibration = load_profile(profile) if profile else None
+        except (FileNotFoundError, ValueError) as exc:
+            raise typer.BadParameter(str(exc), param_hint="--profile") from None
         costs = RooflineCostModel.for_models({m.name: (e.arch, e.tp) for m, e in zip(models, fleet.models)},
-                                             fleet.pool.gpu if not fleet.gpus else fleet.gpu(),
-                                             profile=load_profile(profile) if profile else None)
+                                             fleet.pool.gpu if not fleet.gpus else fleet.gpu(), profile=calibration)
     else:
         kv = (kv_mib or CPU_SLOT_KV_BYTES // MiB) * MiB
         options = {"dtype": "float32", "kv_bytes": kv}

@@ -151,3 +151,34 @@ def test_a_gpu_is_not_counted_as_another_catalogue_gpu(capsys) -> None:  # type:
     assert "note" not in capsys.readouterr().out
     _check_device("NVIDIA L40S", "my-l40s", cuda=True)
     assert "measuring NVIDIA L40S for GPU type 'my-l40s'" in capsys.readouterr().out
+
+
+def test_a_broken_profile_file_is_named_by_simulate_capacity_and_estimate(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"name": "half a profile"}')
+    fleet = tmp_path / "f.yaml"
+    fleet.write_text("pool: {gpu: h200, num_gpus: 1}\nmodels:\n  - {name: a, arch: qwen2.5-1.5b, traffic: {rate_rps: 0.1}}\n")
+    for command in (["simulate", "--fleet", str(fleet), "--duration", "10"],
+                    ["capacity", "--fleet", str(fleet), "--duration", "10", "--workers", "0", "--out", str(tmp_path / "r")],
+                    ["estimate", "--model", "qwen2.5-7b", "--gpu", "h200"]):
+        res = CliRunner().invoke(app, [*command, "--profile", str(bad)])
+        assert res.exit_code == 1 and f"calibration profile {bad}: not a valid profile" in res.output, command
+        assert "terms" in res.output and isinstance(res.exception, SystemExit), command  # an error line, no traceback
+
+
+def test_serve_names_a_broken_profile_file(tmp_path: Path) -> None:
+    """`modelpool serve --profile` on a GPU layout (built here without a GPU, as benchmarks/gpu_pool_sim.py does)."""
+    import sys
+
+    import typer
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from gpu_pool import TINY_FLEET, build_models
+
+    from modelpool.serve import fleet_deployment
+
+    fleet = build_models(tmp_path, TINY_FLEET, "cpu")
+    bad = tmp_path / "bad.json"
+    bad.write_text("not json")
+    with pytest.raises(typer.BadParameter, match=f"calibration profile {bad}: not a valid profile"):
+        fleet_deployment(fleet, "torch", 1, None, "token-level", None, profile=bad)

@@ -219,7 +219,10 @@ def load_profile(name_or_path: str | Path) -> CalibrationProfile:
     path = Path(text)
     if not path.is_file():
         raise FileNotFoundError(f"no calibration profile {text!r}: not a shipped profile ({', '.join(SHIPPED)}) nor a file")
-    return CalibrationProfile.model_validate_json(path.read_text())
+    try:
+        return CalibrationProfile.model_validate_json(path.read_text())
+    except ValueError as exc:  # pydantic's ValidationError: bad JSON, a missing or out-of-range term
+        raise ValueError(f"calibration profile {path}: not a valid profile: {exc}") from None
 
 
 @functools.cache
