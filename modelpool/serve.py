@@ -357,6 +357,13 @@ def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
+def with_async_decode(spec: EngineSpec, async_decode: bool | None) -> EngineSpec:
+    """The torch engine's `async_decode` switch set from --async-decode/--no-async-decode (None: its default)."""
+    if spec.kind != "torch" or async_decode is None:
+        return spec
+    return EngineSpec(spec.kind, {**spec.options, "async_decode": async_decode})
+
+
 def ray_init(address: str | None, num_instances: int) -> None:
     import ray
 
@@ -419,6 +426,9 @@ def serve_command(
     plan_log: Path | None = typer.Option(None, "--plan-log", help="Write every Plan as JSONL here."),
     profile: Path | None = typer.Option(None, "--profile", help="Calibration profile (`modelpool calibrate`) the "
                                         "scheduler predicts GPU step and switch times with (fleet files on GPUs)."),
+    async_decode: bool | None = typer.Option(None, "--async-decode/--no-async-decode", help="torch engine: queue "
+                                             "a greedy batch's next decode step before this one's tokens are sent, "
+                                             "so the GPU works while the host streams them (default: on CUDA)."),
 ) -> None:
     """Serve the pool behind one OpenAI-compatible endpoint (default: the demo fleet on this machine)."""
     from modelpool.config import FleetFileError
@@ -450,6 +460,7 @@ def serve_command(
         raise typer.Exit(1) from None
     if dep.engine.kind == "sim":
         dep.engine = dataclasses.replace(dep.engine, options={**dep.engine.options, "time_scale": sim_time_scale})
+    dep.engine = with_async_decode(dep.engine, async_decode)
     dep.backend = backend
     settings = GatewaySettings(
         api_keys=tuple(read_keys(api_key, api_key_file, API_KEY_ENV)),

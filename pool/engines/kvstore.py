@@ -80,9 +80,14 @@ class KvStore:
                     grown.append((kv, need))
         except Exception:
             for kv, n in grown:
-                self.device.free(kv.shape, kv.blocks[-n:])
-                del kv.blocks[-n:], kv.rows[-n:]
+                self.trim(kv, len(kv.blocks) - n)
             raise
+
+    def trim(self, kv: SeqKv, num_blocks: int) -> None:
+        """Give back a request's device blocks past its first `num_blocks`."""
+        if len(kv.blocks) > num_blocks:
+            self.device.free(kv.shape, kv.blocks[num_blocks:], after=kv.ready)
+            del kv.blocks[num_blocks:], kv.rows[num_blocks:]
 
     def save(self, kvs: Sequence[SeqKv]) -> None:
         """Device -> host for requests whose KV is on the device (all or none)."""
@@ -270,11 +275,14 @@ def decode_inputs(last_tokens: Sequence[int], kvs: Sequence[SeqKv], positions: S
                   batch: int, max_blocks: int, pad_row: int | None = None) -> DecodeInputs:
     """One token per request at `positions`, padded to `batch` rows (aimed at `pad_row`) and `max_blocks` columns.
 
-    Built in one numpy array (this runs on every step, on the host, while the device waits).
+    Built in one numpy array (this runs on every step, on the host), in pinned memory on CUDA: the copy to
+    the device is then truly asynchronous (from pageable memory it may wait for the queued steps, which
+    async decode keeps busy).
     """
     n, size = len(kvs), kvs[0].shape.block_size
     pad = kvs[0].rows[0] if pad_row is None else pad_row
-    packed = np.zeros(len(_ROWS) * batch + batch * max_blocks, dtype=np.int64)
+    host = torch.zeros(len(_ROWS) * batch + batch * max_blocks, dtype=torch.int64, pin_memory=device.type == "cuda")
+    packed = host.numpy()
     rows = packed[: len(_ROWS) * batch].reshape(len(_ROWS), batch)  # token_ids, positions, write_row, offset, lengths
     table = packed[len(_ROWS) * batch :].reshape(batch, max_blocks)
     pos = np.asarray(positions, dtype=np.int64)
@@ -288,7 +296,7 @@ def decode_inputs(last_tokens: Sequence[int], kvs: Sequence[SeqKv], positions: S
     for i, kv in enumerate(kvs):
         table[i, : len(kv.rows)] = kv.rows
         table[i, len(kv.rows) :] = kv.rows[0]
-    return DecodeInputs(torch.from_numpy(packed).to(device, non_blocking=True), batch, max_blocks)
+    return DecodeInputs(host.to(device, non_blocking=True), batch, max_blocks)
 
 
 def _tensor(values: list, device: torch.device) -> torch.Tensor:

@@ -14,17 +14,19 @@ Requests are admitted by `prefill` (or `import_kv`) and freed by `release`,
 
 from __future__ import annotations
 
+import functools
 import json
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from pool.engines.base import EngineError, EngineStats, GenRequest, KvCapacity, KvExport, StagedKv, Table, TokenOut
-from pool.engines.device import DeviceBuffer, Streams, align_up, held_device_bytes
+from pool.engines.base import (EngineError, EngineStats, GenRequest, KvCapacity, KvExport, OutOfKvMemory, StagedKv,
+                               Table, TokenOut)
+from pool.engines.device import DeviceBuffer, Streams, align_up, held_device_bytes, wait_event
 from pool.engines.forward import Decoder, DecodeInputs, SharedTensors
 from pool.engines.graphs import NO_GRAPHS, GraphBuckets
 from pool.engines.handoff import StagingArena
@@ -64,6 +66,10 @@ class TorchEngineConfig:
     # device memory in which export_kv stages a hand-off's KV for an engine on the same GPU (pool.engines.handoff),
     # made at the first export; 0: hand-offs go through host memory
     handoff_bytes: int = 0
+    # launch a greedy batch's next decode step before the host emits this one's tokens, so the device runs it
+    # while the host samples, streams and is called again (see `decode_step`); None: on CUDA only (on CPU ops
+    # run synchronously and nothing overlaps). A tensor-parallel rank never does.
+    async_decode: bool | None = None
 
     def __post_init__(self) -> None:
         if self.dtype is not None and not isinstance(getattr(torch, self.dtype, None), torch.dtype):
@@ -95,10 +101,48 @@ class _Seq:
     seed: int
     text: OutputText
     kv: SeqKv
+    greedy: bool = field(init=False)  # its token is the argmax (nothing read from the host's history)
+    max_len: int = field(init=False)  # prompt + max_tokens: it ends with this many tokens at the latest
+
+    def __post_init__(self) -> None:
+        p = self.request.sampling
+        self.greedy = p.greedy and p.repetition_penalty == 1.0
+        self.max_len = self.num_prompt + p.max_tokens
 
     @property
     def num_output(self) -> int:
         return len(self.tokens) - self.num_prompt
+
+
+@dataclass(slots=True)
+class _Launched:
+    """One model's batch of a decode step, queued on the device; its token ids are on their way to the host."""
+
+    seqs: list[_Seq]
+    device_ids: torch.Tensor | None  # [B] the greedy ids on the device (what the step after feeds); None: sampled
+    host_ids: torch.Tensor | list[int]  # their host copy (lands at `ready`), or the sampled ids
+    ready: Any  # CUDA event after the copy to the host; None on CPU
+    forward: Any  # the forward timer (`StepTimings.forward_end`); None: untimed
+
+
+@dataclass(slots=True)
+class _Ahead:
+    """The decode step launched before the last one's tokens were emitted, for the same batch."""
+
+    key: tuple  # (request ids, graphs on, fused): a decode_step with this key takes it
+    steps: list[_Launched]
+    blocks_before: list[tuple[SeqKv, int]]  # device blocks of each request before it grew for this step
+
+
+def _discards_ahead(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Every engine call but decode_step first drops the decode step launched ahead (`TorchEngine.decode_step`)."""
+
+    @functools.wraps(method)
+    def call(self: TorchEngine, *args: Any, **kwargs: Any) -> Any:
+        self._discard_ahead()
+        return method(self, *args, **kwargs)
+
+    return call
 
 
 class TorchEngine:
@@ -133,6 +177,10 @@ class TorchEngine:
             from pool.engines.graphs import DecodeGraphs
 
             self._graphs = DecodeGraphs()
+        want_async = self.streams.cuda if self.config.async_decode is None else self.config.async_decode
+        self.async_decode = want_async and rank is None  # may be switched off later, as use_cuda_graphs
+        self._ahead: _Ahead | None = None
+        self.num_steps_ahead = self.num_steps_discarded = 0
         self.weight_bytes_h2d = self.num_switches = self.num_weight_copies = 0
         self.switch_s = 0.0
         self.timings = StepTimings(self.streams.cuda)
@@ -165,6 +213,7 @@ class TorchEngine:
     def model_bytes(self, model: str) -> int:
         return self._models.require(model).image.nbytes
 
+    @_discards_ahead
     def activate(self, model: str, evict: bool = True) -> float:
         """Make `model` active (`evict=False`: resident beside those already resident); returns the seconds."""
         self.timings.other()
@@ -177,6 +226,7 @@ class TorchEngine:
         self.switch_s += seconds
         return seconds
 
+    @_discards_ahead
     def prefetch(self, model: str) -> None:
         self.timings.other()
         self._ensure_buffer().prefetch(self._models.require(model).image)
@@ -188,16 +238,19 @@ class TorchEngine:
         """True when `model`'s weights are wholly on the device (a prefetch has landed)."""
         return self._slots is not None and self._slots.ready_on_device(model)
 
+    @_discards_ahead
     def deactivate(self, model: str) -> None:
         if self._slots is not None:
             self._slots.deactivate(model)
 
+    @_discards_ahead
     def drop_resident(self, model: str) -> None:
         """Forget the device copy of an inactive model, so its next `activate` copies it in again."""
         if self._slots is not None:
             self._slots.drop(model)
 
     # ---- generation -----------------------------------------------------------------------
+    @_discards_ahead
     def prefill(self, requests: Sequence[GenRequest]) -> list[TokenOut]:
         """Admit the requests (of resident models) and prefill each model's prompts; tokens in request order."""
         started = time.perf_counter()
@@ -212,57 +265,116 @@ class TorchEngine:
         outs: dict[str, TokenOut] = {}
         for group in _by_model(seqs):
             inputs = prefill_inputs([s.tokens for s in group], [s.kv for s in group], self.device)
-            outs.update((o.request_id, o) for o in self._emit(group, self._decoder(group[0].model).prefill(inputs)))
+            logits = self._decoder(group[0].model).prefill(inputs)
+            outs.update((o.request_id, o) for o in self._emit(group, self._sample(group, logits)))
             self.timings.prefill(group[0].model.name, sum(len(s.tokens) for s in group) - len(group), len(group),
                                  time.perf_counter() - started)
             started = time.perf_counter()
         return [outs[s.request.request_id] for s in seqs]
 
     def decode_step(self, request_ids: Sequence[str]) -> list[TokenOut]:
-        """One token for each request (of resident models, KV on the device): one forward per model's batch."""
+        """One token for each request (of resident models, KV on the device): one forward per model's batch.
+
+        Async decode (vLLM v1's async scheduling): once this step is queued, the next step of the same batch
+        is queued behind it, fed the sampled ids on the device, before the host waits for this step's ids and
+        emits them, so the device computes it while the host streams tokens and is called again. The next
+        call for the same request ids takes that step; any other call discards it (`_discard_ahead`): it wrote
+        only KV past the requests' lengths, with the values the next step writes again.
+        """
         entered_at = time.perf_counter()
+        key = (tuple(request_ids), self.use_cuda_graphs, self.fused_decode)
+        if self._ahead is not None and self._ahead.key != key:
+            self._discard_ahead()
         seqs = [self._runnable(rid) for rid in request_ids]
         if not seqs:
             return []
         if len(set(request_ids)) != len(seqs):
             raise EngineError(f"duplicate request ids in decode_step: {list(request_ids)}")
         kv, kvs = self._kv_store(), [s.kv for s in seqs]
-        kv.grow(kvs, [len(s.tokens) for s in seqs])  # room for the token fed now
-        kv.before_compute(kvs)
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            steps = ahead.steps
+        else:
+            kv.grow(kvs, [len(s.tokens) for s in seqs])  # room for the token fed now
+            kv.before_compute(kvs)
+            steps = [self._launch(kv, group) for group in _by_model(seqs)]
+        if self._runs_ahead(seqs):
+            self._launch_ahead(kv, key, steps)
         outs: dict[str, TokenOut] = {}
         forward: float | None = 0.0
-        for group in _by_model(seqs):
-            group_out, group_forward = self._decode_batch(kv, group)
-            outs.update((o.request_id, o) for o in group_out)
+        for step in steps:
+            ids = _host_ids(step)
             # a CUDA forward is a pair of events, complete once the batch's tokens were read: seconds now
-            forward = None if forward is None or group_forward is None else forward + self.timings.seconds(group_forward)
+            forward = None if forward is None or step.forward is None else forward + self.timings.seconds(step.forward)
+            outs.update((o.request_id, o) for o in self._emit(step.seqs, ids))
         self.timings.decode(tuple(request_ids), entered_at, forward)
         return [outs[rid] for rid in request_ids]
 
-    def _decode_batch(self, kv: KvStore, seqs: list[_Seq]) -> tuple[list[TokenOut], float | None]:
-        """One decode step of one model's requests: replayed from a CUDA graph when one was captured for it."""
+    def _runs_ahead(self, seqs: list[_Seq]) -> bool:
+        """Launch the next step now: greedy rows only (sampling reads the host's history), and none that
+        ends with this step's token for its length."""
+        return self.async_decode and all(s.greedy and len(s.tokens) + 1 < s.max_len for s in seqs)
+
+    def _launch_ahead(self, kv: KvStore, key: tuple, steps: list[_Launched]) -> None:
+        """Queue the step after `steps` for the same batch: positions + 1, fed the ids on the device."""
+        kvs = [s.kv for step in steps for s in step.seqs]
+        before = [(k, len(k.blocks)) for k in kvs]
+        try:
+            kv.grow(kvs, [len(s.tokens) + 1 for step in steps for s in step.seqs])  # the next token's block
+        except OutOfKvMemory:
+            return  # no room ahead: the next call runs it as before
+        self._ahead = _Ahead(key, [self._launch(kv, step.seqs, step.device_ids) for step in steps], before)
+        self.num_steps_ahead += 1
+
+    def _discard_ahead(self) -> None:
+        """Drop the step launched ahead (every call but the decode_step that takes it comes here first) and
+        give back the blocks it grew. Device work queued later on the compute stream, or on a copy stream
+        (they wait for queued compute), comes after its KV writes, so the blocks are free for reuse now."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return
+        self.num_steps_discarded += 1
+        for seq_kv, num_blocks in ahead.blocks_before:
+            if seq_kv.on_device and self._kv is not None:
+                self._kv.trim(seq_kv, num_blocks)
+
+    def _launch(self, kv: KvStore, seqs: list[_Seq], fed: torch.Tensor | None = None) -> _Launched:
+        """Queue one decode step of one model's requests (replayed from a CUDA graph when one was captured
+        for it) and its greedy ids' copy to the host. `fed`: the ids (on the device) of the step queued just
+        before, which the requests' token lists do not hold yet; the step then runs one position further."""
         kvs = [s.kv for s in seqs]
         model, batch = seqs[0].model, len(seqs)
         decoder = self._decoder(model)
-        last, positions = [s.tokens[-1] for s in seqs], [len(s.tokens) - 1 for s in seqs]
+        ahead = 0 if fed is None else 1
+        last = [0] * batch if fed is not None else [s.tokens[-1] for s in seqs]
+        positions = [len(s.tokens) - 1 + ahead for s in seqs]
         max_blocks = max(len(k.blocks) for k in kvs)
         picked = self.buckets.pick(batch, max_blocks) if self.use_cuda_graphs and self._graphs is not None else None
         logits, forward = None, None
         if picked is not None:
             padded, width = picked
             inputs = decode_inputs(last, kvs, positions, self.device, padded, width, kv.scratch(model.kv_shape))
+            if fed is not None:
+                inputs.row("token_ids")[:batch].copy_(fed)
             timer = self.timings.forward_begin()
             logits = self._graphs.replay(self._graph_key(model, decoder, padded, width, self._offset(model)), inputs)
             if logits is not None:
                 logits, forward = logits[:batch], self.timings.forward_end(timer)
         if logits is None:
             inputs = decode_inputs(last, kvs, positions, self.device, batch, max_blocks)
+            if fed is not None:
+                inputs.row("token_ids").copy_(fed)
             timer = self.timings.forward_begin()
             logits = decoder.decode(inputs)
             forward = self.timings.forward_end(timer) if not self.streams.cuda else None  # eager CUDA: untimed
-        return self._emit(seqs, logits), forward
+        if not all(s.greedy for s in seqs):
+            return _Launched(seqs, None, self._sample(seqs, logits), None, forward)
+        device_ids = logits.argmax(dim=-1)  # greedy, as `sample` picks, left on the device for the next step
+        host_ids = device_ids.to("cpu", non_blocking=True)  # into pinned memory on CUDA
+        return _Launched(seqs, device_ids, host_ids, self.streams.record(self.streams.compute), forward)
 
     # ---- CUDA graphs --------------------------------------------------------------------------
+    @_discards_ahead
     def warm_up(self, max_tokens: int | None = None) -> int:
         """Capture the decode graphs of every loaded model's shape in both its places, for requests of
         up to `max_tokens` tokens (None: the widest table set), so that serving never captures; returns
@@ -298,18 +410,21 @@ class TorchEngine:
         return DecodeInputs.pack(rows, [[scratch] * width] * batch, self.device)
 
     # ---- KV movement ---------------------------------------------------------------------------
+    @_discards_ahead
     def save_kv(self, request_ids: Sequence[str]) -> None:
         started, kv = time.perf_counter(), self._kv_store()
         before = kv.bytes_d2h
         kv.save([self._seqs.require(rid).kv for rid in request_ids])
         self.timings.kv_call("save_kv", len(request_ids), kv.bytes_d2h - before, time.perf_counter() - started)
 
+    @_discards_ahead
     def restore_kv(self, request_ids: Sequence[str]) -> None:
         started, kv = time.perf_counter(), self._kv_store()
         before = kv.bytes_h2d
         kv.restore([self._seqs.require(rid).kv for rid in request_ids])
         self.timings.kv_call("restore_kv", len(request_ids), kv.bytes_h2d - before, time.perf_counter() - started)
 
+    @_discards_ahead
     def release(self, request_ids: Sequence[str]) -> None:
         """Forget the requests and free their KV, wherever it is (also KV staged for a hand-off, once the
         importing engine has copied it); unknown ids are ignored."""
@@ -322,6 +437,7 @@ class TorchEngine:
             if offset is not None and self._arena is not None:
                 self._arena.free(offset)
 
+    @_discards_ahead
     def export_kv(self, request_ids: Sequence[str]) -> list[KvExport]:
         """Move requests out (see `KvExport`): KV read from host memory, or off the device (staged in device
         memory when the engine has a hand-off arena with room: `handoff_bytes`); then forget them."""
@@ -338,6 +454,7 @@ class TorchEngine:
         self._kv_timing("export_kv", exports, started)
         return exports
 
+    @_discards_ahead
     def import_kv(self, exports: Sequence[KvExport]) -> None:
         """Admit exported requests (all or none): KV from host memory into host blocks, as after `save_kv`;
         KV staged in device memory straight into device blocks, copied before this returns (the exporter may
@@ -416,9 +533,12 @@ class TorchEngine:
                    "held_device_bytes": held_device_bytes(self.device),
                    "handoff_arena_bytes": self._arena.ref.nbytes if self._arena else 0,
                    "handoff_staged_bytes": self._arena.used_bytes if self._arena else 0,
+                   "async_decode": self.async_decode, "decode_steps_ahead": self.num_steps_ahead,
+                   "decode_steps_discarded": self.num_steps_discarded,
                    "timings": self.timings.summary()},
         )
 
+    @_discards_ahead
     def close(self) -> None:
         """Free the device buffer, graphs and decoders (a restarted instance needs the memory); the
         engine is unusable after. Host weights stay in the shared cache."""
@@ -580,11 +700,13 @@ class TorchEngine:
                                           comm=None if self.rank is None else self.rank.comm)
         return self._decoders[key]
 
-    def _emit(self, seqs: list[_Seq], logits: torch.Tensor) -> list[TokenOut]:
-        """Sample one token per request, extend its text, and finish (and free) it when it stops."""
-        params = [s.request.sampling for s in seqs]
-        token_ids = sample(logits, params, [s.seed for s in seqs], [s.tokens for s in seqs],
-                           [s.num_output for s in seqs])
+    @staticmethod
+    def _sample(seqs: list[_Seq], logits: torch.Tensor) -> list[int]:
+        return sample(logits, [s.request.sampling for s in seqs], [s.seed for s in seqs], [s.tokens for s in seqs],
+                      [s.num_output for s in seqs])
+
+    def _emit(self, seqs: list[_Seq], token_ids: list[int]) -> list[TokenOut]:
+        """Append one token to each request, extend its text, and finish (and free) it when it stops."""
         out = []
         for seq, token_id in zip(seqs, token_ids):
             p = seq.request.sampling
@@ -597,6 +719,14 @@ class TorchEngine:
             if reason is not None:
                 self.release([seq.request.request_id])
         return out
+
+
+def _host_ids(step: _Launched) -> list[int]:
+    """The step's token ids on the host, once its copy has landed."""
+    if isinstance(step.host_ids, list):
+        return step.host_ids
+    wait_event(step.ready)
+    return step.host_ids.tolist()
 
 
 def _by_model(seqs: list[_Seq]) -> list[list[_Seq]]:

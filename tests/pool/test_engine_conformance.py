@@ -29,7 +29,9 @@ def make_engine(kind: str, demo_models: dict[str, Path], names: tuple[str, ...])
         from pool.engines.torch_engine import TorchEngine, TorchEngineConfig
         from pool.engines.weights import HostWeightCache
 
-        engine: Any = TorchEngine(TorchEngineConfig(dtype="float32", kv_bytes=8 * MiB), HostWeightCache())
+        # async decode, as on CUDA: its step ahead must be invisible to every call of the contract
+        engine: Any = TorchEngine(TorchEngineConfig(dtype="float32", kv_bytes=8 * MiB, async_decode=True),
+                                  HostWeightCache())
     elif kind == "torch-tp2":  # two ranks (rank 1 a subprocess), gloo
         from pool.engines.torch_engine import TorchEngineConfig
         from pool.engines.tp import TpEngine

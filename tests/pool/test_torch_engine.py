@@ -41,6 +41,7 @@ WEIGHTS = HostWeightCache()  # one host copy per model for the whole module, as 
 
 def make_engine(demo_models: dict[str, Path], names=TINY, **config) -> TorchEngine:
     config.setdefault("dtype", "float32")
+    config.setdefault("async_decode", True)  # the default on CUDA; on CPU it only runs the same logic
     engine = TorchEngine(TorchEngineConfig(**config), weight_cache=WEIGHTS)
     for name in names:
         engine.load(name, demo_models[name])
