@@ -19,8 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_tiny_harness_serves_every_request_with_no_capture_on_the_request_path(tmp_path) -> None:
     out = tmp_path / "gp"
     done = subprocess.run([sys.executable, "benchmarks/gpu_pool.py", "--tiny", "--out", str(out), "--rate", "3",
-                           "--duration", "6", "--backend", "processes"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
+                           "--duration", "6", "--backend", "processes",
+                           "--serve-arg=--async-decode"],  # as on CUDA, where it is the default
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     run = json.loads((out / "run-processes-pd-r3.json").read_text())
     aggregate = run["aggregate"]
@@ -30,6 +31,7 @@ def test_tiny_harness_serves_every_request_with_no_capture_on_the_request_path(t
     assert all(r["ttft_s"] > 0 and r["tokens"] >= 1 for r in served)
     assert sum(run["graph_captures_after_warmup"].values()) == 0
     assert set(run["decode_timings"]) == {"slot0", "slot1"}  # a prefill and a decode instance
+    assert run["decode_steps_ahead"]["slot1"] > 0  # the decoder queued steps ahead of the host
     assert run["prefill_vs_standalone"]["samples"] > 0
     assert run["fidelity"]["ttft_s"]["pairs"] == len(served)  # the simulator ran the same trace
     assert all(r["sim_ttft_s"] > 0 for r in served)  # side by side, per request
