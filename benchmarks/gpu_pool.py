@@ -339,6 +339,9 @@ def phase_result(backend: str, layout: str, rate: float, args: argparse.Namespac
             "prefill_samples": {iid: e["extra"].get("timings", {}).get("prefills") for iid, e in engines.items()},
             # KV calls in each engine (the P/D hand-off: export_kv on the prefill instance, import_kv on the decoder)
             "kv_timings": {iid: e["extra"].get("timings", {}).get("kv") for iid, e in engines.items()},
+            # every engine call by method since the engine started (calls, seconds inside the engine): where each
+            # instance's time went; diff two runs of one serve for one run's share
+            "call_timings": {iid: e["extra"].get("timings", {}).get("calls") for iid, e in engines.items()},
             "errors": sorted({str(r["error"])[:200] for r in rows_out if r["error"]})[:10],
             "requests": rows_out,
             "metrics_graph_lines": [line for line in metrics_text.splitlines() if line.startswith("modelpool_graph")]}

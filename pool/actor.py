@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from pool.engines.base import Engine
+from pool.engines.timings import call_engine
 from pool.placement import DEFAULT_TIMEOUT_S as DEFAULT_PLACEMENT_TIMEOUT_S
 from pool.placement import Placements, rank_bundle
 
@@ -65,7 +66,7 @@ class InstanceActor:
             warm_up(max_tokens)
 
     def call(self, method: str, *args: Any) -> Any:
-        return getattr(self.engine, method)(*args)
+        return call_engine(self.engine, method, args)
 
     def ready(self) -> str:
         return self.instance_id

@@ -20,6 +20,7 @@ from typing import Any
 from pool.controller import InstanceDied
 from pool.engines.base import Engine
 from pool.engines.device import GATE
+from pool.engines.timings import call_engine
 
 
 class InProcessBackend:
@@ -144,7 +145,7 @@ class ThreadBackend:
                     result: Any = _dead(instance_id)
                 else:
                     with GATE.shared():
-                        result = getattr(engine, method)(*args)
+                        result = call_engine(engine, method, args)
             except Exception as exc:  # handed to the controller, which decides what it means
                 result = exc
             del args

@@ -37,6 +37,7 @@ from pool.actor import EngineSpec
 from pool.backends import take_done
 from pool.controller import InstanceDied
 from pool.engines.base import EngineError
+from pool.engines.timings import call_engine
 
 log = logging.getLogger("modelpool.procs")
 
@@ -129,7 +130,7 @@ def _worker_main(conn: Any, instance_id: str, spec: EngineSpec, models: Mapping[
             break
         handle, method, args = message
         try:
-            result: Any = getattr(engine, method)(*args)
+            result: Any = call_engine(engine, method, args)
         except Exception as exc:  # handed to the controller, which decides what it means
             result = exc
         del args, message

@@ -30,6 +30,9 @@ class StepTimings:
         self.decodes: deque[tuple[int, float, float, float]] = deque(maxlen=keep)
         self._last: tuple[tuple[str, ...], float, Any, float] | None = None  # (ids, entered at, forward, call s)
         self.kv_calls: deque[tuple[str, int, int, float]] = deque(maxlen=keep)  # (method, requests, bytes, s)
+        # every call a backend made (`call_engine`): method -> [calls, seconds] since start, and the latest ones
+        self.call_totals: dict[str, list[float]] = {}
+        self.calls: deque[tuple[str, float]] = deque(maxlen=4 * keep)
 
     # ---- forward timer: CUDA events around the forward, or the host clock on CPU ----
     def forward_begin(self) -> Any:
@@ -71,6 +74,13 @@ class StepTimings:
         self.kv_calls.append((method, num_requests, nbytes, seconds))
         self._last = None
 
+    def call(self, method: str, seconds: float) -> None:
+        """One engine call, as a backend made it (inside the engine: from entry to return)."""
+        total = self.call_totals.setdefault(method, [0, 0.0])
+        total[0] += 1
+        total[1] += seconds
+        self.calls.append((method, seconds))
+
     def other(self) -> None:
         """Any other engine call: the next decode step starts a new run of the same batch."""
         self._last = None
@@ -105,4 +115,21 @@ class StepTimings:
             kv[method] = {"calls": len(calls), "requests": sum(c[1] for c in calls),
                           "mb": round(sum(c[2] for c in calls) / 1e6, 3), "ms_p50": round(float(np.median(ms)), 4),
                           "ms_p90": round(float(np.percentile(ms, 90)), 4), "ms_max": round(float(ms.max()), 4)}
-        return {"decode": decode, "prefills": prefills, "kv": kv}
+        calls: dict[str, Any] = {}
+        for method, (count, seconds) in sorted(self.call_totals.items()):
+            ms = np.array([c[1] for c in self.calls if c[0] == method] or [0.0]) * 1e3
+            calls[method] = {"calls": int(count), "s": round(seconds, 4), "ms_p50": round(float(np.median(ms)), 4),
+                             "ms_p90": round(float(np.percentile(ms, 90)), 4), "ms_max": round(float(ms.max()), 4)}
+        return {"decode": decode, "prefills": prefills, "kv": kv, "calls": calls}
+
+
+def call_engine(engine: Any, method: str, args: tuple[Any, ...]) -> Any:
+    """One engine call as a backend makes it, timed into the engine's StepTimings when it keeps them (the
+    summary's `calls`: where an instance's time goes, method by method)."""
+    started = time.perf_counter()
+    try:
+        return getattr(engine, method)(*args)
+    finally:
+        timings = getattr(engine, "timings", None)
+        if isinstance(timings, StepTimings):
+            timings.call(method, time.perf_counter() - started)

@@ -183,3 +183,22 @@ def test_the_engine_times_its_kv_calls_with_their_bytes(tiny_engine) -> None:
     assert kv["export_kv"]["mb"] == pytest.approx(exports[0].kv_bytes / 1e6, abs=1e-3)
     imported = other.stats().extra["timings"]["kv"]["import_kv"]
     assert imported["requests"] == 1 and imported["mb"] == kv["export_kv"]["mb"]
+
+
+def test_backends_time_every_engine_call_by_method(tiny_engine) -> None:
+    """call_engine (every backend's way into an engine) books each call's time in the engine's StepTimings; the
+    summary's `calls` says where an instance's time went (benchmarks/gpu_pool.py's call_timings)."""
+    from pool.engines.base import GenRequest, SamplingParams
+    from pool.engines.timings import call_engine
+
+    tiny_engine.activate("tiny")
+    request = GenRequest("c", "tiny", tuple(range(5, 25)), SamplingParams(max_tokens=4, ignore_eos=True))
+    call_engine(tiny_engine, "prefill", ([request],))
+    for _ in range(2):
+        call_engine(tiny_engine, "decode_step", (["c"],))
+    with pytest.raises(Exception, match="unknown request"):
+        call_engine(tiny_engine, "decode_step", (["nobody"],))  # a failing call is timed too
+    calls = tiny_engine.stats().extra["timings"]["calls"]
+    assert calls["prefill"]["calls"] == 1 and calls["decode_step"]["calls"] == 3
+    assert calls["decode_step"]["s"] > 0 and calls["decode_step"]["ms_max"] >= calls["decode_step"]["ms_p50"] > 0
+    assert "activate" not in calls  # called directly, not through a backend
