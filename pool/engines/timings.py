@@ -8,6 +8,11 @@ controller's tick, the runner). The forward alone is timed on the device
 `period - forward` is the host overhead per step that the live pool pays
 and the cost model must charge. Prefill is timed whole (inputs to sampled
 token), as the live pool runs it.
+
+What the live pool adds to the engine's own step (`added`, what the simulator
+is calibrated with) is the time outside the engine's call, period - call; but
+for a step launched ahead (async decode) the host's work, inside the call and
+outside it, ran while the device computed, so what it adds is period - forward.
 """
 
 from __future__ import annotations
@@ -25,10 +30,12 @@ class StepTimings:
     def __init__(self, cuda: bool, keep: int = 4096) -> None:
         self.cuda = cuda
         self.prefills: deque[tuple[str, int, int, float]] = deque(maxlen=keep)  # (model, tokens, requests, s)
-        # (batch, period s, forward s, call s): call = the step's time inside the engine (inputs, forward,
-        # sampling, tokens out); period - call = the time outside it (backend hop, controller, runner)
-        self.decodes: deque[tuple[int, float, float, float]] = deque(maxlen=keep)
-        self._last: tuple[tuple[str, ...], float, Any, float] | None = None  # (ids, entered at, forward, call s)
+        # (batch, period s, forward s, call s, ahead): call = the step's time inside the engine (inputs, forward,
+        # sampling, tokens out); period - call = the time outside it (backend hop, controller, runner); ahead:
+        # 1 when the step was launched ahead of the host (async decode), else 0
+        self.decodes: deque[tuple[int, float, float, float, int]] = deque(maxlen=keep)
+        # (ids, entered at, forward, call s, ahead)
+        self._last: tuple[tuple[str, ...], float, Any, float, bool] | None = None
         self.kv_calls: deque[tuple[str, int, int, float]] = deque(maxlen=keep)  # (method, requests, bytes, s)
         # every call a backend made (`call_engine`): method -> [calls, seconds] since start, and the latest ones
         self.call_totals: dict[str, list[float]] = {}
@@ -61,12 +68,13 @@ class StepTimings:
         self.prefills.append((model, num_tokens, num_requests, seconds))
         self._last = None
 
-    def decode(self, request_ids: tuple[str, ...], entered_at: float, forward: Any) -> None:
-        """A decode step of `request_ids` entered at `entered_at`; `forward` from forward_end (None: untimed)."""
+    def decode(self, request_ids: tuple[str, ...], entered_at: float, forward: Any, ahead: bool = False) -> None:
+        """A decode step of `request_ids` entered at `entered_at`; `forward` from forward_end (None: untimed);
+        `ahead`: its tokens came from a step launched before this call (async decode)."""
         last = self._last
         if last is not None and last[0] == request_ids and last[2] is not None:
-            self.decodes.append((len(request_ids), entered_at - last[1], self.seconds(last[2]), last[3]))
-        self._last = (request_ids, entered_at, forward, time.perf_counter() - entered_at)
+            self.decodes.append((len(request_ids), entered_at - last[1], self.seconds(last[2]), last[3], int(last[4])))
+        self._last = (request_ids, entered_at, forward, time.perf_counter() - entered_at, ahead)
 
     def kv_call(self, method: str, num_requests: int, nbytes: int, seconds: float) -> None:
         """A KV call (save_kv, restore_kv, export_kv, import_kv): its requests, bytes and time in the engine
@@ -99,6 +107,7 @@ class StepTimings:
                     continue
                 overhead = (picked[:, 1] - picked[:, 2]) * 1e3
                 outside = (picked[:, 1] - picked[:, 3]) * 1e3
+                added = np.where(picked[:, 4] > 0, overhead, outside)
                 decode[f"<={high}"] = {
                     "steps": int(len(picked)), "batch_mean": round(float(picked[:, 0].mean()), 3), "period_ms_p50": round(float(np.median(picked[:, 1])) * 1e3, 4),
                     "forward_ms_p50": round(float(np.median(picked[:, 2])) * 1e3, 4),
@@ -106,7 +115,9 @@ class StepTimings:
                     "overhead_ms_p90": round(float(np.percentile(overhead, 90)), 4),
                     "in_engine_ms_p50": round(float(np.median(picked[:, 3])) * 1e3, 4),
                     "outside_ms_p50": round(float(np.median(outside)), 4),
-                    "outside_ms_p90": round(float(np.percentile(outside, 90)), 4)}
+                    "outside_ms_p90": round(float(np.percentile(outside, 90)), 4),
+                    "ahead_share": round(float(picked[:, 4].mean()), 4),
+                    "added_ms_p50": round(float(np.median(added)), 4)}
         prefills = [[m, t, n, round(s, 6)] for m, t, n, s in list(self.prefills)[-max_prefills:]]
         kv: dict[str, Any] = {}
         for method in sorted({call[0] for call in self.kv_calls}):

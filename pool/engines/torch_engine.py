@@ -307,7 +307,7 @@ class TorchEngine:
             # a CUDA forward is a pair of events, complete once the batch's tokens were read: seconds now
             forward = None if forward is None or step.forward is None else forward + self.timings.seconds(step.forward)
             outs.update((o.request_id, o) for o in self._emit(step.seqs, ids))
-        self.timings.decode(tuple(request_ids), entered_at, forward)
+        self.timings.decode(tuple(request_ids), entered_at, forward, ahead is not None)
         return [outs[rid] for rid in request_ids]
 
     def _runs_ahead(self, seqs: list[_Seq]) -> bool:

@@ -251,8 +251,8 @@ def with_live_host(profile: CalibrationProfile, run: Mapping[str, Any], where: s
     type `gpu` (default: the one `profile` was calibrated on; a profile without a calibration run needs it: the
     run JSON does not say). The result is named `name` (default: the profile's name).
 
-    The engine that decoded most steps (the decode instance) gives, per bucket of at least MIN_STEPS steps, its
-    median time outside the engine's call and the bucket's mean batch (the bucket's middle in runs that did not
+    The engine that decoded most steps (the decode instance) gives, per bucket of at least MIN_STEPS steps, the
+    median time a step adds to the engine's own (StepTimings' `added`) and the bucket's mean batch (the bucket's middle in runs that did not
     record it); a least-squares line through them, weighted by steps, is a + b x batch (both held >= 0)."""
     gpu = (gpu or (profile.calibration.gpu if profile.calibration is not None else "")).lower()
     if not gpu:
@@ -266,9 +266,12 @@ def with_live_host(profile: CalibrationProfile, run: Mapping[str, Any], where: s
     low = 0
     for key, figures in sorted(buckets.items(), key=lambda kv: int(kv[0].removeprefix("<="))):
         high = int(key.removeprefix("<="))
-        if figures.get("steps", 0) >= MIN_STEPS and figures.get("outside_ms_p50") is not None:
+        # what a step adds to the engine's own (StepTimings: outside the call, or with async decode period -
+        # forward); runs before async decode recorded only the time outside the call
+        added = figures.get("added_ms_p50", figures.get("outside_ms_p50"))
+        if figures.get("steps", 0) >= MIN_STEPS and added is not None:
             batch = figures.get("batch_mean") or (low + 1 + high) / 2
-            points.append((float(batch), figures["outside_ms_p50"] / 1e3, figures["steps"]))
+            points.append((float(batch), added / 1e3, figures["steps"]))
         low = high
     if len(points) < 2:
         raise ValueError(f"engine {engine!r}: {len(points)} batch bucket(s) with {MIN_STEPS}+ decode steps and an "
@@ -282,8 +285,8 @@ def with_live_host(profile: CalibrationProfile, run: Mapping[str, Any], where: s
     backend, layout = run.get("backend", "?"), run.get("layout", "?")
     shown = ", ".join(f"{x:g}: {y * 1e3:.3f} ms" for x, y, _ in points)
     source = (f"the live pool itself ({backend} backend, {layout} layout, {run.get('rate_rps', '?')} req/s; engine "
-              f"{engine}): each decode step's time outside the engine's call, median per batch bucket ({shown}), "
-              f"fitted as a + b x batch ({where})")
+              f"{engine}): the time each decode step adds to the engine's (outside its call; with async decode, "
+              f"period less forward), median per batch bucket ({shown}), fitted as a + b x batch ({where})")
     provenance = {
         "decode_host_s": Provenance(status="measured", gpus=(gpu,), source=f"a of {source}"),
         "decode_host_request_s": Provenance(status="measured", gpus=(gpu,), source=f"b of {source}")}

@@ -258,3 +258,29 @@ def test_decode_host_benchmark_runs_both_modes(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["batch"], r["async_decode"]) for r in rows] == [(1, False), (4, False), (1, True), (4, True)]
     assert all(r["steps"] == 11 and r["period_ms"] > r["forward_ms"] > 0 and r["emit_ms"] > 0 for r in rows)
+
+
+def test_a_step_launched_ahead_adds_its_period_less_its_forward_to_the_engines_step():
+    """StepTimings: a plain step adds the time outside the engine's call to the engine's step; one launched ahead
+    overlapped all host work with the device, so it adds period - forward. The simulator's host terms are
+    fitted to that figure (`with_live_host`)."""
+    from pool.engines.timings import StepTimings
+    from sims.profiles import load_profile
+    from sims.profiles.calibrated import with_live_host
+
+    timings = StepTimings(cuda=False)
+    for at, ahead in ((0.0, False), (0.004, True), (0.008, True)):
+        timings.decode(("a",), at, 0.003, ahead)
+    assert [row[4] for row in timings.decodes] == [0, 1]  # each period is its earlier call's step
+    plain, fast = StepTimings(cuda=False), StepTimings(cuda=False)
+    plain.decodes.extend([(2, 0.0040, 0.0030, 0.0035, 0)] * 3)  # 0.5 ms outside the call
+    fast.decodes.extend([(2, 0.0031, 0.0030, 0.0029, 1)] * 3)  # the call waited on the device; 0.2 ms outside
+    for timed, added, outside, share in ((plain, 0.5, 0.5, 0.0), (fast, 0.1, 0.2, 1.0)):
+        bucket = timed.summary()["decode"]["<=4"]
+        assert bucket["added_ms_p50"] == pytest.approx(added) and bucket["outside_ms_p50"] == pytest.approx(outside)
+        assert bucket["ahead_share"] == share
+    buckets = {f"<={high}": {"steps": 100, "batch_mean": batch, "outside_ms_p50": 0.5, "added_ms_p50": 0.05}
+               for high, batch in ((1, 1.0), (16, 12.0))}
+    run = {"backend": "processes", "layout": "pd", "rate_rps": 10.0, "decode_timings": {"slot1": buckets}}
+    fitted = with_live_host(load_profile("h200-cudagraph"), run, "a test", "h200")
+    assert fitted.terms.decode_host_s == pytest.approx(5e-5, rel=1e-3) and fitted.terms.decode_host_request_s == 0
