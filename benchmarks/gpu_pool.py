@@ -123,7 +123,9 @@ def start_server(fleet: Path, backend: str, port: int, log_path: Path, extra: li
                  prefix: list[str] = ()) -> subprocess.Popen:
     cmd = [*prefix, sys.executable, "-m", "modelpool.cli", "serve", "--fleet", str(fleet), "--backend", backend,
            "--port", str(port), "--plan-log", str(log_path.with_suffix(".plans.jsonl")), *extra]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_AUTH_MODE": "disabled"}
+    calls = log_path.with_suffix(".calls")  # each instance's engine calls, timed (processes backend), at the end
+    calls.mkdir(exist_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_AUTH_MODE": "disabled", "MODELPOOL_CALL_LOG_DIR": str(calls)}
     return subprocess.Popen(cmd, stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT,
                             start_new_session=True)
 

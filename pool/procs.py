@@ -140,6 +140,10 @@ def _worker_main(conn: Any, instance_id: str, spec: EngineSpec, models: Mapping[
             payload = _dumps_result((handle, EngineError(f"{instance_id}: {method} -> unpicklable {exc!r}: "
                                                          f"{result!r}"[:2000])))
         conn.send_bytes(payload)
+    log_dir = os.environ.get("MODELPOOL_CALL_LOG_DIR")  # a benchmark's: every engine call, timed, at the end
+    timings = getattr(engine, "timings", None)
+    if log_dir and hasattr(timings, "dump_calls"):
+        timings.dump_calls(os.path.join(log_dir, f"calls-{instance_id}.json"))
     close = getattr(engine, "close", None)
     if close is not None:
         close()

@@ -39,6 +39,13 @@ def test_tiny_harness_serves_every_request_with_no_capture_on_the_request_path(t
     assert 0 < sim["ttft_s"]["p50"] <= sim["ttft_s"]["p99"] and 0 < sim["tpot_s"]["p50"] <= sim["tpot_s"]["p99"]
     trace = (out / run["trace"]).read_text().splitlines()
     assert trace[0] == "timestamp_s,model,input_tokens,output_tokens" and len(trace) == aggregate["requests"] + 1
+    # each instance's engine calls, timed on one clock, written when its process stopped
+    calls = {p.stem: json.loads(p.read_text()) for p in (out / "serve-processes-pd.calls").glob("calls-*.json")}
+    assert set(calls) == {"calls-slot0", "calls-slot1"}
+    assert "prefill" in {m for m, _, _ in calls["calls-slot0"]}
+    decodes = [(t, d) for m, t, d in calls["calls-slot1"] if m == "decode_step"]
+    assert len(decodes) >= run["call_timings"]["slot1"]["decode_step"]["calls"] > 0
+    assert all(d > 0 for _, d in decodes) and all(b[0] >= a[0] + a[1] for a, b in zip(decodes, decodes[1:]))
 
 
 def test_simulator_side_of_the_two_gpu_prefill_decode_layout(tmp_path) -> None:

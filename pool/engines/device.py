@@ -235,6 +235,11 @@ class Streams:
         if self.cuda:
             torch.cuda.synchronize()
 
+    def compute_done(self) -> None:
+        """Wait for the compute stream only (not for weight prefetches or KV swaps in flight on the others)."""
+        if self.cuda:
+            self.compute.synchronize()
+
 
 class _NullContext:
     def __enter__(self) -> None:

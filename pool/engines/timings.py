@@ -37,9 +37,11 @@ class StepTimings:
         # (ids, entered at, forward, call s, ahead)
         self._last: tuple[tuple[str, ...], float, Any, float, bool] | None = None
         self.kv_calls: deque[tuple[str, int, int, float]] = deque(maxlen=keep)  # (method, requests, bytes, s)
-        # every call a backend made (`call_engine`): method -> [calls, seconds] since start, and the latest ones
+        # every call a backend made (`call_engine`): method -> [calls, seconds] since start, the latest seconds of
+        # each method, and a log of the latest calls as (method, started at: time.monotonic, seconds)
         self.call_totals: dict[str, list[float]] = {}
-        self.calls: deque[tuple[str, float]] = deque(maxlen=4 * keep)
+        self.calls: dict[str, deque[float]] = {}
+        self.call_log: deque[tuple[str, float, float]] = deque(maxlen=16 * keep)
 
     # ---- forward timer: CUDA events around the forward, or the host clock on CPU ----
     def forward_begin(self) -> Any:
@@ -82,12 +84,21 @@ class StepTimings:
         self.kv_calls.append((method, num_requests, nbytes, seconds))
         self._last = None
 
-    def call(self, method: str, seconds: float) -> None:
+    def call(self, method: str, started_at: float, seconds: float) -> None:
         """One engine call, as a backend made it (inside the engine: from entry to return)."""
         total = self.call_totals.setdefault(method, [0, 0.0])
         total[0] += 1
         total[1] += seconds
-        self.calls.append((method, seconds))
+        self.calls.setdefault(method, deque(maxlen=self.kv_calls.maxlen)).append(seconds)
+        self.call_log.append((method, started_at, seconds))
+
+    def dump_calls(self, path: str) -> None:
+        """Write the call log as JSON rows [method, started at (monotonic s, one clock for the host's processes),
+        seconds]: instances' calls can be laid side by side (benchmarks/gpu_pool.py on the GPU)."""
+        import json
+
+        with open(path, "w") as out:
+            json.dump([[m, round(t, 6), round(d, 6)] for m, t, d in self.call_log], out)
 
     def other(self) -> None:
         """Any other engine call: the next decode step starts a new run of the same batch."""
@@ -128,7 +139,7 @@ class StepTimings:
                           "ms_p90": round(float(np.percentile(ms, 90)), 4), "ms_max": round(float(ms.max()), 4)}
         calls: dict[str, Any] = {}
         for method, (count, seconds) in sorted(self.call_totals.items()):
-            ms = np.array([c[1] for c in self.calls if c[0] == method] or [0.0]) * 1e3
+            ms = np.array(self.calls.get(method) or [0.0]) * 1e3
             calls[method] = {"calls": int(count), "s": round(seconds, 4), "ms_p50": round(float(np.median(ms)), 4),
                              "ms_p90": round(float(np.percentile(ms, 90)), 4), "ms_max": round(float(ms.max()), 4)}
         return {"decode": decode, "prefills": prefills, "kv": kv, "calls": calls}
@@ -137,10 +148,10 @@ class StepTimings:
 def call_engine(engine: Any, method: str, args: tuple[Any, ...]) -> Any:
     """One engine call as a backend makes it, timed into the engine's StepTimings when it keeps them (the
     summary's `calls`: where an instance's time goes, method by method)."""
-    started = time.perf_counter()
+    started, clock = time.perf_counter(), time.monotonic()
     try:
         return getattr(engine, method)(*args)
     finally:
         timings = getattr(engine, "timings", None)
         if isinstance(timings, StepTimings):
-            timings.call(method, time.perf_counter() - started)
+            timings.call(method, clock, time.perf_counter() - started)
