@@ -1,0 +1,82 @@
+"""Does a weight copy hold up the decode step's inputs? Head-of-line blocking on the host-to-device copy engine.
+
+A decode step uploads its inputs (token ids, positions, block tables: a few KB) host to device on the compute
+stream. While a model's weights are being prefetched on another stream, that small copy may wait until the
+big one is done: measured here as the latency of a small pinned copy + a tiny kernel + sync on the default
+stream while a large pinned copy of `--gb` runs on a side stream, issued whole or in chunks
+(pool.engines.slots.WEIGHT_COPY_CHUNK_BYTES). Prints a table and writes JSON.
+
+    python benchmarks/gpu_copy_hol.py --out results.json [--gb 8] [--chunk-mb 0 --chunk-mb 64 --chunk-mb 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def small_copy_ms(src: torch.Tensor, dst: torch.Tensor) -> float:
+    started = time.perf_counter()
+    dst.copy_(src, non_blocking=True)
+    dst.add_(1)
+    torch.cuda.current_stream().synchronize()
+    return (time.perf_counter() - started) * 1e3
+
+
+def during(host: torch.Tensor, device: torch.Tensor, chunk: int, src: torch.Tensor, dst: torch.Tensor) -> dict:
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    with torch.cuda.stream(side):
+        step = chunk or host.numel()
+        for start in range(0, host.numel(), step):
+            device[start : start + step].copy_(host[start : start + step], non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(side)
+    issued_ms = (time.perf_counter() - started) * 1e3
+    waits = []
+    while not done.query():
+        waits.append(small_copy_ms(src, dst))
+    big_ms = (time.perf_counter() - started) * 1e3
+    torch.cuda.synchronize()
+    w = np.array(waits or [0.0])
+    return {"chunk_mb": chunk >> 20, "big_copy_ms": round(big_ms, 2), "gb_s": round(host.numel() / big_ms / 1e6, 1),
+            "issue_ms": round(issued_ms, 3), "small_copies": len(waits), "small_ms_p50": round(float(np.median(w)), 3),
+            "small_ms_p90": round(float(np.percentile(w, 90)), 3), "small_ms_max": round(float(w.max()), 3)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--gb", type=float, default=8.0)
+    parser.add_argument("--chunk-mb", type=int, action="append", help="0: one copy (repeatable)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs CUDA: this measures the GPU's copy engines")
+    nbytes = int(args.gb * 1e9)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    src = torch.zeros(8192, dtype=torch.int64, pin_memory=True)
+    dst = torch.zeros(8192, dtype=torch.int64, device="cuda")
+    for _ in range(20):
+        small_copy_ms(src, dst)
+    idle = np.array([small_copy_ms(src, dst) for _ in range(200)])
+    rows = [during(host, device, mb << 20, src, dst) for mb in (args.chunk_mb or [0, 64, 16])]
+    result = {"device": torch.cuda.get_device_name(), "gb": args.gb, "idle_small_ms_p50": round(float(np.median(idle)), 3),
+              "idle_small_ms_max": round(float(idle.max()), 3), "runs": rows}
+    print(f"{result['device']}: small copy + kernel + sync alone: p50 {result['idle_small_ms_p50']} ms")
+    print(f"{'chunk MB':>9s} {'big ms':>8s} {'GB/s':>6s} {'issue ms':>9s} {'n':>6s} {'small p50':>10s} {'p90':>8s} {'max':>8s}")
+    for r in rows:
+        print(f"{r['chunk_mb']:9d} {r['big_copy_ms']:8.1f} {r['gb_s']:6.1f} {r['issue_ms']:9.2f} {r['small_copies']:6d} "
+              f"{r['small_ms_p50']:10.3f} {r['small_ms_p90']:8.3f} {r['small_ms_max']:8.3f}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
