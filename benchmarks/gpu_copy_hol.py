@@ -3,8 +3,8 @@
 A decode step uploads its inputs (token ids, positions, block tables: a few KB) host to device on the compute
 stream. While a model's weights are being prefetched on another stream, that small copy may wait until the
 big one is done: measured here as the latency of a small pinned copy + a tiny kernel + sync on the default
-stream while a large pinned copy of `--gb` runs on a side stream, issued whole or in chunks
-(pool.engines.slots.WEIGHT_COPY_CHUNK_BYTES). Prints a table and writes JSON.
+stream while a large pinned copy of `--gb` runs on a side stream, issued whole or in chunks, with or without a
+one-element kernel between chunks (pool.engines.slots.WEIGHT_COPY_CHUNK_BYTES). Prints a table and writes JSON.
 
     python benchmarks/gpu_copy_hol.py --out results.json [--gb 8] [--chunk-mb 0 --chunk-mb 64 --chunk-mb 16]
 """
@@ -28,13 +28,17 @@ def small_copy_ms(src: torch.Tensor, dst: torch.Tensor) -> float:
     return (time.perf_counter() - started) * 1e3
 
 
-def during(host: torch.Tensor, device: torch.Tensor, chunk: int, src: torch.Tensor, dst: torch.Tensor) -> dict:
+def during(host: torch.Tensor, device: torch.Tensor, chunk: int, src: torch.Tensor, dst: torch.Tensor,
+           yields: bool) -> dict:
     side = torch.cuda.Stream()
+    tick = torch.zeros(1, device="cuda")
     torch.cuda.synchronize()
     started = time.perf_counter()
     with torch.cuda.stream(side):
         step = chunk or host.numel()
         for start in range(0, host.numel(), step):
+            if start and yields:
+                tick.add_(1)  # as pool.engines.slots does between pieces
             device[start : start + step].copy_(host[start : start + step], non_blocking=True)
         done = torch.cuda.Event()
         done.record(side)
@@ -45,7 +49,7 @@ def during(host: torch.Tensor, device: torch.Tensor, chunk: int, src: torch.Tens
     big_ms = (time.perf_counter() - started) * 1e3
     torch.cuda.synchronize()
     w = np.array(waits or [0.0])
-    return {"chunk_mb": chunk >> 20, "big_copy_ms": round(big_ms, 2), "gb_s": round(host.numel() / big_ms / 1e6, 1),
+    return {"chunk_mb": chunk >> 20, "yields": yields, "big_copy_ms": round(big_ms, 2), "gb_s": round(host.numel() / big_ms / 1e6, 1),
             "issue_ms": round(issued_ms, 3), "small_copies": len(waits), "small_ms_p50": round(float(np.median(w)), 3),
             "small_ms_p90": round(float(np.percentile(w, 90)), 3), "small_ms_max": round(float(w.max()), 3)}
 
@@ -66,13 +70,14 @@ def main() -> None:
     for _ in range(20):
         small_copy_ms(src, dst)
     idle = np.array([small_copy_ms(src, dst) for _ in range(200)])
-    rows = [during(host, device, mb << 20, src, dst) for mb in (args.chunk_mb or [0, 64, 16])]
+    rows = [during(host, device, mb << 20, src, dst, yields) for mb in (args.chunk_mb or [0, 64, 16])
+            for yields in ((False, True) if mb else (False,))]
     result = {"device": torch.cuda.get_device_name(), "gb": args.gb, "idle_small_ms_p50": round(float(np.median(idle)), 3),
               "idle_small_ms_max": round(float(idle.max()), 3), "runs": rows}
     print(f"{result['device']}: small copy + kernel + sync alone: p50 {result['idle_small_ms_p50']} ms")
-    print(f"{'chunk MB':>9s} {'big ms':>8s} {'GB/s':>6s} {'issue ms':>9s} {'n':>6s} {'small p50':>10s} {'p90':>8s} {'max':>8s}")
+    print(f"{'chunk MB':>9s} {'yield':>5s} {'big ms':>8s} {'GB/s':>6s} {'issue ms':>9s} {'n':>6s} {'small p50':>10s} {'p90':>8s} {'max':>8s}")
     for r in rows:
-        print(f"{r['chunk_mb']:9d} {r['big_copy_ms']:8.1f} {r['gb_s']:6.1f} {r['issue_ms']:9.2f} {r['small_copies']:6d} "
+        print(f"{r['chunk_mb']:9d} {str(r['yields'])[0]:>5s} {r['big_copy_ms']:8.1f} {r['gb_s']:6.1f} {r['issue_ms']:9.2f} {r['small_copies']:6d} "
               f"{r['small_ms_p50']:10.3f} {r['small_ms_p90']:8.3f} {r['small_ms_max']:8.3f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))

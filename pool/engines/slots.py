@@ -12,11 +12,13 @@ bytes stay one gap and each model has two places, for which CUDA graphs are
 captured), else into the first gap that holds it. Copies run on the weight
 stream after the compute queued so far (the old bytes may still be read);
 compute waits on the copy's event. A copy goes in pieces of
-`WEIGHT_COPY_CHUNK_BYTES`: one copy of a whole model holds the host-to-device
-copy engine for its length (0.28 s for 15 GB on the H200), and the decode
-steps' small input copies on the compute stream queued behind it (decode
-steps of 0.3-0.5 s right after every prefetch at 10 req/s); between pieces
-they get their turn.
+`WEIGHT_COPY_CHUNK_BYTES` with a one-element kernel between pieces: one copy
+of a whole model holds the host-to-device copy engine for its length (0.28 s
+for 15 GB on the H200), and the steps' small input copies on the compute
+stream queue behind it (the decode step after a prefetch took 100 ms on
+average, 0.54 s at most, at 10 req/s). Pieces alone do not help: the engine
+runs one stream's ready copies back to back; the kernel between them makes it
+yield (torchrec's copy-engine study, its `chunked_copy_`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from pool.engines.weights import ModelImage
 from scheduler import ModelSlots as SlotRule
 from scheduler import RefusedAction
 
-WEIGHT_COPY_CHUNK_BYTES = 64 << 20  # ~1.2 ms of the H200's host link: the most a decode step's inputs wait
+WEIGHT_COPY_CHUNK_BYTES = 64 << 20  # ~1.2 ms of the H200's host link: about the most a step's inputs wait
 
 
 @dataclass(slots=True)
@@ -52,6 +54,8 @@ class ModelSlots:
                  on_copy: Callable[[int], None] = lambda nbytes: None) -> None:
         self.region = region
         self.streams = streams
+        # the one-element kernel between a copy's pieces (on CUDA; CPU copies have no copy engine to share)
+        self._yield = torch.zeros(1, device=region.device) if streams.cuda else None
         self.on_copy = on_copy
         self.sizes: dict[str, float] = {}  # model -> bytes, of every model asked for so far
         self.rule = SlotRule(capacity_bytes=region.numel(), model_bytes=self.sizes)
@@ -167,6 +171,8 @@ class ModelSlots:
         self.streams.after_compute(weights)
         with self.streams.on(weights):
             for start in range(0, image.nbytes, WEIGHT_COPY_CHUNK_BYTES):
+                if start and self._yield is not None:
+                    self._yield.add_(1)  # the copy engine serves the other streams' copies here
                 end = min(start + WEIGHT_COPY_CHUNK_BYTES, image.nbytes)
                 self.region[offset + start: offset + end].copy_(image.buffer[start:end], non_blocking=True)
         self._num_loads += 1
