@@ -67,3 +67,26 @@ def test_simulator_side_of_the_two_gpu_prefill_decode_layout(tmp_path) -> None:
         assert 0 < ttft["p50"] <= ttft["p90"] <= ttft["p99"] and 0 < tpot["p50"] <= tpot["p99"]
         assert ttft["p99"] == pytest.approx(float(np.percentile([r["ttft_s"] for r in result["requests"].values()], 99)),
                                             abs=1e-5)
+
+
+def test_call_logs_say_what_delayed_each_decode_step(tmp_path) -> None:
+    """benchmarks/gpu_pool_calls.py on hand-made logs: a decode step after a Prefetch is told apart from one after
+    a step, and one overlapping another instance's prefill from one alone."""
+    from benchmarks.gpu_pool_calls import load, summarize
+
+    folder = tmp_path / "serve-processes-pd.calls"
+    folder.mkdir()
+    decode = [["decode_step", 10.0, 0.005], ["prefetch", 10.01, 0.0002], ["decode_step", 10.02, 0.3],
+              ["decode_step", 10.33, 0.005], ["import_kv", 10.34, 0.004], ["restore_kv", 10.345, 0.0001],
+              ["decode_step", 10.35, 0.006]]
+    prefill = [["prefill", 10.1, 0.1], ["export_kv", 10.2, 0.003]]
+    (folder / "calls-slot1.json").write_text(json.dumps(decode))
+    (folder / "calls-slot0.json").write_text(json.dumps(prefill))
+    steps = summarize(load(folder), 5.0)["instances"]["slot1"]
+    assert steps["decode_steps"]["after prefetch"] == {"n": 1, "mean_ms": 300.0, "p50_ms": 300.0, "max_ms": 300.0,
+                                                       "sum_s": 0.3}
+    assert steps["decode_steps"]["after a decode step"]["n"] == 1 and steps["decode_steps"]["after a swap-in"]["n"] == 1
+    assert steps["decode_steps"]["after -"]["n"] == 1  # the first one
+    assert steps["decode_steps_by_overlap"]["beside a prefill"]["n"] == 1  # the 0.3 s one spans 10.1-10.2
+    assert steps["decode_steps_by_overlap"]["alone"]["n"] == 3
+    assert steps["seconds_by_method"]["decode_step"] == pytest.approx(0.316)

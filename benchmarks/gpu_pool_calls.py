@@ -1,0 +1,96 @@
+"""Where each instance's time went: the engine call logs a gpu_pool.py run leaves (processes backend).
+
+`modelpool serve` under benchmarks/gpu_pool.py writes every engine call of each instance (method, start on the
+host's monotonic clock, seconds inside the engine) to serve-<backend>-<layout>.calls/calls-<instance>.json when
+the instance stops. This reads them for the last `--window` seconds (the last rate's run) and prints, per
+instance, the seconds per method, and the decode steps by the call before them (a step after a Prefetch, after
+a swap-in, after another step: what delays a turn's first step), and the decode steps that overlapped a prefill
+of another instance on the same GPU. Writes JSON.
+
+    python benchmarks/gpu_pool_calls.py RUN_DIR/serve-processes-pd.calls --out calls.json [--window 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+Call = tuple[str, float, float]  # method, started at (monotonic s), seconds
+
+
+def load(folder: Path) -> dict[str, list[Call]]:
+    logs = {p.stem.removeprefix("calls-"): [tuple(row) for row in json.loads(p.read_text())]
+            for p in sorted(folder.glob("calls-*.json"))}
+    if not logs:
+        raise SystemExit(f"{folder}: no calls-*.json (a gpu_pool.py run on the processes backend writes them)")
+    return logs  # type: ignore[return-value]
+
+
+def after(calls: list[Call], index: int) -> str:
+    """What came before decode step `index`: the call that most likely delayed it."""
+    before = [m for m, _, _ in calls[max(0, index - 3) : index] if m != "stats"]
+    if before[-1:] == ["prefetch"]:
+        return "after prefetch"
+    if "activate" in before[-2:]:
+        return "after a switch"
+    if before[-1:] in (["restore_kv"], ["import_kv"]):
+        return "after a swap-in"
+    return "after a decode step" if before[-1:] == ["decode_step"] else "after " + (before[-1] if before else "-")
+
+
+def overlap_s(start: float, end: float, spans: list[tuple[float, float]]) -> float:
+    return sum(max(0.0, min(end, b) - max(start, a)) for a, b in spans if b > start and a < end)
+
+
+def summarize(logs: dict[str, list[Call]], window_s: float) -> dict[str, Any]:
+    end = max(t + d for calls in logs.values() for _, t, d in calls)
+    start = end - window_s
+    out: dict[str, Any] = {"window_s": window_s, "instances": {}}
+    for iid, calls in logs.items():
+        others = [(t, t + d) for other, rows in logs.items() if other != iid for m, t, d in rows
+                  if m == "prefill" and t >= start]
+        methods: dict[str, float] = defaultdict(float)
+        steps: dict[str, list[float]] = defaultdict(list)
+        beside: dict[str, list[float]] = defaultdict(list)
+        for k, (method, t, d) in enumerate(calls):
+            if t < start:
+                continue
+            methods[method] += d
+            if method == "decode_step":
+                steps[after(calls, k)].append(d)
+                beside["beside a prefill" if overlap_s(t, t + d, others) > 0 else "alone"].append(d)
+        out["instances"][iid] = {
+            "seconds_by_method": {m: round(s, 3) for m, s in sorted(methods.items(), key=lambda kv: -kv[1])},
+            "decode_steps": {k: _stats(v) for k, v in sorted(steps.items())},
+            "decode_steps_by_overlap": {k: _stats(v) for k, v in sorted(beside.items())}}
+    return out
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    return {"n": len(values), "mean_ms": round(1e3 * statistics.fmean(values), 2),
+            "p50_ms": round(1e3 * statistics.median(values), 2), "max_ms": round(1e3 * max(values), 1),
+            "sum_s": round(sum(values), 2)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("calls", type=Path, help="a serve-<backend>-<layout>.calls folder")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--window", type=float, default=50.0, help="seconds before the last call (the last run)")
+    args = parser.parse_args()
+    result = summarize(load(args.calls), args.window)
+    for iid, r in result["instances"].items():
+        print(f"{iid}: " + ", ".join(f"{m} {s:.2f} s" for m, s in r["seconds_by_method"].items()))
+        for group in ("decode_steps", "decode_steps_by_overlap"):
+            for name, s in r[group].items():
+                print(f"   decode_step {name:22s} n={s['n']:5d} mean {s['mean_ms']:7.2f} ms  p50 {s['p50_ms']:7.2f}"
+                      f"  max {s['max_ms']:7.1f}  sum {s['sum_s']:6.2f} s")
+    args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
