@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the lent GPU box (no Ray, no pydantic/fastapi/uvicorn: carried as wheels in .whl):
-#   bash benchmarks/gpu_pool_device.sh STAGE...    stages: tests, pool, light, heavy, calibrate, tp (two GPUs), RATE=<r>,
+#   bash benchmarks/gpu_pool_device.sh STAGE...    stages: tests, pool, copyhol, light, heavy, calibrate, tp (two GPUs), RATE=<r>,
 #   BACKENDS=<a,b>; on two GPUs, GPUS_ARG='--gpus 2' gives light/heavy the prefill-GPU + decode-GPU layout
 # `pool` is the issues-16/17 run (both backends, 1 and 10 req/s, ~6 min; compare with the simulator afterwards on
 # the saved traces, benchmarks/gpu_pool_sim.py); PROFILE=<file> gives serve a calibration profile.
@@ -30,6 +30,8 @@ for stage in "$@"; do
     heavy)
       timeout ${HEAVY_S:-200} python3 benchmarks/gpu_pool.py --out /tmp/gp-heavy --backend ${HEAVY_BACKENDS:-processes} \
         --rate ${RATE:-8} --duration "$DUR" ${GPUS_ARG:-} 2>&1 | grep -v '^   {' ; pack heavy ;;
+    copyhol)  # does a weight copy hold up a step's input copy? whole, in pieces, pieces with a kernel between
+      timeout 90 python3 benchmarks/gpu_copy_hol.py --gb 8 --out "$OUT/copy_hol.json" 2>&1 | tail -8 ;;
     tp)  # two GPUs (issue 21): the torch engine at TP1 and TP2, NCCL
       timeout ${TP_S:-550} python3 benchmarks/gpu_tp.py --out "$OUT/h200x2-tp.json" ${TP_ARGS:-} 2>&1 | tail -40 ;;
     calibrate)
