@@ -164,6 +164,9 @@ class Controller:
         if instance_id in self.lost:
             return
         self.lost.add(instance_id)
+        for home, rid in self.runners[instance_id].staged_in_flight():  # its exporters may free what it was copying
+            if home is not None and home not in self.lost:
+                self._issue(None, home, "release", ([rid],), {})
         self.runners[instance_id].reset()
         ended = {rid: f"it was in the failing call of {count} instances that were lost, the last {instance_id} "
                       f"({reason})" for rid, count in self._strike(self._losses, suspects, self.max_losses_per_request)}

@@ -99,6 +99,10 @@ class InstanceRunner:
         """End the current Decode at the next step boundary (a no-op when none runs)."""
         self._stop = True
 
+    def staged_in_flight(self) -> list[tuple[str | None, str]]:
+        """(exporting instance, request id) of KV staged in device memory that the import in flight copies."""
+        return list(self._release_after)
+
     def reset(self) -> None:
         """Forget everything in flight (the instance was lost)."""
         self._actions.clear()

@@ -606,6 +606,9 @@ class TorchEngine:
         nbytes = int(torch.Size(dims).numel()) * seq.kv.shape.dtype.itemsize
         if self._arena is None:
             self._arena = StagingArena(self.config.handoff_bytes, self.device)
+        stale = self._staged.pop(seq.request.request_id, None)
+        if stale is not None:  # staged before and never released (its importer was lost): this one replaces it
+            self._arena.free(stale)
         offset = self._arena.alloc(nbytes)
         if offset is None:
             return None

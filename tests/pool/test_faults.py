@@ -172,6 +172,47 @@ def kill_mid_decode(pool: LivePool, instance_id: str | None = None) -> tuple[str
     return chosen, held
 
 
+def test_decoder_lost_while_importing_staged_kv_frees_it_at_the_prefill_instance(tiny, long_reference) -> None:  # noqa: F811
+    """Hand-offs staged in the prefill engine's device memory (pool.engines.handoff); one of two decode instances
+    fails its second import: it alone is written off, every request ends with its uninterrupted tokens (those
+    in the failed import resume from their prompt and are handed over again), and the prefill engine's staged
+    regions are all released."""
+    from pool.actor import EngineSpec
+
+    models = [served_model(name, path, dtype="float32") for name, path in tiny.items()]
+    ids = ["slot0", "slot1", "slot2"]  # decode, decode, prefill
+    engines = {}
+    for iid in ids:
+        engines[iid] = make_engine(EngineSpec("torch", {**ENGINE.options, "handoff_bytes": 8 << 20}))
+        for m in models:
+            engines[iid].load(m.name, m.path)
+    prefill = engines["slot2"]
+    engines["slot0"] = Flaky(engines["slot0"], 2, "import_kv")
+    backend, clock = InProcessBackend(engines), ManualClock()
+    scheduler = make_scheduler("token-level", {m.name: m.profile for m in models},
+                               slot_instances(3, models, KV_BYTES, roles=["decode", "decode", "prefill"]),
+                               LinearCosts(), fixed_turn_steps=3)
+    controller = Controller(scheduler, backend, clock, ids)
+    sinks = {}
+    for name in MODELS:
+        for k, prompt in enumerate(PROMPTS):
+            sinks[(name, k)] = Collector()
+            controller.submit(LiveRequest(f"{name}-{k}", name, list(prompt),
+                                          SamplingParams(max_tokens=LONG_TOKENS, ignore_eos=True), clock.now(),
+                                          sink=sinks[(name, k)]))
+    controller.tick()
+    drive(controller, backend, clock, sinks)
+    assert controller.lost == {"slot0"} and engines["slot0"].calls >= 2
+    for key, sink in sinks.items():
+        assert sink.error is None and sink.tokens == long_reference[key], key
+    stats = prefill.stats()
+    assert stats.extra["timings"]["kv"]["export_kv(device)"]["requests"] >= len(sinks)
+    for _ in range(50):  # the releases are fire-and-forget calls
+        for handle, result in backend.poll(0.0):
+            controller.complete(handle, result)
+    assert prefill.stats().extra["handoff_staged_bytes"] == 0
+
+
 def test_ray_actor_killed_mid_decode_requests_resume_on_the_other_instance(tiny, long_reference, ray_cluster) -> None:  # noqa: F811
     with ray_pool(tiny, 2, max_restarts=0) as pool:
         sinks = submit_all(pool)
