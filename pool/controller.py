@@ -159,7 +159,9 @@ class Controller:
         scheduler's contract; it ends with a clean `RequestFailed`, as does a
         suspect (carried by the call that failed) for the
         `max_losses_per_request`-th time. A request handed over already (its KV
-        exported, carried by the controller) goes on where it was placed.
+        exported, carried by the controller) goes on where it was placed,
+        unless that KV was staged in this instance's device memory (a hand-off
+        on one GPU): then it went with the instance.
         """
         if instance_id in self.lost:
             return
