@@ -38,7 +38,12 @@ class ProcessRank:
         child.close()
         self.conn = Connection(parent.detach())
         self.rank = setup.rank
-        self.conn.send_bytes(pickle.dumps(setup))
+        try:
+            self.conn.send_bytes(pickle.dumps(setup))
+        except OSError as exc:  # it died before it read its setup (a broken interpreter, say)
+            self.kill()
+            raise RuntimeError(f"tp rank {self.rank} failed to start: its process exited "
+                               f"({self.process.returncode}) before it read its setup ({exc!r})") from None
 
     @property
     def pid(self) -> int:
@@ -127,7 +132,14 @@ def _rank_main(fd: int) -> None:
 
 
 def process_ranks(setups: Sequence[RankSetup]) -> list[ProcessRank]:
-    ranks = [ProcessRank(setup) for setup in setups]
+    ranks: list[ProcessRank] = []
+    try:
+        for setup in setups:
+            ranks.append(ProcessRank(setup))
+    except BaseException:
+        for rank in ranks:
+            rank.kill()
+        raise
     return _started(ranks)
 
 

@@ -224,6 +224,19 @@ def test_a_rank_that_cannot_start_fails_the_instance_at_once(monkeypatch):
     assert time.monotonic() - started < 60  # not the process group's 120 s timeout
 
 
+def test_a_rank_gone_before_it_reads_its_setup_fails_the_instance_at_once(monkeypatch):
+    """The race the test above can also take: the rank's process is gone before its setup is sent."""
+    from pool.engines import tp_ranks
+
+    def broken(self, data):  # noqa: ANN001
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(tp_ranks.sys, "executable", "/bin/false")
+    monkeypatch.setattr(tp_ranks.Connection, "send_bytes", broken)
+    with pytest.raises(RuntimeError, match=r"tp rank 1 failed to start: its process exited"):
+        TpEngine(TorchEngineConfig(dtype="float32", tp=2))
+
+
 @pytest.mark.slow
 def test_rank_killed_mid_decode_requests_resume_on_the_other_instance(tiny, long_reference):  # noqa: F811
     with tp2_pool(tiny, "processes") as pool:
