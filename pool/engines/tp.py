@@ -128,11 +128,12 @@ class RankSetup:
 
 
 def rank_config(config: TorchEngineConfig, rank: int, device: str) -> TorchEngineConfig:
-    """A rank's engine config: the instance's KV budget split evenly (a rank holds 1/tp of every token's KV)."""
+    """A rank's engine config: the instance's KV budget split evenly (a rank holds 1/tp of every token's KV).
+    A rank never stages hand-offs in device memory: the instance joins its ranks' exports on the host (`join_kv`)."""
     size = config.tp
     return replace(config, tp=1, device=device, kv_bytes=config.kv_bytes // size,
                    max_host_kv_bytes=config.max_host_kv_bytes // size,
-                   host_kv_prealloc_bytes=config.host_kv_prealloc_bytes // size)
+                   host_kv_prealloc_bytes=config.host_kv_prealloc_bytes // size, handoff_bytes=0)
 
 
 def rank_device(device: str, rank: int) -> str:

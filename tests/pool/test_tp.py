@@ -24,7 +24,7 @@ import torch
 
 from pool.engines.base import GenRequest, SamplingParams
 from pool.engines.torch_engine import TorchEngineConfig
-from pool.engines.tp import RankLost, TpEngine, join_kv, split_kv
+from pool.engines.tp import RankLost, TpEngine, join_kv, rank_config, split_kv
 from pool.engines.weights import ModelImage
 from pool.service import LivePool, served_model, slot_instances
 from tests.factories import LinearCosts
@@ -149,6 +149,12 @@ def test_tp2_prefill_instance_hands_kv_to_a_tp2_decode_instance(tp2, demo_models
             assert got == want, model
     finally:
         decode.close()
+
+
+def test_a_rank_never_stages_hand_offs_in_device_memory():
+    # the instance joins its ranks' exports on the host (join_kv reads numpy arrays, not staged regions)
+    config = TorchEngineConfig(dtype="float32", tp=2, kv_bytes=4 * SLAB, handoff_bytes=1 << 20)
+    assert [rank_config(config, r, "cpu").handoff_bytes for r in range(2)] == [0, 0]
 
 
 def test_tp2_prefill_and_decode_instances_in_the_live_pool(tiny, reference):  # noqa: F811
