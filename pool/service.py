@@ -52,6 +52,7 @@ from pool.runner import LiveRequest
 from pool.served import (ModelInfo, ServedModel, load_tokenizer, model_infos, plan_kv, served_model,
                          slot_instances)
 from scheduler import CostModel, InstanceSpec, Plan, SwapIn, SwapOut, Switch, make_scheduler
+from scheduler.instance import staging_instances
 
 # the served-model helpers lived here before pool.served; callers may still import them from pool.service
 __all__ = ["LivePool", "ModelInfo", "PoolBusy", "PoolClosed", "QueueFull", "ServedModel", "served_model",
@@ -369,10 +370,20 @@ class LivePool:
         options = dict(self.engine.options)
         if self.devices.get(instance_id):
             options["device"] = self.devices[instance_id]
+        if options.get("handoff_bytes") and instance_id not in self._staging():
+            options["handoff_bytes"] = 0  # its hand-offs go through host memory (an arena on its GPU serves nobody)
         tp = next(spec.tp for spec in self.instances if spec.instance_id == instance_id)
         if tp > 1:
             options["tp"] = tp
         return EngineSpec(self.engine.kind, options)
+
+    def _staging(self) -> set[str]:
+        """The instances whose engines stage hand-offs in device memory (scheduler.instance.staging_instances:
+        prefill instances on the device of every decode instance), as the simulator charges them."""
+        device = self.engine.options.get("device")
+        return staging_instances({spec.instance_id: spec.role for spec in self.instances},
+                                 {spec.instance_id: (self.devices.get(spec.instance_id, device),)
+                                  for spec in self.instances})
 
     def _new_engine(self, instance_id: str) -> Engine:
         """An engine with every model loaded and its decode graphs captured (outside any backend call)."""

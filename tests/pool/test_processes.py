@@ -151,3 +151,17 @@ def test_prefill_decode_hand_off_staged_in_device_memory(tiny, long_reference, b
         assert exported >= len(sinks) - len(cancelled) and imported >= len(sinks) - len(cancelled)
         kv = pool.engine_stats["slot0"]["extra"]["timings"]["kv"]
         assert "export_kv" not in kv  # none went through host memory
+
+
+def test_only_prefill_instances_on_every_decoders_device_get_a_hand_off_arena(tiny) -> None:  # noqa: F811
+    """One engine spec serves every instance: the arena goes where scheduler.instance.staging_instances says
+    (the simulator's rule); a prefill instance on another GPU would stage where the decoder cannot copy from."""
+    from pool.actor import EngineSpec
+
+    engine = EngineSpec("torch", {**ENGINE.options, "handoff_bytes": 8 << 20})
+    pool = local_pool(tiny, "threads", num_instances=3, roles=["prefill", "prefill", "decode"], engine=engine,
+                      devices={"slot0": "cuda:0", "slot1": "cuda:1", "slot2": "cuda:0"})
+    arenas = {iid: pool._engine_spec(iid).options["handoff_bytes"] for iid in ("slot0", "slot1", "slot2")}
+    assert arenas == {"slot0": 8 << 20, "slot1": 0, "slot2": 0}
+    one_device = local_pool(tiny, "threads", num_instances=3, roles=["prefill", "prefill", "decode"], engine=engine)
+    assert [one_device._engine_spec(f"slot{k}").options["handoff_bytes"] for k in range(3)] == [8 << 20] * 2 + [0]
