@@ -161,7 +161,10 @@ class Controller:
         `max_losses_per_request`-th time. A request handed over already (its KV
         exported, carried by the controller) goes on where it was placed,
         unless that KV was staged in this instance's device memory (a hand-off
-        on one GPU): then it went with the instance.
+        on one GPU): then it went with the instance. A request handed over to
+        this instance and not imported yet resumes from its prompt (the
+        scheduler re-queues it): the KV it carries is dropped, and freed at
+        its exporter when staged there.
         """
         if instance_id in self.lost:
             return
@@ -173,9 +176,11 @@ class Controller:
         ended = {rid: f"it was in the failing call of {count} instances that were lost, the last {instance_id} "
                       f"({reason})" for rid, count in self._strike(self._losses, suspects, self.max_losses_per_request)}
         for live in self.requests.values():
-            if live.kv_home != instance_id:
-                continue
             placed = self.scheduler.request_view(live.request_id)
+            if live.kv_home != instance_id:
+                if live.kv_export is not None and placed is not None and placed.instance_id == instance_id:
+                    self._drop_export(live)  # handed to the lost instance, not imported: it resumes from prompt
+                continue
             elsewhere = placed is not None and placed.instance_id not in (None, instance_id)
             if elsewhere and live.kv_export is not None and not live.kv_staged:
                 continue  # handed over: its KV is not here any more (staged KV was in this instance's memory)
@@ -185,6 +190,12 @@ class Controller:
         self._report(InstanceLost(instance_id, reason))
         for request_id, why in ended.items():
             self.fail(request_id, why)
+
+    def _drop_export(self, live: LiveRequest) -> None:
+        """Forget the KV a request carries; KV staged in its exporter's device memory is freed there."""
+        if live.kv_staged and live.kv_home is not None and live.kv_home not in self.lost:
+            self._issue(None, live.kv_home, "release", ([live.request_id],), {})
+        live.kv_export = None
 
     def refuse(self, instance_id: str, reason: str, refused: Iterable[str] = ()) -> None:
         """The instance's engine found no room for KV a call needed (`OutOfKvMemory`: it changed nothing).

@@ -213,6 +213,48 @@ def test_decoder_lost_while_importing_staged_kv_frees_it_at_the_prefill_instance
     assert prefill.stats().extra["handoff_staged_bytes"] == 0
 
 
+def test_decoder_lost_before_it_imports_a_staged_hand_off_frees_it_at_the_prefill_instance(tiny) -> None:  # noqa: F811
+    """A request handed over to a decode instance, its KV staged and carried, when that instance is lost before
+    its SwapIn: the scheduler re-queues it from prompt, so the carried export is dropped and the prefill engine
+    frees the region at once (else it stays taken unless that same engine exports the request again)."""
+    from pool.actor import EngineSpec
+
+    models = [served_model(name, path, dtype="float32") for name, path in tiny.items()]
+    ids = ["slot0", "slot1", "slot2"]  # decode, decode, prefill
+    engines = {iid: make_engine(EngineSpec("torch", {**ENGINE.options, "handoff_bytes": 8 << 20})) for iid in ids}
+    for engine in engines.values():
+        for m in models:
+            engine.load(m.name, m.path)
+    backend, clock = InProcessBackend(engines), ManualClock()
+    scheduler = make_scheduler("token-level", {m.name: m.profile for m in models},
+                               slot_instances(3, models, KV_BYTES, roles=["decode", "decode", "prefill"]),
+                               LinearCosts(), fixed_turn_steps=3)
+    controller = Controller(scheduler, backend, clock, ids)
+    for name in MODELS:
+        for k, prompt in enumerate(PROMPTS):
+            controller.submit(LiveRequest(f"{name}-{k}", name, list(prompt),
+                                          SamplingParams(max_tokens=LONG_TOKENS, ignore_eos=True), clock.now(),
+                                          sink=Collector()))
+
+    def carried_to(instance_id: str) -> list[str]:
+        return [rid for rid, live in controller.requests.items() if live.kv_staged
+                and getattr(scheduler.request_view(rid), "instance_id", None) == instance_id]
+
+    for _ in range(2000):
+        controller.tick()
+        if carried_to("slot0") or carried_to("slot1"):
+            break
+        clock.advance(0.001)
+        for handle, result in backend.poll(0.0):
+            controller.complete(handle, result)
+    lost = "slot0" if carried_to("slot0") else "slot1"
+    waiting = carried_to(lost)
+    assert waiting and all(rid in engines["slot2"]._staged for rid in waiting)
+    controller.lose(lost, "test")
+    assert all(controller.requests[rid].kv_export is None for rid in waiting)
+    assert not any(rid in engines["slot2"]._staged for rid in waiting)  # released at the prefill engine
+
+
 def test_ray_actor_killed_mid_decode_requests_resume_on_the_other_instance(tiny, long_reference, ray_cluster) -> None:  # noqa: F811
     with ray_pool(tiny, 2, max_restarts=0) as pool:
         sinks = submit_all(pool)
