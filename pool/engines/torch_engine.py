@@ -29,6 +29,7 @@ from pool.engines.base import (EngineError, EngineStats, GenRequest, KvCapacity,
 from pool.engines.device import DeviceBuffer, Streams, align_up, held_device_bytes, wait_event
 from pool.engines.forward import Decoder, DecodeInputs, SharedTensors
 from pool.engines.graphs import NO_GRAPHS, GraphBuckets
+from pool.engines.handoff import ALIGN as HANDOFF_ALIGN
 from pool.engines.handoff import StagingArena
 from pool.engines.kv import KvShape, host_pool, slab_bytes_for
 from pool.engines.kvstore import (KvStore, SeqKv, allocate_all, decode_inputs, free_host, prefill_inputs, read_host,
@@ -81,6 +82,8 @@ class TorchEngineConfig:
         for name in ("kv_bytes", "max_host_kv_bytes", "host_kv_prealloc_bytes", "handoff_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"TorchEngineConfig.{name} = {getattr(self, name)!r} must be >= 0")
+        if 0 < self.handoff_bytes < HANDOFF_ALIGN:  # else the first export fails making the arena (and the instance)
+            raise ValueError(f"TorchEngineConfig.handoff_bytes = {self.handoff_bytes!r} must be 0 or >= {HANDOFF_ALIGN}")
 
 
 @dataclass(slots=True)

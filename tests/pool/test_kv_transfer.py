@@ -411,3 +411,12 @@ def test_a_hand_off_staged_in_another_process(device, demo_models):
         parent.send("bye")
         process.join(30)
     assert process.exitcode == 0
+
+
+def test_a_hand_off_arena_too_small_for_one_region_is_refused_in_the_config():
+    from pool.engines.handoff import ALIGN
+    from pool.engines.torch_engine import TorchEngineConfig
+
+    with pytest.raises(ValueError, match="handoff_bytes = 100 must be 0 or >= "):
+        TorchEngineConfig(handoff_bytes=100)  # not at the first export, writing the instance off
+    assert TorchEngineConfig(handoff_bytes=ALIGN).handoff_bytes == ALIGN
