@@ -181,7 +181,7 @@ class LivePool:
                 ray.init(address=self.address, include_dashboard=False, log_to_driver=False,
                          ignore_reinit_error=True, num_cpus=cpus)
             self._use_gpus = float(ray.cluster_resources().get("GPU", 0)) > 0
-            self._actors = start_actors({spec.instance_id: spec.tp for spec in self.instances}, self.engine,
+            self._actors = start_actors({spec.instance_id: spec.tp for spec in self.instances}, self._ray_engine(),
                                         self._paths(), use_gpus=self._use_gpus, gpu_share=self.gpu_share,
                                         max_tokens=self.max_tokens, placements=self._placements,
                                         placement_timeout_s=self.placement_timeout_s)
@@ -377,6 +377,13 @@ class LivePool:
             options["tp"] = tp
         return EngineSpec(self.engine.kind, options)
 
+    def _ray_engine(self) -> EngineSpec:
+        """The one engine every Ray actor gets: Ray places the actors on GPUs itself, so they stage hand-offs in
+        device memory only where the pool has a single GPU (where the staging rule holds whatever Ray does)."""
+        if not self.engine.options.get("handoff_bytes") or (len(set(self.devices.values())) <= 1 and self._staging()):
+            return self.engine
+        return EngineSpec(self.engine.kind, {**self.engine.options, "handoff_bytes": 0})
+
     def _staging(self) -> set[str]:
         """The instances whose engines stage hand-offs in device memory (scheduler.instance.staging_instances:
         prefill instances on the device of every decode instance), as the simulator charges them."""
@@ -414,7 +421,7 @@ class LivePool:
         if old is not None:
             ray.kill(old, no_restart=True)  # an engine error leaves it alive; its device slot is needed
         tp = next(spec.tp for spec in self.instances if spec.instance_id == instance_id)
-        actor = start_actors({instance_id: tp}, self.engine, self._paths(), use_gpus=self._use_gpus,
+        actor = start_actors({instance_id: tp}, self._ray_engine(), self._paths(), use_gpus=self._use_gpus,
                              gpu_share=self.gpu_share, max_tokens=self.max_tokens,
                              timeout_s=self.restart_timeout_s, placements=placements,
                              placement_timeout_s=self.placement_timeout_s)[instance_id]

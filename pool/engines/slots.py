@@ -18,7 +18,8 @@ for 15 GB on the H200), and the steps' small input copies on the compute
 stream queue behind it (the decode step after a prefetch took 100 ms on
 average, 0.54 s at most, at 10 req/s). Pieces alone do not help: the engine
 runs one stream's ready copies back to back; the kernel between them makes it
-yield (torchrec's copy-engine study, its `chunked_copy_`).
+yield (torchrec's copy-engine study, its `chunked_copy_`). Not yet measured
+here on a GPU (benchmarks/gpu_copy_hol.py does).
 """
 
 from __future__ import annotations

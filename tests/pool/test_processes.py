@@ -165,3 +165,9 @@ def test_only_prefill_instances_on_every_decoders_device_get_a_hand_off_arena(ti
     assert arenas == {"slot0": 8 << 20, "slot1": 0, "slot2": 0}
     one_device = local_pool(tiny, "threads", num_instances=3, roles=["prefill", "prefill", "decode"], engine=engine)
     assert [one_device._engine_spec(f"slot{k}").options["handoff_bytes"] for k in range(3)] == [8 << 20] * 2 + [0]
+    # Ray places actors on GPUs itself: its one spec keeps the arena only where the pool has a single GPU
+    assert pool._ray_engine().options["handoff_bytes"] == 0
+    assert one_device._ray_engine().options["handoff_bytes"] == 8 << 20
+    pd = local_pool(tiny, "threads", roles=["prefill", "decode"], engine=engine,
+                    devices={"slot0": "cuda:0", "slot1": "cuda:0"})
+    assert pd._ray_engine() is engine  # the default one-GPU layout: unchanged
