@@ -35,7 +35,7 @@ from typing import IO, Final
 from scheduler import (Action, Decode, Event, InstanceLost, KvMoved, Plan, Prefetch, Prefill, Request, Scheduler,
                        StepDone, Stop, SwapIn, SwapOut, Switch, SwitchDone)
 from scheduler.costs import CopyLinks, CostModel, GpuShares
-from scheduler.instance import ModelSlots, kv_copy_s, kv_fits, kv_held_bytes, kv_move_s, prefill_s
+from scheduler.instance import ModelSlots, kv_device_move_s, kv_fits, kv_held_bytes, kv_move_s, prefill_s
 from scheduler.policies.base import PolicyBase
 from sims.errors import InvariantViolation
 
@@ -404,7 +404,7 @@ class Simulator:
             else:
                 moves.append(move)
         self._check_kv(iid, dev)
-        t += kv_copy_s(self.costs, staged, on_device=True)
+        t += kv_device_move_s(self.costs, staged)
         end = self._copy_end(iid, not out, t, kv_move_s(self.costs, moves)) if moves else t  # one move each
         self._push(end, COMPLETION, KvMoved(iid, action.request_ids, "host" if out else "device"), dev)
         return end

@@ -10,8 +10,8 @@ the KV never needs to leave it: staged, it is one gather and one scatter within 
 The arena is one allocation per staging engine, made at its first staged export. Another process opens it
 once from its CUDA IPC handle (torch.multiprocessing's reductions: the handle, and the event that orders the
 opener after the allocation); on CPU, where the tests run, the arena is a shared-memory file instead. Opened
-arenas are cached per process; one whose owner process has died is closed when the next one is opened. A
-staged export (`pool.engines.base.StagedKv`) names the arena, an offset and a length: small and picklable,
+arenas are cached per process; one whose owner process has died is closed at the opener's next stats
+(`close_orphans`). A staged export (`pool.engines.base.StagedKv`) names the arena, an offset and a length: small and picklable,
 carried by the controller like any export. Its region stays taken until the owner's `release` of the request;
 a region never released is lost to staging, not to correctness (an arena with no room left stages nothing:
 the export goes through host memory as before). The exporter finishes its gather before `export_kv` returns
@@ -106,9 +106,7 @@ def open_arena(ref: ArenaRef) -> torch.Tensor:
         held = _OPEN.get(ref.key)
         if held is not None:
             return held[1]
-        for key, (pid, _) in list(_OPEN.items()):  # arenas of owners that are gone (a restarted instance's)
-            if pid != os.getpid() and not _alive(pid):
-                del _OPEN[key]
+        _close_orphans()
         if ref.ipc is not None:
             from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
@@ -119,6 +117,20 @@ def open_arena(ref: ArenaRef) -> torch.Tensor:
             raise ValueError(f"arena {ref.key} of process {ref.pid} has neither an IPC handle nor a file")
         _OPEN[ref.key] = (ref.pid, storage)
         return storage
+
+
+def close_orphans() -> None:
+    """Close the arenas opened from processes that have died (a lost or restarted prefill instance's), so their
+    device memory goes before the successor makes its own: an engine calls it with its stats, every few
+    seconds at most, long before a restarted instance has loaded its models."""
+    with _OPEN_LOCK:
+        _close_orphans()
+
+
+def _close_orphans() -> None:
+    for key, (pid, _) in list(_OPEN.items()):
+        if pid != os.getpid() and not _alive(pid):
+            del _OPEN[key]
 
 
 def staged_view(ref: ArenaRef, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

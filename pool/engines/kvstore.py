@@ -206,24 +206,27 @@ def write_tokens(kv: torch.Tensor, pool: SlabPool, shape: KvShape, blocks: Seque
 
 
 def write_blocks(kv: torch.Tensor, pool: SlabPool, shape: KvShape, blocks: Sequence[BlockRef]) -> None:
-    """Write a `[L, 2, kv_heads, tokens, head_dim]` tensor into `blocks` with one copy per run of adjacent
-    blocks (`write_tokens` copies block by block): padded to whole blocks (zeros: see `write_tokens`) and laid
-    out block-major first, on `kv`'s device."""
+    """Write a `[L, 2, kv_heads, tokens, head_dim]` tensor into `blocks` (as many as its tokens fill) with one
+    copy per run of adjacent whole blocks (`write_tokens` copies block by block), read in place as block-major,
+    and the last, partial block's tokens then zeros (see `write_tokens`)."""
     size, tokens = shape.block_size, kv.shape[3]
-    if len(blocks) * size < tokens:
-        raise ValueError(f"{tokens} tokens do not fit in {len(blocks)} blocks of {size}")
+    if len(blocks) != shape.blocks_for(tokens):
+        raise ValueError(f"{tokens} tokens fill {shape.blocks_for(tokens)} blocks of {size}, not {len(blocks)}")
     L, _, heads, _, dim = shape.dims
-    padded = torch.zeros(L, 2, heads, len(blocks) * size, dim, dtype=kv.dtype, device=kv.device)
-    padded[:, :, :, :tokens].copy_(kv)
-    block_major = padded.view(L, 2, heads, len(blocks), size, dim).permute(3, 0, 1, 2, 4, 5)
+    whole = tokens // size
+    source = kv[:, :, :, : whole * size].unflatten(3, (whole, size)).permute(3, 0, 1, 2, 4, 5)
     i = 0
-    while i < len(blocks):
+    while i < whole:
         run = 1
-        while i + run < len(blocks) and _adjacent(blocks[i + run - 1], blocks[i + run]):
+        while i + run < whole and _adjacent(blocks[i + run - 1], blocks[i + run]):
             run += 1
         target = pool.span(shape, blocks[i], run).view(shape.dtype).view(run, L, 2, heads, size, dim)
-        target.copy_(block_major[i : i + run])
+        target.copy_(source[i : i + run])
         i += run
+    if whole < len(blocks):
+        last = pool.block(shape, blocks[whole])
+        last[:, :, :, : tokens - whole * size].copy_(kv[:, :, :, whole * size :])
+        last[:, :, :, tokens - whole * size :].zero_()
 
 
 def allocate_all(pool: SlabPool, kvs: Sequence[SeqKv], counts: Sequence[int]) -> list[list[BlockRef]]:

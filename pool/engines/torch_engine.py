@@ -30,7 +30,7 @@ from pool.engines.device import DeviceBuffer, Streams, align_up, held_device_byt
 from pool.engines.forward import Decoder, DecodeInputs, SharedTensors
 from pool.engines.graphs import NO_GRAPHS, GraphBuckets
 from pool.engines.handoff import ALIGN as HANDOFF_ALIGN
-from pool.engines.handoff import StagingArena
+from pool.engines.handoff import StagingArena, close_orphans
 from pool.engines.kv import KvShape, host_pool, slab_bytes_for
 from pool.engines.kvstore import (KvStore, SeqKv, allocate_all, decode_inputs, free_host, prefill_inputs, read_host,
                                   write_tokens)
@@ -512,6 +512,7 @@ class TorchEngine:
 
     def stats(self) -> EngineStats:
         self.timings.other()
+        close_orphans()  # arenas opened from dead exporters: their device memory goes now
         slots, kv, host = self._slots, self._kv, self._host_kv
         return EngineStats(
             device=str(self.device),

@@ -411,6 +411,11 @@ def test_a_hand_off_staged_in_another_process(device, demo_models):
         parent.send("bye")
         process.join(30)
     assert process.exitcode == 0
+    from pool.engines.handoff import opened_arenas
+
+    assert process.pid in opened_arenas().values()  # opened here, from the exporter's process ...
+    b.stats()
+    assert process.pid not in opened_arenas().values()  # ... and closed at the next stats once it is gone
 
 
 def test_a_hand_off_arena_too_small_for_one_region_is_refused_in_the_config():
@@ -420,3 +425,28 @@ def test_a_hand_off_arena_too_small_for_one_region_is_refused_in_the_config():
     with pytest.raises(ValueError, match="handoff_bytes = 100 must be 0 or >= "):
         TorchEngineConfig(handoff_bytes=100)  # not at the first export, writing the instance off
     assert TorchEngineConfig(handoff_bytes=ALIGN).handoff_bytes == ALIGN
+
+
+@pytest.mark.parametrize("tokens", [1, 15, 16, 17, 48, 50])
+def test_write_blocks_lays_out_what_write_tokens_does(tokens):
+    """The staged import's writer (runs of adjacent whole blocks, read in place as block-major, then the partial
+    last block) against the block-by-block one, into blocks that are partly adjacent and partly not."""
+    from pool.engines.kv import KvShape, host_pool
+    from pool.engines.kvstore import write_blocks, write_tokens
+
+    shape = KvShape(num_layers=2, num_kv_heads=2, head_dim=8, block_size=16, dtype=torch.float32)
+    kv = torch.randn(2, 2, 2, tokens, 8)
+    pools = [host_pool(8 * shape.block_bytes, 64 * shape.block_bytes, pin=False) for _ in range(2)]
+    picked = []
+    for pool in pools:
+        taken = pool.allocate(shape, 7)  # the blocks used: 0, 2, 3, 4, 6 - runs of one and of three
+        picked.append([taken[k] for k in (0, 2, 3, 4, 6)][: shape.blocks_for(tokens)])
+    for pool, refs in zip(pools, picked):  # garbage where the tail's zeros must land
+        for ref in refs:
+            pool.block(shape, ref).fill_(float("nan"))
+    write_tokens(kv, pools[0], shape, picked[0])
+    write_blocks(kv, pools[1], shape, picked[1])
+    for a, b in zip(picked[0], picked[1]):
+        assert torch.equal(pools[0].block(shape, a), pools[1].block(shape, b))
+    with pytest.raises(ValueError, match="fill"):
+        write_blocks(kv, pools[1], shape, picked[1] + picked[1][:1])
