@@ -33,8 +33,7 @@ from pool.engines.base import SamplingParams
 from pool.placement import PlacementTimeout
 from pool.served import ServedModel, served_model, slot_instances
 from pool.service import BACKENDS, LivePool
-from scheduler import CostModel, InstanceSpec, ModelProfile
-from scheduler.instance import staging_instances
+from scheduler import CostModel, InstanceSpec, ModelProfile, staging_instances
 
 MiB, GiB = 1 << 20, 1 << 30
 CPU_SLOT_KV_BYTES = 128 * MiB

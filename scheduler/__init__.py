@@ -18,7 +18,7 @@ from scheduler.clock import Clock, ManualClock
 from scheduler.costs import CostModel, InstanceSpec, ModelProfile, make_instances, model_profiles
 from scheduler import instance
 from scheduler.errors import IllegalTransition, RefusedAction
-from scheduler.instance import KvPlaces, ModelSlots
+from scheduler.instance import KvPlaces, ModelSlots, staging_instances
 from scheduler.plan import (Action, Cancelled, Decode, Event, InstanceAdded, InstanceLost, KvMoved, KvRefused, Plan,
                             Prefetch, Prefill, StepDone, Stop, SwapIn, SwapOut, Switch, SwitchDone)
 from scheduler.policies import POLICIES
@@ -63,7 +63,7 @@ def make_scheduler(policy: str, models: Mapping[str, ModelProfile], instances: S
 
 
 __all__ = [
-    "Action", "Cancelled", "KvPlaces", "ModelSlots", "RefusedAction", "instance", "Clock", "CostModel", "Decode", "Event", "IllegalTransition", "InstanceAdded",
+    "Action", "Cancelled", "KvPlaces", "ModelSlots", "staging_instances", "RefusedAction", "instance", "Clock", "CostModel", "Decode", "Event", "IllegalTransition", "InstanceAdded",
     "InstanceLost", "InstanceSpec", "InstanceView", "KvMoved", "KvRefused", "ManualClock", "ModelProfile", "POLICIES", "Plan",
     "Prefetch", "Prefill", "Request", "RequestStatus", "RequestView", "Scheduler", "SchedulerView", "StepDone",
     "Stop", "SwapIn", "SwapOut", "Switch", "SwitchDone", "TERMINAL", "decode_quotas", "make_instances",
