@@ -57,32 +57,39 @@ def drive(controller: Controller, backend: InProcessBackend, clock: ManualClock,
     raise AssertionError(f"requests did not finish: {[k for k, s in sinks.items() if not s.done.is_set()]}")
 
 
-def in_process(tiny, flaky: dict | None, policy: str, roles=None, **options):  # noqa: F811
-    """A controller over two in-process engines (slot0 wrapped in `Flaky(**flaky)` unless None) with every
-    request queued."""
+def in_process(tiny, flaky: dict | None, policy: str, roles=None, num_instances: int = 2, engine=ENGINE,  # noqa: F811
+               max_tokens: int = NEW_TOKENS, flaky_slot: str = "slot0", **options):
+    """A controller over `num_instances` in-process engines of `engine` (`flaky_slot` wrapped in
+    `Flaky(**flaky)` unless None) with every request queued."""
     models = [served_model(name, path, dtype="float32") for name, path in tiny.items()]
+    ids = [f"slot{k}" for k in range(num_instances)]
     engines = {}
-    for iid in ("slot0", "slot1"):
-        engine = make_engine(ENGINE)
+    for iid in ids:
+        engines[iid] = make_engine(engine)
         for m in models:
-            engine.load(m.name, m.path)
-        engines[iid] = engine
+            engines[iid].load(m.name, m.path)
     if flaky is not None:
-        engines["slot0"] = Flaky(engines["slot0"], **flaky)
+        engines[flaky_slot] = Flaky(engines[flaky_slot], **flaky)
     backend = InProcessBackend(engines)
     clock = ManualClock()
     scheduler = make_scheduler(policy, {m.name: m.profile for m in models},
-                               slot_instances(2, models, KV_BYTES, roles=roles), LinearCosts(), **options)
-    controller = Controller(scheduler, backend, clock, ["slot0", "slot1"])
+                               slot_instances(num_instances, models, KV_BYTES, roles=roles), LinearCosts(), **options)
+    controller = Controller(scheduler, backend, clock, ids)
+    sinks = queue_all(controller, clock, max_tokens)
+    controller.tick()
+    return controller, backend, clock, scheduler, sinks
+
+
+def queue_all(controller: Controller, clock: ManualClock, max_tokens: int = NEW_TOKENS) -> dict:
+    """Every model's every prompt submitted to the controller; the sinks by (model, prompt index)."""
     sinks = {}
     for name in MODELS:
         for k, prompt in enumerate(PROMPTS):
             sinks[(name, k)] = Collector()
             controller.submit(LiveRequest(f"{name}-{k}", name, list(prompt),
-                                          SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True), clock.now(),
+                                          SamplingParams(max_tokens=max_tokens, ignore_eos=True), clock.now(),
                                           sink=sinks[(name, k)]))
-    controller.tick()
-    return controller, backend, clock, scheduler, sinks
+    return sinks
 
 
 def test_instance_lost_mid_decode_requests_resume_elsewhere(tiny, reference) -> None:  # noqa: F811
@@ -179,28 +186,12 @@ def test_decoder_lost_while_importing_staged_kv_frees_it_at_the_prefill_instance
     regions are all released."""
     from pool.actor import EngineSpec
 
-    models = [served_model(name, path, dtype="float32") for name, path in tiny.items()]
-    ids = ["slot0", "slot1", "slot2"]  # decode, decode, prefill
-    engines = {}
-    for iid in ids:
-        engines[iid] = make_engine(EngineSpec("torch", {**ENGINE.options, "handoff_bytes": 8 << 20}))
-        for m in models:
-            engines[iid].load(m.name, m.path)
+    controller, backend, clock, _, sinks = in_process(
+        tiny, {"fail_at": 2, "method": "import_kv"}, "token-level", roles=["decode", "decode", "prefill"],
+        num_instances=3, engine=EngineSpec("torch", {**ENGINE.options, "handoff_bytes": 8 << 20}),
+        max_tokens=LONG_TOKENS, fixed_turn_steps=3)
+    engines = backend.engines
     prefill = engines["slot2"]
-    engines["slot0"] = Flaky(engines["slot0"], 2, "import_kv")
-    backend, clock = InProcessBackend(engines), ManualClock()
-    scheduler = make_scheduler("token-level", {m.name: m.profile for m in models},
-                               slot_instances(3, models, KV_BYTES, roles=["decode", "decode", "prefill"]),
-                               LinearCosts(), fixed_turn_steps=3)
-    controller = Controller(scheduler, backend, clock, ids)
-    sinks = {}
-    for name in MODELS:
-        for k, prompt in enumerate(PROMPTS):
-            sinks[(name, k)] = Collector()
-            controller.submit(LiveRequest(f"{name}-{k}", name, list(prompt),
-                                          SamplingParams(max_tokens=LONG_TOKENS, ignore_eos=True), clock.now(),
-                                          sink=sinks[(name, k)]))
-    controller.tick()
     drive(controller, backend, clock, sinks)
     assert controller.lost == {"slot0"} and engines["slot0"].calls >= 2
     for key, sink in sinks.items():

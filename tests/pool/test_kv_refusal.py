@@ -5,34 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from pool.actor import make_engine
 from pool.backends import InProcessBackend
 from pool.controller import Controller, RequestFailed
 from pool.engines.base import OutOfKvMemory, SamplingParams
 from pool.engines.sim_engine import SimEngine
 from pool.runner import LiveRequest
-from pool.service import served_model, slot_instances
 from scheduler import InstanceSpec, ManualClock, ModelProfile, RequestStatus, make_scheduler
 from tests.factories import LinearCosts
-from tests.pool.test_faults import Flaky, drive
-from tests.pool.test_live_pool import (ENGINE, KV_BYTES, MODELS, NEW_TOKENS, PROMPTS, Collector,  # noqa: F401
-                                       reference, tiny)
-
-
-def refusing(engine, refuse_at: int, method: str) -> Flaky:
-    """An engine whose `refuse_at`-th call of `method` finds no room for KV (and changes nothing)."""
-    return Flaky(engine, refuse_at, method, OutOfKvMemory("need 3 KV blocks; 1 free (a test's refusal)"))
-
-
-def submit_all(controller: Controller, clock: ManualClock, max_tokens: int = NEW_TOKENS) -> dict:
-    sinks = {}
-    for name in MODELS:
-        for k, prompt in enumerate(PROMPTS):
-            sinks[(name, k)] = Collector()
-            controller.submit(LiveRequest(f"{name}-{k}", name, list(prompt),
-                                          SamplingParams(max_tokens=max_tokens, ignore_eos=True), clock.now(),
-                                          sink=sinks[(name, k)]))
-    return sinks
+from tests.pool.test_faults import drive, in_process
+from tests.pool.test_live_pool import Collector, reference, tiny  # noqa: F401
 
 
 @pytest.mark.parametrize("policy, roles, method, refuse_at", [
@@ -43,20 +24,12 @@ def submit_all(controller: Controller, clock: ManualClock, max_tokens: int = NEW
 ])
 def test_a_refusal_requeues_the_instances_requests_and_keeps_it(tiny, reference, policy, roles, method,  # noqa: F811
                                                                 refuse_at) -> None:
-    models = [served_model(name, path, dtype="float32") for name, path in tiny.items()]
-    engines = {}
-    for iid in ("slot0", "slot1"):
-        engines[iid] = make_engine(ENGINE)
-        for m in models:
-            engines[iid].load(m.name, m.path)
     target = "slot1" if method in ("restore_kv", "import_kv") else "slot0"
-    engines[target] = refusing(engines[target], refuse_at, method)
-    backend, clock = InProcessBackend(engines), ManualClock()
     options = {"fixed_turn_steps": 3} if policy == "token-level" else {}
-    scheduler = make_scheduler(policy, {m.name: m.profile for m in models},
-                               slot_instances(2, models, KV_BYTES, roles=roles), LinearCosts(), **options)
-    controller = Controller(scheduler, backend, clock, ["slot0", "slot1"])
-    sinks = submit_all(controller, clock)
+    refusal = OutOfKvMemory("need 3 KV blocks; 1 free (a test's refusal)")
+    controller, backend, clock, scheduler, sinks = in_process(
+        tiny, {"fail_at": refuse_at, "method": method, "error": refusal}, policy, roles, flaky_slot=target, **options)
+    engines = backend.engines
     drive(controller, backend, clock, sinks)
     assert engines[target].calls >= refuse_at, "the refusal happened"
     assert controller.num_kv_refusals == 1 and not controller.lost
