@@ -90,18 +90,23 @@ PENALISED = SamplingParams(temperature=0.7, top_k=20, seed=3, repetition_penalty
 
 
 # ---- prefill on A, decode on B -------------------------------------------------------------------------
-@pytest.mark.parametrize("params", [GREEDY, SEEDED, PENALISED], ids=["greedy", "seeded", "penalised"])
-@pytest.mark.parametrize("where", ["host", "device"])
-@pytest.mark.parametrize("block_b", [16, 8])
-def test_prefill_on_a_decode_on_b_equals_one_engine(params, where, block_b, demo_models):
-    a = make_engine(demo_models)
+def prefilled_on_a(demo_models, params: SamplingParams, block_b: int, **a_config):
+    """Engine A (`a_config`) with PROMPTS prefilled, an engine B of `block_b`-token blocks, and what one engine
+    alone produces: (a, b, prompts' token ids, expected outputs, A's first tokens by request id)."""
+    a = make_engine(demo_models, **a_config)
     b = make_engine(demo_models, block_size=block_b)
     prompts = [ids(a, p) for p in PROMPTS]
     requests = [GenRequest(f"r{i}", MODEL, p, params) for i, p in enumerate(prompts)]
     expected = run(make_engine(demo_models), requests)
-
     a.activate(MODEL)
-    outs = {o.request_id: [o] for o in a.prefill(requests)}
+    return a, b, prompts, expected, {o.request_id: [o] for o in a.prefill(requests)}
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED, PENALISED], ids=["greedy", "seeded", "penalised"])
+@pytest.mark.parametrize("where", ["host", "device"])
+@pytest.mark.parametrize("block_b", [16, 8])
+def test_prefill_on_a_decode_on_b_equals_one_engine(params, where, block_b, demo_models):
+    a, b, prompts, expected, outs = prefilled_on_a(demo_models, params, block_b)
     rids = list(outs)
     if where == "host":
         a.save_kv(rids)
@@ -308,14 +313,7 @@ def test_cuda_requests_move_between_engines_mid_swap(graphs, demo_models):
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("block_b", [16, 8])
 def test_staged_hand_off_lands_on_the_device_and_equals_one_engine(params, block_b, demo_models):
-    a = make_engine(demo_models, handoff_bytes=1 << 20)
-    b = make_engine(demo_models, block_size=block_b)
-    prompts = [ids(a, p) for p in PROMPTS]
-    requests = [GenRequest(f"r{i}", MODEL, p, params) for i, p in enumerate(prompts)]
-    expected = run(make_engine(demo_models), requests)
-
-    a.activate(MODEL)
-    outs = {o.request_id: [o] for o in a.prefill(requests)}
+    a, b, prompts, expected, outs = prefilled_on_a(demo_models, params, block_b, handoff_bytes=1 << 20)
     rids = list(outs)
     exports = a.export_kv(rids)
     assert all(e.staged for e in exports)
