@@ -86,10 +86,13 @@ class StepTimings:
 
     def call(self, method: str, started_at: float, seconds: float) -> None:
         """One engine call, as a backend made it (inside the engine: from entry to return)."""
-        total = self.call_totals.setdefault(method, [0, 0.0])
+        total = self.call_totals.get(method)
+        if total is None:  # the first call of `method` (not a new list and deque on every call: a hot path)
+            total = self.call_totals[method] = [0, 0.0]
+            self.calls[method] = deque(maxlen=self.kv_calls.maxlen)
         total[0] += 1
         total[1] += seconds
-        self.calls.setdefault(method, deque(maxlen=self.kv_calls.maxlen)).append(seconds)
+        self.calls[method].append(seconds)
         self.call_log.append((method, started_at, seconds))
 
     def dump_calls(self, path: str) -> None:
