@@ -15,7 +15,7 @@ wrote it; an arriving one is written into fresh host blocks (`write_tokens`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -215,14 +215,9 @@ def write_blocks(kv: torch.Tensor, pool: SlabPool, shape: KvShape, blocks: Seque
     L, _, heads, _, dim = shape.dims
     whole = tokens // size
     source = kv[:, :, :, : whole * size].unflatten(3, (whole, size)).permute(3, 0, 1, 2, 4, 5)
-    i = 0
-    while i < whole:
-        run = 1
-        while i + run < whole and _adjacent(blocks[i + run - 1], blocks[i + run]):
-            run += 1
+    for i, run in adjacent_runs(blocks[:whole]):
         target = pool.span(shape, blocks[i], run).view(shape.dtype).view(run, L, 2, heads, size, dim)
         target.copy_(source[i : i + run])
-        i += run
     if whole < len(blocks):
         last = pool.block(shape, blocks[whole])
         last[:, :, :, : tokens - whole * size].copy_(kv[:, :, :, whole * size :])
@@ -245,16 +240,22 @@ def allocate_all(pool: SlabPool, kvs: Sequence[SeqKv], counts: Sequence[int]) ->
 def copy_blocks(src: SlabPool, src_blocks: list[BlockRef], dst: SlabPool, dst_blocks: list[BlockRef],
                 shape: KvShape) -> int:
     """Copy blocks pairwise, one copy per run of blocks adjacent on both sides; returns bytes."""
-    total, i = 0, 0
-    while i < len(src_blocks):
-        run = 1
-        while (i + run < len(src_blocks) and _adjacent(src_blocks[i + run - 1], src_blocks[i + run])
-               and _adjacent(dst_blocks[i + run - 1], dst_blocks[i + run])):
-            run += 1
+    total = 0
+    for i, run in adjacent_runs(src_blocks, dst_blocks):
         dst.span(shape, dst_blocks[i], run).copy_(src.span(shape, src_blocks[i], run), non_blocking=True)
         total += run * shape.block_bytes
-        i += run
     return total
+
+
+def adjacent_runs(*block_lists: Sequence[BlockRef]) -> Iterator[tuple[int, int]]:
+    """(start, length) of each run of positions whose blocks follow each other in one slab in every list."""
+    count, i = len(block_lists[0]), 0
+    while i < count:
+        run = 1
+        while i + run < count and all(_adjacent(b[i + run - 1], b[i + run]) for b in block_lists):
+            run += 1
+        yield i, run
+        i += run
 
 
 def _adjacent(a: BlockRef, b: BlockRef) -> bool:
