@@ -91,10 +91,6 @@ class StagingArena:
             free[i - 1] = (free[i - 1][0], free[i - 1][1] + free[i][1])
             del free[i]
 
-    def view(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        nbytes = int(torch.Size(shape).numel()) * dtype.itemsize
-        return self.storage[offset : offset + nbytes].view(dtype).view(shape)
-
     @property
     def used_bytes(self) -> int:
         return sum(self._taken.values())
@@ -134,6 +130,7 @@ def _close_orphans() -> None:
 
 
 def staged_view(ref: ArenaRef, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """`shape` of `dtype` at `offset` in the arena `ref` names (its owner's, or one opened from it)."""
     nbytes = int(torch.Size(shape).numel()) * dtype.itemsize
     if offset < 0 or offset + nbytes > ref.nbytes:
         raise ValueError(f"staged KV at {offset}+{nbytes} is outside arena {ref.key} ({ref.nbytes} bytes)")

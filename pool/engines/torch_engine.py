@@ -30,7 +30,7 @@ from pool.engines.device import DeviceBuffer, Streams, align_up, held_device_byt
 from pool.engines.forward import Decoder, DecodeInputs, SharedTensors
 from pool.engines.graphs import NO_GRAPHS, GraphBuckets
 from pool.engines.handoff import ALIGN as HANDOFF_ALIGN
-from pool.engines.handoff import StagingArena, close_orphans
+from pool.engines.handoff import StagingArena, close_orphans, staged_view
 from pool.engines.kv import KvShape, host_pool, slab_bytes_for
 from pool.engines.kvstore import (KvStore, SeqKv, allocate_all, decode_inputs, free_host, prefill_inputs, read_host,
                                   write_tokens)
@@ -616,7 +616,7 @@ class TorchEngine:
         offset = self._arena.alloc(nbytes)
         if offset is None:
             return None
-        self._kv_store().stage(seq.kv, dims[3], self._arena.view(offset, seq.kv.shape.dtype, dims))
+        self._kv_store().stage(seq.kv, dims[3], staged_view(self._arena.ref, offset, seq.kv.shape.dtype, dims))
         self._staged[seq.request.request_id] = offset
         return StagedKv(self._arena.ref, offset, nbytes)
 
