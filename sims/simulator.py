@@ -167,7 +167,7 @@ class Simulator:
         self.links = links  # shared host links (costs.host_links), or None: every copy at its time alone
         self.gpus = gpus  # shared GPUs (costs.gpu_shares), or None: every instance's steps at their time alone
         self.staging = frozenset(staging)  # instances that hand off through device memory (staging_instances)
-        self._staged: dict[str, str] = {}  # request id -> the staging instance its KV waits on, until a SwapIn
+        self._staged: set[str] = set()  # requests whose KV waits staged on a staging instance, until their SwapIn
         self._arrivals = iter(requests)
         self._next_arrival: Request | None = next(self._arrivals, None)
         self.kv_bytes_per_token = kv_bytes_per_token
@@ -392,17 +392,16 @@ class Simulator:
             record = self.records[rid]
             ahead = turn.max_steps if turn is not None and rid in turn.ids else 0
             move = (record.model, record.prompt_tokens + record.generated + ahead)
+            on_device = stages or (not out and rid in self._staged)
             if out:
                 dev.kv_moved_bytes += dev.kv.pop(rid, 0.0)
                 if stages:
-                    self._staged[rid] = iid
+                    self._staged.add(rid)
             else:
                 dev.kv[rid] = self._kv_bytes(record)
                 dev.kv_moved_bytes += dev.kv[rid]
-            if stages or (not out and self._staged.pop(rid, None) is not None):
-                staged.append(move)
-            else:
-                moves.append(move)
+                self._staged.discard(rid)
+            (staged if on_device else moves).append(move)
         self._check_kv(iid, dev)
         t += kv_device_move_s(self.costs, staged)
         end = self._copy_end(iid, not out, t, kv_move_s(self.costs, moves)) if moves else t  # one move each
