@@ -52,11 +52,17 @@ class LiveRequest:
     def kv_staged(self) -> bool:
         """The KV it carries waits in the exporting engine's device memory (`KvExport.staged`), which frees it
         when it releases the request (kv_home)."""
-        return bool(getattr(self.kv_export, "staged", False))
+        return is_staged(self.kv_export)
 
     def gen_request(self) -> GenRequest:
         return GenRequest(self.request_id, self.model, tuple(self.prompt_token_ids), self.sampling,
                           tuple(self.output_token_ids))
+
+
+def is_staged(export: Any) -> bool:
+    """A hand-off's KV that waits in its exporting engine's device memory (`KvExport.staged`; engines whose
+    exports are something else never stage)."""
+    return bool(getattr(export, "staged", False))
 
 
 # issue(instance_id, method, args, meta) -> handle; meta only informs simulated backends
@@ -297,7 +303,7 @@ class InstanceRunner:
             # one export per id, in order (none when the home instance was lost); a request cancelled while
             # its KV was on the way is not imported: nobody would release it here
             kept = [(rid, export) for rid, export in zip(ids, result) if self._live([rid])]
-            self._release_after = [(home, rid) for rid, export in zip(ids, result) if getattr(export, "staged", False)]
+            self._release_after = [(home, rid) for rid, export in zip(ids, result) if is_staged(export)]
             self._importing = [rid for rid, _ in kept]
             self._call("import_kv", [export for _, export in kept], transfer=True)
             return []
