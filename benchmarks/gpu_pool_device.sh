@@ -2,7 +2,8 @@
 # One call on the lent GPU box (no Ray, no pydantic/fastapi/uvicorn: carried as wheels in .whl):
 #   bash benchmarks/gpu_pool_device.sh STAGE...    stages: tests, pool, copyhol, light, heavy, calibrate, tp (two GPUs), RATE=<r>,
 #   BACKENDS=<a,b>; on two GPUs, GPUS_ARG='--gpus 2' gives light/heavy the prefill-GPU + decode-GPU layout
-# `pool` is the issues-16/17 run (both backends, 1 and 10 req/s, ~6 min; compare with the simulator afterwards on
+# `pool` is the issues-16/17 run (BACKENDS='processes threads', 1 and 10 req/s, ~6 min; STANDALONE=' ' times the
+# engine's own prefill at the live lengths too; compare with the simulator afterwards on
 # the saved traces, benchmarks/gpu_pool_sim.py); PROFILE=<file> gives serve a calibration profile.
 # Results go to $OUT (gpu_pool-<stage>.tgz and the logs' tails). The calibrate stage also needs typer, rich,
 # click, shellingham, markdown-it-py, mdurl and pygments as wheels (download them into .whl as for the others).
@@ -19,10 +20,10 @@ for stage in "$@"; do
   case $stage in
     tests)
       timeout ${TEST_S:-150} python3 -m pytest -q -x -p no:cacheprovider -k cuda \
-        tests/pool/test_torch_engine.py tests/pool/test_kv_transfer.py tests/pool/test_fused_decode.py 2>&1 | tail -8 ;;
+        ${TEST_FILES:-tests/pool/test_torch_engine.py tests/pool/test_kv_transfer.py tests/pool/test_fused_decode.py} 2>&1 | tail -8 ;;
     pool)
-      timeout ${POOL_S:-450} python3 benchmarks/gpu_pool.py --out /tmp/gp-pool --backend processes --backend threads \
-        --layout pd --rate 1 --rate 10 --duration 30 --request-timeout 60 --no-standalone --no-sim \
+      timeout ${POOL_S:-450} python3 benchmarks/gpu_pool.py --out /tmp/gp-pool $(for b in ${BACKENDS:-processes threads}; do echo --backend $b; done) \
+        --layout pd --rate 1 --rate 10 --duration 30 --request-timeout 60 ${STANDALONE:---no-standalone} --no-sim \
         ${PROFILE:+--serve-arg=--profile --serve-arg=$PROFILE} 2>&1 | grep -v '^   {' ; pack pool ;;
     light)
       timeout ${LIGHT_S:-330} python3 benchmarks/gpu_pool.py --out /tmp/gp-light --backend processes --backend threads --layout pd \

@@ -88,6 +88,7 @@ class PrefillInputs:
     write_row: torch.Tensor  # [N] first KV row of the block each token's K/V goes to
     write_offset: torch.Tensor  # [N] offset in that block
     seq_lens: list[int]  # tokens per request, in order
+    ends: torch.Tensor  # [num_requests] index of each request's last token
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -210,8 +211,7 @@ class Decoder:
             q, k, v = self._qkv(n, x, cos, sin)
             self._write_kv(n, k, v, inp.write_row, inp.write_offset)
             x = self._finish_layer(layer, x, self._causal_attention(q, k, v, inp.seq_lens))
-        ends = torch.tensor(inp.seq_lens, device=x.device).cumsum(0) - 1
-        return self._logits(x[ends])
+        return self._logits(x[inp.ends])
 
     def _causal_attention(self, q, k, v, seq_lens: list[int]) -> torch.Tensor:
         out = torch.empty(q.shape[0], self.spec.q_size, dtype=q.dtype, device=q.device)

@@ -264,15 +264,24 @@ def _adjacent(a: BlockRef, b: BlockRef) -> bool:
 
 # ---- step inputs: token positions -> KV addresses ----------------------------------------------
 def prefill_inputs(token_lists: Sequence[list[int]], kvs: Sequence[SeqKv], device: torch.device) -> PrefillInputs:
-    """All tokens of all requests, each written to its own slot."""
-    where = [kv.slot_of(p) for tokens, kv in zip(token_lists, kvs) for p in range(len(tokens))]
-    return PrefillInputs(
-        token_ids=_tensor([t for tokens in token_lists for t in tokens], device),
-        positions=_tensor([p for tokens in token_lists for p in range(len(tokens))], device),
-        write_row=_tensor([w[0] for w in where], device),
-        write_offset=_tensor([w[1] for w in where], device),
-        seq_lens=[len(tokens) for tokens in token_lists],
-    )
+    """All tokens of all requests, each written to its own slot: five rows of one pinned array, one copy to the
+    device (from pageable memory each row's copy would wait for the compute stream, and queue on the copy engine
+    behind a weight prefetch: a prefill right after one took twice as long on the H200)."""
+    lens = np.fromiter((len(t) for t in token_lists), dtype=np.int64, count=len(token_lists))
+    n, size = int(lens.sum()), kvs[0].shape.block_size
+    host = torch.empty(4 * n + len(lens), dtype=torch.int64, pin_memory=device.type == "cuda")
+    packed = host.numpy()
+    ids, positions, write_row, write_offset = (packed[i * n : (i + 1) * n] for i in range(4))
+    ids[:] = [t for tokens in token_lists for t in tokens]
+    starts = np.cumsum(lens) - lens
+    positions[:] = np.arange(n) - np.repeat(starts, lens)
+    rows = np.concatenate([np.asarray(kv.rows, dtype=np.int64) for kv in kvs])
+    first_block = np.repeat(np.cumsum([len(kv.rows) for kv in kvs]) - [len(kv.rows) for kv in kvs], lens)
+    write_row[:] = rows[first_block + positions // size]
+    write_offset[:] = positions % size
+    packed[4 * n :] = starts + lens - 1
+    on_device = host.to(device, non_blocking=True)
+    return PrefillInputs(*(on_device[i * n : (i + 1) * n] for i in range(4)), seq_lens=lens.tolist(), ends=on_device[4 * n :])
 
 
 def decode_inputs(last_tokens: Sequence[int], kvs: Sequence[SeqKv], positions: Sequence[int], device: torch.device,
@@ -301,7 +310,3 @@ def decode_inputs(last_tokens: Sequence[int], kvs: Sequence[SeqKv], positions: S
         table[i, : len(kv.rows)] = kv.rows
         table[i, len(kv.rows) :] = kv.rows[0]
     return DecodeInputs(host.to(device, non_blocking=True), batch, max_blocks)
-
-
-def _tensor(values: list, device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
