@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -47,16 +49,24 @@ def mapped_read_ms(src: torch.Tensor, dst: torch.Tensor) -> float:
 
 
 def during(host: torch.Tensor, device: torch.Tensor, chunk: int, src: torch.Tensor, dst: torch.Tensor,
-           yields: bool, small=small_copy_ms) -> dict:
-    side = torch.cuda.Stream()
-    tick = torch.zeros(1, device="cuda")
+           yields: str, small=small_copy_ms) -> dict:
+    """The big copy on a side stream (whole, or in `chunk` pieces with `yields` between them: "none", "kernel" - a
+    one-element kernel on that stream, "copy" - a round trip through another stream that makes a one-element
+    host-to-device copy, as pool.engines.slots does) while `small` runs again and again on the default stream."""
+    side, trip = torch.cuda.Stream(), torch.cuda.Stream()
+    tick, one = torch.zeros(1, device="cuda"), torch.zeros(1).pin_memory()
     torch.cuda.synchronize()
     started = time.perf_counter()
     with torch.cuda.stream(side):
         step = chunk or host.numel()
         for start in range(0, host.numel(), step):
-            if start and yields:
-                tick.add_(1)  # as pool.engines.slots does between pieces
+            if start and yields == "kernel":
+                tick.add_(1)
+            elif start and yields == "copy":
+                trip.wait_stream(side)
+                with torch.cuda.stream(trip):
+                    tick.copy_(one, non_blocking=True)
+                side.wait_stream(trip)
             device[start : start + step].copy_(host[start : start + step], non_blocking=True)
         done = torch.cuda.Event()
         done.record(side)
@@ -67,9 +77,34 @@ def during(host: torch.Tensor, device: torch.Tensor, chunk: int, src: torch.Tens
     big_ms = (time.perf_counter() - started) * 1e3
     torch.cuda.synchronize()
     w = np.array(waits or [0.0])
-    return {"small": small.__name__, "chunk_mb": chunk >> 20, "yields": yields, "big_copy_ms": round(big_ms, 2), "gb_s": round(host.numel() / big_ms / 1e6, 1),
-            "issue_ms": round(issued_ms, 3), "small_copies": len(waits), "small_ms_p50": round(float(np.median(w)), 3),
-            "small_ms_p90": round(float(np.percentile(w, 90)), 3), "small_ms_max": round(float(w.max()), 3)}
+    return {"small": small.__name__, "chunk_mb": chunk >> 20, "yields": yields, "big_copy_ms": round(big_ms, 2),
+            "gb_s": round(host.numel() / big_ms / 1e6, 1), "issue_ms": round(issued_ms, 3), "small_copies": len(waits),
+            "small_ms_p50": round(float(np.median(w)), 3), "small_ms_p90": round(float(np.percentile(w, 90)), 3),
+            "small_ms_max": round(float(w.max()), 3)}
+
+
+BUSY = """
+import torch, sys
+a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+torch.cuda.synchronize(); print("busy", flush=True)
+while True:
+    for _ in range(20):
+        a = torch.tanh(a @ a)  # ~0.2 ms a product: another process keeping the GPU busy, as the other instance does
+    torch.cuda.synchronize()
+"""
+
+
+def variants(host, device, src, dst, chunks) -> list[dict]:
+    rows = [during(host, device, mb << 20, src, dst, y) for mb in chunks for y in (("none", "kernel", "copy") if mb else ("none",))]
+    try:  # the step's inputs read by a kernel from pinned memory, during one whole weight copy
+        mapped = torch.as_tensor(_Mapped(src), device="cuda")
+        torch.add(mapped, 0, out=dst)
+        torch.cuda.synchronize()
+        assert torch.equal(dst.cpu(), src), "a kernel read of mapped pinned memory gave other values"
+        rows.append(during(host, device, 0, mapped, dst, "none", small=mapped_read_ms))
+    except Exception as exc:  # noqa: BLE001 - a platform without mapped pinned memory: say so in the table
+        print(f"mapped pinned read not possible here: {exc!r}")
+    return rows
 
 
 def main() -> None:
@@ -77,6 +112,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--gb", type=float, default=8.0)
     parser.add_argument("--chunk-mb", type=int, action="append", help="0: one copy (repeatable)")
+    parser.add_argument("--no-busy", action="store_true", help="skip the runs beside a busy second process")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs CUDA: this measures the GPU's copy engines")
@@ -88,15 +124,23 @@ def main() -> None:
     for _ in range(20):
         small_copy_ms(src, dst)
     idle = np.array([small_copy_ms(src, dst) for _ in range(200)])
-    rows = [during(host, device, mb << 20, src, dst, yields) for mb in (args.chunk_mb or [0, 64, 16])
-            for yields in ((False, True) if mb else (False,))]
+    rows = [dict(r, busy=False) for r in variants(host, device, src, dst, args.chunk_mb or [0, 64, 16])]
+    if not args.no_busy:  # again while another process keeps the GPU busy (CUDA time-slices the two)
+        busy = subprocess.Popen([sys.executable, "-c", BUSY], stdout=subprocess.PIPE, text=True)
+        try:
+            busy.stdout.readline()
+            time.sleep(0.5)
+            rows += [dict(r, busy=True) for r in variants(host, device, src, dst, args.chunk_mb or [0, 64, 16])]
+        finally:
+            busy.kill()
     result = {"device": torch.cuda.get_device_name(), "gb": args.gb, "idle_small_ms_p50": round(float(np.median(idle)), 3),
               "idle_small_ms_max": round(float(idle.max()), 3), "runs": rows}
     print(f"{result['device']}: small copy + kernel + sync alone: p50 {result['idle_small_ms_p50']} ms")
-    print(f"{'small':>15s} {'chunk MB':>9s} {'yield':>5s} {'big ms':>8s} {'GB/s':>6s} {'issue ms':>9s} {'n':>6s} {'small p50':>10s} {'p90':>8s} {'max':>8s}")
+    print(f"{'busy':>4s} {'small':>15s} {'chunk MB':>9s} {'yield':>6s} {'big ms':>8s} {'GB/s':>6s} {'issue ms':>9s} {'n':>6s} "
+          f"{'small p50':>10s} {'p90':>8s} {'max':>8s}")
     for r in rows:
-        print(f"{r['small']:>15s} {r['chunk_mb']:9d} {str(r['yields'])[0]:>5s} {r['big_copy_ms']:8.1f} {r['gb_s']:6.1f} {r['issue_ms']:9.2f} {r['small_copies']:6d} "
-              f"{r['small_ms_p50']:10.3f} {r['small_ms_p90']:8.3f} {r['small_ms_max']:8.3f}")
+        print(f"{str(r['busy'])[0]:>4s} {r['small']:>15s} {r['chunk_mb']:9d} {r['yields']:>6s} {r['big_copy_ms']:8.1f} {r['gb_s']:6.1f} "
+              f"{r['issue_ms']:9.2f} {r['small_copies']:6d} {r['small_ms_p50']:10.3f} {r['small_ms_p90']:8.3f} {r['small_ms_max']:8.3f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
 

@@ -24,6 +24,7 @@ here on a GPU (benchmarks/gpu_copy_hol.py does).
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,7 +38,11 @@ from pool.engines.weights import ModelImage
 from scheduler import ModelSlots as SlotRule
 from scheduler import RefusedAction
 
-WEIGHT_COPY_CHUNK_BYTES = 64 << 20  # ~1.2 ms of the H200's host link: about the most a step's inputs wait
+WEIGHT_COPY_CHUNK_BYTES = int(os.environ.get("MODELPOOL_WEIGHT_COPY_CHUNK_MB", 64)) << 20  # ~1.2 ms of the H200's link
+# what sits between a weight copy's pieces: "kernel" (a one-element kernel on the weight stream), "copy" (a round
+# trip through a side stream that makes a one-element host-to-device copy: it queues on the copy engine behind the
+# copies already waiting, and the next piece waits for it), "none"
+WEIGHT_COPY_YIELD = os.environ.get("MODELPOOL_WEIGHT_COPY_YIELD", "kernel")
 
 
 @dataclass(slots=True)
@@ -57,6 +62,9 @@ class ModelSlots:
         self.streams = streams
         # the one-element kernel between a copy's pieces (on CUDA; CPU copies have no copy engine to share)
         self._yield = torch.zeros(1, device=region.device) if streams.cuda else None
+        if streams.cuda and WEIGHT_COPY_YIELD == "copy":
+            self._yield_stream = torch.cuda.Stream(region.device)
+            self._yield_src = torch.zeros(1, dtype=torch.float32).pin_memory()
         self.on_copy = on_copy
         self.sizes: dict[str, float] = {}  # model -> bytes, of every model asked for so far
         self.rule = SlotRule(capacity_bytes=region.numel(), model_bytes=self.sizes)
@@ -173,9 +181,19 @@ class ModelSlots:
         with self.streams.on(weights):
             for start in range(0, image.nbytes, WEIGHT_COPY_CHUNK_BYTES):
                 if start and self._yield is not None:
-                    self._yield.add_(1)  # the copy engine serves the other streams' copies here
+                    self._yield_between(weights)  # the copy engine serves the other streams' copies here
                 end = min(start + WEIGHT_COPY_CHUNK_BYTES, image.nbytes)
                 self.region[offset + start: offset + end].copy_(image.buffer[start:end], non_blocking=True)
         self._num_loads += 1
         self.placed[image.name] = Placement(offset, image.nbytes, self.streams.record(weights), self._num_loads)
         self.on_copy(image.nbytes)
+
+    def _yield_between(self, weights: Any) -> None:
+        if WEIGHT_COPY_YIELD == "kernel":
+            self._yield.add_(1)
+        elif WEIGHT_COPY_YIELD == "copy":
+            side = self._yield_stream
+            side.wait_stream(weights)
+            with torch.cuda.stream(side):
+                self._yield.copy_(self._yield_src, non_blocking=True)
+            weights.wait_stream(side)
