@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the lent GPU box (no Ray, no pydantic/fastapi/uvicorn: carried as wheels in .whl):
-#   bash benchmarks/gpu_pool_device.sh STAGE...    stages: tests, pool, copyhol, yields, light, heavy, calibrate, tp (two GPUs), RATE=<r>,
+#   bash benchmarks/gpu_pool_device.sh STAGE...    stages: tests, pool, copyhol, light, heavy, calibrate, tp (two GPUs), RATE=<r>,
 #   BACKENDS=<a,b>; on two GPUs, GPUS_ARG='--gpus 2' gives light/heavy the prefill-GPU + decode-GPU layout
 # `pool` is the issues-16/17 run (BACKENDS='processes threads', 1 and 10 req/s, ~6 min; STANDALONE=' ' times the
 # engine's own prefill at the live lengths too; compare with the simulator afterwards on
@@ -31,15 +31,6 @@ for stage in "$@"; do
     heavy)
       timeout ${HEAVY_S:-200} python3 benchmarks/gpu_pool.py --out /tmp/gp-heavy --backend ${HEAVY_BACKENDS:-processes} \
         --rate ${RATE:-8} --duration "$DUR" ${GPUS_ARG:-} 2>&1 | grep -v '^   {' ; pack heavy ;;
-    yields)  # A/B of what sits between a weight copy's pieces: VARIANTS='kernel:64 copy:64 none:0' (yield:MiB), 10 req/s
-      for v in ${VARIANTS:-kernel:64 copy:64 none:0}; do
-        y=${v%:*}; c=${v#*:}; echo "== weight copy yield $y, pieces of $c MiB"
-        MODELPOOL_WEIGHT_COPY_YIELD=$y MODELPOOL_WEIGHT_COPY_CHUNK_MB=$c timeout ${AB_S:-170} python3 benchmarks/gpu_pool.py \
-          --out /tmp/gp-yield-$y-$c --backend processes --layout pd --rate ${RATE:-10} --duration 30 --request-timeout 60 \
-          --no-standalone --no-sim 2>&1 | grep -v '^   {' | tail -3
-        python3 benchmarks/gpu_pool_calls.py /tmp/gp-yield-$y-$c/serve-processes-pd.calls --out /tmp/gp-yield-$y-$c/calls.json
-      done
-      tar czf "$OUT/gpu_pool-yields.tgz" -C /tmp --exclude models $(cd /tmp && ls -d gp-yield-*) ;;
     copyhol)  # does a weight copy hold up a step's input copy? whole, in pieces, pieces with a kernel between
       timeout 90 python3 benchmarks/gpu_copy_hol.py --gb 8 --out "$OUT/copy_hol.json" 2>&1 | tail -30 ;;
     tp)  # two GPUs (issue 21): the torch engine at TP1 and TP2, NCCL

@@ -21,12 +21,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pool.engines import fused as fused_ops
+from pool.engines.device import to_device
 from pool.engines.weights import ModelSpec
 
 # Prefill attention never goes to cuDNN: it builds an execution plan for every new prompt length (measured on
@@ -69,7 +71,7 @@ class DecodeInputs:
     @classmethod
     def pack(cls, rows: dict[str, list[int]], table: list[list[int]], device: torch.device) -> DecodeInputs:
         flat = [v for name in _ROWS for v in rows[name]] + [v for row in table for v in row]
-        packed = torch.tensor(flat, dtype=torch.int64).to(device, non_blocking=True)
+        packed = to_device(np.array(flat, dtype=np.int64), device)
         return cls(packed, len(rows["token_ids"]), len(table[0]))
 
     def row(self, name: str) -> torch.Tensor:

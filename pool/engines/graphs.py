@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pool.engines.device import device_copy
 from pool.engines.forward import Decoder, DecodeInputs
 
 
@@ -106,7 +107,7 @@ class DecodeGraphs:
         if captured is None:
             self.num_misses += 1
             return None
-        captured.static.packed.copy_(inputs.packed, non_blocking=True)
+        device_copy(captured.static.packed, inputs.packed)
         captured.graph.replay()
         self.num_replays += 1
         return captured.logits

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pool.engines.device import Streams, wait_event
+from pool.engines.device import Streams, to_device, wait_event
 from pool.engines.forward import _ROWS, DecodeInputs, PrefillInputs
 from pool.engines.kv import BlockRef, KvShape, SlabPool, device_pool, row_view
 
@@ -264,13 +264,12 @@ def _adjacent(a: BlockRef, b: BlockRef) -> bool:
 
 # ---- step inputs: token positions -> KV addresses ----------------------------------------------
 def prefill_inputs(token_lists: Sequence[list[int]], kvs: Sequence[SeqKv], device: torch.device) -> PrefillInputs:
-    """All tokens of all requests, each written to its own slot: five rows of one pinned array, one copy to the
-    device (from pageable memory each row's copy would wait for the compute stream, and queue on the copy engine
-    behind a weight prefetch: a prefill right after one took twice as long on the H200)."""
+    """All tokens of all requests, each written to its own slot: five rows of one array, one upload to the device
+    (`device.to_device`; four copies from pageable memory each waited for the compute stream, and queued on the
+    copy engine behind a weight prefetch: a prefill right after one took twice as long on the H200)."""
     lens = np.fromiter((len(t) for t in token_lists), dtype=np.int64, count=len(token_lists))
     n, size = int(lens.sum()), kvs[0].shape.block_size
-    host = torch.empty(4 * n + len(lens), dtype=torch.int64, pin_memory=device.type == "cuda")
-    packed = host.numpy()
+    packed = np.empty(4 * n + len(lens), dtype=np.int64)
     ids, positions, write_row, write_offset = (packed[i * n : (i + 1) * n] for i in range(4))
     ids[:] = [t for tokens in token_lists for t in tokens]
     starts = np.cumsum(lens) - lens
@@ -280,7 +279,7 @@ def prefill_inputs(token_lists: Sequence[list[int]], kvs: Sequence[SeqKv], devic
     write_row[:] = rows[first_block + positions // size]
     write_offset[:] = positions % size
     packed[4 * n :] = starts + lens - 1
-    on_device = host.to(device, non_blocking=True)
+    on_device = to_device(packed, device)
     return PrefillInputs(*(on_device[i * n : (i + 1) * n] for i in range(4)), seq_lens=lens.tolist(), ends=on_device[4 * n :])
 
 
@@ -288,14 +287,12 @@ def decode_inputs(last_tokens: Sequence[int], kvs: Sequence[SeqKv], positions: S
                   batch: int, max_blocks: int, pad_row: int | None = None) -> DecodeInputs:
     """One token per request at `positions`, padded to `batch` rows (aimed at `pad_row`) and `max_blocks` columns.
 
-    Built in one numpy array (this runs on every step, on the host), in pinned memory on CUDA: the copy to
-    the device is then truly asynchronous (from pageable memory it may wait for the queued steps, which
-    async decode keeps busy).
+    Built in one numpy array (this runs on every step, on the host), read onto the device by a kernel
+    (`device.to_device`): no copy to wait for the queued steps or for a weight prefetch on the copy engine.
     """
     n, size = len(kvs), kvs[0].shape.block_size
     pad = kvs[0].rows[0] if pad_row is None else pad_row
-    host = torch.zeros(len(_ROWS) * batch + batch * max_blocks, dtype=torch.int64, pin_memory=device.type == "cuda")
-    packed = host.numpy()
+    packed = np.zeros(len(_ROWS) * batch + batch * max_blocks, dtype=np.int64)
     rows = packed[: len(_ROWS) * batch].reshape(len(_ROWS), batch)  # token_ids, positions, write_row, offset, lengths
     table = packed[len(_ROWS) * batch :].reshape(batch, max_blocks)
     pos = np.asarray(positions, dtype=np.int64)
@@ -309,4 +306,4 @@ def decode_inputs(last_tokens: Sequence[int], kvs: Sequence[SeqKv], positions: S
     for i, kv in enumerate(kvs):
         table[i, : len(kv.rows)] = kv.rows
         table[i, len(kv.rows) :] = kv.rows[0]
-    return DecodeInputs(host.to(device, non_blocking=True), batch, max_blocks)
+    return DecodeInputs(to_device(packed, device), batch, max_blocks)

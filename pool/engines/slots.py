@@ -11,20 +11,16 @@ gap there holds it (so with two models held, as switching keeps it, the free
 bytes stay one gap and each model has two places, for which CUDA graphs are
 captured), else into the first gap that holds it. Copies run on the weight
 stream after the compute queued so far (the old bytes may still be read);
-compute waits on the copy's event. A copy goes in pieces of
-`WEIGHT_COPY_CHUNK_BYTES` with a one-element kernel between pieces: one copy
-of a whole model holds the host-to-device copy engine for its length (0.28 s
-for 15 GB on the H200), and the steps' small input copies on the compute
-stream queue behind it (the decode step after a prefetch took 100 ms on
-average, 0.54 s at most, at 10 req/s). Pieces alone do not help: the engine
-runs one stream's ready copies back to back; the kernel between them makes it
-yield (torchrec's copy-engine study, its `chunked_copy_`). Not yet measured
-here on a GPU (benchmarks/gpu_copy_hol.py does).
+compute waits on the copy's event. A copy is one host-to-device copy of the
+whole image, at the link's full rate: the steps' small inputs do not queue
+behind it on the copy engine, since a kernel reads them from pinned memory
+(`device.InputStage`). (Copying in pieces with a kernel between them let them
+in too, but halved the copy's rate while the other instance computed: the
+kernel waits for the GPU's time slice; benchmarks/gpu_copy_hol.py.)
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,13 +33,6 @@ from pool.engines.device import ALIGN_BYTES, Streams, event_done, wait_event
 from pool.engines.weights import ModelImage
 from scheduler import ModelSlots as SlotRule
 from scheduler import RefusedAction
-
-WEIGHT_COPY_CHUNK_BYTES = int(os.environ.get("MODELPOOL_WEIGHT_COPY_CHUNK_MB", 64)) << 20  # ~1.2 ms of the H200's link
-# what sits between a weight copy's pieces: "kernel" (a one-element kernel on the weight stream), "copy" (a round
-# trip through a side stream that makes a one-element host-to-device copy: it queues on the copy engine behind the
-# copies already waiting, and the next piece waits for it), "none"
-WEIGHT_COPY_YIELD = os.environ.get("MODELPOOL_WEIGHT_COPY_YIELD", "kernel")
-
 
 @dataclass(slots=True)
 class Placement:
@@ -60,11 +49,6 @@ class ModelSlots:
                  on_copy: Callable[[int], None] = lambda nbytes: None) -> None:
         self.region = region
         self.streams = streams
-        # the one-element kernel between a copy's pieces (on CUDA; CPU copies have no copy engine to share)
-        self._yield = torch.zeros(1, device=region.device) if streams.cuda else None
-        if streams.cuda and WEIGHT_COPY_YIELD == "copy":
-            self._yield_stream = torch.cuda.Stream(region.device)
-            self._yield_src = torch.zeros(1, dtype=torch.float32).pin_memory()
         self.on_copy = on_copy
         self.sizes: dict[str, float] = {}  # model -> bytes, of every model asked for so far
         self.rule = SlotRule(capacity_bytes=region.numel(), model_bytes=self.sizes)
@@ -179,21 +163,7 @@ class ModelSlots:
         weights = self.streams.weights
         self.streams.after_compute(weights)
         with self.streams.on(weights):
-            for start in range(0, image.nbytes, WEIGHT_COPY_CHUNK_BYTES):
-                if start and self._yield is not None:
-                    self._yield_between(weights)  # the copy engine serves the other streams' copies here
-                end = min(start + WEIGHT_COPY_CHUNK_BYTES, image.nbytes)
-                self.region[offset + start: offset + end].copy_(image.buffer[start:end], non_blocking=True)
+            self.region[offset : offset + image.nbytes].copy_(image.buffer, non_blocking=True)
         self._num_loads += 1
         self.placed[image.name] = Placement(offset, image.nbytes, self.streams.record(weights), self._num_loads)
         self.on_copy(image.nbytes)
-
-    def _yield_between(self, weights: Any) -> None:
-        if WEIGHT_COPY_YIELD == "kernel":
-            self._yield.add_(1)
-        elif WEIGHT_COPY_YIELD == "copy":
-            side = self._yield_stream
-            side.wait_stream(weights)
-            with torch.cuda.stream(side):
-                self._yield.copy_(self._yield_src, non_blocking=True)
-            weights.wait_stream(side)

@@ -204,15 +204,10 @@ def test_backends_time_every_engine_call_by_method(tiny_engine) -> None:
     assert "activate" not in calls  # called directly, not through a backend
 
 
-def test_a_weight_copy_in_pieces_lands_byte_for_byte(tiny_engine, monkeypatch) -> None:
-    """Weights go in WEIGHT_COPY_CHUNK_BYTES pieces (the copy engine then serves other streams between them):
-    pieces that do not divide the image still land as the image."""
-    import pool.engines.slots as slots
-
+def test_a_weight_copy_lands_byte_for_byte(tiny_engine) -> None:
+    """A model's image goes to its place in the region as it is, and nothing past it is written."""
     image = tiny_engine._models["tiny"].image
-    monkeypatch.setattr(slots, "WEIGHT_COPY_CHUNK_BYTES", 4096 + 512)
-    assert image.nbytes % slots.WEIGHT_COPY_CHUNK_BYTES != 0 and image.nbytes > 3 * slots.WEIGHT_COPY_CHUNK_BYTES
     tiny_engine._slots.region.zero_()
-    tiny_engine._slots._copy(image, 0)
-    assert torch.equal(tiny_engine._slots.region[: image.nbytes], image.buffer)
-    assert not tiny_engine._slots.region[image.nbytes : image.nbytes + 4096].any()  # nothing past it
+    tiny_engine._slots._copy(image, 512)
+    assert torch.equal(tiny_engine._slots.region[512 : 512 + image.nbytes], image.buffer)
+    assert not tiny_engine._slots.region[:512].any() and not tiny_engine._slots.region[512 + image.nbytes :].any()

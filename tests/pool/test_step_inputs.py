@@ -1,0 +1,77 @@
+"""A step's inputs on the device: the packed rows equal the per-token rule, and on CUDA the input stage (a kernel
+reading pinned host memory, no copy engine) gives every upload its own values while earlier work is queued."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pool.engines.device import InputStage, to_device
+from pool.engines.kv import KvShape
+from pool.engines.kvstore import SeqKv, decode_inputs, prefill_inputs
+
+SHAPE = KvShape(num_layers=2, num_kv_heads=1, head_dim=4, block_size=16, dtype=torch.float32)
+
+
+def _seq(rng: np.random.Generator, tokens: int) -> SeqKv:
+    blocks = -(-tokens // SHAPE.block_size) + 1
+    return SeqKv(SHAPE, rows=[int(r) for r in rng.choice(10_000, size=blocks, replace=False) * 64])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 70), min_size=1, max_size=6), st.integers(0, 2**31))
+def test_prefill_inputs_follow_the_per_token_rule(lengths: list[int], seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    tokens = [[int(t) for t in rng.integers(0, 50_000, size=n)] for n in lengths]
+    kvs = [_seq(rng, n) for n in lengths]
+    inp = prefill_inputs(tokens, kvs, torch.device("cpu"))
+    where = [kv.slot_of(p) for toks, kv in zip(tokens, kvs) for p in range(len(toks))]
+    assert inp.token_ids.tolist() == [t for toks in tokens for t in toks]
+    assert inp.positions.tolist() == [p for toks in tokens for p in range(len(toks))]
+    assert inp.write_row.tolist() == [w[0] for w in where]
+    assert inp.write_offset.tolist() == [w[1] for w in where]
+    assert inp.seq_lens == lengths
+    assert inp.ends.tolist() == (np.cumsum(lengths) - 1).tolist()
+
+
+def test_to_device_on_cpu_is_the_array_itself() -> None:
+    values = np.arange(5, dtype=np.int64)
+    out = to_device(values, torch.device("cpu"))
+    assert out.dtype == torch.int64 and out.tolist() == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mapped", [True, False], ids=["mapped-read", "pinned-copy"])
+def test_cuda_uploads_keep_their_own_values_behind_queued_work(mapped: bool) -> None:
+    """More uploads than the stage has buffers, all queued behind a long stretch of device work (so a buffer is
+    reused while the kernels that read it earlier have not run, unless the stage waits): each tensor holds
+    exactly the values it was given, growing buffers included."""
+    device = torch.device("cuda")
+    stage = InputStage(device, slots=4)
+    assert stage.mapped, "this GPU should map pinned memory (the H200 does): the fast path is untested otherwise"
+    stage.mapped = mapped
+    rng = np.random.default_rng(0)
+    a = torch.randn(4096, 4096, device=device)
+    for _ in range(30):
+        a = torch.tanh(a @ a)  # tens of ms of queued work ahead of every upload
+    sent = [rng.integers(-2**40, 2**40, size=int(rng.integers(1, 20_000)), dtype=np.int64) for _ in range(40)]
+    got = [stage.upload(v.copy()) for v in sent]
+    torch.cuda.synchronize()
+    for values, tensor in zip(sent, got):
+        assert np.array_equal(tensor.cpu().numpy(), values)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_decode_inputs_on_cuda_equal_those_on_cpu() -> None:
+    rng = np.random.default_rng(1)
+    kvs = [_seq(rng, n) for n in (5, 40, 17)]
+    positions = [4, 39, 16]
+    args = ([7, 8, 9], kvs, positions)
+    cpu = decode_inputs(*args, torch.device("cpu"), 4, 5)
+    cuda = decode_inputs(*args, torch.device("cuda"), 4, 5)
+    assert torch.equal(cuda.packed.cpu(), cpu.packed)
