@@ -324,9 +324,9 @@ class InputStage:
         try:
             self._grow(0, 1024)
             probe = np.arange(1024, dtype=np.int64) * 7 + 3
-            self._pinned[0].numpy()[:] = probe
+            self._pinned[0].numpy()[:1024] = probe
             out = torch.empty(1024, dtype=torch.int64, device=self.device)
-            torch.add(self._mapped[0], 0, out=out)
+            torch.add(self._mapped[0][:1024], 0, out=out)
             return bool(np.array_equal(out.cpu().numpy(), probe))
         except (RuntimeError, TypeError, ValueError):
             return False
