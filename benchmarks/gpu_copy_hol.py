@@ -1,10 +1,12 @@
-"""Does a weight copy hold up the decode step's inputs? Head-of-line blocking on the host-to-device copy engine.
+"""Does a weight copy hold up the step's inputs? Head-of-line blocking on the host-to-device copy engine.
 
-A decode step uploads its inputs (token ids, positions, block tables: a few KB) host to device on the compute
-stream. While a model's weights are being prefetched on another stream, that small copy may wait until the
-big one is done: measured here as the latency of a small pinned copy + a tiny kernel + sync on the default
-stream while a large pinned copy of `--gb` runs on a side stream, issued whole or in chunks, with or without a
-one-element kernel between chunks (pool.engines.slots.WEIGHT_COPY_CHUNK_BYTES). Prints a table and writes JSON.
+A step's inputs (token ids, positions, block tables: a few KB) must reach the device while a model's weights may
+be streaming in on another stream. Measured here: the latency of a small pinned copy + a tiny kernel + sync on the
+default stream while a large pinned copy of `--gb` runs on a side stream - issued whole, or in pieces with nothing,
+a one-element kernel, or a round trip through a stream that makes a one-element copy between them - and the
+latency of the same inputs read by a kernel straight from mapped pinned memory (pool.engines.device.InputStage's
+way: no copy engine). Each again beside a second process that keeps the GPU busy (`--no-busy` skips it), as the
+pool's other instance does. Prints a table and writes JSON (results/h200-copy-hol.json: the H200's).
 
     python benchmarks/gpu_copy_hol.py --out results.json [--gb 8] [--chunk-mb 0 --chunk-mb 64 --chunk-mb 16]
 """

@@ -31,7 +31,7 @@ for stage in "$@"; do
     heavy)
       timeout ${HEAVY_S:-200} python3 benchmarks/gpu_pool.py --out /tmp/gp-heavy --backend ${HEAVY_BACKENDS:-processes} \
         --rate ${RATE:-8} --duration "$DUR" ${GPUS_ARG:-} 2>&1 | grep -v '^   {' ; pack heavy ;;
-    copyhol)  # does a weight copy hold up a step's input copy? whole, in pieces, pieces with a kernel between
+    copyhol)  # does a weight copy hold up a step's inputs? copies behind whole or yielding weight copies, mapped reads
       timeout 90 python3 benchmarks/gpu_copy_hol.py --gb 8 --out "$OUT/copy_hol.json" 2>&1 | tail -30 ;;
     tp)  # two GPUs (issue 21): the torch engine at TP1 and TP2, NCCL
       timeout ${TP_S:-550} python3 benchmarks/gpu_tp.py --out "$OUT/h200x2-tp.json" ${TP_ARGS:-} 2>&1 | tail -40 ;;
