@@ -292,7 +292,7 @@ class InputStage:
         self.device = device
         self._lock = threading.Lock()
         self._pinned: list[torch.Tensor] = [torch.empty(0, dtype=torch.int64)] * slots
-        self._mapped: list[torch.Tensor | None] = [None] * slots
+        self._mapped: list[torch.Tensor] = [torch.empty(0, dtype=torch.int64)] * slots  # mapped views, made with each buffer
         self._done: list[Any] = [None] * slots
         self._next = 0
         self.mapped = self._check_mapped()

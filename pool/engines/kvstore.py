@@ -280,7 +280,8 @@ def prefill_inputs(token_lists: Sequence[list[int]], kvs: Sequence[SeqKv], devic
     write_offset[:] = positions % size
     packed[4 * n :] = starts + lens - 1
     on_device = to_device(packed, device)
-    return PrefillInputs(*(on_device[i * n : (i + 1) * n] for i in range(4)), seq_lens=lens.tolist(), ends=on_device[4 * n :])
+    return PrefillInputs(token_ids=on_device[:n], positions=on_device[n : 2 * n], write_row=on_device[2 * n : 3 * n],
+                         write_offset=on_device[3 * n : 4 * n], seq_lens=lens.tolist(), ends=on_device[4 * n :])
 
 
 def decode_inputs(last_tokens: Sequence[int], kvs: Sequence[SeqKv], positions: Sequence[int], device: torch.device,

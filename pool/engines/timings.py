@@ -135,10 +135,10 @@ class StepTimings:
         prefills = [[m, t, n, round(s, 6)] for m, t, n, s in list(self.prefills)[-max_prefills:]]
         kv: dict[str, Any] = {}
         for method in sorted({call[0] for call in self.kv_calls}):
-            calls = [c for c in self.kv_calls if c[0] == method]
-            ms = np.array([c[3] for c in calls]) * 1e3
-            kv[method] = {"calls": len(calls), "requests": sum(c[1] for c in calls),
-                          "mb": round(sum(c[2] for c in calls) / 1e6, 3), "ms_p50": round(float(np.median(ms)), 4),
+            of_method = [c for c in self.kv_calls if c[0] == method]
+            ms = np.array([c[3] for c in of_method]) * 1e3
+            kv[method] = {"calls": len(of_method), "requests": sum(c[1] for c in of_method),
+                          "mb": round(sum(c[2] for c in of_method) / 1e6, 3), "ms_p50": round(float(np.median(ms)), 4),
                           "ms_p90": round(float(np.percentile(ms, 90)), 4), "ms_max": round(float(ms.max()), 4)}
         calls: dict[str, Any] = {}
         for method, (count, seconds) in sorted(self.call_totals.items()):

@@ -328,7 +328,7 @@ class HostWeightCache:
     def _get_or_build(self, name: str, dtype: torch.dtype, shard: tuple[int, int],
                       build: Callable[[], ModelImage]) -> ModelImage:
         with self._lock:
-            key = (name, dtype, tuple(shard))
+            key = (name, dtype, (shard[0], shard[1]))
             if key not in self._images:
                 self._images[key] = build()
             return self._images[key]
