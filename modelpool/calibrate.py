@@ -135,6 +135,8 @@ def _from_live(run_path: Path, base: str | None, out: Path, gpu: str | None) -> 
     terms = profile.terms
     console.print(f"decode_host_s {terms.decode_host_s * 1e3:.4g} ms + decode_host_request_s "
                   f"{terms.decode_host_request_s * 1e6:.4g} us per request, from {run_path}")
+    if "kv_handoff_fixed_s" in profile.provenance and terms.kv_handoff_fixed_s is not None:
+        console.print(f"kv_handoff_fixed_s {terms.kv_handoff_fixed_s * 1e3:.4g} ms per staged hand-off move")
     console.print(f"wrote {out}; use it with `modelpool simulate --profile {out}`")
 
 

@@ -115,6 +115,11 @@ class CostModel:
         its requests' kv_move_s: the engine issues a move's copies together. None here."""
         return 0.0
 
+    def kv_handoff_overhead_s(self, model: str) -> float:
+        """Time one move of a hand-off staged in device memory (the export into the prefill instance's arena, or
+        the import from it) takes on top of its requests' kv_device_copy_s. Here a move's kv_move_overhead_s."""
+        return self.kv_move_overhead_s(model)
+
     def prefill_host_s(self, model: str) -> float:
         """The part of every prefill_s of `model` that is host time after the GPU's (the live pool's), not
         device work: it does not share a GPU with other instances. None here."""

@@ -91,6 +91,7 @@ class ModelConstants:
     h2d_s_per_byte: float
     kv_s_per_byte: float  # KV moves (at eff_kv_move)
     kv_move_fixed_s: float  # per move (kv_move_overhead_s)
+    kv_handoff_fixed_s: float  # per staged hand-off move (kv_handoff_overhead_s)
     kv_copy_s_per_byte: float  # KV copied within the device: read and written at eff_mem of HBM
 
 
@@ -130,6 +131,7 @@ def model_constants(arch: Arch, tp: int, gpu: GpuSpec, terms: ProfileTerms) -> M
         h2d_s_per_byte=1.0 / (gpu.h2d_gb_s * 1e9 * terms.eff_pcie),
         kv_s_per_byte=1.0 / (gpu.h2d_gb_s * 1e9 * (terms.eff_kv_move or terms.eff_pcie)),
         kv_move_fixed_s=terms.kv_move_fixed_s,
+        kv_handoff_fixed_s=terms.kv_move_fixed_s if terms.kv_handoff_fixed_s is None else terms.kv_handoff_fixed_s,
         kv_copy_s_per_byte=2.0 / (hbm * terms.eff_mem),
     )
 
@@ -228,6 +230,9 @@ class RooflineCostModel(CostModel):
 
     def kv_move_overhead_s(self, model: str) -> float:
         return self._models[model].kv_move_fixed_s
+
+    def kv_handoff_overhead_s(self, model: str) -> float:
+        return self._models[model].kv_handoff_fixed_s
 
     def host_links(self, instances: Sequence[InstanceSpec], gpu_of: Mapping[str, int] | None = None) -> CopyLinks | None:
         """The instances' host links (sims.links) when the pool shares them (gpus_per_host_link >= 1), else None."""

@@ -65,6 +65,11 @@ class ProfileTerms(_Frozen):
                                                                    "(paged block copies); None: eff_pcie.")
     kv_move_fixed_s: Seconds = Field(default=0.0, description="Per move overhead of moving KV (one SwapOut or SwapIn "
                                                               "of several requests, a prefill's KV to host memory).")
+    kv_handoff_fixed_s: Seconds | None = Field(default=None, description="Per move overhead of a prefill-to-decode "
+                                                "hand-off staged in device memory (pool.engines.handoff): the prefill "
+                                                "instance's export into its arena and the decode instance's import from "
+                                                "it, each one such move, syncs included, as the live pool's kv_timings "
+                                                "record them; None: kv_move_fixed_s.")
     eff_pcie_shared: Fraction | None = Field(default=None, description="Achieved share of nominal host link bandwidth, "
                                                                        "all copies together, while two or more copies "
                                                                        "overlap on one link (pool.gpus_per_host_link); "
@@ -85,6 +90,8 @@ _DEFAULT_WHY = {
     "link_sharing": "the order the H200's copy engine served two engines' switches in: the later copy waited (a 3B "
                     "switch 0.11 s alone, 0.39 s behind a 7B one; modelpool calibrate and the live pool, issue 17)",
     "gpu_share_slowdown": "means instances on one GPU do not slow each other (as before GPU sharing was modelled)",
+    "kv_handoff_fixed_s": "takes kv_move_fixed_s (a staged hand-off's move costs what any KV move does on top of its "
+                          "copies)",
 }
 DEFAULTED: dict[str, str] = {  # terms a profile may leave out, and the provenance they then get
     name: f"not measured for this profile: the default ({field.default}) "

@@ -242,6 +242,22 @@ def _host_terms(draft: CalibrationProfile, live: Mapping[str, Any], archs: Mappi
 
 
 MIN_STEPS = 20  # batch buckets with fewer decode steps are left out of the live fit
+MIN_HANDOFF_CALLS = 10  # a hand-off side with fewer calls is not fitted
+
+
+def _handoff_move_s(run: Mapping[str, Any]) -> tuple[float, str] | None:
+    """Seconds per staged hand-off move in a live run (its engines' `kv_timings`: each side's median call, the
+    export on the prefill instance and the import on the decode instance, averaged), and the figures in words;
+    None where the run staged no hand-offs in device memory (or too few)."""
+    sides = {}
+    for timings in (run.get("kv_timings") or {}).values():
+        for method, figures in (timings or {}).items():
+            if method in ("export_kv(device)", "import_kv(device)") and figures.get("calls", 0) >= MIN_HANDOFF_CALLS:
+                sides[method] = figures
+    if len(sides) < 2:
+        return None
+    seconds = sum(f["ms_p50"] for f in sides.values()) / len(sides) / 1e3
+    return seconds, ", ".join(f"{m} {f['ms_p50']:.2f} ms over {f['calls']} calls" for m, f in sorted(sides.items()))
 
 
 def with_live_host(profile: CalibrationProfile, run: Mapping[str, Any], where: str, gpu: str | None = None,
@@ -291,9 +307,18 @@ def with_live_host(profile: CalibrationProfile, run: Mapping[str, Any], where: s
         "decode_host_s": Provenance(status="measured", gpus=(gpu,), source=f"a of {source}"),
         "decode_host_request_s": Provenance(status="measured", gpus=(gpu,), source=f"b of {source}")}
     terms = {**profile.terms.model_dump(), "decode_host_s": sig(intercept), "decode_host_request_s": sig(slope)}
+    fitted = "decode_host_s and decode_host_request_s"
+    handoff = _handoff_move_s(run)
+    if handoff is not None:
+        seconds, shown = handoff
+        terms["kv_handoff_fixed_s"] = sig(seconds)
+        provenance["kv_handoff_fixed_s"] = Provenance(
+            status="measured", gpus=(gpu,), source=f"the live pool itself ({backend} backend, {layout} layout, "
+            f"{run.get('rate_rps', '?')} req/s): the mean of the median export and import call of hand-offs staged in "
+            f"device memory ({shown}; their copies within the GPU included) ({where})")
+        fitted += " and kv_handoff_fixed_s"
     description = (f"{profile.description} " if profile.description else "") + (
-        f"decode_host_s and decode_host_request_s from the live pool run {where} (on {gpu}), on top of "
-        f"profile {profile.name}.")
+        f"{fitted} from the live pool run {where} (on {gpu}), on top of profile {profile.name}.")
     return CalibrationProfile.model_validate({**profile.model_dump(), "name": name or profile.name,
                                               "description": description, "terms": terms,
                                               "provenance": {**profile.model_dump()["provenance"],

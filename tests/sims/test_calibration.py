@@ -188,3 +188,39 @@ def test_the_live_pool_host_terms_come_from_a_run_of_the_live_pool() -> None:
         with_live_host(base, {"backend": "threads"}, "a test", "h200")
     with pytest.raises(ValueError, match="needs two"):
         with_live_host(base, _live_run({"<=1": {"steps": 500, "period_ms_p50": 2.0}}), "a test", "h200")
+
+
+def test_a_staged_hand_off_move_costs_what_the_live_pool_paid_for_it() -> None:
+    """kv_handoff_fixed_s: the mean of the export's and the import's median call in the run's kv_timings (hand-offs
+    staged in device memory), fitted only where both sides ran often enough; the simulator's staged move charges it
+    instead of kv_move_fixed_s, which it takes where the profile has none."""
+    from pathlib import Path
+
+    from modelpool.config import load_fleet
+    from scheduler.instance import kv_device_move_s
+
+    buckets = {"<=1": {"steps": 100, "batch_mean": 1.0, "added_ms_p50": 0.03},
+               "<=16": {"steps": 100, "batch_mean": 12.0, "added_ms_p50": 0.08}}
+    run = {**_live_run(buckets), "kv_timings": {
+        "slot0": {"export_kv(device)": {"calls": 128, "ms_p50": 7.7}},
+        "slot1": {"import_kv(device)": {"calls": 118, "ms_p50": 4.5}, "restore_kv": {"calls": 118, "ms_p50": 0.05}}}}
+    base = load_profile("h200-cudagraph")
+    assert base.terms.kv_handoff_fixed_s is None and "kv_move_fixed_s" in base.provenance["kv_handoff_fixed_s"].source
+    fitted = with_live_host(base, run, "a test", "h200")
+    assert fitted.terms.kv_handoff_fixed_s == pytest.approx(6.1e-3, rel=1e-3)
+    source = fitted.provenance["kv_handoff_fixed_s"]
+    assert source.status == "measured" and "export_kv(device) 7.70 ms over 128 calls" in source.source
+    assert "kv_handoff_fixed_s" in fitted.description
+    few = {**run, "kv_timings": {"slot0": {"export_kv(device)": {"calls": 3, "ms_p50": 7.7}},
+                                 "slot1": {"import_kv(device)": {"calls": 118, "ms_p50": 4.5}}}}
+    assert with_live_host(base, few, "a test", "h200").terms.kv_handoff_fixed_s is None  # one side too rare: unfitted
+    assert with_live_host(base, _live_run(buckets), "a test", "h200").terms.kv_handoff_fixed_s is None
+
+    fleet = load_fleet(Path(__file__).resolve().parents[2] / "models.yaml")
+    model = fleet.models[0].name
+    before, after = (RooflineCostModel(fleet, profile=p) for p in (base, fitted))
+    moves = [(model, 1000), (model, 300)]
+    copies = sum(before.kv_device_copy_s(m, t) for m, t in moves)
+    assert kv_device_move_s(before, moves) == pytest.approx(copies + base.terms.kv_move_fixed_s)
+    assert kv_device_move_s(after, moves) == pytest.approx(copies + 6.1e-3)
+    assert after.kv_move_overhead_s(model) == before.kv_move_overhead_s(model)  # host moves keep their overhead
