@@ -10,13 +10,20 @@ are busy, each progresses at share(k) of its rate alone,
 busy instance (fitted to the H200 probe, benchmarks/gpu_prefill_probe.py). Below 2 the pair together gets
 more done than one alone (each fills the other's gaps); at 2 the GPU is split without gain or loss.
 
-The executor books each step's device work here (`work_end_at`) when it starts it. A step's end is fixed
-when it is booked, against the work its peers booked before (their intervals as the simulator runs them); a
-later step does not move an earlier one's end (its completion is already scheduled). What the later step takes
-from an earlier one is owed instead: processor sharing would have run the earlier step that much longer. The
-owed work runs on from the end its instance's work was booked to, alone, and the instance's next step does
-what is left of it first (all of it when that step follows at once, as a decode turn after a Stop does;
-none after an idle gap as long). A Stop that cuts a step short (`cut`) gives back what it owed and did not run.
+The executor books each step's device work here (`work_end_at`) when it starts it, and a step's end is
+fixed then (its completion is already scheduled). So a step is charged for the sharing its peers will impose
+over its whole span, as far as that can be told when it is booked: the work its peers booked before (their
+intervals as the simulator runs them), and a peer busy when it starts is taken to stay busy to its end, as
+a decode instance booking turn after turn is. (Charging only the peer's booked interval left a prefill's end
+early, and what the decode turns booked after its start took from it owed to its next step.) The guess is
+settled as the peers book: a peer's later work inside a step that counted on it owes that step nothing, and
+where the peer idled instead the step ran faster than booked, a credit for its instance's next step. Work a
+step did not count on (a peer that started it after the step began) is owed: processor sharing would have
+run the step that much longer. Owed work runs on from the end its instance's work was booked to, alone, and
+the instance's next step does what is left of it first (all of it when that step follows at once, as a
+decode turn after a Stop does; none after an idle gap as long); a credit counts only for a step that follows
+at once. A Stop that cuts a step short (`cut`) gives back what it owed and did not run, and its peers' steps
+that counted on it find it idle from there.
 Peers are the instances that share any GPU with one (tensor-parallel instances span several).
 """
 
@@ -51,12 +58,14 @@ def gpu_peers(instances: Sequence[InstanceSpec], gpu_of: Mapping[str, int] | Non
 
 
 class _Booking:
-    """One step's device work as booked: its interval and the owed work it paid first."""
+    """One step's device work as booked: its interval, the owed work (or credit) it paid first, and the peers it
+    counted on staying busy, each with the time up to which that guess is settled; `gain`: the rate it runs
+    faster at (a share of its rate alone) while one of them idles instead."""
 
-    __slots__ = ("begin", "end", "owed_s")
+    __slots__ = ("begin", "end", "owed_s", "counted", "gain")
 
-    def __init__(self, begin: float, end: float, owed_s: float) -> None:
-        self.begin, self.end, self.owed_s = begin, end, owed_s
+    def __init__(self, begin: float, end: float, owed_s: float, counted: dict[str, float], gain: float) -> None:
+        self.begin, self.end, self.owed_s, self.counted, self.gain = begin, end, owed_s, counted, gain
 
 
 class GpuTimeSharing:
@@ -68,7 +77,7 @@ class GpuTimeSharing:
         self.peers = dict(peers)
         self.slowdown = slowdown
         self._booked: dict[str, list[_Booking]] = {iid: [] for iid in self.peers}
-        self._owed: dict[str, float] = {iid: 0.0 for iid in self.peers}
+        self._owed: dict[str, float] = {iid: 0.0 for iid in self.peers}  # < 0: a credit
         self._booked_to: dict[str, float] = {iid: 0.0 for iid in self.peers}  # the end of its latest booking
 
     def work_end_at(self, instance_id: str, start_at: float, alone_s: float, now: float) -> float:
@@ -78,28 +87,37 @@ class GpuTimeSharing:
             return start_at + alone_s
         for iid in (instance_id, *peers):
             self._prune(iid, now)
-        owed = max(0.0, self._owed[instance_id] - max(0.0, start_at - self._booked_to[instance_id]))
-        self._owed[instance_id] = 0.0
-        left = alone_s + owed
+        self._settle(instance_id, start_at)
+        owed = self._take_owed(instance_id, start_at)
+        staying = {p for p in peers if _busy(self._booked[p], start_at)}  # counted on to stay busy
+        left = max(0.0, alone_s + owed)
         t = start_at
         while left > _DONE:
-            busy = [p for p in peers if _busy(self._booked[p], t)]
+            busy = [p for p in peers if _busy(self._booked[p], t) or (p in staying and t >= self._booked_to[p])]
             rate = share(1 + len(busy), self.slowdown)
             boundary = min((edge for p in peers for b in self._booked[p] for edge in (b.begin, b.end) if edge > t),
                            default=math.inf)
             run = min(left / rate, boundary - t)
-            for p in busy:  # each busy peer slows down from share(k) to share(k + 1): it owes the difference
-                k = 1 + sum(1 for q in self.peers[p] if q != instance_id and _busy(self._booked[q], t))
-                self._owed[p] += run * (share(k, self.slowdown) - share(k + 1, self.slowdown))
+            for p in busy:  # each busy peer slows down from share(k) to share(k + 1): it owes the difference,
+                booking = _at(self._booked[p], t)  # unless it counted on this instance staying busy
+                if booking is not None and instance_id not in booking.counted:
+                    k = 1 + sum(1 for q in self.peers[p] if q != instance_id and _busy(self._booked[q], t))
+                    self._owed[p] += run * (share(k, self.slowdown) - share(k + 1, self.slowdown))
             left = 0.0 if run == left / rate else left - run * rate
             t += run
-        self._booked[instance_id].append(_Booking(start_at, t, owed))
+        for p in peers:  # this work, up to t, is what the peers' steps that counted on it expected
+            for booking in self._booked[p]:
+                if instance_id in booking.counted:
+                    booking.counted[instance_id] = max(booking.counted[instance_id], t)
+        busy_at_start = 1 + len(staying)
+        gain = share(busy_at_start - 1, self.slowdown) - share(busy_at_start, self.slowdown)
+        self._booked[instance_id].append(_Booking(start_at, t, owed, {p: self._booked_to[p] for p in staying}, gain))
         self._booked_to[instance_id] = t
         return t
 
     def cut(self, instance_id: str, at: float) -> None:
         """`instance_id`'s work booked past `at` ends at `at` (a Stop): what it no longer runs of the work it
-        owed is owed again."""
+        owed is owed again, and peers that counted on that work find it idle from `at`."""
         for booking in self._booked.get(instance_id, ()):
             if booking.end > at:
                 kept = max(0.0, at - booking.begin) / (booking.end - booking.begin)
@@ -107,15 +125,47 @@ class GpuTimeSharing:
                 booking.owed_s *= kept
                 booking.end = max(booking.begin, at)
                 self._booked_to[instance_id] = booking.end
+        for peer in self.peers.get(instance_id, ()):
+            for booking in self._booked[peer]:
+                if booking.counted.get(instance_id, -math.inf) > at:
+                    booking.counted[instance_id] = at
+
+    def _take_owed(self, instance_id: str, start_at: float) -> float:
+        """What `instance_id`'s step at `start_at` does first: the owed work an idle gap since its last booked
+        end has not run, or a credit (< 0) when the step follows at once."""
+        owed, gap = self._owed[instance_id], max(0.0, start_at - self._booked_to[instance_id])
+        self._owed[instance_id] = 0.0
+        return max(0.0, owed - gap) if owed > 0 or gap > 0 else owed
+
+    def _settle(self, instance_id: str, until: float) -> None:
+        """Peers' steps that counted on `instance_id` staying busy: it idled from what they saw up to `until`,
+        so they ran faster than booked there (a credit for their next step)."""
+        for peer in self.peers[instance_id]:
+            for booking in self._booked[peer]:
+                since = booking.counted.get(instance_id)
+                if since is not None:
+                    idle = min(until, booking.end) - max(since, booking.begin)
+                    if idle > 0:
+                        self._owed[peer] -= idle * booking.gain
+                    booking.counted[instance_id] = max(since, until)
 
     def _prune(self, instance_id: str, now: float) -> None:
         booked = self._booked[instance_id]
-        while booked and booked[0].end <= now:
-            booked.pop(0)
+        while booked and booked[0].end <= now:  # over: no peer can book work inside it any more
+            booking = booked.pop(0)
+            for peer, since in booking.counted.items():
+                idle = booking.end - max(since, booking.begin)
+                if idle > 0:
+                    self._owed[instance_id] -= idle * booking.gain
 
 
 def _busy(booked: list[_Booking], t: float) -> bool:
+    return _at(booked, t) is not None
+
+
+def _at(booked: list[_Booking], t: float) -> _Booking | None:
     for booking in booked:
         if booking.begin <= t < booking.end:
-            return True
-    return False
+            return booking
+    return None
+

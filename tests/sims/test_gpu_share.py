@@ -4,6 +4,7 @@ it through the cost model, and fleets with a GPU per instance run exactly as bef
 from __future__ import annotations
 
 import io
+import math
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -152,3 +153,35 @@ def test_two_instances_on_one_gpu_take_longer_than_on_two() -> None:
                       costs=_SharedGpuCosts(step_s=0.01, prefill_per_token_s=2e-5, switch_s=0.01), plan_log=log)
     sim.run()
     assert log.getvalue() == apart_log
+
+
+def _long_step_beside_short_ones(gpus: GpuTimeSharing, long_at: float, long_s: float, short_s: float,
+                                 until: float) -> tuple[float, float]:
+    """d books back-to-back steps of `short_s` from 0 to `until`; p books one `long_s` step at `long_at`, once d's
+    step then is booked: p's end, and the end of d's last step."""
+    d_end, p_end = 0.0, math.nan
+    while d_end < until:
+        if math.isnan(p_end) and d_end > long_at:
+            p_end = gpus.work_end_at("p", long_at, long_s, long_at)
+        d_end = gpus.work_end_at("d", d_end, short_s, d_end)
+    return p_end, d_end
+
+
+def test_a_long_step_beside_back_to_back_short_ones_is_charged_over_its_whole_span() -> None:
+    # d busy throughout: p's 1 s of work runs at share(2) = 1 / S all along, S seconds
+    p_end, _ = _long_step_beside_short_ones(GpuTimeSharing(PAIR, S), 0.01, 1.0, 0.05, 3.0)
+    assert p_end == pytest.approx(0.01 + S)
+    # symmetric: the other way round, the short step (booked after the long one) takes S times as long too
+    gpus = GpuTimeSharing(PAIR, S)
+    assert gpus.work_end_at("p", 0.0, 1.0, 0.0) == 1.0  # alone when booked
+    assert gpus.work_end_at("d", 0.0, 0.05, 0.0) == pytest.approx(0.05 * S)
+
+
+def test_a_long_step_gets_back_what_a_peer_that_stopped_did_not_take() -> None:
+    gpus = GpuTimeSharing(PAIR, 2.0)
+    gpus.work_end_at("d", 0.0, 0.5, 0.0)
+    assert gpus.work_end_at("p", 0.0, 1.0, 0.0) == pytest.approx(2.0)  # d counted on to stay busy: half rate
+    # d booked nothing after 0.5: p ran alone over [0.5, 2], 0.75 s of work more than booked (done by 1.25);
+    # its next step, straight after, takes that off; after an idle gap the credit is gone
+    assert gpus.work_end_at("p", 2.0, 1.0, 2.0) == pytest.approx(2.25)
+    assert gpus.work_end_at("p", 3.0, 1.0, 3.0) == pytest.approx(4.0)
