@@ -1,5 +1,7 @@
 """Where live prefill time goes: the torch engine's eager prefill alone, at repeated and fresh lengths, under
-the profiler, and while another engine decodes on the same GPU (another process, or another thread).
+the profiler, while another engine decodes on the same GPU (another process, or another thread), and while
+another process only copies weights onto it (whole-model host-to-device copies back to back, as a decode
+instance's switches and prefetches do: session 10 saw prefills overlapping such copies run ~2x slower).
 
     python benchmarks/gpu_prefill_probe.py --out probe.json           # on the GPU
     python benchmarks/gpu_prefill_probe.py --tiny --out /tmp/p.json    # anywhere
@@ -107,6 +109,24 @@ def _proc_decode(shapes, device, seconds, ready):
     decode_loop(shapes, device, seconds, ready)
 
 
+def _proc_copy(device, seconds, ready, gb=4.0):
+    """Whole-model weight copies from pinned memory, back to back, and nothing else."""
+    torch.set_num_threads(1)
+    nbytes = int(gb * 1e9)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device != "cpu")
+    target = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    stream = torch.cuda.Stream() if device != "cpu" else None
+    ready.set()
+    end = time.time() + seconds
+    while time.time() < end:
+        if stream is None:
+            target.copy_(host)
+            continue
+        with torch.cuda.stream(stream):
+            target.copy_(host, non_blocking=True)
+        stream.synchronize()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -134,6 +154,14 @@ def main() -> int:
     model = list(shapes)[-1]
     result["with_decode_process"] = {model: list(zip(fresh, series(engine, model, fresh, device)))}
     other.join(60)
+    # while another process only copies weights onto the GPU
+    ready_c = ctx.Event()
+    copier = ctx.Process(target=_proc_copy, args=(device, 30 if not args.tiny else 4, ready_c,
+                                                  4.0 if not args.tiny else 0.05), daemon=True)
+    copier.start()
+    ready_c.wait(120)
+    result["with_copy_process"] = {model: list(zip(fresh, series(engine, model, fresh, device)))}
+    copier.join(60)
     # while another thread of this process decodes
     ready_t = threading.Event()
     thread = threading.Thread(target=decode_loop, args=(shapes, device, 30 if not args.tiny else 6, ready_t), daemon=True)
@@ -150,7 +178,7 @@ def main() -> int:
             p = r[kind]
             print(f"  {kind}: {p['ms']} ms, gpu {p.get('gpu_total_ms')} ms; top cpu {p['top_cpu'][:6]}")
             print(f"     top gpu {p.get('top_gpu', [])[:6]}")
-    for kind in ("with_decode_process", "with_decode_thread"):
+    for kind in ("with_decode_process", "with_copy_process", "with_decode_thread"):
         print(kind, {m: statistics.median(t for _, t in v) for m, v in result[kind].items()}, result[kind])
     return 0
 
