@@ -12,7 +12,7 @@ from pool.actor import EngineSpec
 from pool.engines.base import SamplingParams
 from pool.service import LivePool, served_model, slot_instances
 from tests.factories import LinearCosts
-from tests.pool.fault_tools import Sink
+from tests.pool.fault_tools import Sink, wait_until
 
 MODELS = ("tiny-llama", "tiny-qwen2", "tiny-qwen3")
 KV_BYTES = 32 << 20
@@ -94,6 +94,8 @@ def test_real_ray_two_instances_three_models(tiny, reference) -> None:
                         engine=ENGINE, backend="ray")
         with pool:
             sinks = run_requests(pool, timeout_s=300)
+            # a sink has its last token before the controller retires the request: the pool empties just after
+            wait_until(lambda: pool.status()["requests_in_pool"] == 0, 30, "the pool to retire the finished requests")
             status = pool.status()
         for key, sink in sinks.items():
             assert sink.tokens == reference[key], key
