@@ -23,6 +23,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from pool.engines.device import mapped_view  # noqa: E402
+
 
 def small_copy_ms(src: torch.Tensor, dst: torch.Tensor) -> float:
     started = time.perf_counter()
@@ -30,15 +33,6 @@ def small_copy_ms(src: torch.Tensor, dst: torch.Tensor) -> float:
     dst.add_(1)
     torch.cuda.current_stream().synchronize()
     return (time.perf_counter() - started) * 1e3
-
-
-class _Mapped:
-    """A pinned host tensor seen as a CUDA tensor at the same address (unified addressing maps pinned memory
-    into the device's address space): a kernel reads it over PCIe without the copy engine."""
-
-    def __init__(self, pinned: torch.Tensor) -> None:
-        self.__cuda_array_interface__ = {"shape": tuple(pinned.shape), "typestr": "<i8",
-                                         "data": (pinned.data_ptr(), False), "version": 3}
 
 
 def mapped_read_ms(src: torch.Tensor, dst: torch.Tensor) -> float:
@@ -99,7 +93,7 @@ while True:
 def variants(host, device, src, dst, chunks) -> list[dict]:
     rows = [during(host, device, mb << 20, src, dst, y) for mb in chunks for y in (("none", "kernel", "copy") if mb else ("none",))]
     try:  # the step's inputs read by a kernel from pinned memory, during one whole weight copy
-        mapped = torch.as_tensor(_Mapped(src), device="cuda")
+        mapped = mapped_view(src)
         torch.add(mapped, 0, out=dst)
         torch.cuda.synchronize()
         assert torch.equal(dst.cpu(), src), "a kernel read of mapped pinned memory gave other values"

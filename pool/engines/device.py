@@ -264,12 +264,17 @@ def wait_event(event: Any) -> None:
 
 # ---- step inputs, without the copy engine --------------------------------------------------
 class _Mapped:
-    """A pinned host buffer seen as a CUDA tensor at the same address (unified addressing maps page-locked
-    memory into the device's address space): a kernel reading it reads host memory over PCIe."""
+    """What `torch.as_tensor` reads a device array from: the CUDA array interface."""
 
     def __init__(self, pinned: torch.Tensor) -> None:
         self.__cuda_array_interface__ = {"shape": tuple(pinned.shape), "typestr": "<i8",
                                          "data": (pinned.data_ptr(), False), "version": 3}
+
+
+def mapped_view(pinned: torch.Tensor, device: torch.device | str = "cuda") -> torch.Tensor:
+    """A pinned int64 host tensor seen as a CUDA tensor at the same address (unified addressing maps
+    page-locked memory into the device's address space): a kernel reading it reads host memory over PCIe."""
+    return torch.as_tensor(_Mapped(pinned), device=device)
 
 
 class InputStage:
@@ -309,7 +314,7 @@ class InputStage:
             if self._pinned[i].numel() < n:
                 self._grow(i, n)
             self._pinned[i].numpy()[:n] = values
-            torch.add(self._mapped[i][:n], 0, out=out)  # an elementwise kernel: reads host memory, no copy engine
+            device_copy(out, self._mapped[i][:n])  # a kernel: reads host memory, no copy engine
             self._done[i] = torch.cuda.Event()
             self._done[i].record()
         return out
@@ -317,7 +322,7 @@ class InputStage:
     def _grow(self, i: int, n: int) -> None:
         size = 1 << max(12, (n - 1).bit_length())
         self._pinned[i] = torch.empty(size, dtype=torch.int64, pin_memory=True)
-        self._mapped[i] = torch.as_tensor(_Mapped(self._pinned[i]), device=self.device)
+        self._mapped[i] = mapped_view(self._pinned[i], self.device)
 
     def _check_mapped(self) -> bool:
         """Whether a kernel reads this platform's pinned memory right (one round trip, at start)."""
@@ -326,7 +331,7 @@ class InputStage:
             probe = np.arange(1024, dtype=np.int64) * 7 + 3
             self._pinned[0].numpy()[:1024] = probe
             out = torch.empty(1024, dtype=torch.int64, device=self.device)
-            torch.add(self._mapped[0][:1024], 0, out=out)
+            device_copy(out, self._mapped[0][:1024])
             return bool(np.array_equal(out.cpu().numpy(), probe))
         except (RuntimeError, TypeError, ValueError):
             return False
@@ -342,7 +347,9 @@ def to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
         return torch.from_numpy(values)
     device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
     with _STAGES_LOCK:
-        stage = _STAGES.get(device) or _STAGES.setdefault(device, InputStage(device))
+        if device not in _STAGES:
+            _STAGES[device] = InputStage(device)
+        stage = _STAGES[device]
     return stage.upload(values)
 
 

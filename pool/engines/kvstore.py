@@ -275,7 +275,8 @@ def prefill_inputs(token_lists: Sequence[list[int]], kvs: Sequence[SeqKv], devic
     starts = np.cumsum(lens) - lens
     positions[:] = np.arange(n) - np.repeat(starts, lens)
     rows = np.concatenate([np.asarray(kv.rows, dtype=np.int64) for kv in kvs])
-    first_block = np.repeat(np.cumsum([len(kv.rows) for kv in kvs]) - [len(kv.rows) for kv in kvs], lens)
+    blocks = np.fromiter((len(kv.rows) for kv in kvs), dtype=np.int64, count=len(kvs))
+    first_block = np.repeat(np.cumsum(blocks) - blocks, lens)
     write_row[:] = rows[first_block + positions // size]
     write_offset[:] = positions % size
     packed[4 * n :] = starts + lens - 1
