@@ -67,6 +67,11 @@ class _Booking:
     def __init__(self, begin: float, end: float, owed_s: float, counted: dict[str, float], gain: float) -> None:
         self.begin, self.end, self.owed_s, self.counted, self.gain = begin, end, owed_s, counted, gain
 
+    def idle_credit(self, since: float, until: float) -> float:
+        """The work this step ran ahead of its booking while a peer it counted on idled from `since` to `until`."""
+        idle = min(until, self.end) - max(since, self.begin)
+        return idle * self.gain if idle > 0 else 0.0
+
 
 class GpuTimeSharing:
     """The device work of one simulation's instances on shared GPUs (a `scheduler.costs.GpuShares`)."""
@@ -144,9 +149,7 @@ class GpuTimeSharing:
             for booking in self._booked[peer]:
                 since = booking.counted.get(instance_id)
                 if since is not None:
-                    idle = min(until, booking.end) - max(since, booking.begin)
-                    if idle > 0:
-                        self._owed[peer] -= idle * booking.gain
+                    self._owed[peer] -= booking.idle_credit(since, until)
                     booking.counted[instance_id] = max(since, until)
 
     def _prune(self, instance_id: str, now: float) -> None:
@@ -154,9 +157,7 @@ class GpuTimeSharing:
         while booked and booked[0].end <= now:  # over: no peer can book work inside it any more
             booking = booked.pop(0)
             for peer, since in booking.counted.items():
-                idle = booking.end - max(since, booking.begin)
-                if idle > 0:
-                    self._owed[instance_id] -= idle * booking.gain
+                self._owed[instance_id] -= booking.idle_credit(since, booking.end)
 
 
 def _busy(booked: list[_Booking], t: float) -> bool:
