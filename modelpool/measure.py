@@ -6,10 +6,12 @@ architecture of a fleet file can be measured on any device that holds it.
 `Calibration.run()` measures, in order: graph capture (if the engine captures
 ahead of serving), then per shape weight switches, prefill by length and
 batch, decode steps by batch and context (CUDA graphs as the engine replays
-them on CUDA, and one eager step), KV moves out and back; then copies of two
-engines on the one device at the same time (two threads); then the per-step
-host overhead of the live pool (`modelpool.measure_live`). Every result is a
-plain JSON-ready dict; `sims.profiles.calibrated` fits the profile from it.
+them on CUDA, and one eager step), KV moves out and back (alone, and at the
+largest point again beside the other engine's switch of the largest model);
+then copies of two engines on the one device at the same time (two threads);
+then the per-step host overhead of the live pool (`modelpool.measure_live`).
+Every result is a plain JSON-ready dict; `sims.profiles.calibrated` fits the
+profile from it.
 
 Imports torch, transformers and pool.engines only (no Ray, no vLLM).
 """
@@ -107,8 +109,8 @@ class Calibration:
         self.other: TorchEngine | None = None  # a second engine on the same device: copies at the same time
         self.result: dict[str, Any] = {"device": torch.cuda.get_device_name(self.device) if self.cuda else "cpu",
                                        "software": {"torch": torch.__version__, "cuda": torch.version.cuda or ""},
-                                       "prefill": [], "decode": [], "swap": [], "kv_move": [], "shared": [],
-                                       "shapes": {}, "figures": {}}
+                                       "prefill": [], "decode": [], "swap": [], "kv_move": [], "kv_shared": [],
+                                       "shared": [], "shapes": {}, "figures": {}}
         self._ids = 0
 
     @property
@@ -253,10 +255,35 @@ class Calibration:
             for _ in range(self.plan.repeats):
                 save.append(self._timed(lambda: engine.save_kv(ids)))
                 restore.append(self._timed(lambda: engine.restore_kv(ids)))
-            engine.release(ids)
             self.result["kv_move"].append({"arch": name, "batch": batch, "context": context, "bytes": nbytes,
                                            "save_s": _median(save),
                                            "restore_s": _median(restore)})
+            if (batch, context) == (max(self.plan.kv_batches), max(self.plan.kv_contexts)):
+                self._kv_beside_copy(name, ids, batch, context, nbytes)
+            engine.release(ids)
+
+    def _kv_beside_copy(self, name: str, ids: list[str], batch: int, context: int, nbytes: int) -> None:
+        """Save and restore the KV of `ids` while the other engine switches in the largest model at the same
+        moment, from two threads (a KV move beside another instance's switch on one GPU): each move's time, the
+        switch's, and the span of both (medians). Each move waits for its own stream only, not for the switch."""
+        engine, other = self.engine, self.other
+        assert engine is not None and other is not None
+        copied = max(self.images, key=lambda n: self.images[n].nbytes)
+        other.activate(copied)  # its device buffer is allocated now, not inside a timed copy
+        row: dict[str, Any] = {"arch": name, "batch": batch, "context": context, "bytes": nbytes, "copied": copied,
+                               "copy_bytes": self.images[copied].nbytes}
+        for way, move, stream in (("save", engine.save_kv, engine.streams.swap_out),
+                                  ("restore", engine.restore_kv, engine.streams.swap_in)):
+            runs = []
+            for _ in range(self.plan.shared_repeats):
+                other.deactivate(copied)
+                other.drop_resident(copied)
+                self._sync()
+                runs.append(_together([lambda: _on_stream(move, ids, stream), lambda: other.activate(copied)]))
+            row |= {f"{way}_s": _median([kv for (kv, _), _ in runs]),
+                    f"{way}_copy_s": _median([copy for _, (copy, _) in runs]),
+                    f"{way}_span_s": _median([max(end for _, end in r) - min(end - t for t, end in r) for r in runs])}
+        self.result["kv_shared"].append(row)
 
     # ---- two engines at once -------------------------------------------------------------------------
     def _shared(self) -> None:
@@ -328,6 +355,13 @@ def _together(calls: Sequence[Callable[[], object]]) -> list[tuple[float, float]
     for thread in threads:
         thread.join()
     return out
+
+
+def _on_stream(move: Callable[[list[str]], None], ids: list[str], stream: Any) -> None:
+    """`move(ids)` (save_kv or restore_kv: they queue their copies on `stream`, None on CPU), waited for."""
+    move(ids)
+    if stream is not None:
+        stream.synchronize()
 
 
 def _bucket_up(batch: int) -> tuple[int, ...]:

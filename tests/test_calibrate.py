@@ -49,6 +49,14 @@ def test_calibrate_on_cpu_then_simulate_with_the_profile(tmp_path: Path) -> None
     assert set(measured) >= {"eff_compute", "eff_mem", "eff_kv", "eff_pcie", "decode_fixed_s", "prefill_host_s",
                              "decode_host_s", "eff_kv_move"}
     assert not profile.terms.decode_cuda_graphs  # CPU: eager steps
+    # KV moves beside the other engine's switch of the largest shape, at each shape's largest KV point
+    beside = run.measurements["kv_shared"]
+    assert [(k["arch"], k["batch"], k["context"], k["copied"]) for k in beside] == \
+        [(name, 4, 48, "tiny-llama") for name in run.shapes]
+    assert all(k[f"{way}_{what}"] > 0 for k in beside for way in ("save", "restore") for what in ("s", "copy_s", "span_s"))
+    assert "checked against KV moves beside another engine's switch of tiny-llama" in \
+        profile.provenance["link_sharing"].source
+    assert {"kv_shared_restore_vs_rule_behind", "kv_shared_save_slowdown"} <= set(run.figures)
     assert profile.status("eff_mem", "h200") == "estimated"  # a CPU measurement is no H200 one
 
     out = tmp_path / "sim"

@@ -7,6 +7,10 @@ by `sims.profiles.fitting`, as the shipped profiles are. On top of them:
   same time: under processor sharing (sims.links) the last of two copies of
   w1 >= w2 seconds alone ends at 2 w2 / s + (w1 - w2), s the link's shared
   rate; s from the span measured, times eff_pcie;
+- a check, recorded in link_sharing's provenance: KV moves measured beside
+  another engine's switch on the same device against what the host links of
+  that rule charge them (the restore shares the switch's direction, the save
+  does not); the simulator has no term of its own for them;
 - prefill_host_s and decode_host_s, from the live pool's load
   (`modelpool.measure_live`): what the sink saw less what the fitted engine
   terms predict (first token after submit; the gap between tokens);
@@ -29,8 +33,10 @@ import statistics
 from collections.abc import Mapping
 from typing import Any
 
+from scheduler.costs import InstanceSpec
 from scheduler.fleet import Arch, GpuSpec
 from sims.costmodel import RooflineCostModel
+from sims.links import HostLinks
 from sims.profiles import CalibrationProfile, CalibrationRun, ProfileTerms, Provenance, load_profile
 from sims.profiles.fitting import Anchor, Check, Fit, fit, predict, sig
 
@@ -85,6 +91,11 @@ def build_profile(measurements: Mapping[str, Any], archs: Mapping[str, Arch], gp
     draft = CalibrationProfile(name="draft", terms=ProfileTerms.model_validate({**terms, "prefill_host_s": 0.0,
                                                                                "decode_host_s": 0.0}),
                                provenance=provenance)  # the engine alone: what the live pool's times are held against
+    if measurements.get("kv_shared"):
+        checked, spread = _kv_beside_copy(measurements, draft, spec, gpu)
+        entry = provenance["link_sharing"]
+        provenance["link_sharing"] = entry.model_copy(update={"source": f"{entry.source}; {checked} ({where})"})
+        figures.update(spread)
     live = measurements.get("live")
     if live:
         _host_terms(draft, live, archs, gpu, spec, terms, provenance, figures, where)
@@ -205,6 +216,61 @@ def _link_sharing(m: Mapping[str, Any]) -> tuple[str, float] | None:
         return None
     sharing = "fifo" if len(rates["fifo"]) >= len(rates["fair"]) else "fair"
     return sharing, statistics.median(rates[sharing])
+
+
+KV_RULE_TOLERANCE = 0.25  # measured / charged within 1 +- this: a KV move beside a switch follows the link rule
+
+
+def _kv_beside_copy(m: Mapping[str, Any], profile: CalibrationProfile, spec: GpuSpec,
+                    gpu: str) -> tuple[str, dict[str, float]]:
+    """KV moves measured beside another engine's weight switch on the same device ("kv_shared") against what the
+    simulator charges them there: `profile`'s host links (sims.links, from the cost model) with both instances
+    on one link, each copy booked at its time alone (the kv_move and the swap measured of that point and model).
+    A restore shares the switch's direction; a save goes the other way, which the links charge as if alone. The
+    charge depends on which copy the link books first (an earlier booking keeps its end): both are given, and
+    the move follows the rule when the nearer is within KV_RULE_TOLERANCE. The simulator has no term of its own
+    for this, so nothing is fitted: words for link_sharing's provenance, and figures."""
+    costs = RooflineCostModel.for_models({}, spec, profile, gpu_name=gpu, gpus_per_host_link=1)
+    probe = costs.host_links(_PAIR, _ONE_GPU)
+    assert isinstance(probe, HostLinks)  # gpus_per_host_link 1: the pair shares one link
+    alone = {(k["arch"], k["batch"], k.get("context")): k for k in m["kv_move"]}
+    switch_s = {s["arch"]: s["seconds"] for s in m["swap"]}
+    words: list[str] = []
+    figures: dict[str, float] = {}
+    for way, to_device, direction in (("restore", True, "the switch's direction"),
+                                      ("save", False, "the other direction")):
+        ratio: dict[str, list[float]] = {"first": [], "behind": [], "alone": []}
+        for row in m["kv_shared"]:
+            kv_s, measured = alone[(row["arch"], row["batch"], row["context"])][f"{way}_s"], row[f"{way}_s"]
+            ratio["alone"].append(measured / kv_s)
+            for order in ("first", "behind"):
+                charged = _charged_beside(costs, kv_s, switch_s[row["copied"]], to_device, order == "behind")
+                ratio[order].append(measured / charged)
+        median = {order: statistics.median(values) for order, values in ratio.items()}
+        follows = min(abs(median[order] - 1.0) for order in ("first", "behind")) <= KV_RULE_TOLERANCE
+        words.append(f"{way} ({direction}) took {median['alone']:.2f}x its time alone, {median['first']:.2f}x the "
+                     f"links' charge booked first and {median['behind']:.2f}x booked behind the switch: "
+                     + ("follows the rule" if follows else "does NOT follow the rule"))
+        figures |= {f"kv_shared_{way}_{key}": round(value, 4) for key, value in
+                    (("slowdown", median["alone"]), ("vs_rule_first", median["first"]),
+                     ("vs_rule_behind", median["behind"]))}
+    shapes = ", ".join(f"{r['arch']} {r['batch']}x{r['context']} tokens" for r in m["kv_shared"])
+    return (f"checked against KV moves beside another engine's switch of {m['kv_shared'][0]['copied']} on the "
+            f"same device ({shapes}; medians; rule {probe.sharing}, shared rate {probe.shared_rate:.3f}): "
+            f"{'; '.join(words)}"), figures
+
+
+_PAIR, _ONE_GPU = (InstanceSpec("kv", 1, 0.0), InstanceSpec("copy", 1, 0.0)), {"kv": 0, "copy": 0}
+
+
+def _charged_beside(costs: RooflineCostModel, kv_s: float, switch_s: float, to_device: bool, behind: bool) -> float:
+    """What the simulator charges a KV move of `kv_s` alone that starts with another instance's switch of
+    `switch_s` alone on the same GPU, booked before the switch or `behind` it."""
+    links = costs.host_links(_PAIR, _ONE_GPU)
+    assert links is not None
+    if behind:
+        links.copy_end_at("copy", True, 0.0, switch_s, 0.0)
+    return links.copy_end_at("kv", to_device, 0.0, kv_s, 0.0)
 
 
 def _host_terms(draft: CalibrationProfile, live: Mapping[str, Any], archs: Mapping[str, Arch], gpu: str,

@@ -52,7 +52,8 @@ def _measurements(profile: CalibrationProfile) -> dict:
         for batch in (1, 8):
             nbytes = batch * 2048 * c.kv_bytes_per_token_gpu
             seconds = costs.kv_move_s(name, batch * 2048) + costs.kv_move_overhead_s(name)
-            m["kv_move"].append({"arch": name, "batch": batch, "bytes": nbytes, "save_s": seconds, "restore_s": seconds})
+            m["kv_move"].append({"arch": name, "batch": batch, "context": 2048, "bytes": nbytes, "save_s": seconds,
+                                 "restore_s": seconds})
     return m
 
 
@@ -158,6 +159,31 @@ def test_one_copy_waiting_for_the_other_reads_as_first_come_first_served() -> No
     profile = build_profile(m, ARCHS, "h200", GPUS["h200"], run=RUN)
     assert profile.terms.link_sharing == "fifo" and "the other waited" in profile.provenance["link_sharing"].source
     assert profile.terms.eff_pcie_shared == pytest.approx(profile.terms.eff_pcie, rel=0.01)
+
+
+def test_kv_moves_beside_a_switch_are_checked_against_the_link_rule() -> None:
+    """A restore shares the switch's direction of the link (fifo: it waits for the switch, or goes first); a save
+    goes the other way, which the links charge as if alone. Measurements that do otherwise are said to."""
+    m = _measurements(_truth())
+    large, small = (next(s["seconds"] for s in m["swap"] if s["arch"] == a) for a in ("large", "small"))
+    m["shared"] = [{"archs": ["large", "small"], "bytes": [0, 0], "seconds": [large + small, small],
+                    "span_s": large + small}] * 2  # fifo at the rate of one copy
+    kv = next(k for k in m["kv_move"] if k["arch"] == "small" and k["batch"] == 8)
+    row = {"arch": "small", "batch": 8, "context": 2048, "bytes": kv["bytes"], "copied": "large", "copy_bytes": 0,
+           "restore_s": large + kv["restore_s"], "save_s": kv["save_s"]}
+    m["kv_shared"] = [row]
+    profile = build_profile(m, ARCHS, "h200", GPUS["h200"], run=RUN)
+    source = profile.provenance["link_sharing"].source
+    assert "restore (the switch's direction)" in source and "NOT" not in source
+    assert "behind the switch" in source and "switch of large" in source
+    figures = profile.calibration.figures  # type: ignore[union-attr]
+    assert figures["kv_shared_restore_vs_rule_behind"] == pytest.approx(1.0, rel=1e-3)
+    assert figures["kv_shared_save_vs_rule_first"] == pytest.approx(1.0, rel=1e-3)
+
+    m["kv_shared"] = [row | {"restore_s": 3 * kv["restore_s"], "save_s": 2 * kv["save_s"]}]  # neither rule's charge
+    source = build_profile(m, ARCHS, "h200", GPUS["h200"], run=RUN).provenance["link_sharing"].source
+    assert source.count("does NOT follow the rule") == 2
+    assert "save (the other direction) took 2.00x its time alone" in source
 
 
 def _live_run(buckets: dict[str, dict], other: dict[str, dict] | None = None) -> dict:
