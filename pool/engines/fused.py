@@ -95,8 +95,9 @@ if AVAILABLE:
     def _qkv_rope_write_kernel(qkv_ptr, cos_ptr, sin_ptr, norm_ptr, q_ptr, kv_ptr, write_row_ptr, write_off_ptr,
                                layer, eps,
                                H: tl.constexpr, KVH: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr,
-                               BS: tl.constexpr, HAS_NORM: tl.constexpr):
-        """One (request, head) per program: q heads -> q buffer, k heads (normed, rotated) and v heads -> KV rows."""
+                               BS: tl.constexpr, HAS_NORM: tl.constexpr, KEYS_OUT: tl.constexpr, QROW: tl.constexpr):
+        """One (token, head) per program: q heads -> q buffer, k heads (normed, rotated) and v heads -> KV rows;
+        with KEYS_OUT the k heads also go to the q buffer, after the q heads (prefill attends over them)."""
         b = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         dt = qkv_ptr.dtype.element_ty
@@ -126,11 +127,15 @@ if AVAILABLE:
             o1 = ((f1 * c).to(dt).to(tl.float32) + (-f2 * s).to(dt).to(tl.float32)).to(dt)
             o2 = ((f2 * c).to(dt).to(tl.float32) + (f1 * s).to(dt).to(tl.float32)).to(dt)
             if head < H:
-                dst = q_ptr + (b * H + head) * HD
+                dst = q_ptr + (b * QROW + head) * HD
             else:
                 kvh = head - H
                 row = tl.load(write_row_ptr + b) + (2 * layer) * KVH + kvh
                 dst = kv_ptr + (row * BS + tl.load(write_off_ptr + b)) * HD
+                if KEYS_OUT:
+                    out = q_ptr + (b * QROW + head) * HD
+                    tl.store(out + d, o1, mask=dm)
+                    tl.store(out + HD // 2 + d, o2, mask=dm)
             tl.store(dst + d, o1, mask=dm)
             tl.store(dst + HD // 2 + d, o2, mask=dm)
 
@@ -234,14 +239,17 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def qkv_rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm: torch.Tensor | None,
                    kv: torch.Tensor, write_row: torch.Tensor, write_offset: torch.Tensor, layer: int,
-                   num_heads: int, num_kv_heads: int, head_dim: int, eps: float) -> torch.Tensor:
-    """q `[B, heads, head_dim]` (normed, rotated); k (normed, rotated) and v written into the KV rows of `layer`."""
+                   num_heads: int, num_kv_heads: int, head_dim: int, eps: float, keys_out: bool = False
+                   ) -> torch.Tensor:
+    """q `[N, heads, head_dim]` (normed, rotated); k (normed, rotated) and v written into the KV rows of `layer`.
+    With `keys_out`, `[N, heads + kv_heads, head_dim]`: the rotated k heads follow the q heads."""
     batch = qkv.shape[0]
-    q = torch.empty(batch, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    rows = num_heads + (num_kv_heads if keys_out else 0)
+    q = torch.empty(batch, rows, head_dim, dtype=qkv.dtype, device=qkv.device)
     _qkv_rope_write_kernel[(batch, num_heads + 2 * num_kv_heads)](
         qkv, cos, sin, norm if norm is not None else qkv, q, kv, write_row, write_offset, layer, eps,
         H=num_heads, KVH=num_kv_heads, HD=head_dim, HALF=_pow2(head_dim // 2), BS=kv.shape[1],
-        HAS_NORM=norm is not None, num_warps=1 if head_dim <= 128 else 2)
+        HAS_NORM=norm is not None, KEYS_OUT=keys_out, QROW=rows, num_warps=1 if head_dim <= 128 else 2)
     return q
 
 

@@ -1,4 +1,4 @@
-"""The fused (Triton) decode path against the plain torch one, on CUDA or under Triton's CPU interpreter.
+"""The fused (Triton) decode and prefill paths against the plain torch ones, on CUDA or under Triton's CPU interpreter.
 
 CI boxes without Triton skip these; `TRITON_INTERPRET=1 MODELPOOL_FUSED=1` runs them on a CPU (slowly). The
 interpreter truncates float -> bf16 casts where GPUs round, so bf16 is held to a looser bound there.
@@ -16,7 +16,7 @@ import torch
 from pool.engines import fused
 from pool.engines.base import GenRequest, SamplingParams
 from pool.engines.forward import Decoder
-from pool.engines.kvstore import decode_inputs
+from pool.engines.kvstore import decode_inputs, prefill_inputs
 from pool.engines.torch_engine import TorchEngine, TorchEngineConfig
 from pool.engines.weights import HostWeightCache
 
@@ -60,5 +60,39 @@ def test_fused_decode_matches_torch_and_ignores_nan_tails(device, dtype, block_s
     rel = ((got - want).norm() / want.norm()).item()
     bound = 1e-5 if dtype == "float32" else (4e-2 if device == "cpu" else 2e-2)
     assert rel < bound, rel
+    if dtype == "float32":
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
+def test_fused_prefill_matches_torch_logits_and_kv(device, dtype, model, demo_models):
+    """The fused prefill (decode's kernels, keys out for flash attention) against the torch ops: the logits at
+    each request's last token and every K/V row it writes, for a batch of three prompts over several blocks."""
+    engine = TorchEngine(TorchEngineConfig(device=device, dtype=dtype, block_size=8, cuda_graphs=False),
+                         weight_cache=HostWeightCache())
+    engine.load(model, demo_models[model])
+    engine.activate(model)
+    gen = torch.Generator().manual_seed(3)
+    requests = [GenRequest(f"r{i}", model, torch.randint(0, 500, (n,), generator=gen).tolist(),
+                           SamplingParams(max_tokens=8, ignore_eos=True)) for i, n in enumerate([5, 17, 40])]
+    engine.prefill(requests)  # admits them: KV blocks assigned
+    seqs = [engine._seqs[r.request_id] for r in requests]
+    inputs = prefill_inputs([r.prompt_token_ids for r in requests], [s.kv for s in seqs], engine.device)
+    ref = engine._decoder(seqs[0].model)
+    where = engine._slots.placement(seqs[0].model.name)
+    views = seqs[0].model.image.views(engine._slots.region[where.offset:])
+    ref.kv.zero_()
+    got = Decoder(ref.spec, views, ref.kv, fused=True).prefill(inputs)
+    kv_got = ref.kv.clone()
+    ref.kv.zero_()
+    want = Decoder(ref.spec, views, ref.kv, fused=False).prefill(inputs)
+    assert got.shape == want.shape == (3, ref.spec.vocab_size)
+    assert ref.kv.abs().sum() > 0  # the reference wrote K/V, so the comparison below compares something
+    bound = 1e-5 if dtype == "float32" else (4e-2 if device == "cpu" else 2e-2)
+    for a, b in ((got, want), (kv_got.float(), ref.kv.float())):
+        rel = ((a - b).norm() / b.norm()).item()
+        assert rel < bound, rel
     if dtype == "float32":
         assert torch.equal(got.argmax(-1), want.argmax(-1))
