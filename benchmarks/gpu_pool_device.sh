@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the lent GPU box (no Ray, no pydantic/fastapi/uvicorn: carried as wheels in .whl):
-#   bash benchmarks/gpu_pool_device.sh STAGE...    stages: tests, pool, probe, copyhol, light, heavy, calibrate, tp (two GPUs), RATE=<r>,
+#   bash benchmarks/gpu_pool_device.sh STAGE...    stages: tests, pool, probe, alone, copyhol, light, heavy, calibrate, tp (two GPUs), RATE=<r>,
 #   BACKENDS=<a,b>; on two GPUs, GPUS_ARG='--gpus 2' gives light/heavy the prefill-GPU + decode-GPU layout
 # `pool` is the issues-16/17 run (BACKENDS='processes threads', 1 and 10 req/s, ~6 min; STANDALONE=' ' times the
 # engine's own prefill at the live lengths too; compare with the simulator afterwards on
@@ -33,6 +33,8 @@ for stage in "$@"; do
         --rate ${RATE:-8} --duration "$DUR" ${GPUS_ARG:-} 2>&1 | grep -v '^   {' ; pack heavy ;;
     probe)  # prefill alone, beside a decoding process, beside a process that only copies weights, beside a thread
       timeout ${PROBE_S:-300} python3 benchmarks/gpu_prefill_probe.py --out "$OUT/prefill_probe.json" 2>&1 | tail -12 ;;
+    alone)  # prefill alone: the fused kernels against the torch ops, fresh lengths and again
+      timeout ${PROBE_S:-200} python3 benchmarks/gpu_prefill_probe.py --alone --out "$OUT/prefill_alone.json" 2>&1 | tail -4 ;;
     copyhol)  # does a weight copy hold up a step's inputs? copies behind whole or yielding weight copies, mapped reads
       timeout 90 python3 benchmarks/gpu_copy_hol.py --gb 8 --out "$OUT/copy_hol.json" 2>&1 | tail -30 ;;
     tp)  # two GPUs (issue 21): the torch engine at TP1 and TP2, NCCL

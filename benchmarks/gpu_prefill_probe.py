@@ -131,6 +131,8 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--alone", action="store_true",
+                        help="only the prefill alone, fused kernels against the torch ops (no profiles, no neighbours)")
     args = parser.parse_args()
     device = "cpu" if args.tiny else "cuda"
     shapes = {"a": "tiny", "b": "tiny"} if args.tiny else {"m1-1.5b": "1.5b", "m5-7b": "7b"}
@@ -143,8 +145,24 @@ def main() -> int:
         result[model] = {"repeated_1024_ms": series(engine, model, [1024] * 6, device),
                          "fresh": list(zip(fresh, series(engine, model, fresh, device))),
                          "fresh_again": list(zip(fresh, series(engine, model, fresh, device)))}
+        engine.fused_decode = False  # the torch ops (the eager prefill before the fused one), same lengths again
+        unfused = [n + 1 for n in fresh]
+        result[model]["torch_ops"] = {"fresh": list(zip(unfused, series(engine, model, unfused, device))),
+                                      "fresh_again": list(zip(unfused, series(engine, model, unfused, device)))}
+        engine.fused_decode = None
+        if args.alone:
+            continue
         result[model]["profile_fresh"] = profile_one(engine, model, 1537, device)
         result[model]["profile_repeat"] = profile_one(engine, model, 1537, device)
+    if args.alone:
+        args.out.write_text(json.dumps(result, indent=1))
+        for model in shapes:
+            r, t = result[model], result[model]["torch_ops"]
+            print(model, "prefill ms, median over the fresh lengths (first run / again): fused",
+                  statistics.median(x for _, x in r["fresh"]), "/", statistics.median(x for _, x in r["fresh_again"]),
+                  "| torch ops", statistics.median(x for _, x in t["fresh"]), "/",
+                  statistics.median(x for _, x in t["fresh_again"]))
+        return 0
     # while another process decodes on the same GPU
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
