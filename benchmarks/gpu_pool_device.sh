@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One call on the lent GPU box (no Ray, no pydantic/fastapi/uvicorn: carried as wheels in .whl):
-#   bash benchmarks/gpu_pool_device.sh STAGE...    stages: tests, pool, probe, alone, copyhol, light, heavy, calibrate, tp (two GPUs), RATE=<r>,
+#   bash benchmarks/gpu_pool_device.sh STAGE...    stages: tests, pool, probe, share, alone, copyhol, light, heavy, calibrate, tp (two GPUs), RATE=<r>,
 #   BACKENDS=<a,b>; on two GPUs, GPUS_ARG='--gpus 2' gives light/heavy the prefill-GPU + decode-GPU layout
-# `pool` is the issues-16/17 run (BACKENDS='processes threads', 1 and 10 req/s, ~6 min; STANDALONE=' ' times the
+# `pool` is the issues-16/17 run (BACKENDS='processes threads', RATES='1 10' req/s, ~6 min; STANDALONE=' ' times the
 # engine's own prefill at the live lengths too; compare with the simulator afterwards on
 # the saved traces, benchmarks/gpu_pool_sim.py); PROFILE=<file> gives serve a calibration profile.
 # Results go to $OUT (gpu_pool-<stage>.tgz and the logs' tails). The calibrate stage also needs typer, rich,
@@ -23,7 +23,7 @@ for stage in "$@"; do
         ${TEST_FILES:-tests/pool/test_torch_engine.py tests/pool/test_kv_transfer.py tests/pool/test_fused_decode.py} 2>&1 | tail -30 ;;
     pool)
       timeout ${POOL_S:-450} python3 benchmarks/gpu_pool.py --out /tmp/gp-pool $(for b in ${BACKENDS:-processes threads}; do echo --backend $b; done) \
-        --layout pd --rate 1 --rate 10 --duration 30 --request-timeout 60 ${STANDALONE:---no-standalone} --no-sim \
+        --layout pd $(for r in ${RATES:-1 10}; do echo --rate $r; done) --duration 30 --request-timeout 60 ${STANDALONE:---no-standalone} --no-sim \
         ${PROFILE:+--serve-arg=--profile --serve-arg=$PROFILE} 2>&1 | grep -v '^   {' ; pack pool ;;
     light)
       timeout ${LIGHT_S:-330} python3 benchmarks/gpu_pool.py --out /tmp/gp-light --backend processes --backend threads --layout pd \
@@ -33,6 +33,8 @@ for stage in "$@"; do
         --rate ${RATE:-8} --duration "$DUR" ${GPUS_ARG:-} 2>&1 | grep -v '^   {' ; pack heavy ;;
     probe)  # prefill alone, beside a decoding process, beside a process that only copies weights, beside a thread
       timeout ${PROBE_S:-300} python3 benchmarks/gpu_prefill_probe.py --out "$OUT/prefill_probe.json" 2>&1 | tail -12 ;;
+    share)  # what gpu_share_slowdown is fitted to (sims.profiles.calibrated.with_gpu_share): prefill alone, beside a decoder
+      timeout ${PROBE_S:-200} python3 benchmarks/gpu_prefill_probe.py --share --out "$OUT/prefill_share.json" 2>&1 | tail -4 ;;
     alone)  # prefill alone: the fused kernels against the torch ops, fresh lengths and again
       timeout ${PROBE_S:-200} python3 benchmarks/gpu_prefill_probe.py --alone --out "$OUT/prefill_alone.json" 2>&1 | tail -4 ;;
     copyhol)  # does a weight copy hold up a step's inputs? copies behind whole or yielding weight copies, mapped reads
@@ -40,7 +42,7 @@ for stage in "$@"; do
     tp)  # two GPUs (issue 21): the torch engine at TP1 and TP2, NCCL
       timeout ${TP_S:-550} python3 benchmarks/gpu_tp.py --out "$OUT/h200x2-tp.json" ${TP_ARGS:-} 2>&1 | tail -40 ;;
     calibrate)
-      timeout ${CAL_S:-200} python3 -m modelpool.cli calibrate --fleet /tmp/gp-light/models/fleet.yaml --device cuda \
+      timeout ${CAL_S:-200} python3 -m modelpool.cli calibrate --fleet ${CAL_FLEET:-/tmp/gp-light/models/fleet.yaml} --device cuda \
         --out "$OUT/h200-calibrated.json" ${CAL_ARGS:-} 2>&1 | tail -30 ;;
   esac
 done

@@ -133,6 +133,8 @@ def main() -> int:
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--alone", action="store_true",
                         help="only the prefill alone, fused kernels against the torch ops (no profiles, no neighbours)")
+    parser.add_argument("--share", action="store_true",
+                        help="only what gpu_share_slowdown is fitted to: the prefill alone and beside a decoding process")
     args = parser.parse_args()
     device = "cpu" if args.tiny else "cuda"
     shapes = {"a": "tiny", "b": "tiny"} if args.tiny else {"m1-1.5b": "1.5b", "m5-7b": "7b"}
@@ -145,6 +147,8 @@ def main() -> int:
         result[model] = {"repeated_1024_ms": series(engine, model, [1024] * 6, device),
                          "fresh": list(zip(fresh, series(engine, model, fresh, device))),
                          "fresh_again": list(zip(fresh, series(engine, model, fresh, device)))}
+        if args.share:
+            continue
         engine.fused_decode = False  # the torch ops (the eager prefill before the fused one), same lengths again
         unfused = [n + 1 for n in fresh]
         result[model]["torch_ops"] = {"fresh": list(zip(unfused, series(engine, model, unfused, device))),
@@ -172,6 +176,12 @@ def main() -> int:
     model = list(shapes)[-1]
     result["with_decode_process"] = {model: list(zip(fresh, series(engine, model, fresh, device)))}
     other.join(60)
+    if args.share:
+        args.out.write_text(json.dumps(result, indent=1))
+        alone = statistics.median(t for _, t in result[model]["fresh_again"])
+        beside = statistics.median(t for _, t in result["with_decode_process"][model])
+        print(model, f"prefill ms, median over the lengths: alone {alone}, beside a decoding process {beside}")
+        return 0
     # while another process only copies weights onto the GPU
     ready_c = ctx.Event()
     copier = ctx.Process(target=_proc_copy, args=(device, 30 if not args.tiny else 4, ready_c,
