@@ -1,5 +1,7 @@
 """The simulator on a trace the live pool served (benchmarks/gpu_pool.py): same fleet, same instance layout.
 
+    python benchmarks/gpu_pool_sim.py RUN.json... --profile PROFILE   # live runs against the simulator, side by side
+
 The layout is the one `modelpool serve` builds for one GPU (`modelpool.serve.fleet_deployment`), both
 instances on GPU 0 so that their copies share its host link; the cost model is the roofline with a
 calibration profile (default: the shipped h200-cudagraph one; `modelpool calibrate` writes others).
@@ -7,12 +9,14 @@ calibration profile (default: the shipped h200-cudagraph one; `modelpool calibra
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 PROFILE = "h200-cudagraph"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repo's packages
 
 
 def quantiles(values: list[float]) -> dict[str, float | None]:
@@ -56,3 +60,48 @@ def simulate_live_layout(fleet_path: Path, trace_path: Path, profile: Path | str
                  "tpot_s": quantiles([r["tpot_s"] for r in rows.values() if r["tpot_s"] is not None])}
     return {"requests": rows, "aggregate": aggregate, "switches": result.metrics["num_switches"],
             "profile": str(profile or PROFILE), "instances": [s.instance_id for s in dep.instances], "gpu_of": gpu_of}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Live runs saved by benchmarks/gpu_pool.py against the simulator on their traces, side by side."""
+    import argparse
+    import json
+    import tempfile
+
+    from benchmarks.gpu_pool import FLEET, build_models, compare
+
+    parser = argparse.ArgumentParser(description="live gpu_pool.py runs against the simulator on the same traces")
+    parser.add_argument("runs", nargs="+", type=Path, help="run JSONs (each with its trace CSV beside it, same stem)")
+    parser.add_argument("--profile", required=True, help="the profile the live pool served with (serve --profile)")
+    parser.add_argument("--out", type=Path, help="write the comparison here as JSON")
+    args = parser.parse_args(argv)
+    fleet = build_models(Path(tempfile.mkdtemp(prefix="fidelity-")), FLEET, "h200")
+    out = {}
+    print(f"{'run':44s} {'TTFT live/sim p10/p50/p90 (corr)':34s} {'TPOT live/sim':26s} "
+          f"{'TTFT p50/p90/p99 ms live | sim':32s} {'TPOT p50/p90/p99 ms live | sim':32s} {'attain':11s} switches")
+    for path in args.runs:
+        live = json.loads(path.read_text())
+        sim = simulate_live_layout(fleet, path.with_suffix(".csv"), args.profile)
+        cmp = compare(live["requests"], sim["requests"])
+        cmp["attainment"] = [live["aggregate"]["slo_attainment"], sim["aggregate"]["slo_attainment"]]
+        cmp["switches"] = [live["switches_planned"], sim["switches"]]
+        out[path.name] = cmp
+
+        def ratios(key: str) -> str:
+            c = cmp[key]
+            return f"{c['ratio_p10']:.2f}/{c['ratio_p50']:.2f}/{c['ratio_p90']:.2f} ({c['log_corr']:.2f})"
+
+        def ms(key: str, side: str) -> str:
+            return "/".join(f"{cmp[key][side][q] * 1e3:.0f}" if key == "ttft_s" else f"{cmp[key][side][q] * 1e3:.1f}"
+                            for q in ("p50", "p90", "p99"))
+
+        print(f"{path.name:44s} {ratios('ttft_s'):34s} {ratios('tpot_s'):26s} "
+              f"{ms('ttft_s', 'live') + ' | ' + ms('ttft_s', 'sim'):32s} {ms('tpot_s', 'live') + ' | ' + ms('tpot_s', 'sim'):32s} "
+              f"{cmp['attainment'][0]:.3f}/{cmp['attainment'][1]:.3f} {cmp['switches'][0]}/{cmp['switches'][1]}")
+    if args.out:
+        args.out.write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -137,6 +137,8 @@ def _from_live(run_path: Path, base: str | None, out: Path, gpu: str | None) -> 
                   f"{terms.decode_host_request_s * 1e6:.4g} us per request, from {run_path}")
     if "kv_handoff_fixed_s" in profile.provenance and terms.kv_handoff_fixed_s is not None:
         console.print(f"kv_handoff_fixed_s {terms.kv_handoff_fixed_s * 1e3:.4g} ms per staged hand-off move")
+    if "prefill_fresh_s" in profile.provenance and terms.prefill_fresh_s:
+        console.print(f"prefill_fresh_s {terms.prefill_fresh_s * 1e3:.4g} ms per prefill at a fresh shape")
     console.print(f"wrote {out}; use it with `modelpool simulate --profile {out}`")
 
 

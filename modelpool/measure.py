@@ -204,10 +204,10 @@ class Calibration:
         assert engine is not None
         for length in self.plan.prefill_lengths:
             for batch in self.plan.prefill_batches:
-                self._time_prefill(name, length, batch)  # first use of a shape: allocator growth, GEMM heuristics
+                first = self._time_prefill(name, length, batch)  # a fresh shape: allocator growth, GEMM heuristics
                 times = [self._time_prefill(name, length, batch) for _ in range(self.plan.repeats)]
                 self.result["prefill"].append({"arch": name, "tokens": length, "batch": batch,
-                                               "seconds": _median(times)})
+                                               "seconds": _median(times), "first_s": round(first, 6)})
 
     def _time_prefill(self, name: str, length: int, batch: int) -> float:
         engine = self.engine

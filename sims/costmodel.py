@@ -82,7 +82,7 @@ class ModelConstants:
     allreduce_s_per_token: float
     prefill_overhead_s: float
     prefill_request_s: float  # per prompt
-    prefill_host_s: float  # the live pool's host time per prefill, after the GPU time and the floor
+    prefill_host_s: float  # the live pool's host time per prefill (a fresh shape's cost included), after the GPU time
     decode_fixed_s: float  # with the live pool's host time per step
     decode_request_s: float  # the live pool's host time per request of a step's batch
     prefill_floor_s: float  # host launch floor (0 with CUDA graphs)
@@ -122,7 +122,7 @@ def model_constants(arch: Arch, tp: int, gpu: GpuSpec, terms: ProfileTerms) -> M
         allreduce_s_per_token=2 * layers * allreduce_bytes / (gpu.nvlink_gb_s * 1e9 * terms.eff_nvlink),
         prefill_overhead_s=terms.prefill_fixed_s + layers * terms.prefill_layer_s,
         prefill_request_s=terms.prefill_request_s,
-        prefill_host_s=terms.prefill_host_s,
+        prefill_host_s=terms.prefill_host_s + terms.prefill_fresh_s,
         decode_fixed_s=terms.decode_fixed_s + terms.decode_host_s,
         decode_request_s=terms.decode_host_request_s,
         prefill_floor_s=0.0 if terms.prefill_cuda_graphs else layers * terms.launch_s_per_layer,

@@ -49,6 +49,9 @@ def test_calibrate_on_cpu_then_simulate_with_the_profile(tmp_path: Path) -> None
     assert set(measured) >= {"eff_compute", "eff_mem", "eff_kv", "eff_pcie", "decode_fixed_s", "prefill_host_s",
                              "decode_host_s", "eff_kv_move"}
     assert not profile.terms.decode_cuda_graphs  # CPU: eager steps
+    # each prefill shape's first run is kept: what a shape the engine has not run costs on top (prefill_fresh_s)
+    assert all(p["first_s"] > 0 for p in run.measurements["prefill"])
+    assert profile.status("prefill_fresh_s", "cpu-box") == "measured"
     # KV moves beside the other engine's switch of the largest shape, at each shape's largest KV point
     beside = run.measurements["kv_shared"]
     assert [(k["arch"], k["batch"], k["context"], k["copied"]) for k in beside] == \

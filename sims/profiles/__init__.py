@@ -53,6 +53,10 @@ class ProfileTerms(_Frozen):
     prefill_host_s: Seconds = Field(default=0.0, description="Host time the live pool adds to each prefill step "
                                                              "beyond the engine's own (controller tick, backend hop, "
                                                              "token delivery, contention for the interpreter).")
+    prefill_fresh_s: Seconds = Field(default=0.0, description="What a prefill costs on top at a shape (total "
+                                     "tokens, prompts) the engine has not run before - the live pool's case for "
+                                     "nearly every prompt: the first run of a shape over its repeats (allocator, "
+                                     "GEMM heuristics); added to every prefill, with prefill_host_s.")
     decode_host_s: Seconds = Field(default=0.0, description="Host time the live pool adds to each decode step beyond "
                                                             "the engine's own: the first token to the next at the "
                                                             "sink, less the engine's decode step.")

@@ -68,6 +68,12 @@ def build_profile(measurements: Mapping[str, Any], archs: Mapping[str, Arch], gp
         held = _HELD.get(term, "") if term in fitted.held else ""
         provenance[term] = Provenance(status="measured", source=f"{sources[term]}{held} ({where})", gpus=(gpu,))
     figures = {key: float(value) for key, value in measurements.get("figures", {}).items()}
+    fresh = [max(0.0, p["first_s"] - p["seconds"]) for p in measurements["prefill"] if "first_s" in p]
+    if fresh:
+        terms["prefill_fresh_s"] = sig(statistics.median(fresh))
+        provenance["prefill_fresh_s"] = Provenance(status="measured", gpus=(gpu,), source=(
+            f"the median over {len(fresh)} prefill shapes of the first run's time over the repeats' "
+            f"({min(fresh) * 1e3:.2f}-{max(fresh) * 1e3:.2f} ms) ({where})"))
     link = _link_sharing(measurements)
     if link is not None:
         sharing, shared = link
@@ -89,6 +95,7 @@ def build_profile(measurements: Mapping[str, Any], archs: Mapping[str, Arch], gp
         terms["gpu_share_slowdown"], provenance["gpu_share_slowdown"], spread = _gpu_share(measurements["gpu_share"], gpu)
         figures.update(spread)
     draft = CalibrationProfile(name="draft", terms=ProfileTerms.model_validate({**terms, "prefill_host_s": 0.0,
+                                                                               "prefill_fresh_s": 0.0,
                                                                                "decode_host_s": 0.0}),
                                provenance=provenance)  # the engine alone: what the live pool's times are held against
     if measurements.get("kv_shared"):
@@ -155,6 +162,7 @@ def fit_errors(profile: CalibrationProfile, archs: Mapping[str, Arch], spec: Gpu
     (the engine was timed alone): the fit's error table."""
     assert profile.calibration is not None
     engine = profile.model_copy(update={"terms": profile.terms.model_copy(update={"prefill_host_s": 0.0,
+                                                                                  "prefill_fresh_s": 0.0,
                                                                                   "decode_host_s": 0.0})})
     return predict(engine, anchors_from(profile.calibration.measurements), spec, profile.calibration.gpu,
                    archs.__getitem__)
@@ -383,6 +391,16 @@ def with_live_host(profile: CalibrationProfile, run: Mapping[str, Any], where: s
             f"{run.get('rate_rps', '?')} req/s): the mean of the median export and import call of hand-offs staged in "
             f"device memory ({shown}; their copies within the GPU included) ({where})")
         fitted += " and kv_handoff_fixed_s"
+    standalone = run.get("prefill_vs_standalone") or {}
+    if standalone.get("samples"):
+        extra = max(0.0, standalone["standalone_fresh_ms_p50"] - standalone["standalone_best_ms_p50"]) / 1e3
+        terms["prefill_fresh_s"] = sig(extra)
+        provenance["prefill_fresh_s"] = Provenance(
+            status="measured", gpus=(gpu,), source=f"the engine alone after the live run, at the {standalone['samples']} "
+            f"prefill shapes the live pool ran ({backend} backend, {run.get('rate_rps', '?')} req/s): the median first "
+            f"run of a shape, {standalone['standalone_fresh_ms_p50']} ms, over the median of its repeats, "
+            f"{standalone['standalone_best_ms_p50']} ms ({where})")
+        fitted += " and prefill_fresh_s"
     description = (f"{profile.description} " if profile.description else "") + (
         f"{fitted} from the live pool run {where} (on {gpu}), on top of profile {profile.name}.")
     return CalibrationProfile.model_validate({**profile.model_dump(), "name": name or profile.name,

@@ -250,3 +250,38 @@ def test_a_staged_hand_off_move_costs_what_the_live_pool_paid_for_it() -> None:
     assert kv_device_move_s(before, moves) == pytest.approx(copies + base.terms.kv_move_fixed_s)
     assert kv_device_move_s(after, moves) == pytest.approx(copies + 6.1e-3)
     assert after.kv_move_overhead_s(model) == before.kv_move_overhead_s(model)  # host moves keep their overhead
+
+
+def test_a_prefill_at_a_fresh_shape_costs_what_its_first_run_did() -> None:
+    """prefill_fresh_s: calibrate's first run of each prefill shape over its repeats (median), or the engine alone
+    at the live run's shapes (--from-live); the simulator adds it to every prefill, with prefill_host_s."""
+    from pathlib import Path
+
+    from modelpool.config import load_fleet
+
+    m = _measurements(_truth())
+    extra = [0.004, 0.010, 0.012, -0.001]  # the last: a first run faster than the repeats counts as 0
+    m["prefill"] = [{**p, "first_s": p["seconds"] + extra[k % len(extra)]} for k, p in enumerate(m["prefill"])]
+    profile = build_profile(m, ARCHS, "h200", GPUS["h200"], run=RUN)
+    values = sorted(max(0.0, extra[k % len(extra)]) for k in range(len(m["prefill"])))
+    want = (values[(len(values) - 1) // 2] + values[len(values) // 2]) / 2
+    assert profile.terms.prefill_fresh_s == pytest.approx(want, rel=1e-3) and want > 0
+    assert profile.provenance["prefill_fresh_s"].status == "measured"
+    assert max(abs(check.error) for check in fit_errors(profile, ARCHS, GPUS["h200"])) < 0.01  # engine terms as before
+    old = build_profile(_measurements(_truth()), ARCHS, "h200", GPUS["h200"], run=RUN)  # no first runs recorded
+    assert old.terms.prefill_fresh_s == 0.0
+
+    buckets = {"<=1": {"steps": 100, "batch_mean": 1.0, "added_ms_p50": 0.03},
+               "<=16": {"steps": 100, "batch_mean": 12.0, "added_ms_p50": 0.08}}
+    run = {**_live_run(buckets), "prefill_vs_standalone": {"samples": 69, "standalone_fresh_ms_p50": 46.44,
+                                                           "standalone_best_ms_p50": 37.0}}
+    base = load_profile("h200-cudagraph")
+    fitted = with_live_host(base, run, "a test", "h200")
+    assert fitted.terms.prefill_fresh_s == pytest.approx(9.44e-3, rel=1e-3)
+    assert "46.44 ms" in fitted.provenance["prefill_fresh_s"].source and "prefill_fresh_s" in fitted.description
+    assert with_live_host(base, _live_run(buckets), "a test", "h200").terms.prefill_fresh_s == 0.0
+
+    fleet = load_fleet(Path(__file__).resolve().parents[2] / "models.yaml")
+    model = fleet.models[0].name
+    before, after = (RooflineCostModel(fleet, profile=p) for p in (base, fitted))
+    assert after.prefill_s(model, 512, 1) - before.prefill_s(model, 512, 1) == pytest.approx(9.44e-3, rel=1e-6)
