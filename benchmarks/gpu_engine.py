@@ -140,16 +140,16 @@ def bench_model(engine: TorchEngine, model: str, args, vocab: int, bw: dict[str,
         if args.compare_unfused and engine.streams.cuda:
             modes.append((True, False))
         for graphs, fused in modes:
-            engine.use_cuda_graphs, engine.fused_decode = graphs, fused
+            engine.use_cuda_graphs, engine.fused = graphs, fused
             row = {"batch": batch, "ctx": args.ctx, "graphs": graphs,
                    "fused": engine._decoder(engine._models.require(model)).fused,
                    "step_ms": decode_ms(engine, ids, args.steps)}
             if batch == min(args.batches) and not graphs:
                 out["kernels_per_step"] = kernels_per_step(engine, ids)
                 if args.compare_unfused and engine.streams.cuda:
-                    engine.fused_decode = False
+                    engine.fused = False
                     out["kernels_per_step_unfused"] = kernels_per_step(engine, ids)
-                    engine.fused_decode = fused
+                    engine.fused = fused
             if graphs:  # the forward alone: replay the graph just used (engine internals, benchmark only)
                 graph = next(reversed(engine._graphs._graphs.values())).graph
                 row["replay_ms"] = timed(lambda: [graph.replay() for _ in range(args.steps)], engine.device) \
@@ -167,7 +167,7 @@ def bench_model(engine: TorchEngine, model: str, args, vocab: int, bw: dict[str,
                               "save_GBps": kv / save / 1e9, "restore_GBps": kv / restore / 1e9}
         engine.release(ids)
     engine.use_cuda_graphs = engine.streams.cuda and engine.config.cuda_graphs
-    engine.fused_decode = None
+    engine.fused = None
     out["decode"] = rows
     return out
 

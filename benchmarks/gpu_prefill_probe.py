@@ -149,11 +149,11 @@ def main() -> int:
                          "fresh_again": list(zip(fresh, series(engine, model, fresh, device)))}
         if args.share:
             continue
-        engine.fused_decode = False  # the torch ops (the eager prefill before the fused one), same lengths again
+        engine.fused = False  # the torch ops (the eager prefill before the fused one), same lengths again
         unfused = [n + 1 for n in fresh]
         result[model]["torch_ops"] = {"fresh": list(zip(unfused, series(engine, model, unfused, device))),
                                       "fresh_again": list(zip(unfused, series(engine, model, unfused, device)))}
-        engine.fused_decode = None
+        engine.fused = None
         if args.alone:
             continue
         result[model]["profile_fresh"] = profile_one(engine, model, 1537, device)

@@ -175,7 +175,7 @@ class TorchEngine:
         self.buckets = GraphBuckets(self.config.graph_batch_sizes, self.config.graph_block_widths)
         # may be switched off later; a TP rank decodes eagerly (its all-reduces are not captured in graphs yet)
         self.use_cuda_graphs = self.streams.cuda and self.config.cuda_graphs and rank is None
-        self.fused_decode: bool | None = None  # fused Triton decode kernels; None: wherever they run (CUDA)
+        self.fused: bool | None = None  # fused Triton kernels (decode and prefill); None: wherever they run (CUDA)
         if self.use_cuda_graphs:
             from pool.engines.graphs import DecodeGraphs
 
@@ -285,7 +285,7 @@ class TorchEngine:
         only KV past the requests' lengths, with the values the next step writes again.
         """
         entered_at = time.perf_counter()
-        key = (tuple(request_ids), self.use_cuda_graphs, self.fused_decode)
+        key = (tuple(request_ids), self.use_cuda_graphs, self.fused)
         if self._ahead is not None and self._ahead.key != key:
             self._discard_ahead()
         seqs = [self._runnable(rid) for rid in request_ids]
@@ -696,7 +696,7 @@ class TorchEngine:
     def _slot_decoder(self, model: _Model, offset: int) -> Decoder:
         """The forward pass of `model` as if its weights sat at `offset` of the model region (they need not
         be there yet)."""
-        key = (model.name, offset, self.fused_decode)
+        key = (model.name, offset, self.fused)
         if key not in self._decoders:
             slots = self._ensure_buffer()
             image = model.image
@@ -704,7 +704,7 @@ class TorchEngine:
             if shared_key not in self._shared:
                 self._shared[shared_key] = SharedTensors(image.spec, image.dtype, self.device)
             self._decoders[key] = Decoder(image.spec, image.views(slots.region[offset: offset + image.nbytes]),
-                                          self._kv_store().view(model.kv_shape), fused=self.fused_decode,
+                                          self._kv_store().view(model.kv_shape), fused=self.fused,
                                           shared=self._shared[shared_key],
                                           comm=None if self.rank is None else self.rank.comm)
         return self._decoders[key]
