@@ -338,6 +338,8 @@ def phase_result(backend: str, layout: str, rate: float, args: argparse.Namespac
             # async decode: steps queued ahead of the host, and those a call other than their batch's threw away
             "decode_steps_ahead": delta("extra", "decode_steps_ahead"),
             "decode_steps_discarded": delta("extra", "decode_steps_discarded"),
+            "alloc_retries": delta("extra", "alloc_retries"),
+            "input_stage_grown": delta("extra", "input_stage_grown"),
             "prefill_samples": {iid: e["extra"].get("timings", {}).get("prefills") for iid, e in engines.items()},
             # KV calls in each engine (the P/D hand-off: export_kv on the prefill instance, import_kv on the decoder)
             "kv_timings": {iid: e["extra"].get("timings", {}).get("kv") for iid, e in engines.items()},

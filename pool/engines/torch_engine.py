@@ -26,7 +26,7 @@ import torch
 
 from pool.engines.base import (EngineError, EngineStats, GenRequest, KvCapacity, KvExport, OutOfKvMemory, StagedKv,
                                Table, TokenOut)
-from pool.engines.device import DeviceBuffer, Streams, align_up, held_device_bytes, wait_event
+from pool.engines.device import DeviceBuffer, Streams, align_up, held_device_bytes, input_stage_grown, wait_event
 from pool.engines.forward import Decoder, DecodeInputs, SharedTensors
 from pool.engines.graphs import NO_GRAPHS, GraphBuckets
 from pool.engines.handoff import ALIGN as HANDOFF_ALIGN
@@ -537,6 +537,11 @@ class TorchEngine:
                    "host_slabs": host.num_slabs, "weights_on_device": tuple(slots.placed) if slots else (),
                    **(self._graphs.figures() if self._graphs is not None else NO_GRAPHS),
                    "held_device_bytes": held_device_bytes(self.device),
+                   # allocations on the request path that can wait for the device (copies in flight included):
+                   # cudaMalloc retries after freeing cached blocks, pinned input buffers grown
+                   "alloc_retries": torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)
+                   if self.streams.cuda else 0,
+                   "input_stage_grown": input_stage_grown(self.device),
                    "handoff_arena_bytes": self._arena.ref.nbytes if self._arena else 0,
                    "handoff_staged_bytes": self._arena.used_bytes if self._arena else 0,
                    "async_decode": self.async_decode, "decode_steps_ahead": self.num_steps_ahead,

@@ -75,3 +75,30 @@ def test_decode_inputs_on_cuda_equal_those_on_cpu() -> None:
     cpu = decode_inputs(*args, torch.device("cpu"), 4, 5)
     cuda = decode_inputs(*args, torch.device("cuda"), 4, 5)
     assert torch.equal(cuda.packed.cpu(), cpu.packed)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_stage_pins_its_buffers_up_front_and_counts_growth() -> None:
+    """Every buffer of the ring is pinned at start for `capacity` values: the largest step inputs the pool sends
+    (a prefill of 8192 tokens, a decode step of 64 x 1024 blocks) never pin memory while serving; an upload past
+    the capacity still works and is counted."""
+    stage = InputStage(torch.device("cuda", torch.cuda.current_device()), slots=4, capacity=70_000)
+    assert stage.mapped and stage.grown == 0
+    for n in (5, 33_000, 66_000, 70_000, 12, 70_000, 3, 66_000):  # each buffer of the ring takes two
+        values = np.arange(n, dtype=np.int64) * 3 + n
+        assert np.array_equal(stage.upload(values).cpu().numpy(), values)
+    assert stage.grown == 0
+    big = np.arange(70_001, dtype=np.int64)
+    assert np.array_equal(stage.upload(big).cpu().numpy(), big) and stage.grown == 1
+
+
+def test_engine_stats_report_the_request_path_allocations(demo_models) -> None:  # type: ignore[no-untyped-def]
+    """The counters the GPU harness reads (benchmarks/gpu_pool.py): present, and 0 where nothing can wait (CPU)."""
+    from pool.engines.torch_engine import TorchEngine, TorchEngineConfig
+    from pool.engines.weights import HostWeightCache
+
+    engine = TorchEngine(TorchEngineConfig(device="cpu"), weight_cache=HostWeightCache())
+    engine.load("tiny-llama", demo_models["tiny-llama"])
+    extra = engine.stats().extra
+    assert extra["alloc_retries"] == 0 and extra["input_stage_grown"] == 0
