@@ -189,7 +189,7 @@ def fleet_deployment(fleet_path: Path, engine: str, num_gpus: int, num_instances
                                      param_hint="--fleet")
         options = {"device": "cuda", "kv_bytes": kv, "max_host_kv_bytes": int(fleet.pool.host_kv_gb * 1e9
                                                                                / fleet.pool.gpus_per_node),
-                   "handoff_bytes": arena}
+                   "handoff_bytes": arena, "warm_prefill_tokens": fleet.pool.max_prefill_tokens}
         from sims.profiles import load_profile
 
         try:

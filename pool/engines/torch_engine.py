@@ -22,12 +22,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from pool.engines.base import (EngineError, EngineStats, GenRequest, KvCapacity, KvExport, OutOfKvMemory, StagedKv,
                                Table, TokenOut)
-from pool.engines.device import DeviceBuffer, Streams, align_up, held_device_bytes, input_stage_grown, wait_event
-from pool.engines.forward import Decoder, DecodeInputs, SharedTensors
+from pool.engines.device import (DeviceBuffer, Streams, align_up, held_device_bytes, input_stage_grown, to_device,
+                                 wait_event)
+from pool.engines.forward import Decoder, DecodeInputs, PrefillInputs, SharedTensors
 from pool.engines.graphs import NO_GRAPHS, GraphBuckets
 from pool.engines.handoff import ALIGN as HANDOFF_ALIGN
 from pool.engines.handoff import StagingArena, close_orphans, staged_view
@@ -61,6 +63,10 @@ class TorchEngineConfig:
     host_kv_prealloc_bytes: int = 0  # host KV slabs made up front (pinning mid-swap costs ~0.3 s/GiB)
     max_model_bytes: int | None = None  # each model slot; None: the largest model loaded when first needed
     cuda_graphs: bool = True  # replay decode steps from CUDA graphs captured by warm_up() (CUDA only)
+    # warm_up() runs one prefill this long per model shape (the pool's max_prefill_tokens), onto a scratch block:
+    # the caching allocator then holds blocks for any prefill the pool sends, so none allocates device memory
+    # while serving (an allocation waits for the copies in flight: a weight prefetch, up to 0.3 s); 0: none
+    warm_prefill_tokens: int = 0
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # padded batch sizes graphs are captured for
     graph_block_widths: tuple[int, ...] = (16, 64, 256, 1024)  # block-table widths graphs are captured for
     tp: int = 1  # tensor-parallel ranks of the instance (> 1: `pool.engines.tp.TpEngine`, one process per rank)
@@ -79,7 +85,7 @@ class TorchEngineConfig:
         for name in ("block_size", "device_slab_bytes", "host_slab_bytes", "tp"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"TorchEngineConfig.{name} = {getattr(self, name)!r} must be >= 1")
-        for name in ("kv_bytes", "max_host_kv_bytes", "host_kv_prealloc_bytes", "handoff_bytes"):
+        for name in ("kv_bytes", "max_host_kv_bytes", "host_kv_prealloc_bytes", "handoff_bytes", "warm_prefill_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"TorchEngineConfig.{name} = {getattr(self, name)!r} must be >= 0")
         if 0 < self.handoff_bytes < HANDOFF_ALIGN:  # else the first export fails making the arena (and the instance)
@@ -381,7 +387,9 @@ class TorchEngine:
     def warm_up(self, max_tokens: int | None = None) -> int:
         """Capture the decode graphs of every loaded model's shape in both its places, for requests of
         up to `max_tokens` tokens (None: the widest table set), so that serving never captures; returns
-        how many were captured (0 on CPU or with graphs off). Call it outside any other call of this engine."""
+        how many were captured (0 on CPU or with graphs off). Call it outside any other call of this engine.
+        First, with `config.warm_prefill_tokens`, one prefill that long per shape (see the config)."""
+        self._warm_prefill()
         if self._graphs is None or not self.use_cuda_graphs or not self._models:
             return 0
         slots = self._ensure_buffer()
@@ -398,6 +406,26 @@ class TorchEngine:
                                  lambda d=decoder, b=padded, w=width, m=model: (d, self._dummy_inputs(m, b, w, kv))))
         with torch.no_grad():
             return self._graphs.capture_all(todo)
+
+    def _warm_prefill(self) -> None:
+        """A prefill of `config.warm_prefill_tokens` tokens of each loaded shape in its first place, every K/V
+        written to the shape's scratch block (the weights there need not be loaded: only the allocations count)."""
+        n = self.config.warm_prefill_tokens
+        if n <= 0 or not self._models:
+            return
+        slots, kv = self._ensure_buffer(), self._kv_store()
+        shapes = {(m.image.spec, m.image.dtype): m for m in self._models.values()}
+        with torch.no_grad():
+            for model in shapes.values():
+                decoder = self._slot_decoder(model, slots.places_of(model.image.nbytes)[0])
+                span = np.arange(n, dtype=np.int64)
+                packed = np.concatenate([np.zeros(n, dtype=np.int64), span,
+                                         np.full(n, kv.scratch(model.kv_shape), dtype=np.int64),
+                                         span % model.kv_shape.block_size, np.array([n - 1], dtype=np.int64)])
+                on = to_device(packed, self.device)
+                decoder.prefill(PrefillInputs(token_ids=on[:n], positions=on[n : 2 * n], write_row=on[2 * n : 3 * n],
+                                              write_offset=on[3 * n : 4 * n], seq_lens=[n], ends=on[4 * n :]))
+        self.streams.synchronize()
 
     def _graph_key(self, model: _Model, decoder: Decoder, padded: int, width: int, offset: int) -> tuple:
         return (model.image.spec, model.image.dtype, offset, decoder.fused, padded, width)
@@ -500,7 +528,8 @@ class TorchEngine:
         """Tokens of each loaded model the device KV holds, after block and slab rounding (makes the device
         buffer when it is not made yet: call it once every model is loaded)."""
         device = self._kv_store().device
-        held = 1 if self.use_cuda_graphs else 0  # a scratch block per shape for the graphs' padded rows
+        # a scratch block per shape for the graphs' padded rows and the warm-up prefill
+        held = 1 if self.use_cuda_graphs or self.config.warm_prefill_tokens else 0
         key = (tuple(self._models), held)
         if self._kv_report is None or self._kv_report[0] != key:
             shapes = [m.kv_shape for m in self._models.values()]

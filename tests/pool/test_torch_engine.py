@@ -173,6 +173,22 @@ def test_preempting_every_k_tokens_changes_nothing(k, demo_models):
     assert stats.bytes_d2h > 0 and stats.prefetched_model is not None
 
 
+def test_warm_prefill_leaves_no_request_and_changes_no_token(demo_models):
+    """warm_up's prefill of warm_prefill_tokens per shape (allocator blocks for any prefill the pool sends) writes
+    only the scratch block: no request, no KV block held, the same tokens after it."""
+    requests = tiny_requests(make_engine(demo_models), 12)
+    want = {rid: ids_of(o) for m in TINY for rid, o in run(make_engine(demo_models), requests[m]).items()}
+    engine = make_engine(demo_models, warm_prefill_tokens=96)
+    engine.warm_up()
+    stats = engine.stats()
+    shapes = {m.kv_shape for m in engine._models.values()}
+    assert set(engine._kv_store()._scratch) == shapes  # a scratch block per shape, as the decode graphs' padded rows use
+    assert stats.num_requests == 0 and stats.kv_device_used_bytes == sum(shape.block_bytes for shape in shapes)
+    assert {rid: ids_of(o) for m in TINY for rid, o in run(engine, requests[m]).items()} == want
+    with pytest.raises(ValueError, match="warm_prefill_tokens"):
+        TorchEngineConfig(warm_prefill_tokens=-1)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
