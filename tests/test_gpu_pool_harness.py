@@ -90,3 +90,19 @@ def test_call_logs_say_what_delayed_each_decode_step(tmp_path) -> None:
     assert steps["decode_steps_by_overlap"]["beside a prefill"]["n"] == 1  # the 0.3 s one spans 10.1-10.2
     assert steps["decode_steps_by_overlap"]["alone"]["n"] == 3
     assert steps["seconds_by_method"]["decode_step"] == pytest.approx(0.316)
+
+
+def test_the_recorded_h200_fidelity_is_what_the_simulator_gives_today(tmp_path) -> None:
+    """BENCHMARKS.md's session-11 fidelity row at 1 req/s, recomputed from the committed live run and profile by
+    benchmarks/gpu_pool_sim.py: a change to the simulator or the cost model that moves it shows here (then
+    re-record results/h200-fidelity-s11.json and the table, saying why)."""
+    results = ROOT / "benchmarks" / "results"
+    run = results / "h200-pool-s11-calprofile-processes-pd-r1.json"
+    out = tmp_path / "fidelity.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_pool_sim.py"), str(run),
+                    "--profile", str(results / "h200-calibrated-live-s11-fresh.json"), "--out", str(out)],
+                   check=True, capture_output=True, text=True, timeout=300)
+    got = json.loads(out.read_text())[run.name]
+    recorded = json.loads((results / "h200-fidelity-s11.json").read_text())[run.name]
+    assert got["switches"] == recorded["switches"] == [147, 159]
+    assert got == recorded
