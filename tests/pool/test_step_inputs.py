@@ -89,7 +89,7 @@ def test_cuda_stage_pins_its_buffers_up_front_and_counts_growth() -> None:
         values = np.arange(n, dtype=np.int64) * 3 + n
         assert np.array_equal(stage.upload(values).cpu().numpy(), values)
     assert stage.grown == 0
-    big = np.arange(70_001, dtype=np.int64)
+    big = np.arange(max(b.numel() for b in stage._pinned) + 1, dtype=np.int64)  # past every buffer (rounded up)
     assert np.array_equal(stage.upload(big).cpu().numpy(), big) and stage.grown == 1
 
 
