@@ -306,9 +306,9 @@ class InputStage:
         self._mapped: list[torch.Tensor] = [torch.empty(0, dtype=torch.int64)] * slots  # mapped views, made with each buffer
         self._done: list[Any] = [None] * slots
         self._next = 0
-        self.mapped = self._check_mapped()
+        self.mapped = self._check_mapped(capacity)
         if self.mapped:
-            for i in range(slots):
+            for i in range(1, slots):  # the check made the first
                 self._grow(i, capacity)
         self.grown = 0
 
@@ -335,10 +335,11 @@ class InputStage:
         self._pinned[i] = torch.empty(size, dtype=torch.int64, pin_memory=True)
         self._mapped[i] = mapped_view(self._pinned[i], self.device)
 
-    def _check_mapped(self) -> bool:
-        """Whether a kernel reads this platform's pinned memory right (one round trip, at start)."""
+    def _check_mapped(self, capacity: int) -> bool:
+        """Whether a kernel reads this platform's pinned memory right (one round trip, at start, through the
+        first buffer, made for `capacity` values)."""
         try:
-            self._grow(0, 1024)
+            self._grow(0, max(1024, capacity))
             probe = np.arange(1024, dtype=np.int64) * 7 + 3
             self._pinned[0].numpy()[:1024] = probe
             out = torch.empty(1024, dtype=torch.int64, device=self.device)

@@ -22,14 +22,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from pool.engines.base import (EngineError, EngineStats, GenRequest, KvCapacity, KvExport, OutOfKvMemory, StagedKv,
                                Table, TokenOut)
-from pool.engines.device import (DeviceBuffer, Streams, align_up, held_device_bytes, input_stage_grown, to_device,
-                                 wait_event)
-from pool.engines.forward import Decoder, DecodeInputs, PrefillInputs, SharedTensors
+from pool.engines.device import DeviceBuffer, Streams, align_up, held_device_bytes, input_stage_grown, wait_event
+from pool.engines.forward import Decoder, DecodeInputs, SharedTensors
 from pool.engines.graphs import NO_GRAPHS, GraphBuckets
 from pool.engines.handoff import ALIGN as HANDOFF_ALIGN
 from pool.engines.handoff import StagingArena, close_orphans, staged_view
@@ -418,13 +416,9 @@ class TorchEngine:
         with torch.no_grad():
             for model in shapes.values():
                 decoder = self._slot_decoder(model, slots.places_of(model.image.nbytes)[0])
-                span = np.arange(n, dtype=np.int64)
-                packed = np.concatenate([np.zeros(n, dtype=np.int64), span,
-                                         np.full(n, kv.scratch(model.kv_shape), dtype=np.int64),
-                                         span % model.kv_shape.block_size, np.array([n - 1], dtype=np.int64)])
-                on = to_device(packed, self.device)
-                decoder.prefill(PrefillInputs(token_ids=on[:n], positions=on[n : 2 * n], write_row=on[2 * n : 3 * n],
-                                              write_offset=on[3 * n : 4 * n], seq_lens=[n], ends=on[4 * n :]))
+                blocks = -(-n // model.kv_shape.block_size)
+                scratch = SeqKv(model.kv_shape, rows=[kv.scratch(model.kv_shape)] * blocks)  # every block: scratch
+                decoder.prefill(prefill_inputs([[0] * n], [scratch], self.device))
         self.streams.synchronize()
 
     def _graph_key(self, model: _Model, decoder: Decoder, padded: int, width: int, offset: int) -> tuple:
