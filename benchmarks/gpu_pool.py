@@ -356,13 +356,19 @@ def standalone_prefill(fleet_folder: Path, samples: list[list], device: str, rep
     """Median seconds of the engine's own prefill for each (model, tokens, batch) the live pool ran."""
     import torch
 
+    from modelpool.config import load_fleet
     from pool.engines.base import GenRequest, SamplingParams
     from pool.engines.torch_engine import TorchEngine, TorchEngineConfig
 
+    # configured as `modelpool serve` configures the pool's engines (on a GPU: padded prefills, warmed up to the
+    # pool's max_prefill_tokens), less the decode graphs
+    warm = load_fleet(fleet_folder / "fleet.yaml").pool.max_prefill_tokens if device != "cpu" else 0
     engine = TorchEngine(TorchEngineConfig(device=device, kv_bytes=8 << 30 if device != "cpu" else 256 << 20,
-                                           cuda_graphs=False, dtype=None if device != "cpu" else "float32"))
+                                           cuda_graphs=False, dtype=None if device != "cpu" else "float32",
+                                           warm_prefill_tokens=warm))
     for name in sorted({s[0] for s in samples}):
         engine.load(name, fleet_folder / name)
+    engine.warm_up()
     out, counter = {}, 0
     for model, tokens, batch in sorted({(s[0], s[1], s[2]) for s in samples}):
         engine.activate(model)

@@ -2,6 +2,7 @@
 # One call on the lent GPU box (no Ray, no pydantic/fastapi/uvicorn: carried as wheels in .whl):
 #   bash benchmarks/gpu_pool_device.sh STAGE...    stages: tests, pool, probe, share, alone, copyhol, light, heavy, calibrate, tp (two GPUs), RATE=<r>,
 #   BACKENDS=<a,b>; on two GPUs, GPUS_ARG='--gpus 2' gives light/heavy the prefill-GPU + decode-GPU layout
+# `calibrate pool` with PROFILE=calibrated: calibrate on this GPU, then serve with that profile.
 # `pool` is the issues-16/17 run (BACKENDS='processes threads', RATES='1 10' req/s, ~6 min; STANDALONE=' ' times the
 # engine's own prefill at the live lengths too; compare with the simulator afterwards on
 # the saved traces, benchmarks/gpu_pool_sim.py); PROFILE=<file> gives serve a calibration profile.
@@ -22,6 +23,7 @@ for stage in "$@"; do
       timeout ${TEST_S:-150} python3 -m pytest -q -x -p no:cacheprovider -k cuda \
         ${TEST_FILES:-tests/pool/test_torch_engine.py tests/pool/test_kv_transfer.py tests/pool/test_fused_decode.py} 2>&1 | tail -30 ;;
     pool)
+      [ "${PROFILE:-}" = calibrated ] && PROFILE="$OUT/h200-calibrated.json"  # the calibrate stage's, run before
       timeout ${POOL_S:-450} python3 benchmarks/gpu_pool.py --out /tmp/gp-pool $(for b in ${BACKENDS:-processes threads}; do echo --backend $b; done) \
         --layout pd $(for r in ${RATES:-1 10}; do echo --rate $r; done) --duration 30 --request-timeout 60 ${STANDALONE:---no-standalone} --no-sim \
         ${PROFILE:+--serve-arg=--profile --serve-arg=$PROFILE} 2>&1 | grep -v '^   {' ; pack pool ;;
@@ -41,9 +43,13 @@ for stage in "$@"; do
       timeout 90 python3 benchmarks/gpu_copy_hol.py --gb 8 --out "$OUT/copy_hol.json" 2>&1 | tail -30 ;;
     tp)  # two GPUs (issue 21): the torch engine at TP1 and TP2, NCCL
       timeout ${TP_S:-550} python3 benchmarks/gpu_tp.py --out "$OUT/h200x2-tp.json" ${TP_ARGS:-} 2>&1 | tail -40 ;;
-    calibrate)
-      timeout ${CAL_S:-200} python3 -m modelpool.cli calibrate --fleet ${CAL_FLEET:-/tmp/gp-light/models/fleet.yaml} --device cuda \
-        --out "$OUT/h200-calibrated.json" ${CAL_ARGS:-} 2>&1 | tail -30 ;;
+    calibrate)  # on the pool stage's fleet (built here when no stage built one); GPU_SHARE=<probe --share JSON> adds
+      # gpu_share_slowdown; then `PROFILE=calibrated` has the pool stage serve with the profile written here
+      CAL_FLEET=${CAL_FLEET:-/tmp/gp-pool/models/fleet.yaml}
+      [ -f "$CAL_FLEET" ] || python3 -c "import sys; from pathlib import Path; from benchmarks.gpu_pool import FLEET, \
+build_models; build_models(Path(sys.argv[1]).parent, FLEET, 'h200')" "$CAL_FLEET"
+      timeout ${CAL_S:-200} python3 -m modelpool.cli calibrate --fleet "$CAL_FLEET" --device cuda \
+        --out "$OUT/h200-calibrated.json" ${GPU_SHARE:+--gpu-share $GPU_SHARE} ${CAL_ARGS:-} 2>&1 | tail -30 ;;
   esac
 done
 for f in /tmp/gp-*/serve-*.log; do [ -f "$f" ] && { echo "== $f"; grep -iE "error|Traceback|lost|restart" "$f" | head -5; }; done

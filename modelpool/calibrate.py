@@ -17,7 +17,7 @@ import re
 import shlex
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -45,13 +45,16 @@ def calibrate_command(
     from_live: Path | None = typer.Option(None, "--from-live", help="Measure nothing: fit the live pool's host time "
                                           "per decode step (decode_host_s, decode_host_request_s) to this run of "
                                           "the live pool (a benchmarks/gpu_pool.py run JSON) on top of --profile."),
-    base: str | None = typer.Option(None, "--profile", help="With --from-live: the profile to start from (a file "
-                                    "`modelpool calibrate` wrote, or a shipped name)."),
+    base: str | None = typer.Option(None, "--profile", help="With --from-live or --gpu-share: the profile to start "
+                                    "from (a file `modelpool calibrate` wrote, or a shipped name)."),
+    gpu_share: Path | None = typer.Option(None, "--gpu-share", help="Also fit gpu_share_slowdown (instances on one "
+                                          "GPU slowing each other) to this benchmarks/gpu_prefill_probe.py --share "
+                                          "result; with --profile and no --from-live, measure nothing else."),
 ) -> None:
     """Measure prefill, decode, switch, KV-move, shared-link and live-pool host times on this device; write a profile."""
     started = time.perf_counter()
-    if from_live is not None:
-        _from_live(from_live, base, out, gpu)
+    if from_live is not None or (gpu_share is not None and base is not None):
+        _refit(from_live, gpu_share, base, out, gpu)
         return
     try:
         fleet = load_fleet(fleet_path)
@@ -97,6 +100,8 @@ def calibrate_command(
            "quick": quick, "shapes": tuple(archs), "wall_s": round(time.perf_counter() - started, 1),
            "software": {"modelpool": _version()}}
     profile = build_profile(measurements, archs, gpu_key, fleet.gpu(gpu_key), run=run, name=out.stem)
+    if gpu_share is not None:
+        profile = _with_gpu_share(profile, gpu_share)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(profile.model_dump(mode="json"), indent=2) + "\n")
     console.print(_shape_table(measurements))
@@ -105,18 +110,27 @@ def calibrate_command(
                   f"`modelpool simulate --profile {out}` or `modelpool capacity --profile {out}`")
 
 
-def _from_live(run_path: Path, base: str | None, out: Path, gpu: str | None) -> None:
-    """`--from-live`: the base profile with the host terms fitted to a live pool run (sims.profiles.calibrated),
-    named after `out` as a profile `modelpool calibrate` measures is."""
+def _with_gpu_share(profile: Any, probe_path: Path) -> Any:
+    """`profile` with gpu_share_slowdown fitted to a benchmarks/gpu_prefill_probe.py --share result."""
+    from sims.profiles.calibrated import with_gpu_share
+
+    try:
+        probe = json.loads(probe_path.read_text())
+        when = datetime.datetime.fromtimestamp(probe_path.stat().st_mtime, datetime.timezone.utc).date().isoformat()
+        return with_gpu_share(profile, probe, f"{probe_path.name}, {when}")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        _fail(f"--gpu-share {probe_path}: not a gpu_prefill_probe.py --share result ({exc!r})")
+
+
+def _refit(run_path: Path | None, share_path: Path | None, base: str | None, out: Path, gpu: str | None) -> None:
+    """`--from-live` / `--gpu-share` with `--profile`: the base profile with the host terms fitted to a live pool
+    run and/or gpu_share_slowdown to a probe (sims.profiles.calibrated), named after `out` as a profile
+    `modelpool calibrate` measures is."""
     from sims.profiles import load_profile
     from sims.profiles.calibrated import with_live_host
 
     if base is None:
         _fail("--from-live needs --profile: the profile whose engine terms the live pool's host time goes on top of")
-    try:
-        run = json.loads(run_path.read_text())
-    except (OSError, ValueError) as exc:
-        _fail(f"--from-live {run_path}: cannot read a run JSON ({exc})")
     try:
         profile = load_profile(base)
     except (FileNotFoundError, ValueError) as exc:
@@ -125,14 +139,28 @@ def _from_live(run_path: Path, base: str | None, out: Path, gpu: str | None) -> 
             profile.calibration is None or gpu.lower() != profile.calibration.gpu):
         _fail(f"--gpu {gpu!r}: not in the GPU catalogue ({', '.join(sorted(_catalogue()))}) nor the GPU type "
               f"--profile {base} was calibrated on")
-    when = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
-    try:
-        profile = with_live_host(profile, run, f"{run_path.name}, fitted {when}", gpu, name=out.stem)
-    except ValueError as exc:
-        _fail(f"--from-live {run_path}: {exc}")
+    if run_path is not None:
+        try:
+            run = json.loads(run_path.read_text())
+        except (OSError, ValueError) as exc:
+            _fail(f"--from-live {run_path}: cannot read a run JSON ({exc})")
+        when = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+        try:
+            profile = with_live_host(profile, run, f"{run_path.name}, fitted {when}", gpu, name=out.stem)
+        except ValueError as exc:
+            _fail(f"--from-live {run_path}: {exc}")
+    else:
+        profile = profile.model_copy(update={"name": out.stem})
+    if share_path is not None:
+        profile = _with_gpu_share(profile, share_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(profile.model_dump(mode="json"), indent=2) + "\n")
     terms = profile.terms
+    if share_path is not None:
+        console.print(f"gpu_share_slowdown {terms.gpu_share_slowdown:.4g}, from {share_path}")
+    if run_path is None:
+        console.print(f"wrote {out}; use it with `modelpool simulate --profile {out}`")
+        return
     console.print(f"decode_host_s {terms.decode_host_s * 1e3:.4g} ms + decode_host_request_s "
                   f"{terms.decode_host_request_s * 1e6:.4g} us per request, from {run_path}")
     if "kv_handoff_fixed_s" in profile.provenance and terms.kv_handoff_fixed_s is not None:
@@ -252,6 +280,6 @@ def _catalogue() -> dict[str, Any]:
     return dict(GPUS)
 
 
-def _fail(message: str) -> None:
+def _fail(message: str) -> NoReturn:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(1)

@@ -57,7 +57,7 @@ class MeasurePlan:
 def plan_for(cuda: bool, quick: bool) -> MeasurePlan:
     """The default grid: on CUDA sized for ~3 shapes of 1.5B-7B in under 3 minutes on an H200 (--quick ~1)."""
     if cuda and not quick:
-        return MeasurePlan((128, 512, 2048), (1, 4), (1, 8, 32), (256, 1024, 4096), 20, 4, 3, (1, 8), (512, 2048), 2,
+        return MeasurePlan((128, 512, 2048), (1, 4), (1, 8, 32, 64), (256, 1024, 4096), 20, 4, 3, (1, 8), (512, 2048), 2,
                            {"prefill_probes": 6, "prompt": 512, "batch": 4, "decode_prompt": 256, "tokens": 128})
     if cuda:
         return MeasurePlan((256, 2048), (1, 4), (1, 16), (512, 2048), 10, 2, 2, (1, 8), (512, 2048), 1,
@@ -157,7 +157,10 @@ class Calibration:
             device=str(self.device), block_size=16, kv_bytes=kv_bytes, device_slab_bytes=(64 if cuda else 1) * MiB,
             host_slab_bytes=GiB if cuda else 4 * MiB, max_host_kv_bytes=max(4 * moved, 64 * MiB),
             host_kv_prealloc_bytes=2 * moved, max_model_bytes=max(i.nbytes for i in self.images.values()),
-            graph_batch_sizes=tuple(batches)), weight_cache=self.cache)
+            graph_batch_sizes=tuple(batches),
+            # as `modelpool serve` warms the pool's engines (to its max_prefill_tokens): to the longest prefill here
+            warm_prefill_tokens=max(self.plan.prefill_lengths) * max(self.plan.prefill_batches) if cuda else 0),
+            weight_cache=self.cache)
         for image in self.images.values():
             engine.add_image(image)
         return engine
@@ -182,9 +185,11 @@ class Calibration:
             started = time.perf_counter()
             captured = warm_up(max(self.plan.decode_contexts))  # decode prompts stop short of each context
             seconds = time.perf_counter() - started
-            self.result["figures"].update(warm_up_s=round(seconds, 4), graphs_captured_at_warm_up=captured)
+            prefills = getattr(engine, "warm_prefill_s", 0.0)  # the padded prefill lengths it ran first
+            self.result["figures"].update(warm_up_s=round(seconds, 4), graphs_captured_at_warm_up=captured,
+                                          warm_prefill_s=round(prefills, 4))
             if captured:
-                self.result["figures"]["graph_capture_s"] = round(seconds / captured, 5)
+                self.result["figures"]["graph_capture_s"] = round((seconds - prefills) / captured, 5)
         progress("graph capture")
 
     # ---- one shape ---------------------------------------------------------------------------------

@@ -118,6 +118,31 @@ def test_calibrate_from_a_live_run_fits_the_host_terms_on_a_profile(tmp_path: Pa
     assert res.exit_code == 1 and "--from-live needs --profile" in res.output
 
 
+def test_calibrate_gpu_share_fits_the_probe_on_a_profile(tmp_path: Path) -> None:
+    """`--gpu-share PROBE --profile P`: no measurement; gpu_share_slowdown is the median over prompts of the
+    probe's prefill beside a decoding process over the same length alone, measured on P's GPU; a file that is no
+    probe result is refused by name."""
+    profile_path = Path(__file__).resolve().parents[1] / "benchmarks/results/h200-calibrated.json"
+    probe = {"m": {"fresh_again": [[100, 10.0], [200, 20.0], [300, 30.0]]},
+             "with_decode_process": {"m": [[100, 15.0], [200, 40.0], [300, 36.0]]}}  # 1.5, 2.0, 1.2
+    probe_path, out = tmp_path / "share.json", tmp_path / "shared.json"
+    probe_path.write_text(json.dumps(probe))
+    res = CliRunner().invoke(app, ["calibrate", "--gpu-share", str(probe_path), "--profile", str(profile_path),
+                                   "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    profile = load_profile(out)
+    assert profile.terms.gpu_share_slowdown == pytest.approx(1.5) and profile.name == "shared"
+    assert profile.status("gpu_share_slowdown", "h200") == "measured" and "share.json" in \
+        profile.provenance["gpu_share_slowdown"].source
+    before = load_profile(profile_path).terms
+    assert profile.terms.model_copy(update={"gpu_share_slowdown": before.gpu_share_slowdown}) == before  # only it
+    probe_path.write_text(json.dumps({"m": {}}))
+    res = CliRunner().invoke(app, ["calibrate", "--gpu-share", str(probe_path), "--profile", str(profile_path),
+                                   "--out", str(tmp_path / "bad.json")])
+    assert res.exit_code == 1 and "--gpu-share" in res.output and "share.json" in res.output
+    assert not (tmp_path / "bad.json").exists()
+
+
 def test_capacity_with_a_calibrated_profile_says_which_and_whether_measured_on_its_gpu(tmp_path: Path) -> None:
     """`modelpool capacity --profile FILE` with the profile calibrated on the H200: the report names it, says it was
     measured on this GPU type and by which command, and how the profile shares links and GPUs."""

@@ -32,8 +32,8 @@ from pool.engines.graphs import NO_GRAPHS, GraphBuckets
 from pool.engines.handoff import ALIGN as HANDOFF_ALIGN
 from pool.engines.handoff import StagingArena, close_orphans, staged_view
 from pool.engines.kv import KvShape, host_pool, slab_bytes_for
-from pool.engines.kvstore import (KvStore, SeqKv, allocate_all, decode_inputs, free_host, prefill_inputs, read_host,
-                                  write_tokens)
+from pool.engines.kvstore import (KvStore, SeqKv, allocate_all, decode_inputs, free_host, prefill_inputs,
+                                  prefill_token_buckets, read_host, write_tokens)
 from pool.engines.sampling import OutputText, finish_reason, random_seed, sample
 from pool.engines.slots import ModelSlots
 from pool.engines.timings import StepTimings
@@ -65,6 +65,10 @@ class TorchEngineConfig:
     # the caching allocator then holds blocks for any prefill the pool sends, so none allocates device memory
     # while serving (an allocation waits for the copies in flight: a weight prefetch, up to 0.3 s); 0: none
     warm_prefill_tokens: int = 0
+    # pad each prefill's tokens to kvstore.padded_prefill_tokens (at most 12.5% more), so that its matrix shapes
+    # repeat and warm_up runs them all: cuBLAS's kernel choice for a new shape cost ~10 ms a prefill on the H200;
+    # None: on CUDA only (on CPU padding is only more work)
+    pad_prefill: bool | None = None
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # padded batch sizes graphs are captured for
     graph_block_widths: tuple[int, ...] = (16, 64, 256, 1024)  # block-table widths graphs are captured for
     tp: int = 1  # tensor-parallel ranks of the instance (> 1: `pool.engines.tp.TpEngine`, one process per rank)
@@ -186,6 +190,8 @@ class TorchEngine:
             self._graphs = DecodeGraphs()
         want_async = self.streams.cuda if self.config.async_decode is None else self.config.async_decode
         self.async_decode = want_async and rank is None  # may be switched off later, as use_cuda_graphs
+        self.pads_prefill = self.streams.cuda if self.config.pad_prefill is None else self.config.pad_prefill
+        self.warm_prefill_s = 0.0  # seconds warm_up spent in its prefills
         self._ahead: _Ahead | None = None
         self.num_steps_ahead = self.num_steps_discarded = 0
         self.weight_bytes_h2d = self.num_switches = self.num_weight_copies = 0
@@ -271,7 +277,8 @@ class TorchEngine:
         self._seqs.update((s.request.request_id, s) for s in seqs)
         outs: dict[str, TokenOut] = {}
         for group in _by_model(seqs):
-            inputs = prefill_inputs([s.tokens for s in group], [s.kv for s in group], self.device)
+            pad_row = kv.scratch(group[0].model.kv_shape) if self.pads_prefill else None
+            inputs = prefill_inputs([s.tokens for s in group], [s.kv for s in group], self.device, pad_row)
             logits = self._decoder(group[0].model).prefill(inputs)
             outs.update((o.request_id, o) for o in self._emit(group, self._sample(group, logits)))
             self.timings.prefill(group[0].model.name, sum(len(s.tokens) for s in group) - len(group), len(group),
@@ -407,19 +414,25 @@ class TorchEngine:
 
     def _warm_prefill(self) -> None:
         """A prefill of `config.warm_prefill_tokens` tokens of each loaded shape in its first place, every K/V
-        written to the shape's scratch block (the weights there need not be loaded: only the allocations count)."""
-        n = self.config.warm_prefill_tokens
-        if n <= 0 or not self._models:
+        written to the shape's scratch block (the weights there need not be loaded: only the allocations and the
+        kernel choices count); with padded prefills, one at each padded length up to it, longest first."""
+        limit = self.config.warm_prefill_tokens
+        if limit <= 0 or not self._models:
             return
         slots, kv = self._ensure_buffer(), self._kv_store()
         shapes = {(m.image.spec, m.image.dtype): m for m in self._models.values()}
+        lengths = prefill_token_buckets(limit)[::-1] if self.pads_prefill else [limit]
+        started = time.perf_counter()
         with torch.no_grad():
             for model in shapes.values():
                 decoder = self._slot_decoder(model, slots.places_of(model.image.nbytes)[0])
-                blocks = -(-n // model.kv_shape.block_size)
-                scratch = SeqKv(model.kv_shape, rows=[kv.scratch(model.kv_shape)] * blocks)  # every block: scratch
-                decoder.prefill(prefill_inputs([[0] * n], [scratch], self.device))
+                row = kv.scratch(model.kv_shape)
+                pad_row = row if self.pads_prefill else None
+                for n in lengths:
+                    scratch = SeqKv(model.kv_shape, rows=[row] * -(-n // model.kv_shape.block_size))  # all scratch
+                    decoder.prefill(prefill_inputs([[0] * n], [scratch], self.device, pad_row))
         self.streams.synchronize()
+        self.warm_prefill_s = time.perf_counter() - started
 
     def _graph_key(self, model: _Model, decoder: Decoder, padded: int, width: int, offset: int) -> tuple:
         return (model.image.spec, model.image.dtype, offset, decoder.fused, padded, width)

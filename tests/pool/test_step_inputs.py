@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from pool.engines.device import InputStage, to_device
 from pool.engines.kv import KvShape
-from pool.engines.kvstore import SeqKv, decode_inputs, prefill_inputs
+from pool.engines.kvstore import (SeqKv, decode_inputs, padded_prefill_tokens, prefill_inputs,
+                                  prefill_token_buckets)
 
 SHAPE = KvShape(num_layers=2, num_kv_heads=1, head_dim=4, block_size=16, dtype=torch.float32)
 
@@ -35,6 +36,38 @@ def test_prefill_inputs_follow_the_per_token_rule(lengths: list[int], seed: int)
     assert inp.write_offset.tolist() == [w[1] for w in where]
     assert inp.seq_lens == lengths
     assert inp.ends.tolist() == (np.cumsum(lengths) - 1).tolist()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 700), min_size=1, max_size=6), st.integers(0, 2**31))
+def test_padded_prefill_inputs_add_only_scratch_writes(lengths: list[int], seed: int) -> None:
+    """Padding keeps every real token's row as the unpadded inputs have it and aims every padded one at the
+    scratch row, position 0; attention's lengths and the last-token indices are the real ones."""
+    rng = np.random.default_rng(seed)
+    tokens = [[int(t) for t in rng.integers(1, 50_000, size=n)] for n in lengths]
+    kvs = [_seq(rng, n) for n in lengths]
+    plain = prefill_inputs(tokens, kvs, torch.device("cpu"))
+    padded = prefill_inputs(tokens, kvs, torch.device("cpu"), pad_row=7 * 64)
+    real = sum(lengths)
+    assert len(padded.token_ids) == padded_prefill_tokens(real)
+    for name in ("token_ids", "positions", "write_row", "write_offset"):
+        assert getattr(padded, name)[:real].tolist() == getattr(plain, name).tolist()
+    tail = {name: set(getattr(padded, name)[real:].tolist()) for name in ("token_ids", "positions", "write_row",
+                                                                          "write_offset")}
+    assert real == len(padded.token_ids) or tail == {"token_ids": {0}, "positions": {0}, "write_row": {7 * 64},
+                                                     "write_offset": {0}}
+    assert padded.seq_lens == plain.seq_lens and padded.ends.tolist() == plain.ends.tolist()
+
+
+def test_padded_lengths_are_few_and_cost_at_most_an_eighth() -> None:
+    """Every length pads to one of the buckets warm_up runs, by under an eighth of its power of two (16 below
+    128): a few dozen shapes up to the pool's default 8192 tokens."""
+    buckets = prefill_token_buckets(8192)
+    assert buckets == sorted(set(buckets)) and buckets[-1] == 8192 and len(buckets) <= 64
+    for n in range(1, 8193):
+        p = padded_prefill_tokens(n)
+        assert p in buckets and p >= n and p % 16 == 0 and padded_prefill_tokens(p) == p
+        assert p - n < max(16, 2 ** (n.bit_length() - 4)) and (n < 128 or p <= 1.125 * n)
 
 
 def test_to_device_on_cpu_is_the_array_itself() -> None:

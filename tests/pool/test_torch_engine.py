@@ -22,7 +22,9 @@ from hypothesis import strategies as st
 
 from pool.engines.base import EngineError, GenRequest, OutOfKvMemory, SamplingParams, TokenOut
 from pool.engines.device import BumpAllocator
+from pool.engines import torch_engine
 from pool.engines.kv import KvShape, device_pool, row_view
+from pool.engines.kvstore import padded_prefill_tokens, prefill_inputs, prefill_token_buckets
 from pool.engines.sampling import OutputText
 from pool.engines.torch_engine import TorchEngine, TorchEngineConfig
 from pool.engines.weights import HostWeightCache
@@ -187,6 +189,35 @@ def test_warm_prefill_leaves_no_request_and_changes_no_token(demo_models):
     assert {rid: ids_of(o) for m in TINY for rid, o in run(engine, requests[m]).items()} == want
     with pytest.raises(ValueError, match="warm_prefill_tokens"):
         TorchEngineConfig(warm_prefill_tokens=-1)
+
+
+def test_padded_prefill_changes_no_token_and_warms_every_bucket(demo_models, monkeypatch):
+    """Prefills padded to their bucket (the CUDA default) give the same tokens as unpadded ones, batches of
+    several prompts included, the padding written only to the scratch block; warm_up runs each bucket up to
+    warm_prefill_tokens once per shape."""
+    requests = tiny_requests(make_engine(demo_models), 12)
+    plain = make_engine(demo_models, pad_prefill=False)
+    want = {rid: ids_of(o) for m in TINY for rid, o in run(plain, requests[m]).items()}
+    assert not make_engine(demo_models, names=()).pads_prefill  # the CPU default: no padding
+    engine = make_engine(demo_models, pad_prefill=True, warm_prefill_tokens=150)
+    seen: list[int] = []  # every prefill's token count as the decoders get it
+
+    def spy(*args, **kwargs):
+        inputs = prefill_inputs(*args, **kwargs)
+        seen.append(len(inputs.token_ids))
+        return inputs
+
+    monkeypatch.setattr(torch_engine, "prefill_inputs", spy)
+    engine.warm_up()
+    shapes = {(m.image.spec, m.image.dtype) for m in engine._models.values()}
+    assert sorted(seen) == sorted(prefill_token_buckets(150) * len(shapes))  # 16, 32, ..., 160 per shape
+    seen.clear()
+    assert {rid: ids_of(o) for m in TINY for rid, o in run(engine, requests[m]).items()} == want
+    prompts = {m: sum(len(r.prompt_token_ids) for r in reqs) for m, reqs in requests.items()}
+    assert sorted(seen) == sorted(padded_prefill_tokens(n) for n in prompts.values())  # a prefill per model
+    assert any(padded_prefill_tokens(n) > n for n in prompts.values())  # some padded
+    stats, scratch = engine.stats(), engine._kv_store()._scratch
+    assert stats.num_requests == 0 and stats.kv_device_used_bytes == sum(shape.block_bytes for shape in scratch)
 
 
 @pytest.mark.gpu
