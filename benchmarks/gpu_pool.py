@@ -190,6 +190,37 @@ class GpuSampler:
         return round(float(np.mean(picked)), 1) if picked else None
 
 
+def cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of `pid`, of each process below it ('child <pid>') and of its busiest
+    thread, from /proc (empty where there is none): a process near one second per second of wall time is
+    bound by its GIL or its one event loop."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def stat(path: str) -> float:
+        fields = Path(path).read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+
+    out: dict[str, float] = {}
+    try:
+        out["process"] = stat(f"/proc/{pid}/stat")
+        out["busiest_thread"] = max(stat(f"/proc/{pid}/task/{tid}/stat") for tid in os.listdir(f"/proc/{pid}/task"))
+        todo = [pid]
+        while todo:
+            parent = todo.pop()
+            for tid in os.listdir(f"/proc/{parent}/task"):
+                for child in Path(f"/proc/{parent}/task/{tid}/children").read_text().split():
+                    out[f"child {child}"] = stat(f"/proc/{child}/stat")
+                    todo.append(int(child))
+    except (OSError, ValueError, IndexError):  # no /proc, or a process gone meanwhile
+        pass
+    return out
+
+
+def cpu_use(before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, float]:
+    """Cores each process (and the serve process's busiest thread) kept busy between two `cpu_seconds`."""
+    return {key: round((after[key] - before.get(key, 0.0)) / seconds, 3) for key in after if seconds > 0}
+
+
 # ---- the replay ---------------------------------------------------------------------------------------------
 async def replay(url: str, rows: list[dict[str, Any]], vocab: int, seed: int, timeout_s: float) -> list[dict]:
     import httpx
@@ -289,17 +320,22 @@ def live_runs(args: argparse.Namespace, fleet: Path, backend: str, layout: str, 
             write_trace(rows, trace_path)
             before = httpx.get(f"{url}/pool/status", timeout=30).json()
             with GpuSampler() as gpu:
+                cpu_before, client_before = cpu_seconds(proc.pid), time.process_time()
                 started = time.monotonic()
                 replayed = asyncio.run(replay(url, rows, args.prompt_vocab, args.seed, args.request_timeout))
                 ended = time.monotonic()
+                cpu = cpu_use(cpu_before, cpu_seconds(proc.pid), ended - started)
+                cpu["client (this process)"] = round((time.process_time() - client_before) / (ended - started), 3)
             time.sleep(1.0)  # the last stats() round
             status = httpx.get(f"{url}/pool/status", timeout=30).json()
             metrics_text = httpx.get(f"{url}/metrics", timeout=30).text
             result = phase_result(backend, layout, rate, args, before, status, metrics_text, replayed,
                                   ended - started, gpu.mean(started, ended), trace_path.name)
             result["ready_s"] = round(ready_s, 1)
+            result["cpu_cores"] = cpu  # the serve process, its engine processes, the replaying client
             results.append(result)
             print(f"   {json.dumps(result['aggregate'])}", flush=True)
+            print(f"   cpu cores: {json.dumps(cpu)}", flush=True)
             (out_dir / f"run-{tag}.json").write_text(json.dumps(result, indent=1, default=str))
             if proc.poll() is not None:
                 break
