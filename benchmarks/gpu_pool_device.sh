@@ -2,6 +2,7 @@
 # One call on the lent GPU box (no Ray, no pydantic/fastapi/uvicorn: carried as wheels in .whl):
 #   bash benchmarks/gpu_pool_device.sh STAGE...    stages: tests, pool, probe, share, alone, copyhol, light, heavy, calibrate, tp (two GPUs), RATE=<r>,
 #   BACKENDS=<a,b>; on two GPUs, GPUS_ARG='--gpus 2' gives light/heavy the prefill-GPU + decode-GPU layout
+# MPS=1: the pool stage serves with --mps (engine processes as clients of a private CUDA MPS daemon).
 # `calibrate pool` with PROFILE=calibrated: calibrate on this GPU, then serve with that profile.
 # `pool` is the issues-16/17 run (BACKENDS='processes threads', RATES='1 10' req/s, ~6 min; STANDALONE=' ' times the
 # engine's own prefill at the live lengths too; compare with the simulator afterwards on
@@ -26,7 +27,7 @@ for stage in "$@"; do
       [ "${PROFILE:-}" = calibrated ] && PROFILE="$OUT/h200-calibrated.json"  # the calibrate stage's, run before
       timeout ${POOL_S:-450} python3 benchmarks/gpu_pool.py --out /tmp/gp-pool $(for b in ${BACKENDS:-processes threads}; do echo --backend $b; done) \
         --layout pd $(for r in ${RATES:-1 10}; do echo --rate $r; done) --duration 30 --request-timeout 60 ${STANDALONE:---no-standalone} --no-sim \
-        ${PROFILE:+--serve-arg=--profile --serve-arg=$PROFILE} 2>&1 | grep -v '^   {' ; pack pool ;;
+        ${PROFILE:+--serve-arg=--profile --serve-arg=$PROFILE} ${MPS:+--serve-arg=--mps} 2>&1 | grep -v '^   {' ; pack pool ;;
     light)
       timeout ${LIGHT_S:-330} python3 benchmarks/gpu_pool.py --out /tmp/gp-light --backend processes --backend threads --layout pd \
         --rate 1 --duration "$DUR" ${GPUS_ARG:-} 2>&1 | grep -v '^   {' ; pack light ;;
@@ -37,6 +38,13 @@ for stage in "$@"; do
       timeout ${PROBE_S:-300} python3 benchmarks/gpu_prefill_probe.py --out "$OUT/prefill_probe.json" 2>&1 | tail -12 ;;
     share)  # what gpu_share_slowdown is fitted to (sims.profiles.calibrated.with_gpu_share): prefill alone, beside a decoder
       timeout ${PROBE_S:-200} python3 benchmarks/gpu_prefill_probe.py --share --out "$OUT/prefill_share.json" 2>&1 | tail -4 ;;
+    mps)  # the share stage under CUDA MPS (a private control daemon, quit after): do the two processes still time-slice?
+      command -v nvidia-cuda-mps-control >/dev/null || { echo "mps: no nvidia-cuda-mps-control here"; continue; }
+      export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+      mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY && nvidia-cuda-mps-control -d && sleep 1
+      timeout ${PROBE_S:-200} python3 benchmarks/gpu_prefill_probe.py --share --out "$OUT/prefill_share_mps.json" 2>&1 | tail -4
+      echo quit | nvidia-cuda-mps-control; sleep 1; tail -5 $CUDA_MPS_LOG_DIRECTORY/control.log
+      unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY ;;
     alone)  # prefill alone: the fused kernels against the torch ops, fresh lengths and again
       timeout ${PROBE_S:-200} python3 benchmarks/gpu_prefill_probe.py --alone --out "$OUT/prefill_alone.json" 2>&1 | tail -4 ;;
     copyhol)  # does a weight copy hold up a step's inputs? copies behind whole or yielding weight copies, mapped reads

@@ -14,6 +14,7 @@ text - for load tests and dry runs; it is never picked on its own.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import os
@@ -30,6 +31,7 @@ import typer
 
 from pool.actor import EngineSpec
 from pool.engines.base import SamplingParams
+from pool.mps import MpsDaemon, MpsError
 from pool.placement import PlacementTimeout
 from pool.served import ServedModel, served_model, slot_instances
 from pool.service import BACKENDS, LivePool
@@ -363,6 +365,21 @@ def with_async_decode(spec: EngineSpec, async_decode: bool | None) -> EngineSpec
     return EngineSpec(spec.kind, {**spec.options, "async_decode": async_decode})
 
 
+def start_mps(backend: str, engine: str) -> MpsDaemon:
+    """A private MPS daemon for `--mps`, its client environment set in this process (the engine processes
+    inherit it); stopped at exit at the latest."""
+    if backend != "processes" or engine == "sim":
+        raise typer.BadParameter("MPS is for the torch or vllm engine's processes of --backend processes (threads "
+                                 "share one CUDA context already; Ray starts its actors elsewhere)", param_hint="--mps")
+    daemon = MpsDaemon()
+    try:
+        os.environ.update(daemon.start())
+    except MpsError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--mps") from None
+    atexit.register(daemon.stop)
+    return daemon
+
+
 def ray_init(address: str | None, num_instances: int) -> None:
     import ray
 
@@ -428,6 +445,9 @@ def serve_command(
     async_decode: bool | None = typer.Option(None, "--async-decode/--no-async-decode", help="torch engine: queue "
                                              "a greedy batch's next decode step before this one's tokens are sent, "
                                              "so the GPU works while the host streams them (default: on CUDA)."),
+    mps: bool = typer.Option(False, "--mps/--no-mps", help="Run the engine processes (--backend processes) as "
+                             "clients of a private CUDA MPS daemon, so instances on one GPU run side by side "
+                             "instead of in time slices (pool.mps)."),
 ) -> None:
     """Serve the pool behind one OpenAI-compatible endpoint (default: the demo fleet on this machine)."""
     from modelpool.config import FleetFileError
@@ -447,9 +467,13 @@ def serve_command(
     backend = backend or ("threads" if engine == "sim" else "ray" if _has_ray() else "processes")
     if backend not in BACKENDS:
         raise typer.BadParameter(f"unknown backend {backend!r}; choose {', '.join(BACKENDS)}", param_hint="--backend")
+    daemon = start_mps(backend, engine) if mps else None  # before anything here or in an engine touches CUDA
     if backend == "ray":
         ray_init(address, instances or 2)
     num_gpus = count_gpus(backend, address) if engine != "sim" else 0
+    if daemon is not None and num_gpus == 0:
+        daemon.stop()
+        raise typer.BadParameter("MPS shares a GPU: this machine has no CUDA GPU", param_hint="--mps")
     try:
         dep = (fleet_deployment(fleet_path, engine, num_gpus, instances, policy, kv_mib, profile) if fleet_path
                else demo_deployment(engine, num_gpus, instances, kv_mib, gpu))
@@ -510,6 +534,8 @@ def serve_command(
             pass
     finally:
         pool.stop()
+        if daemon is not None:
+            daemon.stop()
         if log_file:
             log_file.close()
         if backend == "ray" and address is None:

@@ -1,0 +1,74 @@
+"""CUDA MPS for the engine processes of one `modelpool serve`: instances on one GPU run side by side, not in turns.
+
+Two processes on one GPU get its time in slices: CUDA switches between their contexts, so a prefill beside a
+decoding process ran 1.80x its time alone on the H200. Under MPS (NVIDIA's Multi-Process Service) their
+kernels share the GPU at once, as one process's streams do: 1.07x (BENCHMARKS.md, session 12). vLLM's docs
+suggest MPS for several engines on one GPU too.
+
+`MpsDaemon` starts a private MPS control daemon (`nvidia-cuda-mps-control -d`, its pipe and log folders under
+a fresh temporary folder, so it neither needs nor touches a system-wide one) and gives the environment that
+makes a CUDA process its client; `stop` quits it. A process picks the daemon up when it first touches CUDA,
+so the environment must be set before any engine process starts (and before the serving process uses CUDA).
+Where CUDA_MPS_PIPE_DIRECTORY is already set, a daemon is taken to be running there, and is neither started
+nor stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+CONTROL = "nvidia-cuda-mps-control"
+PIPE_ENV, LOG_ENV = "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"
+
+
+class MpsError(RuntimeError):
+    """The MPS control daemon could not be found, started or stopped."""
+
+
+class MpsDaemon:
+    """A private MPS control daemon, for `with` or start/stop; `env` is what a client process needs."""
+
+    def __init__(self, control: str = CONTROL) -> None:
+        self.control = control
+        self.env: dict[str, str] = {}
+        self.folder: Path | None = None  # ours to remove; None: not started here (or an outside daemon)
+
+    def start(self) -> dict[str, str]:
+        """Start the daemon (or find one already named by the environment); its client environment."""
+        if os.environ.get(PIPE_ENV):
+            self.env = {PIPE_ENV: os.environ[PIPE_ENV], **({LOG_ENV: os.environ[LOG_ENV]} if LOG_ENV in os.environ else {})}
+            return self.env
+        binary = shutil.which(self.control)
+        if binary is None:
+            raise MpsError(f"{self.control} is not on PATH: MPS comes with the NVIDIA driver's utilities")
+        folder = Path(tempfile.mkdtemp(prefix="modelpool-mps-"))
+        env = {PIPE_ENV: str(folder / "pipe"), LOG_ENV: str(folder / "log")}
+        for path in env.values():
+            Path(path).mkdir()
+        done = subprocess.run([binary, "-d"], env={**os.environ, **env}, capture_output=True, text=True, timeout=30)
+        if done.returncode != 0:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise MpsError(f"{self.control} -d exited with {done.returncode}: {(done.stderr or done.stdout).strip()}")
+        self.folder, self.env = folder, env
+        return env
+
+    def stop(self) -> None:
+        """Quit a daemon started here (its server ends once its clients have); nothing otherwise."""
+        folder, self.folder = self.folder, None
+        if folder is None:
+            return
+        try:
+            subprocess.run([shutil.which(self.control) or self.control], input="quit\n", text=True,
+                           env={**os.environ, **self.env}, capture_output=True, timeout=30)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def __enter__(self) -> dict[str, str]:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

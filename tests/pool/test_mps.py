@@ -1,0 +1,94 @@
+"""`serve --mps`: a private MPS control daemon for the engine processes, its client environment, and its end.
+
+A fake `nvidia-cuda-mps-control` stands in on CPU machines; like the real one it refuses to start without its
+pipe folder and answers `quit` only where a daemon was started, and it logs every call with the environment
+it saw."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from modelpool.cli import app
+from pool.mps import LOG_ENV, PIPE_ENV, MpsDaemon, MpsError
+
+FAKE = """#!/bin/sh
+echo "$*|$CUDA_MPS_PIPE_DIRECTORY|$CUDA_MPS_LOG_DIRECTORY" >> "$FAKE_MPS_LOG"
+if [ "$1" = "-d" ]; then
+  [ -n "$FAKE_MPS_FAIL" ] && { echo "$FAKE_MPS_FAIL" >&2; exit 3; }
+  [ -d "$CUDA_MPS_PIPE_DIRECTORY" ] || { echo "no pipe folder" >&2; exit 1; }
+  touch "$CUDA_MPS_PIPE_DIRECTORY/control"; exit 0
+fi
+read cmd
+[ -e "$CUDA_MPS_PIPE_DIRECTORY/control" ] || { echo "no daemon here" >&2; exit 1; }
+echo "stdin $cmd" >> "$FAKE_MPS_LOG"
+"""
+
+
+@pytest.fixture
+def fake_control(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    script = folder / "nvidia-cuda-mps-control"
+    script.write_text(FAKE)
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    log = tmp_path / "calls.log"
+    monkeypatch.setenv("PATH", f"{folder}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_MPS_LOG", str(log))
+    for name in (PIPE_ENV, LOG_ENV):  # restored (unset) after the test, whatever serve sets meanwhile
+        monkeypatch.delenv(name, raising=False)
+    return log
+
+
+def _calls(log: Path) -> list[str]:
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def test_a_private_daemon_is_started_with_its_own_folders_and_quit(fake_control: Path) -> None:
+    daemon = MpsDaemon()
+    with daemon as env:
+        pipe, logs = Path(env[PIPE_ENV]), Path(env[LOG_ENV])
+        assert pipe.is_dir() and logs.is_dir() and pipe.parent == logs.parent and "modelpool-mps-" in pipe.parent.name
+        assert _calls(fake_control) == [f"-d|{pipe}|{logs}"]
+    assert _calls(fake_control) == [f"-d|{pipe}|{logs}", f"|{pipe}|{logs}", "stdin quit"]
+    assert not pipe.parent.exists()  # its folders go with it
+    daemon.stop()  # once only
+    assert len(_calls(fake_control)) == 3
+
+
+def test_a_daemon_named_by_the_environment_is_used_and_left_alone(fake_control: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(PIPE_ENV, "/somewhere/pipe")
+    daemon = MpsDaemon()
+    assert daemon.start() == {PIPE_ENV: "/somewhere/pipe"}
+    daemon.stop()
+    assert _calls(fake_control) == []
+
+
+def test_no_control_binary_or_a_failed_start_is_an_error_naming_it(fake_control: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(MpsError, match="not-there-mps-control is not on PATH"):
+        MpsDaemon("not-there-mps-control").start()
+    monkeypatch.setenv("FAKE_MPS_FAIL", "An MPS control daemon is already running")
+    with pytest.raises(MpsError, match=r"-d exited with 3: An MPS control daemon is already running"):
+        MpsDaemon().start()
+    folder = Path(_calls(fake_control)[0].split("|")[1]).parent
+    assert not folder.exists()  # nothing left behind
+
+
+def test_serve_mps_refuses_other_backends_and_a_machine_without_a_gpu(fake_control: Path) -> None:
+    res = CliRunner().invoke(app, ["serve", "--mps", "--backend", "threads"])
+    assert res.exit_code == 2 and "--backend processes" in res.output
+    assert _calls(fake_control) == []  # refused before any daemon
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: serve would start serving")
+    res = CliRunner().invoke(app, ["serve", "--mps", "--backend", "processes", "--engine", "torch"])
+    assert res.exit_code == 2 and "no CUDA GPU" in res.output  # the daemon started first, then quit
+    calls = _calls(fake_control)
+    assert calls[0].startswith("-d|") and calls[-1] == "stdin quit"
+    assert not Path(calls[0].split("|")[1]).parent.exists()
