@@ -190,6 +190,7 @@ class Calibration:
                                           warm_prefill_s=round(prefills, 4))
             if captured:
                 self.result["figures"]["graph_capture_s"] = round((seconds - prefills) / captured, 5)
+        self.result["figures"]["prefill_padded"] = float(bool(getattr(engine, "pads_prefill", False)))
         progress("graph capture")
 
     # ---- one shape ---------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from scheduler.costs import CopyLinks, CostModel, GpuShares, InstanceSpec
+from scheduler.costs import CopyLinks, CostModel, GpuShares, InstanceSpec, padded_prefill_tokens
 from scheduler.fleet import GPUS, Arch, Fleet, GpuSpec
 from sims.gpu_share import GpuTimeSharing, gpu_peers
 from sims.links import HostLinks, link_spans
@@ -83,6 +83,7 @@ class ModelConstants:
     prefill_overhead_s: float
     prefill_request_s: float  # per prompt
     prefill_host_s: float  # the live pool's host time per prefill (a fresh shape's cost included), after the GPU time
+    prefill_padded: bool  # the GEMMs run at scheduler.costs.padded_prefill_tokens rows
     decode_fixed_s: float  # with the live pool's host time per step
     decode_request_s: float  # the live pool's host time per request of a step's batch
     prefill_floor_s: float  # host launch floor (0 with CUDA graphs)
@@ -123,6 +124,7 @@ def model_constants(arch: Arch, tp: int, gpu: GpuSpec, terms: ProfileTerms) -> M
         prefill_overhead_s=terms.prefill_fixed_s + layers * terms.prefill_layer_s,
         prefill_request_s=terms.prefill_request_s,
         prefill_host_s=terms.prefill_host_s + terms.prefill_fresh_s,
+        prefill_padded=terms.prefill_padded,
         decode_fixed_s=terms.decode_fixed_s + terms.decode_host_s,
         decode_request_s=terms.decode_host_request_s,
         prefill_floor_s=0.0 if terms.prefill_cuda_graphs else layers * terms.launch_s_per_layer,
@@ -197,11 +199,12 @@ class RooflineCostModel(CostModel):
             return 0.0
         c = self._models[model]
         requests = max(1, min(num_requests, num_tokens))
-        compute = (num_tokens * c.gemm_s_per_token + requests * c.lm_head_s_per_row
+        run = padded_prefill_tokens(num_tokens) if c.prefill_padded else num_tokens  # the GEMMs' rows
+        compute = (run * c.gemm_s_per_token + requests * c.lm_head_s_per_row
                    + c.attn_s_per_pair * num_tokens * num_tokens / (2.0 * requests))
         experts = expected_experts_touched(c.num_experts, c.experts_per_token, num_tokens)
-        memory = c.stream_static_s + experts * c.stream_expert_s + num_tokens * c.kv_write_s_per_token
-        gpu = (max(compute, memory) + c.allreduce_fixed_s + num_tokens * c.allreduce_s_per_token + c.prefill_overhead_s
+        memory = c.stream_static_s + experts * c.stream_expert_s + run * c.kv_write_s_per_token
+        gpu = (max(compute, memory) + c.allreduce_fixed_s + run * c.allreduce_s_per_token + c.prefill_overhead_s
                + requests * c.prefill_request_s)
         return max(gpu, c.prefill_floor_s) + c.prefill_host_s
 

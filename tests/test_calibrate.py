@@ -52,6 +52,8 @@ def test_calibrate_on_cpu_then_simulate_with_the_profile(tmp_path: Path) -> None
     # each prefill shape's first run is kept: what a shape the engine has not run costs on top (prefill_fresh_s)
     assert all(p["first_s"] > 0 for p in run.measurements["prefill"])
     assert profile.status("prefill_fresh_s", "cpu-box") == "measured"
+    # the engine's padding setting is recorded (off on CPU) and the cost model charges accordingly
+    assert profile.terms.prefill_padded is False and profile.status("prefill_padded", "cpu-box") == "measured"
     # KV moves beside the other engine's switch of the largest shape, at each shape's largest KV point
     beside = run.measurements["kv_shared"]
     assert [(k["arch"], k["batch"], k["context"], k["copied"]) for k in beside] == \

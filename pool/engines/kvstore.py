@@ -25,6 +25,7 @@ import torch
 from pool.engines.device import Streams, to_device, wait_event
 from pool.engines.forward import _ROWS, DecodeInputs, PrefillInputs
 from pool.engines.kv import BlockRef, KvShape, SlabPool, device_pool, row_view
+from scheduler.costs import padded_prefill_tokens
 
 
 @dataclass(slots=True, eq=False)
@@ -263,15 +264,6 @@ def _adjacent(a: BlockRef, b: BlockRef) -> bool:
 
 
 # ---- step inputs: token positions -> KV addresses ----------------------------------------------
-def padded_prefill_tokens(n: int) -> int:
-    """The tokens a prefill of `n` runs at when padded: `n` rounded up to an eighth of its power of two (at
-    least 16), at most 12.5% more. cuBLAS picks a kernel for every new matrix shape, on the host: on the H200
-    ~0.1-0.2 ms a GEMM, ~10 ms a 28-layer prefill at a length it had not run (a live pool's prompts are nearly
-    all new lengths); padded, a few dozen shapes cover every length and warm_up runs them all."""
-    step = max(16, 1 << max(0, n.bit_length() - 4))
-    return -(-n // step) * step
-
-
 def prefill_token_buckets(limit: int) -> list[int]:
     """Every padded token count (`padded_prefill_tokens`) of a prefill of 1 to `limit` tokens, ascending."""
     out, n = [], 1

@@ -57,6 +57,9 @@ class ProfileTerms(_Frozen):
                                      "tokens, prompts) the engine has not run before - the live pool's case for "
                                      "nearly every prompt: the first run of a shape over its repeats (allocator, "
                                      "GEMM heuristics); added to every prefill, with prefill_host_s.")
+    prefill_padded: bool = Field(default=False, description="The engine pads each prefill's tokens to "
+                                 "scheduler.costs.padded_prefill_tokens (the torch engine on CUDA): its matrix work "
+                                 "and K/V writes are charged for the padded count, attention for the prompts' own.")
     decode_host_s: Seconds = Field(default=0.0, description="Host time the live pool adds to each decode step beyond "
                                                             "the engine's own: the first token to the next at the "
                                                             "sink, less the engine's decode step.")
@@ -83,7 +86,8 @@ class ProfileTerms(_Frozen):
                                                   "later one waits), or 'fair', each of n copies at 1/n of the rate.")
     gpu_share_slowdown: float | None = Field(default=None, ge=1.0, description="How many times longer a step's "
                                              "device work takes while another instance on the same GPU (its own "
-                                             "process: CUDA time-slices them, no MPS) has device work in flight; k "
+                                             "process: CUDA time-slices them, less so under MPS, serve --mps) has "
+                                             "device work in flight; k "
                                              "instances busy together each run at 2 / (k * this) of their rate "
                                              "alone (processor sharing, sims.gpu_share). None: instances placed on "
                                              "one GPU each run as if they had it to themselves.")
@@ -94,6 +98,7 @@ _DEFAULT_WHY = {
     "link_sharing": "the order the H200's copy engine served two engines' switches in: the later copy waited (a 3B "
                     "switch 0.11 s alone, 0.39 s behind a 7B one; modelpool calibrate and the live pool, issue 17)",
     "gpu_share_slowdown": "means instances on one GPU do not slow each other (as before GPU sharing was modelled)",
+    "prefill_padded": "charges each prefill for its own tokens (an engine that does not pad them)",
     "kv_handoff_fixed_s": "takes kv_move_fixed_s (a staged hand-off's move costs what any KV move does on top of its "
                           "copies)",
 }

@@ -74,6 +74,12 @@ def build_profile(measurements: Mapping[str, Any], archs: Mapping[str, Arch], gp
         provenance["prefill_fresh_s"] = Provenance(status="measured", gpus=(gpu,), source=(
             f"the median over {len(fresh)} prefill shapes of the first run's time over the repeats' "
             f"({min(fresh) * 1e3:.2f}-{max(fresh) * 1e3:.2f} ms) ({where})"))
+    if "prefill_padded" in figures:  # a setting of the engine measured (its CUDA default; calibrate's lengths are
+        # padded counts already, so the fit above saw the same rows either way)
+        terms["prefill_padded"] = bool(figures["prefill_padded"])
+        provenance["prefill_padded"] = Provenance(status="measured", gpus=(gpu,), source=(
+            f"measured setting: the engine {'padded' if terms['prefill_padded'] else 'did not pad'} its prefills' "
+            f"tokens (scheduler.costs.padded_prefill_tokens) ({where})"))
     link = _link_sharing(measurements)
     if link is not None:
         sharing, shared = link

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from modelpool.estimate import estimate_command, estimate_report, render_estimate
 from scheduler.catalog import ARCHS
-from scheduler.costs import CostModel
+from scheduler.costs import CostModel, padded_prefill_tokens
 from scheduler.fleet import GPUS, Arch, Fleet
 from sims.costmodel import RooflineCostModel, expected_experts_touched
 from sims.profiles import TERM_NAMES, CalibrationProfile, load_profile
@@ -113,6 +113,21 @@ def test_prefill_is_quadratic_in_prompt_length_and_memory_bound_when_short():
     # a 16-token prompt costs about what streaming the weights does (eager: at least the launch floor)
     assert costs.prefill_s("qwen2.5-7b", 16) == pytest.approx(max(c.stream_static_s, c.prefill_floor_s), rel=0.2)
     assert costs.prefill_s("qwen2.5-7b", 0) == 0.0
+
+
+def test_a_padding_engine_is_charged_its_padded_rows_and_the_prompts_own_attention():
+    """prefill_padded: the GEMM rows and K/V writes of scheduler.costs.padded_prefill_tokens (the torch engine on
+    CUDA pads), attention over the prompts' own tokens; a length that is already a padded count costs the same."""
+    plain = make_costs("qwen2.5-7b")
+    profile = load_profile("h200-cudagraph")
+    pads = profile.model_copy(update={"terms": profile.terms.model_copy(update={"prefill_padded": True})})
+    padded = RooflineCostModel.for_models({"qwen2.5-7b": (Arch.model_validate(ARCHS["qwen2.5-7b"]), 1)}, "h200", pads)
+    c = plain.constants("qwen2.5-7b")
+    assert padded.prefill_s("qwen2.5-7b", 1024) == plain.prefill_s("qwen2.5-7b", 1024)  # a bucket already
+    assert padded_prefill_tokens(1025) == 1152
+    extra = padded.prefill_s("qwen2.5-7b", 1025) - plain.prefill_s("qwen2.5-7b", 1025)
+    assert extra == pytest.approx(127 * c.gemm_s_per_token, rel=1e-6)  # compute-bound at 1025 tokens
+    assert load_profile("default").terms.prefill_padded is False  # shipped profiles: as before
 
 
 # ---- closed forms -------------------------------------------------------------------------------
