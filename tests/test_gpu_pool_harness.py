@@ -133,3 +133,18 @@ def test_cpu_sampling_finds_a_busy_child_process() -> None:
         child.kill()
         child.wait()
     assert use[f"child {child.pid}"] > 0.5 and use["process"] < 0.5
+
+
+def test_prefill_ratios_take_each_shape_against_the_engine_alone() -> None:
+    """Live prefill seconds over the standalone engine's at the same (model, tokens, batch): its first run and its
+    repeats; the fresh-shape extra is the median of each shape's first run less its repeats."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.gpu_pool import prefill_ratios
+
+    alone = {"a|100|1": (0.030, 0.020), "a|200|1": (0.040, 0.039), "b|100|2": (0.012, 0.010)}
+    live = [["a", 100, 1, 0.030], ["a", 200, 1, 0.078], ["b", 100, 2, 0.010], ["c", 5, 1, 1.0]]  # c: never alone
+    got = prefill_ratios(live, alone)
+    assert got["samples"] == 3
+    assert got["ratio_p50"] == pytest.approx(1.0) and got["ratio_vs_best_p50"] == pytest.approx(1.5)
+    assert got["standalone_fresh_extra_ms_p50"] == pytest.approx(2.0)  # of 10, 1 and 2 ms
+    assert prefill_ratios([["c", 5, 1, 1.0]], alone) == {"samples": 0}
