@@ -365,6 +365,18 @@ def with_async_decode(spec: EngineSpec, async_decode: bool | None) -> EngineSpec
     return EngineSpec(spec.kind, {**spec.options, "async_decode": async_decode})
 
 
+def time_slicing_notes(dep: Deployment, mps: bool) -> list[str]:
+    """A note for each GPU whose instances run in processes CUDA time-slices (no --mps)."""
+    if mps or dep.device != "cuda" or dep.backend != "processes":
+        return []
+    by_device: dict[str, list[str]] = {}
+    for instance, device in dep.devices.items():
+        by_device.setdefault(device, []).append(instance)
+    return [f"{', '.join(ids)} share {device}, whose time CUDA slices between their processes (a prefill beside a "
+            f"decoding process ran 1.8x its time alone on the H200); --mps runs them side by side"
+            for device, ids in by_device.items() if len(ids) > 1]
+
+
 def start_mps(backend: str, engine: str) -> MpsDaemon:
     """A private MPS daemon for `--mps`, its client environment set in this process (the engine processes
     inherit it); stopped at exit at the latest."""
@@ -485,6 +497,7 @@ def serve_command(
         dep.engine = dataclasses.replace(dep.engine, options={**dep.engine.options, "time_scale": sim_time_scale})
     dep.engine = with_async_decode(dep.engine, async_decode)
     dep.backend = backend
+    dep.notes += time_slicing_notes(dep, daemon is not None)
     settings = GatewaySettings(
         api_keys=tuple(read_keys(api_key, api_key_file, API_KEY_ENV)),
         admin_keys=tuple(read_keys(admin_key, admin_key_file, ADMIN_KEY_ENV)),

@@ -92,3 +92,21 @@ def test_serve_mps_refuses_other_backends_and_a_machine_without_a_gpu(fake_contr
     calls = _calls(fake_control)
     assert calls[0].startswith("-d|") and calls[-1] == "stdin quit"
     assert not Path(calls[0].split("|")[1]).parent.exists()
+
+
+def test_serve_notes_the_gpus_whose_instances_are_time_sliced() -> None:
+    """Without --mps, serve's banner names each GPU that engine processes share; with it, or on CPU, or with one
+    instance a GPU, nothing."""
+    from modelpool.serve import Deployment, time_slicing_notes
+
+    def dep(devices: dict[str, str], device: str = "cuda", backend: str = "processes") -> Deployment:
+        return Deployment(models=[], instances=[], costs=None, engine=None, backend=backend,  # type: ignore[arg-type]
+                          device=device, devices=devices)
+
+    shared = dep({"slot0": "cuda:0", "slot1": "cuda:0", "slot2": "cuda:1"})
+    [note] = time_slicing_notes(shared, mps=False)
+    assert note.startswith("slot0, slot1 share cuda:0") and "--mps" in note
+    assert time_slicing_notes(shared, mps=True) == []
+    assert time_slicing_notes(dep({"slot0": "cuda:0", "slot1": "cuda:1"}), mps=False) == []
+    assert time_slicing_notes(dep({"slot0": "cpu", "slot1": "cpu"}, device="cpu"), mps=False) == []
+    assert time_slicing_notes(dep({"slot0": "cuda:0", "slot1": "cuda:0"}, backend="threads"), mps=False) == []
