@@ -20,7 +20,9 @@ DUR=${DUR:-40}
 pack() { tar czf "$OUT/gpu_pool-$1.tgz" -C "/tmp/gp-$1" --exclude models . 2>/dev/null; }  # plan logs kept: turns, hand-offs
 for stage in "$@"; do
   case $stage in
-    tests)
+    tests)  # MPS=1: pytest and the processes it starts as clients of a private MPS daemon (CUDA IPC between them)
+      ${MPS:+python3 -c "import os, sys, time; from pool.mps import MpsDaemon
+with MpsDaemon() as env: os.environ.update(env); sys.exit(os.spawnvp(os.P_WAIT, sys.argv[1], sys.argv[1:]))"} \
       timeout ${TEST_S:-150} python3 -m pytest -q -x -p no:cacheprovider -k cuda \
         ${TEST_FILES:-tests/pool/test_torch_engine.py tests/pool/test_kv_transfer.py tests/pool/test_fused_decode.py} 2>&1 | tail -30 ;;
     pool)
