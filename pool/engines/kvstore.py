@@ -25,7 +25,7 @@ import torch
 from pool.engines.device import Streams, to_device, wait_event
 from pool.engines.forward import _ROWS, DecodeInputs, PrefillInputs
 from pool.engines.kv import BlockRef, KvShape, SlabPool, device_pool, row_view
-from scheduler.costs import padded_prefill_tokens
+from scheduler import padded_prefill_tokens
 
 
 @dataclass(slots=True, eq=False)
