@@ -17,13 +17,15 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,memory.used,utilization.gpu --format=csv,noheader
 df -h /dev/shm | tail -1; free -g | sed -n 2p; nproc
 DUR=${DUR:-40}
+under_mps() {  # run "$@" with it and what it starts as clients of a private MPS daemon (pool.mps), quit after
+  python3 -c "import os, sys; from pool.mps import MpsDaemon
+with MpsDaemon() as env: os.environ.update(env); sys.exit(os.spawnvp(os.P_WAIT, sys.argv[1], sys.argv[1:]))" "$@"
+}
 pack() { tar czf "$OUT/gpu_pool-$1.tgz" -C "/tmp/gp-$1" --exclude models . 2>/dev/null; }  # plan logs kept: turns, hand-offs
 for stage in "$@"; do
   case $stage in
     tests)  # MPS=1: pytest and the processes it starts as clients of a private MPS daemon (CUDA IPC between them)
-      ${MPS:+python3 -c "import os, sys, time; from pool.mps import MpsDaemon
-with MpsDaemon() as env: os.environ.update(env); sys.exit(os.spawnvp(os.P_WAIT, sys.argv[1], sys.argv[1:]))"} \
-      timeout ${TEST_S:-150} python3 -m pytest -q -x -p no:cacheprovider -k cuda \
+      ${MPS:+under_mps} timeout ${TEST_S:-150} python3 -m pytest -q -x -p no:cacheprovider -k cuda \
         ${TEST_FILES:-tests/pool/test_torch_engine.py tests/pool/test_kv_transfer.py tests/pool/test_fused_decode.py} 2>&1 | tail -30 ;;
     pool)
       [ "${PROFILE:-}" = calibrated ] && PROFILE="$OUT/h200-calibrated.json"  # the calibrate stage's, run before
@@ -41,12 +43,8 @@ with MpsDaemon() as env: os.environ.update(env); sys.exit(os.spawnvp(os.P_WAIT, 
     share)  # what gpu_share_slowdown is fitted to (sims.profiles.calibrated.with_gpu_share): prefill alone, beside a decoder
       timeout ${PROBE_S:-200} python3 benchmarks/gpu_prefill_probe.py --share --out "$OUT/prefill_share.json" 2>&1 | tail -4 ;;
     mps)  # the share stage under CUDA MPS (a private control daemon, quit after): do the two processes still time-slice?
-      command -v nvidia-cuda-mps-control >/dev/null || { echo "mps: no nvidia-cuda-mps-control here"; continue; }
-      export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-      mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY && nvidia-cuda-mps-control -d && sleep 1
-      timeout ${PROBE_S:-200} python3 benchmarks/gpu_prefill_probe.py --share --out "$OUT/prefill_share_mps.json" 2>&1 | tail -4
-      echo quit | nvidia-cuda-mps-control; sleep 1; tail -5 $CUDA_MPS_LOG_DIRECTORY/control.log
-      unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY ;;
+      under_mps timeout ${PROBE_S:-200} python3 benchmarks/gpu_prefill_probe.py --share --out "$OUT/prefill_share_mps.json" \
+        2>&1 | tail -4 ;;
     alone)  # prefill alone: the fused kernels against the torch ops, fresh lengths and again
       timeout ${PROBE_S:-200} python3 benchmarks/gpu_prefill_probe.py --alone --out "$OUT/prefill_alone.json" 2>&1 | tail -4 ;;
     copyhol)  # does a weight copy hold up a step's inputs? copies behind whole or yielding weight copies, mapped reads

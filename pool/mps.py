@@ -40,7 +40,7 @@ class MpsDaemon:
     def start(self) -> dict[str, str]:
         """Start the daemon (or find one already named by the environment); its client environment."""
         if os.environ.get(PIPE_ENV):
-            self.env = {PIPE_ENV: os.environ[PIPE_ENV], **({LOG_ENV: os.environ[LOG_ENV]} if LOG_ENV in os.environ else {})}
+            self.env = {name: os.environ[name] for name in (PIPE_ENV, LOG_ENV) if name in os.environ}
             return self.env
         binary = shutil.which(self.control)
         if binary is None:

@@ -233,8 +233,9 @@ class Decoder:
     def _causal_attention(self, q, k, v, seq_lens: list[int]) -> torch.Tensor:
         out = torch.empty(q.shape[0], self.spec.q_size, dtype=q.dtype, device=q.device)
         start, gqa = 0, self.spec.num_heads != self.spec.num_kv_heads
-        if sum(seq_lens) < q.shape[0]:  # padded tokens (kvstore.padded_prefill_tokens): no request reads them
-            out[sum(seq_lens) :] = 0
+        real = sum(seq_lens)
+        if real < q.shape[0]:  # padded tokens (scheduler.padded_prefill_tokens): no request reads them
+            out[real:] = 0
         with sdpa_kernel(PREFILL_ATTENTION):
             for n in seq_lens:
                 qi, ki, vi = (t[start : start + n].transpose(0, 1)[None] for t in (q, k, v))

@@ -65,7 +65,7 @@ class TorchEngineConfig:
     # the caching allocator then holds blocks for any prefill the pool sends, so none allocates device memory
     # while serving (an allocation waits for the copies in flight: a weight prefetch, up to 0.3 s); 0: none
     warm_prefill_tokens: int = 0
-    # pad each prefill's tokens to kvstore.padded_prefill_tokens (at most 12.5% more), so that its matrix shapes
+    # pad each prefill's tokens to scheduler.padded_prefill_tokens (at most 12.5% more), so that its matrix shapes
     # repeat and warm_up runs them all: cuBLAS's kernel choice for a new shape cost ~10 ms a prefill on the H200;
     # None: on CUDA only (on CPU padding is only more work)
     pad_prefill: bool | None = None
