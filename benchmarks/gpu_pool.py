@@ -333,6 +333,9 @@ def live_runs(args: argparse.Namespace, fleet: Path, backend: str, layout: str, 
                                   ended - started, gpu.mean(started, ended), trace_path.name)
             result["ready_s"] = round(ready_s, 1)
             result["cpu_cores"] = cpu  # the serve process, its engine processes, the replaying client
+            # the serve arguments, and whether its engine processes ran as MPS clients (the banner says so)
+            result["serve_args"] = list(args.serve_arg)
+            result["mps"] = "their engine processes are clients of a" in log_path.read_text(errors="replace")
             results.append(result)
             print(f"   {json.dumps(result['aggregate'])}", flush=True)
             print(f"   cpu cores: {json.dumps(cpu)}", flush=True)

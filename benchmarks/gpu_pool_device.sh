@@ -2,7 +2,8 @@
 # One call on the lent GPU box (no Ray, no pydantic/fastapi/uvicorn: carried as wheels in .whl):
 #   bash benchmarks/gpu_pool_device.sh STAGE...    stages: tests, pool, probe, share, alone, copyhol, light, heavy, calibrate, tp (two GPUs), RATE=<r>,
 #   BACKENDS=<a,b>; on two GPUs, GPUS_ARG='--gpus 2' gives light/heavy the prefill-GPU + decode-GPU layout
-# MPS=1: the pool stage serves with --mps (engine processes as clients of a private CUDA MPS daemon).
+# The pool stage serves as a user would: engine processes sharing the GPU run under a private MPS daemon (serve's
+# default); MPS=0 serves with --no-mps (time-sliced), MPS=1 with --mps (an error where no daemon can start).
 # `calibrate pool` with PROFILE=calibrated: calibrate on this GPU, then serve with that profile.
 # `pool` is the issues-16/17 run (BACKENDS='processes threads', RATES='1 10' req/s, ~6 min; STANDALONE=' ' times the
 # engine's own prefill at the live lengths too; compare with the simulator afterwards on
@@ -25,13 +26,13 @@ pack() { tar czf "$OUT/gpu_pool-$1.tgz" -C "/tmp/gp-$1" --exclude models . 2>/de
 for stage in "$@"; do
   case $stage in
     tests)  # MPS=1: pytest and the processes it starts as clients of a private MPS daemon (CUDA IPC between them)
-      ${MPS:+under_mps} timeout ${TEST_S:-150} python3 -m pytest -q -x -p no:cacheprovider -k cuda \
+      $([ "${MPS:-}" = 1 ] && echo under_mps) timeout ${TEST_S:-150} python3 -m pytest -q -x -p no:cacheprovider -k cuda \
         ${TEST_FILES:-tests/pool/test_torch_engine.py tests/pool/test_kv_transfer.py tests/pool/test_fused_decode.py} 2>&1 | tail -30 ;;
     pool)
       [ "${PROFILE:-}" = calibrated ] && PROFILE="$OUT/h200-calibrated.json"  # the calibrate stage's, run before
       timeout ${POOL_S:-450} python3 benchmarks/gpu_pool.py --out /tmp/gp-pool $(for b in ${BACKENDS:-processes threads}; do echo --backend $b; done) \
         --layout pd $(for r in ${RATES:-1 10}; do echo --rate $r; done) --duration 30 --request-timeout 60 ${STANDALONE:---no-standalone} --no-sim \
-        ${PROFILE:+--serve-arg=--profile --serve-arg=$PROFILE} ${MPS:+--serve-arg=--mps} 2>&1 | grep -v '^   {' ; pack pool ;;
+        ${PROFILE:+--serve-arg=--profile --serve-arg=$PROFILE} $(case ${MPS:-} in 1) echo --serve-arg=--mps;; 0) echo --serve-arg=--no-mps;; esac) 2>&1 | grep -v '^   {' ; pack pool ;;
     light)
       timeout ${LIGHT_S:-330} python3 benchmarks/gpu_pool.py --out /tmp/gp-light --backend processes --backend threads --layout pd \
         --rate 1 --duration "$DUR" ${GPUS_ARG:-} 2>&1 | grep -v '^   {' ; pack light ;;

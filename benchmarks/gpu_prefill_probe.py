@@ -109,6 +109,61 @@ def _proc_decode(shapes, device, seconds, ready):
     decode_loop(shapes, device, seconds, ready)
 
 
+def _proc_prefill(shapes, device, seconds, ready, done):
+    """Prefills of the largest model at fresh lengths (200-2000 tokens), back to back, as a busy prefill instance."""
+    torch.set_num_threads(1)
+    engine = engine_with(shapes, device, False, 4 << 30)
+    model = list(shapes)[-1]
+    engine.activate(model)
+    rng = random.Random(1)
+    for n in (512, 1024, 2048):  # first touch
+        prefill_once(engine, model, n, device)
+    ready.set()
+    end, count = time.time() + seconds, 0
+    while time.time() < end:
+        prefill_once(engine, model, rng.randint(200, 2000), device)
+        count += 1
+    done.value = count
+
+
+def decode_ms(engine: TorchEngine, model: str, ids: list[str], steps: int, device: str) -> float:
+    """Milliseconds per decode step of the batch `ids` (CUDA-graph steps, as the pool's decode instance runs)."""
+    engine.activate(model)
+    engine.decode_step(ids)
+    sync(device)
+    started = time.perf_counter()
+    for _ in range(steps):
+        engine.decode_step(ids)
+    sync(device)
+    return round((time.perf_counter() - started) / steps * 1e3, 4)
+
+
+def decode_share(shapes, device, ctx, tiny: bool) -> dict:
+    """Decode steps (batch 32, ~1000-token contexts, CUDA graphs) alone and while another process prefills back to
+    back: what a decode instance pays beside a busy prefill instance (gpu_share_decode_slowdown)."""
+    engine = engine_with(shapes, device, True, (8 << 30) if not tiny else (256 << 20))
+    engine.warm_up(2048)
+    batch = {model: [f"{model}-d{i}" for i in range(32 if not tiny else 4)] for model in shapes}
+    rng = random.Random(2)
+    for model, ids in batch.items():
+        engine.activate(model)
+        engine.prefill([GenRequest(rid, model, tuple(rng.randrange(10, 2000) for _ in range(rng.randint(800, 1200))),
+                                   SamplingParams(max_tokens=100000, ignore_eos=True)) for rid in ids])
+    steps = 300 if not tiny else 5
+    out: dict = {"batch": len(next(iter(batch.values()))), "steps": steps,
+                 "alone": {m: [decode_ms(engine, m, ids, steps, device) for _ in range(3)] for m, ids in batch.items()}}
+    ready, done = ctx.Event(), ctx.Value("i", 0)
+    seconds = 30 if not tiny else 6
+    other = ctx.Process(target=_proc_prefill, args=(shapes, device, seconds, ready, done), daemon=True)
+    other.start()
+    ready.wait(240)
+    out["beside_prefill_process"] = {m: [decode_ms(engine, m, ids, steps, device) for _ in range(3)]
+                                     for m, ids in batch.items()}
+    other.join(seconds + 60)
+    out["prefills_beside"] = done.value
+    return out
+
+
 def _proc_copy(device, seconds, ready, gb=4.0):
     """Whole-model weight copies from pinned memory, back to back, and nothing else."""
     torch.set_num_threads(1)
@@ -177,10 +232,16 @@ def main() -> int:
     result["with_decode_process"] = {model: list(zip(fresh, series(engine, model, fresh, device)))}
     other.join(60)
     if args.share:
+        del engine
+        result["decode_share"] = decode_share(shapes, device, ctx, args.tiny)
         args.out.write_text(json.dumps(result, indent=1))
         alone = statistics.median(t for _, t in result[model]["fresh_again"])
         beside = statistics.median(t for _, t in result["with_decode_process"][model])
         print(model, f"prefill ms, median over the lengths: alone {alone}, beside a decoding process {beside}")
+        share = result["decode_share"]
+        for m in shapes:
+            print(m, f"decode step ms (batch {share['batch']}): alone {share['alone'][m]}, beside a prefilling "
+                     f"process {share['beside_prefill_process'][m]}")
         return 0
     # while another process only copies weights onto the GPU
     ready_c = ctx.Event()

@@ -31,7 +31,7 @@ import typer
 
 from pool.actor import EngineSpec
 from pool.engines.base import SamplingParams
-from pool.mps import MpsDaemon, MpsError
+from pool.mps import PIPE_ENV, MpsDaemon, MpsError
 from pool.placement import PlacementTimeout
 from pool.served import ServedModel, served_model, slot_instances
 from pool.service import BACKENDS, LivePool
@@ -365,16 +365,21 @@ def with_async_decode(spec: EngineSpec, async_decode: bool | None) -> EngineSpec
     return EngineSpec(spec.kind, {**spec.options, "async_decode": async_decode})
 
 
-def time_slicing_notes(dep: Deployment, mps: bool) -> list[str]:
-    """A note for each GPU whose instances run in processes CUDA time-slices (no --mps)."""
-    if mps or dep.device != "cuda" or dep.backend != "processes":
-        return []
+def shared_gpus(dep: Deployment) -> dict[str, list[str]]:
+    """Each GPU that two or more instances' engine processes share (--backend processes on CUDA): its instances."""
+    if dep.device != "cuda" or dep.backend != "processes":
+        return {}
     by_device: dict[str, list[str]] = {}
     for instance, device in dep.devices.items():
         by_device.setdefault(device, []).append(instance)
+    return {device: ids for device, ids in by_device.items() if len(ids) > 1}
+
+
+def time_slicing_notes(dep: Deployment, why: str) -> list[str]:
+    """A note for each GPU whose instances run in processes CUDA time-slices (no MPS daemon), saying `why`."""
     return [f"{', '.join(ids)} share {device}, whose time CUDA slices between their processes (a prefill beside a "
-            f"decoding process ran 1.8x its time alone on the H200); --mps runs them side by side"
-            for device, ids in by_device.items() if len(ids) > 1]
+            f"decoding process ran 1.8x its time alone on the H200); {why}"
+            for device, ids in shared_gpus(dep).items()]
 
 
 def start_mps(backend: str, engine: str) -> MpsDaemon:
@@ -390,6 +395,30 @@ def start_mps(backend: str, engine: str) -> MpsDaemon:
         raise typer.BadParameter(str(exc), param_hint="--mps") from None
     atexit.register(daemon.stop)
     return daemon
+
+
+def auto_mps(dep: Deployment) -> tuple[MpsDaemon | None, list[str]]:
+    """serve's default (neither --mps nor --no-mps): a private MPS daemon where engine processes share a GPU, so
+    they run side by side (a prefill 1.07x its time alone beside a decoder, 1.80x time-sliced: BENCHMARKS.md);
+    where none can be started, the instances are time-sliced and the notes say why. Set before the engine
+    processes start, which inherit its environment (this process has used no CUDA context yet)."""
+    shared = shared_gpus(dep)
+    if not shared:
+        return None, []
+    daemon = MpsDaemon()
+    try:
+        os.environ.update(daemon.start())
+    except MpsError as exc:
+        return None, time_slicing_notes(dep, f"no MPS daemon: {exc}")
+    atexit.register(daemon.stop)
+    return daemon, mps_notes(dep, daemon)
+
+
+def mps_notes(dep: Deployment, daemon: MpsDaemon) -> list[str]:
+    """A note for each GPU whose instances' engine processes run side by side as clients of `daemon`."""
+    return [f"{', '.join(ids)} share {device} side by side: their engine processes are clients of a "
+            f"{'private ' if daemon.folder else ''}CUDA MPS daemon ({daemon.env.get(PIPE_ENV)}; --no-mps: time-sliced)"
+            for device, ids in shared_gpus(dep).items()]
 
 
 def ray_init(address: str | None, num_instances: int) -> None:
@@ -457,9 +486,10 @@ def serve_command(
     async_decode: bool | None = typer.Option(None, "--async-decode/--no-async-decode", help="torch engine: queue "
                                              "a greedy batch's next decode step before this one's tokens are sent, "
                                              "so the GPU works while the host streams them (default: on CUDA)."),
-    mps: bool = typer.Option(False, "--mps/--no-mps", help="Run the engine processes (--backend processes) as "
-                             "clients of a private CUDA MPS daemon, so instances on one GPU run side by side "
-                             "instead of in time slices (pool.mps)."),
+    mps: bool | None = typer.Option(None, "--mps/--no-mps", help="Run the engine processes (--backend processes) "
+                                    "as clients of a private CUDA MPS daemon, so instances on one GPU run side by "
+                                    "side instead of in time slices (pool.mps). Default: on where instances share "
+                                    "a GPU and a daemon can be started (else time-sliced, as the banner says)."),
 ) -> None:
     """Serve the pool behind one OpenAI-compatible endpoint (default: the demo fleet on this machine)."""
     from modelpool.config import FleetFileError
@@ -497,7 +527,13 @@ def serve_command(
         dep.engine = dataclasses.replace(dep.engine, options={**dep.engine.options, "time_scale": sim_time_scale})
     dep.engine = with_async_decode(dep.engine, async_decode)
     dep.backend = backend
-    dep.notes += time_slicing_notes(dep, daemon is not None)
+    if daemon is not None:  # --mps
+        dep.notes += mps_notes(dep, daemon)
+    elif mps is None and engine != "sim":
+        daemon, notes = auto_mps(dep)
+        dep.notes += notes
+    else:
+        dep.notes += time_slicing_notes(dep, "--no-mps" if mps is False else "--mps runs them side by side")
     settings = GatewaySettings(
         api_keys=tuple(read_keys(api_key, api_key_file, API_KEY_ENV)),
         admin_keys=tuple(read_keys(admin_key, admin_key_file, ADMIN_KEY_ENV)),

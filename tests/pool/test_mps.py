@@ -94,19 +94,58 @@ def test_serve_mps_refuses_other_backends_and_a_machine_without_a_gpu(fake_contr
     assert not Path(calls[0].split("|")[1]).parent.exists()
 
 
+def _dep(devices: dict[str, str], device: str = "cuda", backend: str = "processes"):
+    from modelpool.serve import Deployment
+
+    return Deployment(models=[], instances=[], costs=None, engine=None, backend=backend,  # type: ignore[arg-type]
+                      device=device, devices=devices)
+
+
 def test_serve_notes_the_gpus_whose_instances_are_time_sliced() -> None:
-    """Without --mps, serve's banner names each GPU that engine processes share; with it, or on CPU, or with one
-    instance a GPU, nothing."""
-    from modelpool.serve import Deployment, time_slicing_notes
+    """Without an MPS daemon, serve's banner names each GPU that engine processes share, and why; on CPU, with
+    threads, or with one instance a GPU, there is nothing to say."""
+    from modelpool.serve import shared_gpus, time_slicing_notes
 
-    def dep(devices: dict[str, str], device: str = "cuda", backend: str = "processes") -> Deployment:
-        return Deployment(models=[], instances=[], costs=None, engine=None, backend=backend,  # type: ignore[arg-type]
-                          device=device, devices=devices)
+    shared = _dep({"slot0": "cuda:0", "slot1": "cuda:0", "slot2": "cuda:1"})
+    assert shared_gpus(shared) == {"cuda:0": ["slot0", "slot1"]}
+    [note] = time_slicing_notes(shared, "--no-mps")
+    assert note.startswith("slot0, slot1 share cuda:0") and note.endswith("; --no-mps")
+    for alone in (_dep({"slot0": "cuda:0", "slot1": "cuda:1"}), _dep({"slot0": "cpu", "slot1": "cpu"}, device="cpu"),
+                  _dep({"slot0": "cuda:0", "slot1": "cuda:0"}, backend="threads")):
+        assert shared_gpus(alone) == {} and time_slicing_notes(alone, "x") == []
 
-    shared = dep({"slot0": "cuda:0", "slot1": "cuda:0", "slot2": "cuda:1"})
-    [note] = time_slicing_notes(shared, mps=False)
-    assert note.startswith("slot0, slot1 share cuda:0") and "--mps" in note
-    assert time_slicing_notes(shared, mps=True) == []
-    assert time_slicing_notes(dep({"slot0": "cuda:0", "slot1": "cuda:1"}), mps=False) == []
-    assert time_slicing_notes(dep({"slot0": "cpu", "slot1": "cpu"}, device="cpu"), mps=False) == []
-    assert time_slicing_notes(dep({"slot0": "cuda:0", "slot1": "cuda:0"}, backend="threads"), mps=False) == []
+
+def test_by_default_engine_processes_sharing_a_gpu_get_a_daemon(fake_control: Path) -> None:
+    """serve's default: a private daemon where instances share a GPU (its environment set for the engine processes
+    it starts next), none where they do not; one that cannot start leaves them time-sliced, the note saying why."""
+    from modelpool.serve import auto_mps
+
+    daemon, notes = auto_mps(_dep({"slot0": "cuda:0", "slot1": "cuda:0", "slot2": "cuda:1"}))
+    assert daemon is not None and daemon.folder is not None
+    try:
+        [note] = notes
+        pipe = daemon.env[PIPE_ENV]
+        assert os.environ[PIPE_ENV] == pipe and _calls(fake_control) == [f"-d|{pipe}|{daemon.env[LOG_ENV]}"]
+        assert note.startswith("slot0, slot1 share cuda:0 side by side") and pipe in note
+    finally:
+        daemon.stop()
+        os.environ.pop(PIPE_ENV, None), os.environ.pop(LOG_ENV, None)
+    assert _calls(fake_control)[-1] == "stdin quit"
+    assert auto_mps(_dep({"slot0": "cuda:0", "slot1": "cuda:1"})) == (None, [])
+    assert auto_mps(_dep({"slot0": "cuda:0", "slot1": "cuda:0"}, backend="threads")) == (None, [])
+    assert len(_calls(fake_control)) == 3  # no daemon started for either
+
+
+def test_by_default_a_daemon_that_cannot_start_leaves_the_instances_time_sliced(
+        fake_control: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from modelpool.serve import auto_mps
+
+    monkeypatch.setenv("FAKE_MPS_FAIL", "An MPS control daemon is already running")
+    daemon, [note] = auto_mps(_dep({"slot0": "cuda:0", "slot1": "cuda:0"}))
+    assert daemon is None and PIPE_ENV not in os.environ
+    assert "CUDA slices" in note and note.endswith("no MPS daemon: nvidia-cuda-mps-control -d exited with 3: "
+                                                   "An MPS control daemon is already running")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    daemon, [note] = auto_mps(_dep({"slot0": "cuda:0", "slot1": "cuda:0"}))
+    assert daemon is None and note.endswith("nvidia-cuda-mps-control is not on PATH: MPS comes with the NVIDIA "
+                                            "driver's utilities")
