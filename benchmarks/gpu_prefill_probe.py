@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import random
 import statistics
 import sys
@@ -110,7 +111,8 @@ def _proc_decode(shapes, device, seconds, ready):
 
 
 def _proc_prefill(shapes, device, seconds, ready, done):
-    """Prefills of the largest model at fresh lengths (200-2000 tokens), back to back, as a busy prefill instance."""
+    """Prefills of the largest model at fresh lengths (200-2000 tokens), back to back, as a busy prefill instance:
+    a few seconds alone first (before `ready`), then `seconds` beside the caller's work; their mean ms to `done`."""
     torch.set_num_threads(1)
     engine = engine_with(shapes, device, False, 4 << 30)
     model = list(shapes)[-1]
@@ -118,12 +120,15 @@ def _proc_prefill(shapes, device, seconds, ready, done):
     rng = random.Random(1)
     for n in (512, 1024, 2048):  # first touch
         prefill_once(engine, model, n, device)
-    ready.set()
-    end, count = time.time() + seconds, 0
-    while time.time() < end:
-        prefill_once(engine, model, rng.randint(200, 2000), device)
-        count += 1
-    done.value = count
+    out = {}
+    for phase, span in (("alone", min(5.0, seconds)), ("beside", seconds)):
+        if phase == "beside":
+            ready.set()
+        end, times = time.time() + span, []
+        while time.time() < end:
+            times.append(prefill_once(engine, model, rng.randint(200, 2000), device))
+        out[phase] = {"prefills": len(times), "ms_mean": round(statistics.mean(times) * 1e3, 3) if times else None}
+    done.put(out)
 
 
 def decode_ms(engine: TorchEngine, model: str, ids: list[str], steps: int, device: str) -> float:
@@ -138,9 +143,11 @@ def decode_ms(engine: TorchEngine, model: str, ids: list[str], steps: int, devic
     return round((time.perf_counter() - started) / steps * 1e3, 4)
 
 
-def decode_share(shapes, device, ctx, tiny: bool) -> dict:
+def decode_share(shapes, device, ctx, tiny: bool, sm_percents: list[int]) -> dict:
     """Decode steps (batch 32, ~1000-token contexts, CUDA graphs) alone and while another process prefills back to
-    back: what a decode instance pays beside a busy prefill instance (gpu_share_decode_slowdown)."""
+    back: what a decode instance pays beside a busy prefill instance (gpu_share_decode_slowdown). Under MPS, each
+    of `sm_percents` limits the prefilling process to that share of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE;
+    100: no limit) in turn."""
     engine = engine_with(shapes, device, True, (8 << 30) if not tiny else (256 << 20))
     engine.warm_up(2048)
     batch = {model: [f"{model}-d{i}" for i in range(32 if not tiny else 4)] for model in shapes}
@@ -152,15 +159,19 @@ def decode_share(shapes, device, ctx, tiny: bool) -> dict:
     steps = 300 if not tiny else 5
     out: dict = {"batch": len(next(iter(batch.values()))), "steps": steps,
                  "alone": {m: [decode_ms(engine, m, ids, steps, device) for _ in range(3)] for m, ids in batch.items()}}
-    ready, done = ctx.Event(), ctx.Value("i", 0)
-    seconds = 30 if not tiny else 6
-    other = ctx.Process(target=_proc_prefill, args=(shapes, device, seconds, ready, done), daemon=True)
-    other.start()
-    ready.wait(240)
-    out["beside_prefill_process"] = {m: [decode_ms(engine, m, ids, steps, device) for _ in range(3)]
-                                     for m, ids in batch.items()}
-    other.join(seconds + 60)
-    out["prefills_beside"] = done.value
+    seconds = 20 if not tiny else 6
+    for percent in sm_percents:
+        ready, done = ctx.Event(), ctx.Queue()
+        os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(percent)  # the child's, as it starts
+        other = ctx.Process(target=_proc_prefill, args=(shapes, device, seconds, ready, done), daemon=True)
+        other.start()
+        del os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"]
+        ready.wait(240)
+        beside = {m: [decode_ms(engine, m, ids, steps // 3, device) for _ in range(3)] for m, ids in batch.items()}
+        key = "beside_prefill_process" + ("" if percent == 100 else f"_sm{percent}")
+        out[key] = beside
+        out[key.replace("beside", "prefills")] = done.get(timeout=seconds + 120)
+        other.join(60)
     return out
 
 
@@ -188,12 +199,23 @@ def main() -> int:
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--alone", action="store_true",
                         help="only the prefill alone, fused kernels against the torch ops (no profiles, no neighbours)")
+    parser.add_argument("--decode-share", action="store_true",
+                        help="only the decode steps alone and beside a prefilling process (see --sm-percent)")
+    parser.add_argument("--sm-percent", type=int, action="append", default=[],
+                        help="under MPS: the prefilling process's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (repeat; "
+                             "default 100, no limit)")
     parser.add_argument("--share", action="store_true",
                         help="only what gpu_share_slowdown is fitted to: the prefill alone and beside a decoding process")
     args = parser.parse_args()
     device = "cpu" if args.tiny else "cuda"
     shapes = {"a": "tiny", "b": "tiny"} if args.tiny else {"m1-1.5b": "1.5b", "m5-7b": "7b"}
     random.seed(0)
+    if args.decode_share:
+        share = decode_share(shapes, device, mp.get_context("spawn"), args.tiny, args.sm_percent or [100])
+        args.out.write_text(json.dumps({"decode_share": share}, indent=1))
+        for key, value in share.items():
+            print(key, value)
+        return 0
     engine = engine_with(shapes, device, False, 256 << 20 if args.tiny else 30 << 30)
     result: dict = {}
     fresh = [random.randint(200, 2000) for _ in range(12)]
@@ -233,7 +255,7 @@ def main() -> int:
     other.join(60)
     if args.share:
         del engine
-        result["decode_share"] = decode_share(shapes, device, ctx, args.tiny)
+        result["decode_share"] = decode_share(shapes, device, ctx, args.tiny, args.sm_percent or [100])
         args.out.write_text(json.dumps(result, indent=1))
         alone = statistics.median(t for _, t in result[model]["fresh_again"])
         beside = statistics.median(t for _, t in result["with_decode_process"][model])
