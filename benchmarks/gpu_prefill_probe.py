@@ -193,6 +193,11 @@ def _proc_copy(device, seconds, ready, gb=4.0):
         stream.synchronize()
 
 
+def under_mps() -> bool:
+    """Whether this process (and the ones it starts) are clients of an MPS daemon (pool.mps's environment)."""
+    return bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY"))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -212,7 +217,7 @@ def main() -> int:
     random.seed(0)
     if args.decode_share:
         share = decode_share(shapes, device, mp.get_context("spawn"), args.tiny, args.sm_percent or [100])
-        args.out.write_text(json.dumps({"decode_share": share}, indent=1))
+        args.out.write_text(json.dumps({"decode_share": share, "mps": under_mps()}, indent=1))
         for key, value in share.items():
             print(key, value)
         return 0
@@ -256,6 +261,7 @@ def main() -> int:
     if args.share:
         del engine
         result["decode_share"] = decode_share(shapes, device, ctx, args.tiny, args.sm_percent or [100])
+        result["mps"] = under_mps()
         args.out.write_text(json.dumps(result, indent=1))
         alone = statistics.median(t for _, t in result[model]["fresh_again"])
         beside = statistics.median(t for _, t in result["with_decode_process"][model])

@@ -84,9 +84,11 @@ class GpuShares(Protocol):
     """The GPUs of one simulation's instances, where several share one: when a step's device work ends, given
     the work its peers on that GPU have in flight."""
 
-    def work_end_at(self, instance_id: str, start_at: float, alone_s: float, now: float) -> float:
+    def work_end_at(self, instance_id: str, start_at: float, alone_s: float, now: float,
+                    kind: str = "prefill") -> float:
         """The end of device work of `instance_id` that takes `alone_s` alone and starts at `start_at`
-        (>= `now`, the simulated time of the call)."""
+        (>= `now`, the simulated time of the call); `kind` "decode" (a decode turn) or "prefill" (a prefill or a
+        mixed iteration): a GPU's peers slow a decode step and a prefill differently."""
         ...
 
     def cut(self, instance_id: str, at: float) -> None:

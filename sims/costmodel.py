@@ -252,7 +252,9 @@ class RooflineCostModel(CostModel):
         much that slows them (gpu_share_slowdown), else None."""
         slowdown = self.terms.gpu_share_slowdown
         peers = gpu_peers(instances, gpu_of) if slowdown is not None else {}
-        return GpuTimeSharing(peers, slowdown) if peers and slowdown is not None else None
+        if not peers or slowdown is None:
+            return None
+        return GpuTimeSharing(peers, slowdown, self.terms.gpu_share_decode_slowdown)
 
     # ---- turns: many steps at once ---------------------------------------------------------------
     def decode_turn_s(self, model: str, batch_size: int, context_tokens: int, num_steps: int) -> float:

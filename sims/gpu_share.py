@@ -9,6 +9,11 @@ are busy, each progresses at share(k) of its rate alone,
 `slowdown` the profile's `gpu_share_slowdown`: how much longer one instance's work takes beside one other
 busy instance (fitted to the H200 probe, benchmarks/gpu_prefill_probe.py). Below 2 the pair together gets
 more done than one alone (each fills the other's gaps); at 2 the GPU is split without gain or loss.
+The sharing is not even: a prefill's large GEMMs take the SMs from a decode step beside them far more than a
+decode step slows a prefill (on the H200 under MPS a prefill ran 1.11x its time alone beside a decoding
+process, a decode step 3-4x beside a prefilling one). So decode work beside a peer's prefill (or mixed
+iteration) slows by the profile's `gpu_share_decode_slowdown` instead, where it has one; every other pairing
+by `slowdown`. Each booking carries its kind ("prefill": prefills and mixed iterations; "decode": turns).
 
 The executor books each step's device work here (`work_end_at`) when it starts it, and a step's end is
 fixed then (its completion is already scheduled). So a step is charged for the sharing its peers will impose
@@ -62,10 +67,12 @@ class _Booking:
     counted on staying busy, each with the time up to which that guess is settled; `gain`: the rate it runs
     faster at (a share of its rate alone) while one of them idles instead."""
 
-    __slots__ = ("begin", "end", "owed_s", "counted", "gain")
+    __slots__ = ("begin", "end", "owed_s", "counted", "gain", "kind")
 
-    def __init__(self, begin: float, end: float, owed_s: float, counted: dict[str, float], gain: float) -> None:
+    def __init__(self, begin: float, end: float, owed_s: float, counted: dict[str, float], gain: float,
+                 kind: str) -> None:
         self.begin, self.end, self.owed_s, self.counted, self.gain = begin, end, owed_s, counted, gain
+        self.kind = kind
 
     def idle_credit(self, since: float, until: float) -> float:
         """The work this step ran ahead of its booking while a peer it counted on idled from `since` to `until`."""
@@ -76,17 +83,28 @@ class _Booking:
 class GpuTimeSharing:
     """The device work of one simulation's instances on shared GPUs (a `scheduler.costs.GpuShares`)."""
 
-    def __init__(self, peers: Mapping[str, tuple[str, ...]], slowdown: float) -> None:
-        if not slowdown >= 1.0:
-            raise ValueError(f"slowdown must be >= 1, got {slowdown}")
+    def __init__(self, peers: Mapping[str, tuple[str, ...]], slowdown: float,
+                 decode_slowdown: float | None = None) -> None:
+        for name, value in (("slowdown", slowdown), ("decode_slowdown", decode_slowdown)):
+            if value is not None and not value >= 1.0:
+                raise ValueError(f"{name} must be >= 1, got {value}")
         self.peers = dict(peers)
         self.slowdown = slowdown
+        self.decode_slowdown = decode_slowdown if decode_slowdown is not None else slowdown
+        self._kind: dict[str, str] = {iid: "prefill" for iid in self.peers}  # of its latest booking
         self._booked: dict[str, list[_Booking]] = {iid: [] for iid in self.peers}
         self._owed: dict[str, float] = {iid: 0.0 for iid in self.peers}  # < 0: a credit
         self._booked_to: dict[str, float] = {iid: 0.0 for iid in self.peers}  # the end of its latest booking
 
-    def work_end_at(self, instance_id: str, start_at: float, alone_s: float, now: float) -> float:
-        """When device work of `instance_id` that takes `alone_s` alone, started at `start_at` (>= `now`), ends."""
+    def rate(self, kind: str, beside: list[str]) -> float:
+        """The rate (a share of its rate alone) of work of `kind` while peers doing the kinds `beside` are busy."""
+        slow = self.decode_slowdown if kind == "decode" and "prefill" in beside else self.slowdown
+        return share(1 + len(beside), slow)
+
+    def work_end_at(self, instance_id: str, start_at: float, alone_s: float, now: float,
+                    kind: str = "prefill") -> float:
+        """When device work of `instance_id` that takes `alone_s` alone, started at `start_at` (>= `now`), ends;
+        `kind`: "decode" for a decode turn, "prefill" for a prefill or a mixed iteration."""
         peers = self.peers.get(instance_id)
         if peers is None:  # a GPU of its own
             return start_at + alone_s
@@ -98,26 +116,33 @@ class GpuTimeSharing:
         left = max(0.0, alone_s + owed)
         t = start_at
         while left > _DONE:
-            busy = [p for p in peers if _busy(self._booked[p], t) or (p in staying and t >= self._booked_to[p])]
-            rate = share(1 + len(busy), self.slowdown)
+            busy: dict[str, str] = {}  # each busy peer, the kind of its work at t (past its booked end: its latest booking's)
+            for p in peers:
+                booking = _at(self._booked[p], t)
+                if booking is not None or (p in staying and t >= self._booked_to[p]):
+                    busy[p] = booking.kind if booking is not None else self._kind[p]
+            rate = self.rate(kind, list(busy.values()))
             boundary = min((edge for p in peers for b in self._booked[p] for edge in (b.begin, b.end) if edge > t),
                            default=math.inf)
             run = min(left / rate, boundary - t)
-            for p in busy:  # each busy peer slows down from share(k) to share(k + 1): it owes the difference,
-                booking = _at(self._booked[p], t)  # unless it counted on this instance staying busy
-                if booking is not None and instance_id not in booking.counted:
-                    k = 1 + sum(1 for q in self.peers[p] if q != instance_id and _busy(self._booked[q], t))
-                    self._owed[p] += run * (share(k, self.slowdown) - share(k + 1, self.slowdown))
+            for p in busy:  # each busy peer slows down from its rate beside the others to its rate beside this
+                booking = _at(self._booked[p], t)  # work too: it owes the difference, unless it counted on this
+                if booking is not None and instance_id not in booking.counted:  # instance staying busy
+                    others = [b.kind for q in self.peers[p] if q != instance_id
+                              for b in (_at(self._booked[q], t),) if b is not None]
+                    self._owed[p] += run * (self.rate(booking.kind, others) - self.rate(booking.kind, others + [kind]))
             left = 0.0 if run == left / rate else left - run * rate
             t += run
         for p in peers:  # this work, up to t, is what the peers' steps that counted on it expected
             for booking in self._booked[p]:
                 if instance_id in booking.counted:
                     booking.counted[instance_id] = max(booking.counted[instance_id], t)
-        busy_at_start = 1 + len(staying)
-        gain = share(busy_at_start - 1, self.slowdown) - share(busy_at_start, self.slowdown)
-        self._booked[instance_id].append(_Booking(start_at, t, owed, {p: self._booked_to[p] for p in staying}, gain))
+        kinds = [b.kind for p in staying for b in (_at(self._booked[p], start_at),) if b is not None]
+        gain = self.rate(kind, kinds[1:]) - self.rate(kind, kinds)  # while one of them idles instead
+        self._booked[instance_id].append(_Booking(start_at, t, owed, {p: self._booked_to[p] for p in staying}, gain,
+                                                  kind))
         self._booked_to[instance_id] = t
+        self._kind[instance_id] = kind
         return t
 
     def cut(self, instance_id: str, at: float) -> None:

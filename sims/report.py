@@ -426,6 +426,8 @@ def _gpu_sharing(terms: ProfileTerms) -> dict[str, str]:
     """GPU time-sharing: the capacity layouts give every instance GPUs of its own, so the profile's term is idle."""
     term = ("the profile's gpu_share_slowdown " + f"{terms.gpu_share_slowdown:g}" if terms.gpu_share_slowdown
             else "gpu_share_slowdown, which this profile does not set,")
+    if terms.gpu_share_slowdown and terms.gpu_share_decode_slowdown:
+        term += f" (a decode step beside a prefill: gpu_share_decode_slowdown {terms.gpu_share_decode_slowdown:g})"
     return {"what": "GPU time-sharing", "status": "estimated",
             "value": f"none: every instance of the layouts searched has its GPUs to itself; {term} applies only where "
                      f"instances share a GPU (the live pool's one-GPU layout, benchmarks/gpu_pool_sim.py)",

@@ -435,7 +435,7 @@ class Simulator:
         self._check_kv(iid, dev)
         if self.gpus is not None:  # the host's part after the GPU's does not share it
             host_s = sum(self.costs.prefill_host_s(model) for model in _by_model(records))
-            took = self.gpus.work_end_at(iid, t, took - host_s, self.now) - t + host_s
+            took = self.gpus.work_end_at(iid, t, took - host_s, self.now, "prefill") - t + host_s
         if move_s and self.links is not None:
             move_s = self.links.copy_end_at(iid, False, t + took, move_s, self.now) - (t + took)
         end = t + took + move_s
@@ -454,7 +454,7 @@ class Simulator:
         for group in batch.groups:
             took += self.costs.decode_turn_s(group.model, group.size, group.context, steps)
         if self.gpus is not None:
-            took = self.gpus.work_end_at(iid, t, took, self.now) - t
+            took = self.gpus.work_end_at(iid, t, took, self.now, "decode") - t
         dev.turn = _Turn(t, took / steps, steps, batch.ids, -1, batch.records, batch)
         return self._finish_turn(iid, dev, steps, steps == batch.left)
 
@@ -528,8 +528,8 @@ class Simulator:
             took += self.costs.decode_step_s(group.model, group.size, group.context)
         for model, (tokens, prompts) in chunks.items():
             took += self.costs.prefill_s(model, tokens, prompts)
-        if self.gpus is not None:  # one iteration: all of it device work
-            took = self.gpus.work_end_at(iid, t, took, self.now) - t
+        if self.gpus is not None:  # one iteration: all of it device work, its prefill chunks beside a peer's decode
+            took = self.gpus.work_end_at(iid, t, took, self.now, "prefill") - t
         may_finish = batch.left <= 1
         if completed:
             records = records + completed

@@ -97,10 +97,11 @@ def test_call_logs_say_what_delayed_each_decode_step(tmp_path) -> None:
 
 @pytest.mark.parametrize("session, run_name, profile, switches", [
     ("s11", "h200-pool-s11-calprofile-processes-pd-r1.json", "h200-calibrated-live-s11-fresh.json", [147, 159]),
-    ("s12", "h200-pool-s12-cal-processes-pd-r1.json", "h200-calibrated-live-s12.json", [158, 163])])
+    ("s12", "h200-pool-s12-cal-processes-pd-r1.json", "h200-calibrated-live-s12.json", [158, 163]),
+    ("s13", "h200-pool-s13-mps-processes-pd-r16.json", "h200-calibrated-live-mps-s13.json", [264, 272])])
 def test_the_recorded_h200_fidelity_is_what_the_simulator_gives_today(tmp_path, session, run_name, profile,
                                                                       switches) -> None:
-    """BENCHMARKS.md's fidelity rows at 1 req/s (sessions 11 and 12), recomputed from the committed live run and
+    """BENCHMARKS.md's fidelity rows (sessions 11 and 12 at 1 req/s, 13 at 16 req/s under MPS), recomputed from the committed live run and
     profile by benchmarks/gpu_pool_sim.py: a change to the simulator or the cost model that moves them shows here
     (then re-record results/h200-fidelity-<session>.json and the table, saying why)."""
     results = ROOT / "benchmarks" / "results"

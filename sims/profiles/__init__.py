@@ -91,6 +91,11 @@ class ProfileTerms(_Frozen):
                                              "instances busy together each run at 2 / (k * this) of their rate "
                                              "alone (processor sharing, sims.gpu_share). None: instances placed on "
                                              "one GPU each run as if they had it to themselves.")
+    gpu_share_decode_slowdown: float | None = Field(default=None, ge=1.0, description="How many times longer a "
+                                                    "decode step's device work takes while another instance on the "
+                                                    "same GPU prefills (its GEMMs take the SMs: 3-4x under MPS on the "
+                                                    "H200, where a prefill beside a decoder took 1.1x); None: "
+                                                    "gpu_share_slowdown, as every other pairing.")
 
 
 TERM_NAMES: tuple[str, ...] = tuple(ProfileTerms.model_fields)
@@ -98,6 +103,8 @@ _DEFAULT_WHY = {
     "link_sharing": "the order the H200's copy engine served two engines' switches in: the later copy waited (a 3B "
                     "switch 0.11 s alone, 0.39 s behind a 7B one; modelpool calibrate and the live pool, issue 17)",
     "gpu_share_slowdown": "means instances on one GPU do not slow each other (as before GPU sharing was modelled)",
+    "gpu_share_decode_slowdown": "means a decode step beside a prefill slows as any other work does "
+                                 "(gpu_share_slowdown)",
     "prefill_padded": "charges each prefill for its own tokens (an engine that does not pad them)",
     "kv_handoff_fixed_s": "takes kv_move_fixed_s (a staged hand-off's move costs what any KV move does on top of its "
                           "copies)",

@@ -100,6 +100,10 @@ def build_profile(measurements: Mapping[str, Any], archs: Mapping[str, Arch], gp
     if measurements.get("gpu_share"):
         terms["gpu_share_slowdown"], provenance["gpu_share_slowdown"], spread = _gpu_share(measurements["gpu_share"], gpu)
         figures.update(spread)
+        if measurements["gpu_share"].get("decode_share"):
+            terms["gpu_share_decode_slowdown"], provenance["gpu_share_decode_slowdown"], spread = _gpu_share_decode(
+                measurements["gpu_share"], gpu)
+            figures.update(spread)
     draft = CalibrationProfile(name="draft", terms=ProfileTerms.model_validate({**terms, "prefill_host_s": 0.0,
                                                                                "prefill_fresh_s": 0.0,
                                                                                "decode_host_s": 0.0}),
@@ -129,15 +133,44 @@ def with_gpu_share(profile: CalibrationProfile, probe: Mapping[str, Any], where:
         raise ValueError(f"profile {profile.name!r} has no calibration run to add the probe's measurements to")
     beside = probe["with_decode_process"]
     entry = {"with_decode_process": beside, "alone": {model: probe[model]["fresh_again"] for model in beside},
-             "where": where}
+             "where": where, "mps": probe.get("mps")}
+    if probe.get("decode_share"):
+        entry["decode_share"] = probe["decode_share"]
     gpu = profile.calibration.gpu
     value, source, spread = _gpu_share(entry, gpu)
+    terms, provenance = {"gpu_share_slowdown": value}, {"gpu_share_slowdown": source}
+    if "decode_share" in entry:
+        terms["gpu_share_decode_slowdown"], provenance["gpu_share_decode_slowdown"], more = _gpu_share_decode(entry, gpu)
+        spread = {**spread, **more}
     run = profile.calibration.model_copy(update={
         "measurements": {**profile.calibration.measurements, "gpu_share": entry},
         "figures": {**profile.calibration.figures, **spread}})
     return profile.model_copy(update={
-        "terms": ProfileTerms.model_validate({**profile.terms.model_dump(), "gpu_share_slowdown": value}),
-        "provenance": {**profile.provenance, "gpu_share_slowdown": source}, "calibration": run})
+        "terms": ProfileTerms.model_validate({**profile.terms.model_dump(), **terms}),
+        "provenance": {**profile.provenance, **provenance}, "calibration": run})
+
+
+def _sharing(entry: Mapping[str, Any]) -> str:
+    """How the probe's two processes shared the GPU, as its result says (older results do not)."""
+    mps = entry.get("mps")
+    return "under MPS" if mps else "time-sliced, no MPS" if mps is not None else "MPS not recorded"
+
+
+def _gpu_share_decode(entry: Mapping[str, Any], gpu: str) -> tuple[float, Provenance, dict[str, float]]:
+    """gpu_share_decode_slowdown from the probe's decode series: per model and repetition, the decode step's time
+    while another process prefilled back to back, over the median of its times alone; the median."""
+    share = entry["decode_share"]
+    ratios = sorted(ms / statistics.median(share["alone"][model])
+                    for model, series in share["beside_prefill_process"].items() for ms in series)
+    if not ratios:
+        raise ValueError("the probe has no decode step measured beside a prefilling process")
+    value = sig(statistics.median(ratios))
+    source = (f"decode steps of {', '.join(share['alone'])} (batch {share['batch']}, CUDA graphs) while another "
+              f"process prefilled back to back on the same GPU ({_sharing(entry)}), over the same steps alone: ratio "
+              f"median {value}, range {ratios[0]:.2f}-{ratios[-1]:.2f} (benchmarks/gpu_prefill_probe.py, "
+              f"{entry['where']})")
+    spread = {"gpu_share_decode_ratio_min": round(ratios[0], 4), "gpu_share_decode_ratio_max": round(ratios[-1], 4)}
+    return value, Provenance(status="measured", gpus=(gpu,), source=source), spread
 
 
 def _gpu_share(entry: Mapping[str, Any], gpu: str) -> tuple[float, Provenance, dict[str, float]]:
@@ -157,7 +190,7 @@ def _gpu_share(entry: Mapping[str, Any], gpu: str) -> tuple[float, Provenance, d
     value = sig(statistics.median(ratios))
     deciles = statistics.quantiles(ratios, n=10) if len(ratios) > 1 else [ratios[0]] * 9
     source = (f"{', '.join(what)} while another process decoded continuously on the same GPU (CUDA-graph steps, "
-              f"time-sliced, no MPS), over the same lengths alone: ratio median {value}, range "
+              f"{_sharing(entry)}), over the same lengths alone: ratio median {value}, range "
               f"{ratios[0]:.2f}-{ratios[-1]:.2f} (benchmarks/gpu_prefill_probe.py, {entry['where']})")
     spread = {"gpu_share_ratio_p10": round(deciles[0], 4), "gpu_share_ratio_p90": round(deciles[-1], 4)}
     return value, Provenance(status="measured", gpus=(gpu,), source=source), spread

@@ -185,3 +185,74 @@ def test_a_long_step_gets_back_what_a_peer_that_stopped_did_not_take() -> None:
     # its next step, straight after, takes that off; after an idle gap the credit is gone
     assert gpus.work_end_at("p", 2.0, 1.0, 2.0) == pytest.approx(2.25)
     assert gpus.work_end_at("p", 3.0, 1.0, 3.0) == pytest.approx(4.0)
+
+
+def test_a_decode_step_beside_a_prefill_slows_by_the_decode_term_and_the_prefill_by_the_other() -> None:
+    """Uneven sharing (MPS on the H200: a prefill 1.11x beside a decoder, a decode step 3.07x beside a prefill):
+    decode work beside a peer's prefill runs at 1 / decode_slowdown, every other pairing at 1 / slowdown."""
+    gpus = GpuTimeSharing(PAIR, 1.1, 3.0)
+    assert gpus.decode_slowdown == 3.0 and GpuTimeSharing(PAIR, 1.1).decode_slowdown == 1.1  # None: the same term
+    assert gpus.work_end_at("p", 0.0, 1.0, 0.0, "prefill") == 1.0  # alone when booked
+    assert gpus.work_end_at("d", 0.0, 0.1, 0.0, "decode") == pytest.approx(0.3)  # beside it: 3x
+    # the prefill ran at 1 / 1.1 over d's 0.3 s: it owes 0.3 * (1 - 1 / 1.1), done first by its next step
+    assert gpus.work_end_at("p", 1.0, 1.0, 1.0, "prefill") == pytest.approx(2.0 + 0.3 * (1 - 1 / 1.1))
+    twins = GpuTimeSharing(PAIR, 1.1, 3.0)  # two decoders: the decode term does not apply
+    twins.work_end_at("p", 0.0, 1.0, 0.0, "decode")
+    assert twins.work_end_at("d", 0.0, 0.1, 0.0, "decode") == pytest.approx(0.11)
+    later = GpuTimeSharing(PAIR, 1.1, 3.0)  # a prefill booked beside a decode turn: 1.1x, and the turn owes 3x
+    later.work_end_at("d", 0.0, 10.0, 0.0, "decode")
+    assert later.work_end_at("p", 1.0, 0.1, 1.0, "prefill") == pytest.approx(1.11)
+    assert later.work_end_at("d", 10.0, 1.0, 10.0, "decode") == pytest.approx(11.0 + 0.11 * (1 - 1 / 3.0))
+    with pytest.raises(ValueError, match="decode_slowdown"):
+        GpuTimeSharing(PAIR, 1.1, 0.5)
+
+
+def test_the_mps_profile_fits_both_terms_from_the_h200_probe_and_the_simulator_uses_them() -> None:
+    probe = json.loads((ROOT / "benchmarks/results/h200-prefill-share-mps-s13.json").read_text())
+    profile = load_profile(ROOT / "benchmarks/results/h200-calibrated-live-mps-s13.json")
+    share = probe["decode_share"]
+    ratios = sorted(ms / sorted(share["alone"][m])[1] for m, series in share["beside_prefill_process"].items()
+                    for ms in series)
+    assert profile.terms.gpu_share_decode_slowdown == pytest.approx((ratios[2] + ratios[3]) / 2, rel=1e-3)
+    assert profile.terms.gpu_share_decode_slowdown > 2.5 * profile.terms.gpu_share_slowdown  # MPS: uneven
+    entry = profile.provenance["gpu_share_decode_slowdown"]
+    assert entry.status == "measured" and "under MPS" in entry.source and "prefilled back to back" in entry.source
+    assert "under MPS" in profile.provenance["gpu_share_slowdown"].source
+    refit = with_gpu_share(profile, probe, "here")  # the same series fit the same numbers
+    assert refit.terms.gpu_share_decode_slowdown == profile.terms.gpu_share_decode_slowdown
+    models = {"m": (Arch.model_validate(ARCHS["qwen2.5-7b"]), 1)}
+    specs = [InstanceSpec("p", 1, 1.0, "prefill"), InstanceSpec("d", 1, 1.0, "decode")]
+    gpus = RooflineCostModel.for_models(models, "h200", profile).gpu_shares(specs, {"p": 0, "d": 0})
+    assert isinstance(gpus, GpuTimeSharing) and gpus.decode_slowdown == profile.terms.gpu_share_decode_slowdown
+    assert load_profile("default").terms.gpu_share_decode_slowdown is None
+
+
+class _UnevenGpuCosts(LinearCosts):
+    def __init__(self, decode_slowdown: float | None, **kw: float) -> None:
+        super().__init__(**kw)
+        self.decode_slowdown = decode_slowdown
+
+    def gpu_shares(self, instances: Sequence[InstanceSpec], gpu_of: Mapping[str, int] | None = None) -> GpuShares | None:
+        peers = gpu_peers(instances, gpu_of)
+        return GpuTimeSharing(peers, 1.1, self.decode_slowdown) if peers else None
+
+
+def test_the_simulator_books_decode_turns_as_decode_work() -> None:
+    """A prefill and a decode instance on one GPU: with a decode term of 3, requests finish later than with none
+    (decode turns beside prefills pay it) while first tokens come no later (prefills pay only 1.1x either way)."""
+    def run(decode_slowdown: float | None) -> tuple[float, float]:
+        instances = make_instances(2, roles=["prefill", "decode"])
+        costs = _UnevenGpuCosts(decode_slowdown, step_s=0.01, prefill_per_token_s=2e-5, switch_s=0.01)
+        sim, _ = make_sim("token-level", make_models(1), instances,
+                          [Request(f"r{k}", "m0", 0.2 * k, 2000, 60) for k in range(20)], costs=costs)
+        sim.gpus = costs.gpu_shares(instances, {"i0": 0, "i1": 0})
+        sim.run()
+        records = list(sim.records.values())
+        assert all(r.generated == r.output_tokens for r in records)
+        return (sum(r.first_token_at - r.arrival_at for r in records) / len(records),
+                sum(r.finished_at - r.first_token_at for r in records) / len(records))
+
+    even_ttft, even_decode = run(None)
+    uneven_ttft, uneven_decode = run(3.0)
+    assert uneven_decode > 1.2 * even_decode
+    assert uneven_ttft <= even_ttft * 1.05
