@@ -50,11 +50,17 @@ def calibrate_command(
     gpu_share: Path | None = typer.Option(None, "--gpu-share", help="Also fit gpu_share_slowdown (instances on one "
                                           "GPU slowing each other) to this benchmarks/gpu_prefill_probe.py --share "
                                           "result; with --profile and no --from-live, measure nothing else."),
+    gpu_share_decode: Path | None = typer.Option(None, "--gpu-share-decode", help="With --gpu-share: fit "
+                                                 "gpu_share_decode_slowdown (a decode step beside a prefill) to this "
+                                                 "gpu_prefill_probe.py --decode-share result instead of the "
+                                                 "--gpu-share one's (both measured with or both without MPS)."),
 ) -> None:
     """Measure prefill, decode, switch, KV-move, shared-link and live-pool host times on this device; write a profile."""
     started = time.perf_counter()
+    if gpu_share_decode is not None and gpu_share is None:
+        _fail("--gpu-share-decode needs --gpu-share: the probe the prefill's slowdown is fitted to")
     if from_live is not None or (gpu_share is not None and base is not None):
-        _refit(from_live, gpu_share, base, out, gpu)
+        _refit(from_live, gpu_share, base, out, gpu, gpu_share_decode)
         return
     try:
         fleet = load_fleet(fleet_path)
@@ -101,7 +107,7 @@ def calibrate_command(
            "software": {"modelpool": _version()}}
     profile = build_profile(measurements, archs, gpu_key, fleet.gpu(gpu_key), run=run, name=out.stem)
     if gpu_share is not None:
-        profile = _with_gpu_share(profile, gpu_share)
+        profile = _with_gpu_share(profile, gpu_share, gpu_share_decode)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(profile.model_dump(mode="json"), indent=2) + "\n")
     console.print(_shape_table(measurements))
@@ -110,19 +116,38 @@ def calibrate_command(
                   f"`modelpool simulate --profile {out}` or `modelpool capacity --profile {out}`")
 
 
-def _with_gpu_share(profile: Any, probe_path: Path) -> Any:
-    """`profile` with gpu_share_slowdown fitted to a benchmarks/gpu_prefill_probe.py --share result."""
+def _with_gpu_share(profile: Any, probe_path: Path, decode_path: Path | None = None) -> Any:
+    """`profile` with gpu_share_slowdown (and gpu_share_decode_slowdown, where measured) fitted to a
+    benchmarks/gpu_prefill_probe.py --share result; the decode term to a --decode-share one, where given."""
     from sims.profiles.calibrated import with_gpu_share
 
+    def read(path: Path, option: str, what: str) -> tuple[dict, str]:
+        try:
+            when = datetime.datetime.fromtimestamp(path.stat().st_mtime, datetime.timezone.utc).date().isoformat()
+            return json.loads(path.read_text()), f"{path.name}, {when}"
+        except (OSError, ValueError) as exc:
+            _fail(f"{option} {path}: cannot read a gpu_prefill_probe.py {what} result ({exc})")
+
+    probe, where = read(probe_path, "--gpu-share", "--share")
+    if decode_path is not None:
+        decode, decode_where = read(decode_path, "--gpu-share-decode", "--decode-share")
+        if not isinstance(decode, dict) or "decode_share" not in decode:
+            _fail(f"--gpu-share-decode {decode_path}: no decode_share series (gpu_prefill_probe.py --decode-share)")
+        if decode.get("mps") != probe.get("mps"):
+            def how(mps: object) -> str:
+                return "under MPS" if mps else "without MPS" if mps is not None else "with MPS not recorded"
+
+            _fail(f"--gpu-share-decode {decode_path}: measured {how(decode.get('mps'))}, --gpu-share {probe_path} "
+                  f"{how(probe.get('mps'))}: the two terms must describe one way of sharing the GPU")
+        probe, where = {**probe, "decode_share": decode["decode_share"]}, f"{where}; decode steps: {decode_where}"
     try:
-        probe = json.loads(probe_path.read_text())
-        when = datetime.datetime.fromtimestamp(probe_path.stat().st_mtime, datetime.timezone.utc).date().isoformat()
-        return with_gpu_share(profile, probe, f"{probe_path.name}, {when}")
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return with_gpu_share(profile, probe, where)
+    except (ValueError, KeyError, TypeError) as exc:
         _fail(f"--gpu-share {probe_path}: not a gpu_prefill_probe.py --share result ({exc!r})")
 
 
-def _refit(run_path: Path | None, share_path: Path | None, base: str | None, out: Path, gpu: str | None) -> None:
+def _refit(run_path: Path | None, share_path: Path | None, base: str | None, out: Path, gpu: str | None,
+           decode_path: Path | None = None) -> None:
     """`--from-live` / `--gpu-share` with `--profile`: the base profile with the host terms fitted to a live pool
     run and/or gpu_share_slowdown to a probe (sims.profiles.calibrated), named after `out` as a profile
     `modelpool calibrate` measures is."""
@@ -152,12 +177,15 @@ def _refit(run_path: Path | None, share_path: Path | None, base: str | None, out
     else:
         profile = profile.model_copy(update={"name": out.stem})
     if share_path is not None:
-        profile = _with_gpu_share(profile, share_path)
+        profile = _with_gpu_share(profile, share_path, decode_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(profile.model_dump(mode="json"), indent=2) + "\n")
     terms = profile.terms
     if share_path is not None:
         console.print(f"gpu_share_slowdown {terms.gpu_share_slowdown:.4g}, from {share_path}")
+        if terms.gpu_share_decode_slowdown is not None:
+            console.print(f"gpu_share_decode_slowdown {terms.gpu_share_decode_slowdown:.4g}, from "
+                          f"{decode_path or share_path}")
     if run_path is None:
         console.print(f"wrote {out}; use it with `modelpool simulate --profile {out}`")
         return

@@ -220,3 +220,29 @@ def test_serve_names_a_broken_profile_file(tmp_path: Path) -> None:
     bad.write_text("not json")
     with pytest.raises(typer.BadParameter, match=f"calibration profile {bad}: not a valid profile"):
         fleet_deployment(fleet, "torch", 1, None, "token-level", None, profile=bad)
+
+
+def test_gpu_share_decode_takes_the_decode_term_from_its_own_probe_measured_the_same_way(tmp_path: Path) -> None:
+    """--gpu-share-decode: gpu_share_decode_slowdown from a --decode-share probe, refused when it was measured with
+    MPS and the --gpu-share probe without (or the other way round), and without --gpu-share."""
+    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    base, share, decode = (results / name for name in ("h200-calibrated-live-s12.json", "h200-prefill-share-s12.json",
+                                                        "h200-decode-share-s13.json"))
+    out = tmp_path / "p.json"
+    res = CliRunner().invoke(app, ["calibrate", "--profile", str(base), "--gpu-share", str(share),
+                                   "--gpu-share-decode", str(decode), "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    profile = load_profile(out)
+    probe = json.loads(decode.read_text())["decode_share"]
+    ratios = sorted(ms / sorted(probe["alone"][m])[1] for m, s in probe["beside_prefill_process"].items() for ms in s)
+    assert profile.terms.gpu_share_decode_slowdown == pytest.approx((ratios[2] + ratios[3]) / 2, rel=1e-3)
+    assert "time-sliced, no MPS" in profile.provenance["gpu_share_decode_slowdown"].source
+    assert profile.terms.gpu_share_slowdown == load_profile(results / "h200-calibrated-live-s12.json").terms.gpu_share_slowdown
+    mps = results / "h200-prefill-share-mps-s13.json"
+    res = CliRunner().invoke(app, ["calibrate", "--profile", str(base), "--gpu-share", str(mps),
+                                   "--gpu-share-decode", str(decode), "--out", str(tmp_path / "q.json")])
+    assert res.exit_code != 0 and "measured without MPS" in res.output and "under MPS" in res.output
+    assert not (tmp_path / "q.json").exists()
+    res = CliRunner().invoke(app, ["calibrate", "--profile", str(base), "--gpu-share-decode", str(decode),
+                                   "--out", str(tmp_path / "r.json")])
+    assert res.exit_code != 0 and "--gpu-share-decode needs --gpu-share" in res.output
