@@ -24,6 +24,7 @@ import pickle
 import queue
 import tempfile
 import threading
+import time
 import traceback
 import uuid
 import weakref
@@ -98,6 +99,45 @@ def _dumps_result(item: Any) -> bytes:
     return buffer.getvalue()
 
 
+class HostProfile:
+    """A benchmark's look at where an engine process's host time goes (MODELPOOL_HOST_PROFILE_S=<seconds>, beside
+    MODELPOOL_CALL_LOG_DIR): pyinstrument samples the process (1 ms) and writes a text report per window of that
+    many seconds, host-<instance>-<start>.txt in the call-log folder, <start> the window's start on the monotonic
+    clock the call logs use (so a slow stretch of the call log finds its report)."""
+
+    def __init__(self, folder: str, instance_id: str, window_s: float) -> None:
+        self.folder, self.instance_id, self.window_s = folder, instance_id, window_s
+        self._profiler: Any = None
+        self._started = 0.0
+        self._start()
+
+    @classmethod
+    def from_env(cls, instance_id: str) -> HostProfile | None:
+        window, folder = os.environ.get("MODELPOOL_HOST_PROFILE_S"), os.environ.get("MODELPOOL_CALL_LOG_DIR")
+        return cls(folder, instance_id, float(window)) if window and folder else None
+
+    def _start(self) -> None:
+        from pyinstrument import Profiler
+
+        self._profiler, self._started = Profiler(interval=0.001), time.monotonic()
+        self._profiler.start()
+
+    def _write(self) -> None:
+        self._profiler.stop()
+        path = os.path.join(self.folder, f"host-{self.instance_id}-{self._started:.1f}.txt")
+        with open(path, "w") as out:
+            out.write(self._profiler.output_text(unicode=False, color=False))
+
+    def tick(self) -> None:
+        """After each engine call: a window that is over is written and the next one begins."""
+        if time.monotonic() - self._started >= self.window_s:
+            self._write()
+            self._start()
+
+    def close(self) -> None:
+        self._write()
+
+
 # ---- the worker process ---------------------------------------------------------------------------------
 def _worker_main(conn: Any, instance_id: str, spec: EngineSpec, models: Mapping[str, str],
                  max_tokens: int | None, threads: int) -> None:
@@ -121,6 +161,7 @@ def _worker_main(conn: Any, instance_id: str, spec: EngineSpec, models: Mapping[
         conn.send_bytes(pickle.dumps(("failed", traceback.format_exc())))
         return
     conn.send_bytes(pickle.dumps(("ready", captured)))
+    profile = HostProfile.from_env(instance_id)
     while True:
         try:
             message = pickle.loads(conn.recv_bytes())
@@ -140,6 +181,10 @@ def _worker_main(conn: Any, instance_id: str, spec: EngineSpec, models: Mapping[
             payload = _dumps_result((handle, EngineError(f"{instance_id}: {method} -> unpicklable {exc!r}: "
                                                          f"{result!r}"[:2000])))
         conn.send_bytes(payload)
+        if profile is not None:
+            profile.tick()
+    if profile is not None:
+        profile.close()
     log_dir = os.environ.get("MODELPOOL_CALL_LOG_DIR")  # a benchmark's: every engine call, timed, at the end
     timings = getattr(engine, "timings", None)
     if log_dir and hasattr(timings, "dump_calls"):

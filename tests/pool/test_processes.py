@@ -171,3 +171,28 @@ def test_only_prefill_instances_on_every_decoders_device_get_a_hand_off_arena(ti
     pd = local_pool(tiny, "threads", roles=["prefill", "decode"], engine=engine,
                     devices={"slot0": "cuda:0", "slot1": "cuda:0"})
     assert pd._ray_engine() is engine  # the default one-GPU layout: unchanged
+
+
+def test_a_benchmark_can_sample_each_engine_process_host_time(tiny, long_reference, tmp_path,  # noqa: F811
+                                                              monkeypatch) -> None:
+    """MODELPOOL_HOST_PROFILE_S beside MODELPOOL_CALL_LOG_DIR (benchmarks/gpu_pool.py --host-profile-s): each
+    engine process writes pyinstrument reports of its host time per window, named by the window's start on the
+    call logs' clock, and serves the same tokens meanwhile."""
+    import time
+
+    monkeypatch.setenv("MODELPOOL_CALL_LOG_DIR", str(tmp_path))
+    monkeypatch.setenv("MODELPOOL_HOST_PROFILE_S", "0.5")
+    started = time.monotonic()
+    with local_pool(tiny, "processes", roles=["prefill", "decode"]) as pool:
+        sinks = submit_all(pool)
+        counts = outcomes(sinks, long_reference, lambda key: True, 120).counts()
+        assert counts == {"identical": len(sinks), "clean_errors": 0, "wrong": 0, "hung": 0, "lost": 0}
+    for iid in ("slot0", "slot1"):
+        reports = sorted(tmp_path.glob(f"host-{iid}-*.txt"), key=lambda p: float(p.stem.rsplit("-", 1)[1]))
+        assert reports, f"no host report from {iid}"
+        assert all(started - 1 <= float(p.stem.rsplit("-", 1)[1]) <= time.monotonic() for p in reports)
+        text = "".join(p.read_text() for p in reports)
+        assert "call_engine" in text  # the engine calls, sampled
+    decoder = "".join(p.read_text() for p in tmp_path.glob("host-slot1-*.txt"))
+    assert "decode_step" in decoder
+    assert (tmp_path / "calls-slot1.json").exists()  # the call log beside them
