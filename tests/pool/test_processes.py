@@ -196,3 +196,47 @@ def test_a_benchmark_can_sample_each_engine_process_host_time(tiny, long_referen
     decoder = "".join(p.read_text() for p in tmp_path.glob("host-slot1-*.txt"))
     assert "decode_step" in decoder
     assert (tmp_path / "calls-slot1.json").exists()  # the call log beside them
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["threads", "processes"])
+def test_cuda_restart_frees_the_lost_engines_device_memory_first(tiny, backend) -> None:  # noqa: F811
+    """On a GPU: an instance killed mid-decode is rebuilt, and the GPU's memory in use comes back to what it was
+    with one engine (the lost one's buffer and KV freed - by Engine.close on threads, by its process's end on
+    processes - not held beside its successor's), and every request still ends with all its tokens. On threads
+    the successor is built only once the lost engine's memory is gone (held_device_bytes, as on CPU)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from pool.actor import EngineSpec
+    from tests.pool.test_faults import LONG_TOKENS
+
+    kv = 4 << 30  # enough that a leak shows in the GPU's memory
+    spec = EngineSpec("torch", {"kv_bytes": kv})
+
+    def used() -> int:
+        free, total = torch.cuda.mem_get_info()
+        return total - free
+
+    with local_pool(tiny, backend, num_instances=1, engine=spec, devices={"slot0": "cuda:0"}) as pool:
+        seen: list[int] = []
+        build = pool._new_engine
+
+        def watched(instance_id: str):
+            gc.collect()
+            seen.append(held_device_bytes("cuda:0"))
+            return build(instance_id)
+
+        pool._new_engine = watched  # type: ignore[method-assign]
+        sinks = submit_all(pool)
+        wait_until(lambda: pool.engine_stats.get("slot0", {}).get("device_buffer_bytes", 0) > 0, 120,
+                   "the engine's device buffer")
+        one_engine = used()
+        kill_mid_decode(pool)
+        wait_until(lambda: all(s.done.is_set() for s in sinks.values()), 300, "every request ended")
+        assert all(s.error is None and len(s.tokens) == LONG_TOKENS and not s.after_end for s in sinks.values())
+        assert pool.status()["restarts"] == 1
+        assert used() <= one_engine + (512 << 20), f"GPU memory in use {used()} after the restart, {one_engine} before"
+        if backend == "threads":
+            assert seen and seen[0] < kv, f"device bytes held when the successor was built: {seen}"
