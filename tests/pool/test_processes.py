@@ -88,20 +88,26 @@ def test_kv_arrays_travel_through_shared_memory_files() -> None:
     assert not os.path.exists(path), "the file goes with the controller's last reference to it"
 
 
+def watch_builds(pool: LivePool, device: str) -> list[int]:
+    """The engine device bytes this process holds on `device` each time the pool builds an engine (threads)."""
+    seen: list[int] = []
+    build = pool._new_engine
+
+    def watched(instance_id: str):
+        gc.collect()
+        seen.append(held_device_bytes(device))
+        return build(instance_id)
+
+    pool._new_engine = watched  # type: ignore[method-assign]
+    return seen
+
+
 def test_threads_restart_frees_the_lost_engine_before_building_its_successor(tiny, long_reference) -> None:  # noqa: F811
     """The lost engine's device buffer is freed (engine memory accounting) before the new one is made."""
     with local_pool(tiny, "threads", num_instances=1) as pool:
         engine = pool._backend.engines["slot0"]
         old = weakref.ref(engine)
-        seen: list[int] = []
-        build = pool._new_engine
-
-        def watched(instance_id: str):
-            gc.collect()
-            seen.append(held_device_bytes("cpu"))
-            return build(instance_id)
-
-        pool._new_engine = watched  # type: ignore[method-assign]
+        seen = watch_builds(pool, "cpu")
         sinks = submit_all(pool)
         wait_until(lambda: engine.stats().device_buffer_bytes > 0, 30, "the engine's device buffer")
         mine = engine.stats().device_buffer_bytes
@@ -220,15 +226,7 @@ def test_cuda_restart_frees_the_lost_engines_device_memory_first(tiny, backend) 
         return total - free
 
     with local_pool(tiny, backend, num_instances=1, engine=spec, devices={"slot0": "cuda:0"}) as pool:
-        seen: list[int] = []
-        build = pool._new_engine
-
-        def watched(instance_id: str):
-            gc.collect()
-            seen.append(held_device_bytes("cuda:0"))
-            return build(instance_id)
-
-        pool._new_engine = watched  # type: ignore[method-assign]
+        seen = watch_builds(pool, "cuda:0")
         sinks = submit_all(pool)
         wait_until(lambda: pool.engine_stats.get("slot0", {}).get("device_buffer_bytes", 0) > 0, 120,
                    "the engine's device buffer")
