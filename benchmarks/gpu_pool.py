@@ -224,7 +224,10 @@ def cpu_use(before: dict[str, float], after: dict[str, float], seconds: float) -
 
 
 # ---- the replay ---------------------------------------------------------------------------------------------
-async def replay(url: str, rows: list[dict[str, Any]], vocab: int, seed: int, timeout_s: float) -> list[dict]:
+async def replay(url: str, rows: list[dict[str, Any]], vocab: int, seed: int,
+                 timeout_s: float) -> tuple[list[dict], float]:
+    """Every row's request, streamed; each result's times in seconds from the replay's start, and that start on
+    this host's monotonic clock (the clock the engines' call logs use)."""
     import httpx
 
     rng = random.Random(seed)
@@ -263,7 +266,7 @@ async def replay(url: str, rows: list[dict[str, Any]], vocab: int, seed: int, ti
             out["end_s"] = time.monotonic() - t0
 
         await asyncio.gather(*(one(k) for k in range(len(rows))))
-    return results
+    return results, t0
 
 
 def per_request(results: list[dict]) -> list[dict[str, Any]]:
@@ -275,7 +278,8 @@ def per_request(results: list[dict]) -> list[dict[str, Any]]:
         if served:
             n = r["usage"]["completion_tokens"]
             first, last = r["token_s"][0], r.get("end_s", r["token_s"][-1])
-            row.update(ttft_s=first - r["arrival_s"], tokens=n, chunks=len(r["token_s"]),
+            row.update(ttft_s=first - r["arrival_s"], sent_s=round(r["sent_s"], 6), first_s=round(first, 6),
+                       tokens=n, chunks=len(r["token_s"]),
                        tpot_s=(r["token_s"][-1] - first) / (n - 1) if n > 1 else None,
                        itl_s=list(np.diff(r["token_s"])), e2e_s=last - r["arrival_s"])
         out.append(row)
@@ -324,7 +328,7 @@ def live_runs(args: argparse.Namespace, fleet: Path, backend: str, layout: str, 
             with GpuSampler() as gpu:
                 cpu_before, client_before = cpu_seconds(proc.pid), time.process_time()
                 started = time.monotonic()
-                replayed = asyncio.run(replay(url, rows, args.prompt_vocab, args.seed, args.request_timeout))
+                replayed, t0 = asyncio.run(replay(url, rows, args.prompt_vocab, args.seed, args.request_timeout))
                 ended = time.monotonic()
                 cpu = cpu_use(cpu_before, cpu_seconds(proc.pid), ended - started)
                 cpu["client (this process)"] = round((time.process_time() - client_before) / (ended - started), 3)
@@ -334,6 +338,7 @@ def live_runs(args: argparse.Namespace, fleet: Path, backend: str, layout: str, 
             result = phase_result(backend, layout, rate, args, before, status, metrics_text, replayed,
                                   ended - started, gpu.mean(started, ended), trace_path.name)
             result["ready_s"] = round(ready_s, 1)
+            result["replay_t0_monotonic"] = round(t0, 6)  # requests' sent_s / first_s + this: the call logs' clock
             result["cpu_cores"] = cpu  # the serve process, its engine processes, the replaying client
             # the serve arguments, and whether its engine processes ran as MPS clients (the banner says so)
             result["serve_args"] = list(args.serve_arg)

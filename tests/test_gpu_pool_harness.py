@@ -49,6 +49,13 @@ def test_tiny_harness_serves_every_request_with_no_capture_on_the_request_path(t
     decodes = [(t, d) for m, t, d in calls["calls-slot1"] if m == "decode_step"]
     assert len(decodes) >= run["call_timings"]["slot1"]["decode_step"]["calls"] > 0
     assert all(d > 0 for _, d in decodes) and all(b[0] >= a[0] + a[1] for a, b in zip(decodes, decodes[1:]))
+    # the requests' times on the calls' clock: each first token after a prefill call (of either instance: the
+    # decode instance prefills too when the policy finds it better) that began after it was sent
+    t0 = run["replay_t0_monotonic"]
+    prefills = [(t, t + d) for log in calls.values() for m, t, d in log if m == "prefill"]
+    for r in served:
+        sent, first = t0 + r["sent_s"], t0 + r["first_s"]
+        assert sent < first and any(sent <= begin and end <= first for begin, end in prefills), r["index"]
 
 
 def test_simulator_side_of_the_two_gpu_prefill_decode_layout(tmp_path) -> None:
