@@ -8,6 +8,13 @@ a swap-in, after another step: what delays a turn's first step), and the decode 
 of another instance on the same GPU. Writes JSON.
 
     python benchmarks/gpu_pool_calls.py RUN_DIR/serve-processes-pd.calls --out calls.json [--window 50]
+        [--run RUN_DIR/run-processes-pd-r1.json]
+
+With `--run` (a run gpu_pool.py wrote with the requests' times on the calls' clock), each served request's
+TTFT split in three: from sent to the start of the prefill call that gave its first token (the gateway and
+controller's admission, the queue, any switch), that call, and from its end to the first token at the client
+(delivery: the engine's reply, the controller, the gateway's stream) - medians, and over the requests sent while
+that instance was idle (admission without a queue).
 """
 
 from __future__ import annotations
@@ -70,6 +77,31 @@ def summarize(logs: dict[str, list[Call]], window_s: float) -> dict[str, Any]:
     return out
 
 
+def ttft_parts(logs: dict[str, list[Call]], run: dict[str, Any]) -> dict[str, Any]:
+    """Each served request's TTFT as (sent -> prefill call, the call, call end -> first token), on the calls' clock:
+    the prefill call (of any instance) that began after the request was sent and ended last before its first
+    token; medians over all and over those sent while no call of that instance was in flight."""
+    t0 = run["replay_t0_monotonic"]
+    prefills = sorted((t, t + d, iid) for iid, rows in logs.items() for m, t, d in rows if m == "prefill")
+    busy = {iid: [(t, t + d) for _, t, d in rows] for iid, rows in logs.items()}
+    parts: dict[str, list[float]] = defaultdict(list)
+    for r in run["requests"]:
+        if not r.get("served") or "first_s" not in r:
+            continue
+        sent, first = t0 + r["sent_s"], t0 + r["first_s"]
+        mine = [(b, e, iid) for b, e, iid in prefills if b >= sent and e <= first]
+        if not mine:
+            continue
+        begin, end, iid = max(mine, key=lambda c: c[1])
+        split = {"to_prefill": begin - sent, "prefill": end - begin, "delivery": first - end}
+        idle = not any(a < sent < b for a, b in busy[iid])
+        for name, value in split.items():
+            parts[name].append(value)
+            if idle:
+                parts[f"{name} (sent while idle)"].append(value)
+    return {"requests": len(parts["prefill"]), **{name: _stats(v) for name, v in parts.items()}}
+
+
 def _stats(values: list[float]) -> dict[str, float]:
     return {"n": len(values), "mean_ms": round(1e3 * statistics.fmean(values), 2),
             "p50_ms": round(1e3 * statistics.median(values), 2), "max_ms": round(1e3 * max(values), 1),
@@ -81,8 +113,16 @@ def main() -> None:
     parser.add_argument("calls", type=Path, help="a serve-<backend>-<layout>.calls folder")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--window", type=float, default=50.0, help="seconds before the last call (the last run)")
+    parser.add_argument("--run", type=Path, help="a run JSON of the same serve: split its requests' TTFT")
     args = parser.parse_args()
-    result = summarize(load(args.calls), args.window)
+    logs = load(args.calls)
+    result = summarize(logs, args.window)
+    if args.run is not None:
+        result["ttft_parts"] = ttft_parts(logs, json.loads(args.run.read_text()))
+        for name, s in result["ttft_parts"].items():
+            if isinstance(s, dict):
+                print(f"TTFT {name:32s} n={s['n']:5d} mean {s['mean_ms']:7.2f} ms  p50 {s['p50_ms']:7.2f}"
+                      f"  max {s['max_ms']:7.1f}")
     for iid, r in result["instances"].items():
         print(f"{iid}: " + ", ".join(f"{m} {s:.2f} s" for m, s in r["seconds_by_method"].items()))
         for group in ("decode_steps", "decode_steps_by_overlap"):

@@ -56,6 +56,12 @@ def test_tiny_harness_serves_every_request_with_no_capture_on_the_request_path(t
     for r in served:
         sent, first = t0 + r["sent_s"], t0 + r["first_s"]
         assert sent < first and any(sent <= begin and end <= first for begin, end in prefills), r["index"]
+    from benchmarks.gpu_pool_calls import load, ttft_parts
+
+    parts = ttft_parts(load(out / "serve-processes-pd.calls"), run)  # every request's TTFT split in three
+    assert parts["requests"] == len(served)
+    assert all(parts[name]["n"] == len(served) and parts[name]["p50_ms"] >= 0
+               for name in ("to_prefill", "prefill", "delivery"))
 
 
 def test_simulator_side_of_the_two_gpu_prefill_decode_layout(tmp_path) -> None:
