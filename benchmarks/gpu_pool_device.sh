@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the lent GPU box (no Ray, no pydantic/fastapi/uvicorn: carried as wheels in .whl):
-#   bash benchmarks/gpu_pool_device.sh STAGE...    stages: tests, pool, probe, share, mps, decode, alone, copyhol, light, heavy, calibrate, tp (two GPUs), RATE=<r>,
+#   bash benchmarks/gpu_pool_device.sh STAGE...    stages: tests, pool, probe, share, mps, decode, mpsdecode, alone, copyhol, light, heavy, calibrate, tp (two GPUs), RATE=<r>,
 #   BACKENDS=<a,b>; on two GPUs, GPUS_ARG='--gpus 2' gives light/heavy the prefill-GPU + decode-GPU layout
 # The pool stage serves as a user would: engine processes sharing the GPU run under a private MPS daemon (serve's
 # default); MPS=0 serves with --no-mps (time-sliced), MPS=1 with --mps (an error where no daemon can start).
@@ -47,11 +47,12 @@ for stage in "$@"; do
     mps)  # the share stage under CUDA MPS (a private control daemon, quit after): do the two processes still time-slice?
       under_mps timeout ${PROBE_S:-200} python3 benchmarks/gpu_prefill_probe.py --share --out "$OUT/prefill_share_mps.json" \
         2>&1 | tail -4 ;;
-    decode)  # decode steps alone and beside a prefilling process, time-sliced and under MPS (the prefiller's SMs
-      # limited to each of SM_PCTS percent in turn): gpu_share_decode_slowdown
+    decode)  # decode steps alone and beside a prefilling process, time-sliced: gpu_share_decode_slowdown (--no-mps)
       timeout ${PROBE_S:-200} python3 benchmarks/gpu_prefill_probe.py --decode-share --out "$OUT/decode_share.json" \
-        2>&1 | tail -4
-      under_mps timeout ${PROBE_S:-200} python3 benchmarks/gpu_prefill_probe.py --decode-share \
+        2>&1 | tail -4 ;;
+    mpsdecode)  # the same under MPS, the prefilling process limited to each of SM_PCTS percent of the SMs in turn
+      # (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE): does a cap keep the decode step beside a prefill from slowing 3x?
+      under_mps timeout ${PROBE_S:-300} python3 benchmarks/gpu_prefill_probe.py --decode-share \
         $(for p in ${SM_PCTS:-100 70 40}; do echo --sm-percent $p; done) --out "$OUT/decode_share_mps.json" 2>&1 | tail -8 ;;
     alone)  # prefill alone: the fused kernels against the torch ops, fresh lengths and again
       timeout ${PROBE_S:-200} python3 benchmarks/gpu_prefill_probe.py --alone --out "$OUT/prefill_alone.json" 2>&1 | tail -4 ;;
