@@ -116,7 +116,7 @@ class GpuTimeSharing:
         left = max(0.0, alone_s + owed)
         t = start_at
         while left > _DONE:
-            busy: dict[str, str] = {}  # each busy peer, the kind of its work at t (past its booked end: its latest booking's)
+            busy: dict[str, str] = {}  # each busy peer, the kind of its work at t (past its booked end: its latest)
             for p in peers:
                 booking = _at(self._booked[p], t)
                 if booking is not None or (p in staying and t >= self._booked_to[p]):
