@@ -400,16 +400,20 @@ def start_mps(backend: str, engine: str) -> MpsDaemon:
 def auto_mps(dep: Deployment) -> tuple[MpsDaemon | None, list[str]]:
     """serve's default (neither --mps nor --no-mps): a private MPS daemon where engine processes share a GPU, so
     they run side by side (a prefill 1.07x its time alone beside a decoder, 1.80x time-sliced: BENCHMARKS.md);
-    where none can be started, the instances are time-sliced and the notes say why. Set before the engine
-    processes start, which inherit its environment (this process has used no CUDA context yet)."""
+    where none can be started, or a CUDA client cannot run under it, the instances are time-sliced and the notes
+    say why. Set before the engine processes start, which inherit its environment (this process has used no CUDA
+    context yet)."""
     shared = shared_gpus(dep)
     if not shared:
         return None, []
     daemon = MpsDaemon()
     try:
-        os.environ.update(daemon.start())
+        env = daemon.start()
+        daemon.check_client()  # a default must not break serve where MPS cannot run: then time-sliced, said why
     except MpsError as exc:
+        daemon.stop()
         return None, time_slicing_notes(dep, f"no MPS daemon: {exc}")
+    os.environ.update(env)
     atexit.register(daemon.stop)
     return daemon, mps_notes(dep, daemon)
 
@@ -516,6 +520,12 @@ def serve_command(
     if daemon is not None and num_gpus == 0:
         daemon.stop()
         raise typer.BadParameter("MPS shares a GPU: this machine has no CUDA GPU", param_hint="--mps")
+    if daemon is not None:
+        try:
+            daemon.check_client()
+        except MpsError as exc:
+            daemon.stop()
+            raise typer.BadParameter(str(exc), param_hint="--mps") from None
     try:
         dep = (fleet_deployment(fleet_path, engine, num_gpus, instances, policy, kv_mib, profile) if fleet_path
                else demo_deployment(engine, num_gpus, instances, kv_mib, gpu))

@@ -18,11 +18,15 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 CONTROL = "nvidia-cuda-mps-control"
 PIPE_ENV, LOG_ENV = "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"
+# a CUDA client of the daemon: the daemon starts its server only when one connects, and that can still fail (a
+# GPU in exclusive mode, no room for the server, a container without the IPC it needs)
+CLIENT_CHECK = [sys.executable, "-c", "import torch; torch.empty(1, device='cuda'); torch.cuda.synchronize()"]
 
 
 class MpsError(RuntimeError):
@@ -55,6 +59,19 @@ class MpsDaemon:
             raise MpsError(f"{self.control} -d exited with {done.returncode}: {(done.stderr or done.stdout).strip()}")
         self.folder, self.env = folder, env
         return env
+
+    def check_client(self, timeout_s: float = 120.0) -> None:
+        """Start a CUDA client under the daemon (CLIENT_CHECK) and wait for it: MpsError, with what it said, when
+        it cannot run there."""
+        try:
+            done = subprocess.run(CLIENT_CHECK, env={**os.environ, **self.env}, capture_output=True, text=True,
+                                  timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise MpsError(f"a CUDA client of the MPS daemon did not finish within {timeout_s:g} s") from None
+        if done.returncode != 0:
+            said = (done.stderr or done.stdout).strip().splitlines()
+            raise MpsError(f"a CUDA client of the MPS daemon exited with {done.returncode}: "
+                           f"{said[-1] if said else 'no output'}")
 
     def stop(self) -> None:
         """Quit a daemon started here (its server ends once its clients have); nothing otherwise."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import stat
+import sys
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,18 @@ def fake_control(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     for name in (PIPE_ENV, LOG_ENV):  # restored (unset) after the test, whatever serve sets meanwhile
         monkeypatch.delenv(name, raising=False)
     return log
+
+
+@pytest.fixture
+def fake_client(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CUDA client of the daemon, as pool.mps checks one: like a real one it connects only with the daemon's pipe
+    folder in its environment (and, here, that folder made by the fake control binary's `-d`)."""
+    import pool.mps
+
+    monkeypatch.setattr(pool.mps, "CLIENT_CHECK", [sys.executable, "-c", (
+        "import os, sys; pipe = os.environ.get('CUDA_MPS_PIPE_DIRECTORY', ''); "
+        "ok = os.path.exists(os.path.join(pipe, 'control')); print('connected' if ok else 'no daemon to connect to', "
+        "file=sys.stderr); sys.exit(0 if ok else 4)")])
 
 
 def _calls(log: Path) -> list[str]:
@@ -115,7 +128,7 @@ def test_serve_notes_the_gpus_whose_instances_are_time_sliced() -> None:
         assert shared_gpus(alone) == {} and time_slicing_notes(alone, "x") == []
 
 
-def test_by_default_engine_processes_sharing_a_gpu_get_a_daemon(fake_control: Path) -> None:
+def test_by_default_engine_processes_sharing_a_gpu_get_a_daemon(fake_control: Path, fake_client: None) -> None:
     """serve's default: a private daemon where instances share a GPU (its environment set for the engine processes
     it starts next), none where they do not; one that cannot start leaves them time-sliced, the note saying why."""
     from modelpool.serve import auto_mps
@@ -137,7 +150,7 @@ def test_by_default_engine_processes_sharing_a_gpu_get_a_daemon(fake_control: Pa
 
 
 def test_by_default_a_daemon_that_cannot_start_leaves_the_instances_time_sliced(
-        fake_control: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        fake_control: Path, fake_client: None, monkeypatch: pytest.MonkeyPatch) -> None:
     from modelpool.serve import auto_mps
 
     monkeypatch.setenv("FAKE_MPS_FAIL", "An MPS control daemon is already running")
@@ -149,3 +162,22 @@ def test_by_default_a_daemon_that_cannot_start_leaves_the_instances_time_sliced(
     daemon, [note] = auto_mps(_dep({"slot0": "cuda:0", "slot1": "cuda:0"}))
     assert daemon is None and note.endswith("nvidia-cuda-mps-control is not on PATH: MPS comes with the NVIDIA "
                                             "driver's utilities")
+
+
+def test_by_default_a_daemon_no_cuda_client_can_use_is_quit_and_the_instances_time_sliced(
+        fake_control: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon starts, but a CUDA client cannot run under it (here: the real client check on a machine whose
+    clients fail, or a fake one that exits 5): serve's default quits it and goes on time-sliced, saying why."""
+    import pool.mps
+    from modelpool.serve import auto_mps
+
+    monkeypatch.setattr(pool.mps, "CLIENT_CHECK", [sys.executable, "-c",
+                                                   "import sys; print('all CUDA-capable devices are busy', "
+                                                   "file=sys.stderr); sys.exit(5)"])
+    daemon, [note] = auto_mps(_dep({"slot0": "cuda:0", "slot1": "cuda:0"}))
+    assert daemon is None and PIPE_ENV not in os.environ
+    assert note.endswith("no MPS daemon: a CUDA client of the MPS daemon exited with 5: all CUDA-capable devices "
+                         "are busy")
+    calls = _calls(fake_control)
+    assert calls[0].startswith("-d|") and calls[-1] == "stdin quit"  # started, then quit
+    assert not Path(calls[0].split("|")[1]).parent.exists()
