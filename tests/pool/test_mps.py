@@ -181,3 +181,18 @@ def test_by_default_a_daemon_no_cuda_client_can_use_is_quit_and_the_instances_ti
     calls = _calls(fake_control)
     assert calls[0].startswith("-d|") and calls[-1] == "stdin quit"  # started, then quit
     assert not Path(calls[0].split("|")[1]).parent.exists()
+
+
+def test_serve_mps_is_an_error_when_no_cuda_client_can_run_under_the_daemon(
+        fake_control: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import modelpool.serve
+    import pool.mps
+
+    monkeypatch.setattr(modelpool.serve, "count_gpus", lambda backend, address: 1)  # as on a GPU machine
+    monkeypatch.setattr(pool.mps, "CLIENT_CHECK", [sys.executable, "-c", "import sys; sys.exit(6)"])
+    res = CliRunner().invoke(app, ["serve", "--mps", "--backend", "processes", "--engine", "torch"])
+    said = " ".join(res.output.translate({ord(c): " " for c in "│╭╮╰╯─"}).split())  # rich's error box, unwrapped
+    assert res.exit_code == 2 and "a CUDA client of the MPS daemon exited with 6: no output" in said
+    calls = _calls(fake_control)
+    assert calls[0].startswith("-d|") and calls[-1] == "stdin quit"  # started, checked, quit
+    assert not Path(calls[0].split("|")[1]).parent.exists()
