@@ -98,12 +98,10 @@ def build_profile(measurements: Mapping[str, Any], archs: Mapping[str, Arch], gp
                            "both copies slowed down together") + f" ({where})"))
         figures["shared_link_rate"] = round(shared, 4)
     if measurements.get("gpu_share"):
-        terms["gpu_share_slowdown"], provenance["gpu_share_slowdown"], spread = _gpu_share(measurements["gpu_share"], gpu)
-        figures.update(spread)
-        if measurements["gpu_share"].get("decode_share"):
-            terms["gpu_share_decode_slowdown"], provenance["gpu_share_decode_slowdown"], spread = _gpu_share_decode(
-                measurements["gpu_share"], gpu)
-            figures.update(spread)
+        sharing_terms, sharing_sources, sharing_spread = _gpu_share_terms(measurements["gpu_share"], gpu)
+        terms.update(sharing_terms)
+        provenance.update(sharing_sources)
+        figures.update(sharing_spread)
     draft = CalibrationProfile(name="draft", terms=ProfileTerms.model_validate({**terms, "prefill_host_s": 0.0,
                                                                                "prefill_fresh_s": 0.0,
                                                                                "decode_host_s": 0.0}),
@@ -136,18 +134,25 @@ def with_gpu_share(profile: CalibrationProfile, probe: Mapping[str, Any], where:
              "where": where, "mps": probe.get("mps")}
     if probe.get("decode_share"):
         entry["decode_share"] = probe["decode_share"]
-    gpu = profile.calibration.gpu
-    value, source, spread = _gpu_share(entry, gpu)
-    terms, provenance = {"gpu_share_slowdown": value}, {"gpu_share_slowdown": source}
-    if "decode_share" in entry:
-        terms["gpu_share_decode_slowdown"], provenance["gpu_share_decode_slowdown"], more = _gpu_share_decode(entry, gpu)
-        spread = {**spread, **more}
+    terms, provenance, spread = _gpu_share_terms(entry, profile.calibration.gpu)
     run = profile.calibration.model_copy(update={
         "measurements": {**profile.calibration.measurements, "gpu_share": entry},
         "figures": {**profile.calibration.figures, **spread}})
     return profile.model_copy(update={
         "terms": ProfileTerms.model_validate({**profile.terms.model_dump(), **terms}),
         "provenance": {**profile.provenance, **provenance}, "calibration": run})
+
+
+def _gpu_share_terms(entry: Mapping[str, Any], gpu: str) -> tuple[dict[str, float], dict[str, Provenance],
+                                                                   dict[str, float]]:
+    """The GPU-sharing terms a probe entry measures (gpu_share_slowdown; gpu_share_decode_slowdown where it has the
+    decode series), their provenance and their spread figures."""
+    value, source, spread = _gpu_share(entry, gpu)
+    terms, provenance = {"gpu_share_slowdown": value}, {"gpu_share_slowdown": source}
+    if entry.get("decode_share"):
+        terms["gpu_share_decode_slowdown"], provenance["gpu_share_decode_slowdown"], more = _gpu_share_decode(entry, gpu)
+        spread = {**spread, **more}
+    return terms, provenance, spread
 
 
 def _sharing(entry: Mapping[str, Any]) -> str:
