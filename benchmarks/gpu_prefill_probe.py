@@ -29,6 +29,7 @@ from benchmarks.gpu_pool import QWEN  # noqa: E402
 from pool.engines.base import GenRequest, SamplingParams  # noqa: E402
 from pool.engines.torch_engine import TorchEngine, TorchEngineConfig  # noqa: E402
 from pool.engines.weights import HostWeightCache  # noqa: E402
+from pool.mps import PIPE_ENV  # noqa: E402
 
 
 def engine_with(shapes: dict[str, str], device: str, graphs: bool, kv_bytes: int, warm_prefill: int = 0) -> TorchEngine:
@@ -159,7 +160,7 @@ def decode_share(shapes, device, ctx, tiny: bool, sm_percents: list[int]) -> dic
         engine.prefill([GenRequest(rid, model, tuple(rng.randrange(10, 2000) for _ in range(rng.randint(800, 1200))),
                                    SamplingParams(max_tokens=100000, ignore_eos=True)) for rid in ids])
     steps = 300 if not tiny else 5
-    out: dict = {"batch": len(next(iter(batch.values()))), "steps": steps,
+    out: dict = {"batch": len(next(iter(batch.values()))), "steps": steps, "steps_beside": steps // 3,
                  "alone": {m: [decode_ms(engine, m, ids, steps, device) for _ in range(3)] for m, ids in batch.items()}}
     seconds = 20 if not tiny else 6
     for percent in sm_percents:
@@ -197,7 +198,7 @@ def _proc_copy(device, seconds, ready, gb=4.0):
 
 def under_mps() -> bool:
     """Whether this process (and the ones it starts) are clients of an MPS daemon (pool.mps's environment)."""
-    return bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY"))
+    return bool(os.environ.get(PIPE_ENV))
 
 
 def main() -> int:
