@@ -149,6 +149,7 @@ def demo_deployment(engine: str, num_gpus: int, num_instances: int | None, kv_mi
 def fleet_deployment(fleet_path: Path, engine: str, num_gpus: int, num_instances: int | None, policy: str,
                      kv_mib: int | None, profile: Path | None = None) -> Deployment:
     from modelpool.config import load_fleet
+    from pool.engines.graphs import batch_sizes_up_to
     from scheduler import make_instances, model_profiles
     from sims.costmodel import RooflineCostModel
 
@@ -191,7 +192,9 @@ def fleet_deployment(fleet_path: Path, engine: str, num_gpus: int, num_instances
                                      param_hint="--fleet")
         options = {"device": "cuda", "kv_bytes": kv, "max_host_kv_bytes": int(fleet.pool.host_kv_gb * 1e9
                                                                                / fleet.pool.gpus_per_node),
-                   "handoff_bytes": arena, "warm_prefill_tokens": fleet.pool.max_prefill_tokens}
+                   "handoff_bytes": arena, "warm_prefill_tokens": fleet.pool.max_prefill_tokens,
+                   # decode graphs for every batch the scheduler may form: none runs eagerly under load
+                   "graph_batch_sizes": batch_sizes_up_to(fleet.pool.max_batch_size)}
         from sims.profiles import load_profile
 
         try:

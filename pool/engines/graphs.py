@@ -28,6 +28,20 @@ from pool.engines.device import device_copy
 from pool.engines.forward import Decoder, DecodeInputs
 
 
+# padded batch sizes decode graphs are captured for, up to the scheduler's default max_batch_size (vLLM captures
+# up to 512): a step of more requests than the largest runs eagerly, its host launching every kernel of every
+# layer (on the H200 the 7B's step went from ~5 ms to 10-25 ms at 65-128 requests, the 22 req/s run of session 14)
+BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256)
+
+
+def batch_sizes_up_to(max_batch: int) -> tuple[int, ...]:
+    """`BATCH_SIZES` below `max_batch`, then `max_batch`: the graphs that cover every batch a scheduler of that
+    max_batch_size can form (a pool's engines are given these)."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch = {max_batch!r} must be >= 1")
+    return tuple(s for s in BATCH_SIZES if s < max_batch) + (max_batch,)
+
+
 def bucket(n: int, sizes: Sequence[int]) -> int | None:
     """The smallest size >= n, or None when n is larger than all of them."""
     return next((s for s in sorted(sizes) if s >= n), None)
@@ -37,7 +51,7 @@ def bucket(n: int, sizes: Sequence[int]) -> int | None:
 class GraphBuckets:
     """The padded batch sizes and block-table widths decode graphs are captured for."""
 
-    batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    batch_sizes: tuple[int, ...] = BATCH_SIZES
     block_widths: tuple[int, ...] = (16, 64, 256)
 
     def __post_init__(self) -> None:
@@ -101,11 +115,15 @@ class DecodeGraphs:
                 count += 1
         return count
 
+    def miss(self) -> None:
+        """A step no captured shape covers (more requests, or a wider block table, than the buckets hold)."""
+        self.num_misses += 1
+
     def replay(self, key: Hashable, inputs: DecodeInputs) -> torch.Tensor | None:
         """Logits for `inputs` (padded to the key's bucket) from the graph of `key`; None when there is none."""
         captured = self._graphs.get(key)
         if captured is None:
-            self.num_misses += 1
+            self.miss()
             return None
         device_copy(captured.static.packed, inputs.packed)
         captured.graph.replay()

@@ -28,7 +28,7 @@ from pool.engines.base import (EngineError, EngineStats, GenRequest, KvCapacity,
                                Table, TokenOut)
 from pool.engines.device import DeviceBuffer, Streams, align_up, held_device_bytes, input_stage_grown, wait_event
 from pool.engines.forward import Decoder, DecodeInputs, SharedTensors
-from pool.engines.graphs import NO_GRAPHS, GraphBuckets
+from pool.engines.graphs import BATCH_SIZES, NO_GRAPHS, GraphBuckets
 from pool.engines.handoff import ALIGN as HANDOFF_ALIGN
 from pool.engines.handoff import StagingArena, close_orphans, staged_view
 from pool.engines.kv import KvShape, host_pool, slab_bytes_for
@@ -69,7 +69,8 @@ class TorchEngineConfig:
     # repeat and warm_up runs them all: cuBLAS's kernel choice for a new shape cost ~10 ms a prefill on the H200;
     # None: on CUDA only (on CPU padding is only more work)
     pad_prefill: bool | None = None
-    graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # padded batch sizes graphs are captured for
+    graph_batch_sizes: tuple[int, ...] = BATCH_SIZES  # padded batch sizes graphs are captured for (a pool's:
+    # graphs.batch_sizes_up_to its max_batch_size)
     graph_block_widths: tuple[int, ...] = (16, 64, 256, 1024)  # block-table widths graphs are captured for
     tp: int = 1  # tensor-parallel ranks of the instance (> 1: `pool.engines.tp.TpEngine`, one process per rank)
     # device memory in which export_kv stages a hand-off's KV for an engine on the same GPU (pool.engines.handoff),
@@ -364,6 +365,8 @@ class TorchEngine:
         positions = [len(s.tokens) - 1 + ahead for s in seqs]
         max_blocks = max(len(k.blocks) for k in kvs)
         picked = self.buckets.pick(batch, max_blocks) if self.use_cuda_graphs and self._graphs is not None else None
+        if picked is None and self.use_cuda_graphs and self._graphs is not None:
+            self._graphs.miss()  # outside every captured shape: eager, and counted
         logits, forward = None, None
         if picked is not None:
             padded, width = picked

@@ -46,6 +46,12 @@ def test_fleet_deployment_serves_weights_folders_or_refuses_clearly(demo_models,
     gpu = fleet_deployment(fleet, "torch", num_gpus=2, num_instances=None, policy="token-level", kv_mib=None)
     assert [i.role for i in gpu.instances] == ["prefill", "decode"] and gpu.engine.options["device"] == "cuda"
     assert gpu.engine.options["handoff_bytes"] == 0  # on two GPUs: hand-offs through host memory
+    # decode graphs up to the scheduler's max_batch_size (the pool's, default 256): no batch it forms runs eagerly
+    assert gpu.engine.options["graph_batch_sizes"][-1] == 256
+    small = tmp_path / "small.yaml"
+    small.write_text(fleet.read_text().replace("num_gpus: 2}", "num_gpus: 2, max_batch_size: 48}"))
+    assert fleet_deployment(small, "torch", 2, None, "token-level", None).engine.options["graph_batch_sizes"] == \
+        (1, 2, 4, 8, 16, 32, 48)
     # on one GPU the prefill instance stages its hand-offs in device memory, set aside from the KV of both
     one = fleet_deployment(fleet, "torch", num_gpus=1, num_instances=None, policy="token-level", kv_mib=None)
     arena = one.engine.options["handoff_bytes"]

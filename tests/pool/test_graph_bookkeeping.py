@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pool.engines.device import GATE, DeviceGate, held_device_bytes
-from pool.engines.graphs import GraphBuckets
+from pool.engines.graphs import BATCH_SIZES, GraphBuckets, batch_sizes_up_to
 from pool.engines.timings import StepTimings
 from pool.engines.torch_engine import TorchEngine, TorchEngineConfig
 from pool.engines.weights import RANDOM_WEIGHTS_FILE, HostWeightCache
@@ -23,6 +23,16 @@ def test_buckets_pick_the_smallest_padded_shape_or_none() -> None:
     assert buckets.pick(3, 17) == (4, 64)
     assert buckets.pick(8, 64) == (8, 64)
     assert buckets.pick(9, 4) is None and buckets.pick(2, 65) is None  # outside the set: eager, counted as a miss
+
+
+def test_graph_batch_sizes_cover_every_batch_up_to_the_schedulers_max() -> None:
+    assert batch_sizes_up_to(256) == BATCH_SIZES == GraphBuckets().batch_sizes == TorchEngineConfig().graph_batch_sizes
+    assert batch_sizes_up_to(100) == (1, 2, 4, 8, 16, 32, 64, 96, 100)
+    assert batch_sizes_up_to(1) == (1,) and batch_sizes_up_to(512)[-2:] == (256, 512)
+    buckets = GraphBuckets(batch_sizes_up_to(100))
+    assert all(buckets.pick(batch, 1) is not None for batch in range(1, 101)) and buckets.pick(101, 1) is None
+    with pytest.raises(ValueError, match="max_batch"):
+        batch_sizes_up_to(0)
 
 
 def test_buckets_capture_only_widths_a_request_can_need() -> None:

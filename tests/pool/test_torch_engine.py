@@ -250,6 +250,21 @@ def test_cuda_engine_matches_transformers_through_swaps(graphs, demo_models):
     assert ids_of(first) == ids_of(batch)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_step_of_more_requests_than_any_graph_runs_eagerly_and_is_counted(demo_models):
+    """A batch past the largest captured size runs eagerly (same tokens) and shows as a graph miss."""
+    slab = 128 * 1024
+    sizes = dict(device="cuda", kv_bytes=6 * slab, device_slab_bytes=slab, host_slab_bytes=slab)
+    eager, small = make_engine(demo_models, cuda_graphs=False, **sizes), make_engine(demo_models, **sizes,
+                                                                                      graph_batch_sizes=(1, 2))
+    assert small.warm_up() > 0
+    for reqs in tiny_requests(small, 12).values():  # 3 requests a model: past (1, 2)
+        assert {r: ids_of(o) for r, o in run(small, reqs).items()} == {r: ids_of(o) for r, o in run(eager, reqs).items()}
+    extra = small.stats().extra
+    assert extra["graph_misses"] >= 3 * 11 and extra["graph_replays"] == 0, extra
+
+
 def test_mistral_matches_transformers_and_refuses_beyond_its_window(tmp_path):
     from transformers import AutoModelForCausalLM, MistralConfig
 
