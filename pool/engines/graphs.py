@@ -86,9 +86,13 @@ class _Captured:
 class DecodeGraphs:
     """Captured decode graphs by key; `replay` returns None for a key never captured (run eagerly then)."""
 
-    def __init__(self, warmup_steps: int = 2) -> None:
+    def __init__(self, warmup_steps: int = 2, max_batch: int = 64) -> None:
         self.warmup_steps = warmup_steps
+        self.max_batch = max_batch  # the largest batch captured: each vocab's logits buffer has that many rows
         self.pool = torch.cuda.graph_pool_handle()
+        # the warm-up steps before each capture run on one side stream: a fresh stream per capture (torch hands
+        # out 32 in turn) would have cuBLAS make each its own workspace, kept for the process (~1.5 GB seen)
+        self._side: torch.cuda.Stream | None = None
         self._graphs: dict[Hashable, _Captured] = {}
         # every graph writes its logits into one buffer per vocab size (rows: the batch): graphs replay one at
         # a time and each step's logits are sampled before the next replay, so one buffer serves them all
@@ -133,7 +137,7 @@ class DecodeGraphs:
     def _capture(self, decoder: Decoder, inputs: DecodeInputs) -> _Captured:
         # Warm-up steps write K/V for the dummy inputs into the scratch block, which no request owns.
         static = DecodeInputs(inputs.packed.clone(), inputs.batch, inputs.max_blocks)
-        side = torch.cuda.Stream()
+        side = self._side = self._side or torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(self.warmup_steps):
@@ -142,7 +146,7 @@ class DecodeGraphs:
         vocab = decoder.spec.vocab_size
         out = self._logits.get((vocab, static.packed.device))
         if out is None or out.shape[0] < inputs.batch:
-            out = torch.empty(max(64, inputs.batch), vocab, dtype=torch.float32, device=static.packed.device)
+            out = torch.empty(max(self.max_batch, inputs.batch), vocab, dtype=torch.float32, device=static.packed.device)
             self._logits[(vocab, static.packed.device)] = out
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):

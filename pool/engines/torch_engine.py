@@ -188,7 +188,7 @@ class TorchEngine:
         if self.use_cuda_graphs:
             from pool.engines.graphs import DecodeGraphs
 
-            self._graphs = DecodeGraphs()
+            self._graphs = DecodeGraphs(max_batch=self.buckets.batch_sizes[-1])
         want_async = self.streams.cuda if self.config.async_decode is None else self.config.async_decode
         self.async_decode = want_async and rank is None  # may be switched off later, as use_cuda_graphs
         self.pads_prefill = self.streams.cuda if self.config.pad_prefill is None else self.config.pad_prefill

@@ -206,10 +206,11 @@ def test_a_benchmark_can_sample_each_engine_process_host_time(tiny, long_referen
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["threads", "processes"])
 def test_cuda_restart_frees_the_lost_engines_device_memory_first(tiny, backend, monkeypatch) -> None:  # noqa: F811
-    """On a GPU: an instance killed mid-decode is rebuilt only once the GPU's memory in use is back to what it was
-    before the pool (the lost engine's buffer, KV, graphs and cache gone - by Engine.close on threads, by its
-    process's end on processes - not held beside its successor's), and every request still ends with all its
-    tokens. Measured with the driver's figure (cudaMemGetInfo), which also sees a caching allocator's reserve."""
+    """On a GPU: an instance killed mid-decode is rebuilt only once the lost engine's device memory is free, and
+    every request still ends with all its tokens. Processes: the GPU's memory in use (the driver's figure,
+    cudaMemGetInfo) is back to what it was before the pool - the lost process is gone. Threads: the device memory
+    this process's tensors hold is back to what it was (Engine.close freed the buffer, KV and graphs; what the
+    process keeps for itself - cuBLAS's workspace per stream, which the successor reuses - is set aside)."""
     import torch
 
     import pool.service
@@ -219,17 +220,21 @@ def test_cuda_restart_frees_the_lost_engines_device_memory_first(tiny, backend, 
     kv = 4 << 30  # enough that a leak shows in the GPU's memory
     spec = EngineSpec("torch", {"kv_bytes": kv})
 
-    def used() -> int:
-        free, total = torch.cuda.mem_get_info()
-        return total - free
+    def held(idle: bool = True) -> int:
+        if backend == "processes":
+            free, total = torch.cuda.mem_get_info()
+            return total - free
+        if idle:  # no engine runs in this process now: its cuBLAS workspaces can go
+            torch._C._cuda_clearCublasWorkspaces()
+        return torch.cuda.memory_allocated()
 
-    before = used()  # this process's own CUDA context, nothing else
+    before = held()  # processes: this process's own CUDA context, nothing else
     at_build: list[int] = []
 
     def watched(build):
         def build_after_looking(*args, **kwargs):
             gc.collect()
-            at_build.append(used())
+            at_build.append(held())
             return build(*args, **kwargs)
         return build_after_looking
 
@@ -241,11 +246,11 @@ def test_cuda_restart_frees_the_lost_engines_device_memory_first(tiny, backend, 
         sinks = submit_all(live)
         wait_until(lambda: live.engine_stats.get("slot0", {}).get("device_buffer_bytes", 0) > 0, 120,
                    "the engine's device buffer")
-        assert used() >= before + kv, "the engine's KV is not in this GPU's memory: the test could not see a leak"
+        assert held(idle=False) >= before + kv, "the engine's KV is not counted: the test could not see a leak"
         kill_mid_decode(live)
         wait_until(lambda: all(s.done.is_set() for s in sinks.values()), 300, "every request ended")
         assert all(s.error is None and len(s.tokens) == LONG_TOKENS and not s.after_end for s in sinks.values())
         assert live.status()["restarts"] == 1
         assert len(at_build) == 1, at_build
-        assert at_build[0] <= before + (256 << 20), \
-            f"GPU memory in use when the successor was built: {at_build[0]:,} bytes, {before:,} before the pool"
+        assert at_build[0] <= before + (128 << 20), \
+            f"device memory held when the successor was built: {at_build[0]:,} bytes, {before:,} before the pool"
