@@ -234,7 +234,10 @@ def test_cuda_restart_frees_the_lost_engines_device_memory_first(tiny, backend, 
     def watched(build):
         def build_after_looking(*args, **kwargs):
             gc.collect()
+            free, total = torch.cuda.mem_get_info()
             at_build.append(held())
+            print(f"[{backend}] at the successor's build: {at_build[-1]:,} bytes held ({before:,} before the pool), "
+                  f"the GPU's memory in use {total - free:,}")  # shown with pytest -s (the GPU runs)
             return build(*args, **kwargs)
         return build_after_looking
 
