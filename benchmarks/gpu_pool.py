@@ -42,6 +42,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.gpu_pool_calls import load as load_calls  # noqa: E402
+from benchmarks.gpu_pool_calls import ttft_parts  # noqa: E402
 from benchmarks.gpu_pool_sim import quantiles  # noqa: E402
 from scheduler.fleet import catalogue_arch, hf_shape  # noqa: E402
 
@@ -281,7 +283,8 @@ def per_request(results: list[dict]) -> list[dict[str, Any]]:
             row.update(ttft_s=first - r["arrival_s"], sent_s=round(r["sent_s"], 6), first_s=round(first, 6),
                        tokens=n, chunks=len(r["token_s"]),
                        tpot_s=(r["token_s"][-1] - first) / (n - 1) if n > 1 else None,
-                       itl_s=list(np.diff(r["token_s"])), e2e_s=last - r["arrival_s"])
+                       itl_s=[round(float(g), 6) for g in np.diff(r["token_s"])],  # to the us: half the file
+                       e2e_s=last - r["arrival_s"])
         out.append(row)
     return out
 
@@ -351,6 +354,10 @@ def live_runs(args: argparse.Namespace, fleet: Path, backend: str, layout: str, 
                 break
     finally:
         stop_server(proc)
+    if any(log_path.with_suffix(".calls").glob("calls-*.json")):  # written as the engine processes stopped
+        logs = load_calls(log_path.with_suffix(".calls"))
+        for result in results:  # each request's TTFT split: admission, queue and switch, prefill, delivery
+            result["ttft_parts"] = ttft_parts(logs, result)
     return results
 
 

@@ -80,10 +80,14 @@ def summarize(logs: dict[str, list[Call]], window_s: float) -> dict[str, Any]:
 def ttft_parts(logs: dict[str, list[Call]], run: dict[str, Any]) -> dict[str, Any]:
     """Each served request's TTFT as (sent -> prefill call, the call, call end -> first token), on the calls' clock:
     the prefill call (of any instance) that began after the request was sent and ended last before its first
-    token; medians over all and over those sent while no call of that instance was in flight."""
+    token; medians over all and over those sent while no call of that instance was in flight. Of those sent while
+    it was idle that it went straight to (nothing but their switch between), also the admission: sent -> that
+    instance's next call (the gateway, the pool's loop and the backend's hop; no queue) - with the delivery, what
+    the live pool adds to a request outside its engine calls (sims' request_admit_s and token_deliver_s)."""
     t0 = run["replay_t0_monotonic"]
     prefills = sorted((t, t + d, iid) for iid, rows in logs.items() for m, t, d in rows if m == "prefill")
     busy = {iid: [(t, t + d) for _, t, d in rows] for iid, rows in logs.items()}
+    calls = {iid: sorted((t, m) for m, t, _ in rows if m != "stats") for iid, rows in logs.items()}  # polls aside
     parts: dict[str, list[float]] = defaultdict(list)
     for r in run["requests"]:
         if not r.get("served") or "first_s" not in r:
@@ -95,6 +99,11 @@ def ttft_parts(logs: dict[str, list[Call]], run: dict[str, Any]) -> dict[str, An
         begin, end, iid = max(mine, key=lambda c: c[1])
         split = {"to_prefill": begin - sent, "prefill": end - begin, "delivery": first - end}
         idle = not any(a < sent < b for a, b in busy[iid])
+        # its admission, where the instance was idle and went straight to it: between its send and its prefill,
+        # that instance ran nothing but the switch to its model (a prefetch or activate)
+        between = [(t, m) for t, m in calls[iid] if sent <= t < begin]
+        if idle and all(m in ("activate", "prefetch") for _, m in between):
+            parts["admission (sent while idle)"].append((between[0][0] if between else begin) - sent)
         for name, value in split.items():
             parts[name].append(value)
             if idle:
@@ -114,11 +123,16 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--window", type=float, default=50.0, help="seconds before the last call (the last run)")
     parser.add_argument("--run", type=Path, help="a run JSON of the same serve: split its requests' TTFT")
+    parser.add_argument("--save", action="store_true", help="with --run: also write the split into the run JSON as "
+                        "its ttft_parts (gpu_pool.py does for its runs; for runs recorded before it did)")
     args = parser.parse_args()
     logs = load(args.calls)
     result = summarize(logs, args.window)
     if args.run is not None:
-        result["ttft_parts"] = ttft_parts(logs, json.loads(args.run.read_text()))
+        run = json.loads(args.run.read_text())
+        result["ttft_parts"] = ttft_parts(logs, run)
+        if args.save:
+            args.run.write_text(json.dumps({**run, "ttft_parts": result["ttft_parts"]}, indent=1, default=str))
         for name, s in result["ttft_parts"].items():
             if isinstance(s, dict):
                 print(f"TTFT {name:32s} n={s['n']:5d} mean {s['mean_ms']:7.2f} ms  p50 {s['p50_ms']:7.2f}"

@@ -43,8 +43,9 @@ def calibrate_command(
     max_shapes: int = typer.Option(3, "--max-shapes", min=1, help="Most distinct shapes measured."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random weights and prompts."),
     from_live: Path | None = typer.Option(None, "--from-live", help="Measure nothing: fit the live pool's host time "
-                                          "per decode step (decode_host_s, decode_host_request_s) to this run of "
-                                          "the live pool (a benchmarks/gpu_pool.py run JSON) on top of --profile."),
+                                          "per decode step (decode_host_s, decode_host_request_s), and what it has of "
+                                          "the hand-off and request-path terms, to this run of the live pool (a "
+                                          "benchmarks/gpu_pool.py run JSON) on top of --profile."),
     base: str | None = typer.Option(None, "--profile", help="With --from-live or --gpu-share: the profile to start "
                                     "from (a file `modelpool calibrate` wrote, or a shipped name)."),
     gpu_share: Path | None = typer.Option(None, "--gpu-share", help="Also fit gpu_share_slowdown (instances on one "
@@ -54,13 +55,19 @@ def calibrate_command(
                                                  "gpu_share_decode_slowdown (a decode step beside a prefill) to this "
                                                  "gpu_prefill_probe.py --decode-share result instead of the "
                                                  "--gpu-share one's (both measured with or both without MPS)."),
+    request_path: Path | None = typer.Option(None, "--request-path", help="With --profile: fit the live pool's way "
+                                             "in and out of each request (request_admit_s, token_deliver_s) to this "
+                                             "light-load benchmarks/gpu_pool.py run JSON (its ttft_parts), after "
+                                             "--from-live."),
 ) -> None:
     """Measure prefill, decode, switch, KV-move, shared-link and live-pool host times on this device; write a profile."""
     started = time.perf_counter()
     if gpu_share_decode is not None and gpu_share is None:
         _fail("--gpu-share-decode needs --gpu-share: the probe the prefill's slowdown is fitted to")
-    if from_live is not None or (gpu_share is not None and base is not None):
-        _refit(from_live, gpu_share, base, out, gpu, gpu_share_decode)
+    if request_path is not None and base is None:
+        _fail("--request-path needs --profile: the profile the request-path terms go on top of")
+    if from_live is not None or request_path is not None or (gpu_share is not None and base is not None):
+        _refit(from_live, gpu_share, base, out, gpu, gpu_share_decode, request_path)
         return
     try:
         fleet = load_fleet(fleet_path)
@@ -147,12 +154,12 @@ def _with_gpu_share(profile: Any, probe_path: Path, decode_path: Path | None = N
 
 
 def _refit(run_path: Path | None, share_path: Path | None, base: str | None, out: Path, gpu: str | None,
-           decode_path: Path | None = None) -> None:
+           decode_path: Path | None = None, path_run: Path | None = None) -> None:
     """`--from-live` / `--gpu-share` with `--profile`: the base profile with the host terms fitted to a live pool
     run and/or gpu_share_slowdown to a probe (sims.profiles.calibrated), named after `out` as a profile
     `modelpool calibrate` measures is."""
     from sims.profiles import load_profile
-    from sims.profiles.calibrated import with_live_host
+    from sims.profiles.calibrated import with_live_host, with_request_path
 
     if base is None:
         _fail("--from-live needs --profile: the profile whose engine terms the live pool's host time goes on top of")
@@ -176,6 +183,13 @@ def _refit(run_path: Path | None, share_path: Path | None, base: str | None, out
             _fail(f"--from-live {run_path}: {exc}")
     else:
         profile = profile.model_copy(update={"name": out.stem})
+    if path_run is not None:
+        try:
+            light = json.loads(path_run.read_text())
+            when = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+            profile = with_request_path(profile, light, f"{path_run.name}, fitted {when}", gpu, name=out.stem)
+        except (OSError, ValueError) as exc:
+            _fail(f"--request-path {path_run}: {exc}")
     if share_path is not None:
         profile = _with_gpu_share(profile, share_path, decode_path)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -186,6 +200,9 @@ def _refit(run_path: Path | None, share_path: Path | None, base: str | None, out
         if terms.gpu_share_decode_slowdown is not None:
             console.print(f"gpu_share_decode_slowdown {terms.gpu_share_decode_slowdown:.4g}, from "
                           f"{decode_path or share_path}")
+    if path_run is not None:
+        console.print(f"request_admit_s {terms.request_admit_s * 1e3:.4g} ms and token_deliver_s "
+                      f"{terms.token_deliver_s * 1e3:.4g} ms per request, from {path_run}")
     if run_path is None:
         console.print(f"wrote {out}; use it with `modelpool simulate --profile {out}`")
         return
@@ -193,6 +210,9 @@ def _refit(run_path: Path | None, share_path: Path | None, base: str | None, out
                   f"{terms.decode_host_request_s * 1e6:.4g} us per request, from {run_path}")
     if "kv_handoff_fixed_s" in profile.provenance and terms.kv_handoff_fixed_s is not None:
         console.print(f"kv_handoff_fixed_s {terms.kv_handoff_fixed_s * 1e3:.4g} ms per staged hand-off move")
+    if "request_admit_s" in profile.provenance and path_run is None:
+        console.print(f"request_admit_s {terms.request_admit_s * 1e3:.4g} ms and token_deliver_s "
+                      f"{terms.token_deliver_s * 1e3:.4g} ms per request, the live pool's way in and out")
     if "prefill_fresh_s" in profile.provenance and terms.prefill_fresh_s:
         console.print(f"prefill_fresh_s {terms.prefill_fresh_s * 1e3:.4g} ms per prefill at a fresh shape")
     console.print(f"wrote {out}; use it with `modelpool simulate --profile {out}`")

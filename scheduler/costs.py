@@ -138,6 +138,14 @@ class CostModel:
         device work: it does not share a GPU with other instances. None here."""
         return 0.0
 
+    def request_admit_s(self) -> float:
+        """Time from a request's arrival to its scheduler having it (a live pool's gateway and loop). None here."""
+        return 0.0
+
+    def token_deliver_s(self) -> float:
+        """Time from a step producing a token to its client having it (a live pool's way out). None here."""
+        return 0.0
+
     def decode_turn_s(self, model: str, batch_size: int, context_tokens: int, num_steps: int) -> float:
         """Time of `num_steps` decode steps, each adding one token per request (context grows by `batch_size`
         a step). Step by step here; a cost model with a closed form overrides it (the simulator's hot path)."""

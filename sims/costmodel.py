@@ -247,6 +247,12 @@ class RooflineCostModel(CostModel):
     def prefill_host_s(self, model: str) -> float:
         return self._models[model].prefill_host_s
 
+    def request_admit_s(self) -> float:
+        return self.terms.request_admit_s
+
+    def token_deliver_s(self) -> float:
+        return self.terms.token_deliver_s
+
     def gpu_shares(self, instances: Sequence[InstanceSpec], gpu_of: Mapping[str, int] | None = None) -> GpuShares | None:
         """The instances' time-slicing (sims.gpu_share) where some share a GPU and the profile measured how
         much that slows them (gpu_share_slowdown), else None."""

@@ -167,6 +167,9 @@ class Simulator:
         self.links = links  # shared host links (costs.host_links), or None: every copy at its time alone
         self.gpus = gpus  # shared GPUs (costs.gpu_shares), or None: every instance's steps at their time alone
         self.staging = frozenset(staging)  # instances that hand off through device memory (staging_instances)
+        # a live pool's way in and out (cost model terms; 0 unless a profile measured them): each request reaches
+        # the scheduler admit_s after its arrival, each token its client deliver_s after its step
+        self.admit_s, self.deliver_s = costs.request_admit_s(), costs.token_deliver_s()
         self._staged: set[str] = set()  # requests whose KV waits staged on a staging instance, until their SwapIn
         self._arrivals = iter(requests)
         self._next_arrival: Request | None = next(self._arrivals, None)
@@ -192,7 +195,7 @@ class Simulator:
         """Advance to `until` (or the end); `progress(now)` is called every few thousand instants."""
         heap, pop, cancelled, scheduler, policy = self._heap, heapq.heappop, self._cancelled_seq, self.scheduler, \
             self._policy
-        arrivals, incoming = self._arrivals, self._next_arrival
+        arrivals, incoming, admit = self._arrivals, self._next_arrival, self.admit_s
         ticks = 0
         # The loop makes millions of acyclic objects (events, actions, tuples, records); the cyclic collector's
         # passes over the growing records find nothing to free (tested), so they are skipped while it runs.
@@ -202,7 +205,7 @@ class Simulator:
             while True:
                 while cancelled and heap and heap[0].seq in cancelled:
                     cancelled.discard(pop(heap).seq)
-                t = incoming.arrival_at if incoming is not None else _INF
+                t = incoming.arrival_at + admit if incoming is not None else _INF
                 if heap:
                     first = heap[0].at
                     if first < t:
@@ -213,7 +216,7 @@ class Simulator:
                 ticks += 1
                 if progress is not None and not ticks & 4095:
                     progress(t)
-                while incoming is not None and incoming.arrival_at <= t:
+                while incoming is not None and incoming.arrival_at + admit <= t:
                     self._arrive(incoming, t)
                     incoming = next(arrivals, None)
                 while heap:
@@ -255,6 +258,8 @@ class Simulator:
     def _arrive(self, request: Request, now: float) -> None:
         self.records[request.request_id] = RequestRecord(
             request.request_id, request.model, request.arrival_at, request.prompt_tokens, request.max_output_tokens)
+        if self.admit_s:  # the scheduler stamps it when it gets it, as the live pool's does
+            request.arrival_at = now
         if self._policy is not None:
             self._policy.submit(request, now)
         else:
@@ -301,10 +306,10 @@ class Simulator:
             record.segments.append(segment)
         for record in tail:
             if record.first_token_at is None:
-                record.first_token_at = first_at
+                record.first_token_at = first_at + self.deliver_s
         if event.finished_ids:
             for rid in event.finished_ids:
-                self.records[rid].finished_at = now
+                self.records[rid].finished_at = now + self.deliver_s
             if batch is not None:
                 self._shrink(batch, event.finished_ids)
 

@@ -120,6 +120,31 @@ def test_calibrate_from_a_live_run_fits_the_host_terms_on_a_profile(tmp_path: Pa
     assert res.exit_code == 1 and "--from-live needs --profile" in res.output
 
 
+def test_calibrate_request_path_fits_the_way_in_and_out_from_a_light_run(tmp_path: Path) -> None:
+    """`--request-path`: request_admit_s and token_deliver_s from a light gpu_pool.py run's ttft_parts (its requests
+    an idle instance went straight to), on top of --profile; a run without them, or under load, is refused by name."""
+    parts = {"requests": 30, "admission (sent while idle)": {"n": 25, "mean_ms": 5.0, "p50_ms": 4.0, "max_ms": 9.0,
+                                                             "sum_s": 0.1},
+             "delivery (sent while idle)": {"n": 25, "mean_ms": 1.2, "p50_ms": 1.1, "max_ms": 2.0, "sum_s": 0.03}}
+    light, out = tmp_path / "light.json", tmp_path / "path.json"
+    light.write_text(json.dumps({"backend": "processes", "layout": "pd", "rate_rps": 1.0, "ttft_parts": parts}))
+    res = CliRunner().invoke(app, ["calibrate", "--profile", "h200-cudagraph", "--gpu", "h200", "--request-path",
+                                   str(light), "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    profile = load_profile(out)
+    assert (profile.terms.request_admit_s, profile.terms.token_deliver_s) == (0.004, 0.0011)
+    assert profile.status("request_admit_s", "h200") == "measured" and "light.json" in profile.description
+    res = CliRunner().invoke(app, ["simulate", "--profile", str(out), "--duration", "30"])
+    assert res.exit_code == 0, res.output
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps({"rate_rps": 1.0}))
+    res = CliRunner().invoke(app, ["calibrate", "--profile", "h200-cudagraph", "--gpu", "h200", "--request-path",
+                                   str(bare), "--out", str(out)])
+    assert res.exit_code == 1 and f"--request-path {bare}" in res.output and "no ttft_parts" in res.output
+    res = CliRunner().invoke(app, ["calibrate", "--request-path", str(light), "--out", str(out)])
+    assert res.exit_code == 1 and "--request-path needs --profile" in res.output
+
+
 def test_calibrate_gpu_share_fits_the_probe_on_a_profile(tmp_path: Path) -> None:
     """`--gpu-share PROBE --profile P`: no measurement; gpu_share_slowdown is the median over prompts of the
     probe's prefill beside a decoding process over the same length alone, measured on P's GPU; a file that is no

@@ -62,6 +62,7 @@ def test_tiny_harness_serves_every_request_with_no_capture_on_the_request_path(t
     assert parts["requests"] == len(served)
     assert all(parts[name]["n"] == len(served) and parts[name]["p50_ms"] >= 0
                for name in ("to_prefill", "prefill", "delivery"))
+    assert run["ttft_parts"] == parts  # the harness saved it in the run JSON (calibrate --request-path reads it)
 
 
 def test_simulator_side_of_the_two_gpu_prefill_decode_layout(tmp_path) -> None:
@@ -108,13 +109,43 @@ def test_call_logs_say_what_delayed_each_decode_step(tmp_path) -> None:
     assert steps["seconds_by_method"]["decode_step"] == pytest.approx(0.316)
 
 
+def test_ttft_parts_split_each_requests_first_token_and_time_the_admission_of_those_sent_to_an_idle_instance(
+        tmp_path) -> None:
+    """benchmarks/gpu_pool_calls.py's TTFT split on hand-made logs: sent -> prefill call, the call, -> first token;
+    the admission (sent -> the instance's next call) only of requests an idle instance went straight to."""
+    from benchmarks.gpu_pool_calls import load, ttft_parts
+
+    folder = tmp_path / "calls"
+    folder.mkdir()
+    # r0 at 100.000 to an idle slot0: a switch 4 ms later, its prefill; r1 at 100.100 while slot0 prefills r0's
+    # successor r2 (sent 100.090, straight to its prefill 3 ms later); stats polls do not count as work
+    (folder / "calls-slot0.json").write_text(json.dumps([
+        ["stats", 100.001, 0.001], ["activate", 100.004, 0.050], ["prefill", 100.055, 0.020],
+        ["prefill", 100.093, 0.030], ["prefill", 100.124, 0.020]]))
+    (folder / "calls-slot1.json").write_text(json.dumps([["decode_step", 100.2, 0.003]]))
+    run = {"replay_t0_monotonic": 100.0, "requests": [
+        {"served": True, "sent_s": 0.0, "first_s": 0.0765},     # after the 100.055 prefill (ends 100.075)
+        {"served": True, "sent_s": 0.1, "first_s": 0.1455},     # after the 100.124 prefill (ends 100.144)
+        {"served": True, "sent_s": 0.09, "first_s": 0.1245},    # after the 100.093 prefill (ends 100.123)
+        {"served": False, "sent_s": 0.2}]}
+    parts = ttft_parts(load(folder), run)
+    assert parts["requests"] == 3
+    assert parts["to_prefill"]["n"] == 3 and parts["prefill"]["p50_ms"] == pytest.approx(20.0)
+    assert parts["delivery"]["p50_ms"] == pytest.approx(1.5)
+    admission = parts["admission (sent while idle)"]  # r0 (4 ms, through its switch) and r2 (3 ms); r1 queued
+    assert admission["n"] == 2 and admission["mean_ms"] == pytest.approx(3.5)
+    assert parts["to_prefill (sent while idle)"]["n"] == 2
+
+
 @pytest.mark.parametrize("session, run_name, profile, switches", [
     ("s11", "h200-pool-s11-calprofile-processes-pd-r1.json", "h200-calibrated-live-s11-fresh.json", [147, 159]),
     ("s12", "h200-pool-s12-cal-processes-pd-r1.json", "h200-calibrated-live-s12.json", [158, 163]),
-    ("s13", "h200-pool-s13-mps-processes-pd-r16.json", "h200-calibrated-live-mps-s13.json", [264, 272])])
+    ("s13", "h200-pool-s13-mps-processes-pd-r16.json", "h200-calibrated-live-mps-s13.json", [264, 272]),
+    ("s14", "h200-pool-s14-processes-pd-r1.json", "h200-calibrated-live-mps-s14.json", [156, 165])])
 def test_the_recorded_h200_fidelity_is_what_the_simulator_gives_today(tmp_path, session, run_name, profile,
                                                                       switches) -> None:
-    """BENCHMARKS.md's fidelity rows (sessions 11 and 12 at 1 req/s, 13 at 16 req/s under MPS), recomputed from the committed live run and
+    """BENCHMARKS.md's fidelity rows (sessions 11 and 12 at 1 req/s, 13 at 16 req/s under MPS, 14 at 1 req/s with
+    the request path charged), recomputed from the committed live run and
     profile by benchmarks/gpu_pool_sim.py: a change to the simulator or the cost model that moves them shows here
     (then re-record results/h200-fidelity-<session>.json and the table, saying why)."""
     results = ROOT / "benchmarks" / "results"

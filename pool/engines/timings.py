@@ -131,7 +131,10 @@ class StepTimings:
                     "outside_ms_p50": round(float(np.median(outside)), 4),
                     "outside_ms_p90": round(float(np.percentile(outside, 90)), 4),
                     "ahead_share": round(float(picked[:, 4].mean()), 4),
-                    "added_ms_p50": round(float(np.median(added)), 4)}
+                    "added_ms_p50": round(float(np.median(added)), 4),
+                    # what the steps add on average, stalls included (a stats() call, a KV call between two steps):
+                    # over a turn of many steps the mean adds up, not the median (the simulator's decode_host terms)
+                    "added_ms_mean": round(float(added.mean()), 4)}
         prefills = [[m, t, n, round(s, 6)] for m, t, n, s in list(self.prefills)[-max_prefills:]]
         kv: dict[str, Any] = {}
         for method in sorted({call[0] for call in self.kv_calls}):

@@ -67,6 +67,13 @@ class ProfileTerms(_Frozen):
                                                                     "for each request in its batch (its token out of "
                                                                     "the engine, through the backend and the "
                                                                     "controller), on top of decode_host_s.")
+    request_admit_s: Seconds = Field(default=0.0, description="Time from a request reaching the endpoint to the "
+                                     "engine call it starts on an idle instance (the gateway, the pool's loop and the "
+                                     "backend's hop): the simulator hands each request to the scheduler that long "
+                                     "after its arrival.")
+    token_deliver_s: Seconds = Field(default=0.0, description="Time from an engine call returning a token to the "
+                                     "client having it (the backend, the pool's loop, the gateway's stream): the "
+                                     "simulator counts each token that long after its step.")
     eff_kv_move: Fraction | None = Field(default=None, description="Achieved share of nominal host link bandwidth "
                                                                    "when KV moves between host and device memory "
                                                                    "(paged block copies); None: eff_pcie.")

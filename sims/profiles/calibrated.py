@@ -21,7 +21,11 @@ by `sims.profiles.fitting`, as the shipped profiles are. On top of them:
   (`with_live_host`: a benchmarks/gpu_pool.py run, on the backend and layout
   that served): each decode step's time outside the engine (the backend hop,
   the controller, the runner: period less the engine's call), per batch size,
-  fitted as a + b x batch.
+  fitted as a + b x batch; with it, where the run has them, kv_handoff_fixed_s
+  (its staged hand-offs' calls), prefill_fresh_s (the engine alone at the
+  run's shapes) and request_admit_s / token_deliver_s (its requests sent to an
+  idle instance: the client's send to the next engine call, the prefill call's
+  end to the first token at the client; gpu_pool.py's ttft_parts).
 
 Terms not measured (the NVLink ones; a family with no points) keep the base
 profile's value and provenance. No torch here: the measurements are plain data.
@@ -378,6 +382,57 @@ def _handoff_move_s(run: Mapping[str, Any]) -> tuple[float, str] | None:
     return seconds, ", ".join(f"{m} {f['ms_p50']:.2f} ms over {f['calls']} calls" for m, f in sorted(sides.items()))
 
 
+MIN_IDLE_REQUESTS = 10  # requests sent to an idle instance: fewer, and the request path is not fitted
+
+
+def _request_path_terms(run: Mapping[str, Any], gpu: str, where: str) -> tuple[dict[str, float],
+                                                                               dict[str, Provenance]] | None:
+    """request_admit_s and token_deliver_s fitted to a live run's requests that an idle instance went straight to
+    (gpu_pool.py's `ttft_parts`, from the engines' call logs: the median send-to-engine-call and prefill-end-to-
+    first-token), with their provenance; None where the run has fewer than MIN_IDLE_REQUESTS of them (under load
+    an instance is seldom idle: a light run is the one to fit these to)."""
+    parts = run.get("ttft_parts") or {}
+    admission, delivery = parts.get("admission (sent while idle)"), parts.get("delivery (sent while idle)")
+    if not admission or not delivery or admission["n"] < MIN_IDLE_REQUESTS:
+        return None
+    source = (f"the live pool itself ({run.get('backend', '?')} backend, {run.get('layout', '?')} layout, "
+              f"{run.get('rate_rps', '?')} req/s): over the {admission['n']} requests an idle instance went straight "
+              f"to (nothing but their switch between), the median")
+    terms = {"request_admit_s": sig(admission["p50_ms"] / 1e3), "token_deliver_s": sig(delivery["p50_ms"] / 1e3)}
+    provenance = {
+        "request_admit_s": Provenance(status="measured", gpus=(gpu,), source=(
+            f"{source} time from the client's send to that instance's next engine call, {admission['p50_ms']} ms: "
+            f"the gateway, the pool's loop and the backend's hop ({where})")),
+        "token_deliver_s": Provenance(status="measured", gpus=(gpu,), source=(
+            f"{source} time from the end of their prefill call to the first token at the client, "
+            f"{delivery['p50_ms']} ms ({where})"))}
+    return terms, provenance
+
+
+def with_request_path(profile: CalibrationProfile, run: Mapping[str, Any], where: str, gpu: str | None = None,
+                      name: str = "") -> CalibrationProfile:
+    """`profile` with request_admit_s and token_deliver_s (only) fitted to a live pool run (`_request_path_terms`:
+    a light-load benchmarks/gpu_pool.py run with its `ttft_parts`) measured `where` on GPU type `gpu`."""
+    gpu = (gpu or (profile.calibration.gpu if profile.calibration is not None else "")).lower()
+    if not gpu:
+        raise ValueError(f"profile {profile.name!r} has no calibration run to say which GPU type the live run was "
+                         f"on: name it (--gpu TYPE)")
+    path = _request_path_terms(run, gpu, where)
+    if path is None:
+        parts = run.get("ttft_parts")
+        raise ValueError("the run has no ttft_parts (benchmarks/gpu_pool.py writes them from its engines' call logs; "
+                         "benchmarks/gpu_pool_calls.py --run RUN --save for a run recorded before)" if not parts else
+                         f"{(parts.get('admission (sent while idle)') or {}).get('n', 0)} requests that an idle "
+                         f"instance went straight to; the fit needs {MIN_IDLE_REQUESTS} (a light load has them)")
+    terms, provenance = path
+    description = (f"{profile.description} " if profile.description else "") + (
+        f"request_admit_s and token_deliver_s from the live pool run {where} (on {gpu}).")
+    return CalibrationProfile.model_validate({
+        **profile.model_dump(), "name": name or profile.name, "description": description,
+        "terms": {**profile.terms.model_dump(), **terms},
+        "provenance": {**profile.model_dump()["provenance"], **{k: v.model_dump() for k, v in provenance.items()}}})
+
+
 def with_live_host(profile: CalibrationProfile, run: Mapping[str, Any], where: str, gpu: str | None = None,
                    name: str = "") -> CalibrationProfile:
     """`profile` with decode_host_s and decode_host_request_s fitted to a live pool run (benchmarks/gpu_pool.py's
@@ -386,8 +441,9 @@ def with_live_host(profile: CalibrationProfile, run: Mapping[str, Any], where: s
     run JSON does not say). The result is named `name` (default: the profile's name).
 
     The engine that decoded most steps (the decode instance) gives, per bucket of at least MIN_STEPS steps, the
-    median time a step adds to the engine's own (StepTimings' `added`) and the bucket's mean batch (the bucket's middle in runs that did not
-    record it); a least-squares line through them, weighted by steps, is a + b x batch (both held >= 0)."""
+    mean time a step adds to the engine's own (StepTimings' `added`; the median in runs that predate the mean) and
+    the bucket's mean batch (the bucket's middle in runs that did not record it); a least-squares line through
+    them, weighted by steps, is a + b x batch (both held >= 0)."""
     gpu = (gpu or (profile.calibration.gpu if profile.calibration is not None else "")).lower()
     if not gpu:
         raise ValueError(f"profile {profile.name!r} has no calibration run to say which GPU type the live run was "
@@ -401,8 +457,9 @@ def with_live_host(profile: CalibrationProfile, run: Mapping[str, Any], where: s
     for key, figures in sorted(buckets.items(), key=lambda kv: int(kv[0].removeprefix("<="))):
         high = int(key.removeprefix("<="))
         # what a step adds to the engine's own (StepTimings: outside the call, or with async decode period -
-        # forward); runs before async decode recorded only the time outside the call
-        added = figures.get("added_ms_p50", figures.get("outside_ms_p50"))
+        # forward; runs before async decode recorded only the time outside the call), its mean - stalls included,
+        # what a turn of many steps adds up to - or in runs that predate the mean, its median
+        added = figures.get("added_ms_mean", figures.get("added_ms_p50", figures.get("outside_ms_p50")))
         if figures.get("steps", 0) >= MIN_STEPS and added is not None:
             batch = figures.get("batch_mean") or (low + 1 + high) / 2
             points.append((float(batch), added / 1e3, figures["steps"]))
@@ -418,9 +475,10 @@ def with_live_host(profile: CalibrationProfile, run: Mapping[str, Any], where: s
     intercept = max(0.0, mean_y - slope * mean_x)
     backend, layout = run.get("backend", "?"), run.get("layout", "?")
     shown = ", ".join(f"{x:g}: {y * 1e3:.3f} ms" for x, y, _ in points)
+    statistic = "mean" if any("added_ms_mean" in f for f in buckets.values()) else "median"
     source = (f"the live pool itself ({backend} backend, {layout} layout, {run.get('rate_rps', '?')} req/s; engine "
               f"{engine}): the time each decode step adds to the engine's (outside its call; with async decode, "
-              f"period less forward), median per batch bucket ({shown}), fitted as a + b x batch ({where})")
+              f"period less forward), {statistic} per batch bucket ({shown}), fitted as a + b x batch ({where})")
     provenance = {
         "decode_host_s": Provenance(status="measured", gpus=(gpu,), source=f"a of {source}"),
         "decode_host_request_s": Provenance(status="measured", gpus=(gpu,), source=f"b of {source}")}
@@ -435,6 +493,11 @@ def with_live_host(profile: CalibrationProfile, run: Mapping[str, Any], where: s
             f"{run.get('rate_rps', '?')} req/s): the mean of the median export and import call of hand-offs staged in "
             f"device memory ({shown}; their copies within the GPU included) ({where})")
         fitted += " and kv_handoff_fixed_s"
+    path = _request_path_terms(run, gpu, where)
+    if path is not None:
+        terms.update(path[0])
+        provenance.update(path[1])
+        fitted += " and request_admit_s and token_deliver_s"
     standalone = run.get("prefill_vs_standalone") or {}
     if standalone.get("samples"):
         if "standalone_fresh_extra_ms_p50" in standalone:  # per shape, first run less repeats: the median
