@@ -374,6 +374,18 @@ def phase_result(backend: str, layout: str, rate: float, args: argparse.Namespac
         return {iid: (e[part].get(key) or 0) - (old.get(iid, {}).get(part, {}).get(key) or 0)
                 for iid, e in engines.items()}
 
+    def call_seconds(iid: str) -> dict[str, dict[str, float]]:
+        """This run's engine calls of one instance by method: how many, seconds inside the engine."""
+        now = engines[iid]["extra"].get("timings", {}).get("calls") or {}
+        then = old.get(iid, {}).get("extra", {}).get("timings", {}).get("calls") or {}
+        out = {}
+        for method, figures in now.items():
+            was = then.get(method, {})
+            if figures["calls"] > was.get("calls", 0):
+                out[method] = {"calls": figures["calls"] - was.get("calls", 0),
+                               "s": round(figures["s"] - was.get("s", 0.0), 4)}
+        return out
+
     return {"backend": backend, "layout": layout, "rate_rps": rate, "duration_s": args.duration,
             "replay_s": round(replay_s, 1), "trace": trace_name, "aggregate": aggregate(rows_out),
             "gpu_util_mean": gpu_util, "switches_planned": (status.get("switches") or 0) - (before.get("switches") or 0),
@@ -399,6 +411,7 @@ def phase_result(backend: str, layout: str, rate: float, args: argparse.Namespac
             # every engine call by method since the engine started (calls, seconds inside the engine): where each
             # instance's time went; diff two runs of one serve for one run's share
             "call_timings": {iid: e["extra"].get("timings", {}).get("calls") for iid, e in engines.items()},
+            "call_s_by_engine": {iid: call_seconds(iid) for iid in engines},  # this run's share of them
             "errors": sorted({str(r["error"])[:200] for r in rows_out if r["error"]})[:10],
             "requests": rows_out,
             "metrics_graph_lines": [line for line in metrics_text.splitlines() if line.startswith("modelpool_graph")]}

@@ -59,7 +59,24 @@ def simulate_live_layout(fleet_path: Path, trace_path: Path, profile: Path | str
                  "ttft_s": quantiles([r["ttft_s"] for r in rows.values()]),
                  "tpot_s": quantiles([r["tpot_s"] for r in rows.values() if r["tpot_s"] is not None])}
     return {"requests": rows, "aggregate": aggregate, "switches": result.metrics["num_switches"],
-            "profile": str(profile or PROFILE), "instances": [s.instance_id for s in dep.instances], "gpu_of": gpu_of}
+            "profile": str(profile or PROFILE), "instances": [s.instance_id for s in dep.instances], "gpu_of": gpu_of,
+            "per_instance": result.per_instance}
+
+
+def time_budget(live: dict[str, Any], sim: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each instance's time, live (its engine calls in the run, by method: gpu_pool.py's call_s_by_engine; runs
+    recorded before it have none) beside the simulator's (decode steps and their seconds, switches, busy)."""
+    out = {}
+    idle = {"busy_s": 0.0, "decode_steps": 0, "decode_s": 0.0, "num_switches": 0, "switch_s": 0.0, "kv_moved_bytes": 0.0}
+    for iid in sim["instances"]:
+        figures = sim["per_instance"].get(iid, idle)  # an instance the simulator never gave work has no device
+        calls = (live.get("call_s_by_engine") or {}).get(iid) or {}
+        steps = calls.get("decode_step", {})
+        out[iid] = {
+            "live": {"decode_steps": steps.get("calls"), "decode_s": steps.get("s"),
+                     "other_calls_s": {m: f["s"] for m, f in calls.items() if m != "decode_step"}} if calls else None,
+            "sim": {k: round(v, 4) for k, v in figures.items()}}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         cmp = compare(live["requests"], sim["requests"])
         cmp["attainment"] = [live["aggregate"]["slo_attainment"], sim["aggregate"]["slo_attainment"]]
         cmp["switches"] = [live["switches_planned"], sim["switches"]]
+        cmp["time_budget"] = time_budget(live, sim)
         out[path.name] = cmp
 
         def ratios(key: str) -> str:
@@ -98,6 +116,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{path.name:44s} {ratios('ttft_s'):34s} {ratios('tpot_s'):26s} "
               f"{ms('ttft_s', 'live') + ' | ' + ms('ttft_s', 'sim'):32s} {ms('tpot_s', 'live') + ' | ' + ms('tpot_s', 'sim'):32s} "
               f"{cmp['attainment'][0]:.3f}/{cmp['attainment'][1]:.3f} {cmp['switches'][0]}/{cmp['switches'][1]}")
+    print("\neach instance's time, live (engine calls in the run) | sim: decode steps, their seconds (mean ms); "
+          "other seconds")
+    for name, cmp in out.items():
+        for iid, budget in cmp["time_budget"].items():
+            live_side, sim_side = budget["live"], budget["sim"]
+            shown = "-" if live_side is None else (
+                f"{live_side['decode_steps']} steps {live_side['decode_s']:.1f} s "
+                f"({1e3 * live_side['decode_s'] / max(1, live_side['decode_steps']):.2f} ms); "
+                + ", ".join(f"{m} {s:.2f} s" for m, s in sorted(live_side["other_calls_s"].items(), key=lambda kv: -kv[1])
+                            if s >= 0.01))
+            print(f"{name:44s} {iid}: {shown} | {sim_side['decode_steps']} steps {sim_side['decode_s']:.1f} s "
+                  f"({1e3 * sim_side['decode_s'] / max(1, sim_side['decode_steps']):.2f} ms); switches "
+                  f"{sim_side['switch_s']:.2f} s, busy {sim_side['busy_s']:.1f} s")
     if args.out:
         args.out.write_text(json.dumps(out, indent=1))
     return 0

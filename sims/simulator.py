@@ -128,6 +128,8 @@ class _Device:
     num_switches: int = 0
     switch_s: float = 0.0
     kv_moved_bytes: float = 0.0
+    decode_steps: int = 0  # decode iterations delivered (a turn of n steps counts n), and their seconds
+    decode_s: float = 0.0
     prompt_left: dict[str, int] = field(default_factory=dict)  # chunked prefill: tokens still to compute
     batch: _Batch | None = None  # the last decode batch; dropped by any other action on the device
     lost: bool = False  # its pending events are dropped
@@ -286,6 +288,8 @@ class Simulator:
             assert turn is not None
             step_s, dev.turn = turn.step_s, None
             self.num_decode_steps += num_steps
+            dev.decode_steps += num_steps
+            dev.decode_s += num_steps * step_s
             batch = turn.batch
             # a batch member has had its first token (its prefill, or the chunk that completed it,
             # was booked before): only requests past the batch can be getting theirs

@@ -63,6 +63,8 @@ def test_tiny_harness_serves_every_request_with_no_capture_on_the_request_path(t
     assert all(parts[name]["n"] == len(served) and parts[name]["p50_ms"] >= 0
                for name in ("to_prefill", "prefill", "delivery"))
     assert run["ttft_parts"] == parts  # the harness saved it in the run JSON (calibrate --request-path reads it)
+    mine = run["call_s_by_engine"]["slot1"]["decode_step"]  # this run's share of the engine's calls
+    assert 0 < mine["calls"] <= run["call_timings"]["slot1"]["decode_step"]["calls"] and mine["s"] > 0
 
 
 def test_simulator_side_of_the_two_gpu_prefill_decode_layout(tmp_path) -> None:
@@ -78,6 +80,14 @@ def test_simulator_side_of_the_two_gpu_prefill_decode_layout(tmp_path) -> None:
     one = simulate_live_layout(fleet, tmp_path / "t.csv", cpu=False, num_gpus=1)
     two = simulate_live_layout(fleet, tmp_path / "t.csv", cpu=False, num_gpus=2)
     assert one["gpu_of"] == {"slot0": 0, "slot1": 0} and two["gpu_of"] == {"slot0": 0, "slot1": 1}
+    from benchmarks.gpu_pool_sim import time_budget
+
+    live = {"call_s_by_engine": {"slot1": {"decode_step": {"calls": 40, "s": 0.2}, "import_kv": {"calls": 3, "s": 0.03}}}}
+    budget = time_budget(live, one)  # each instance's time side by side; no calls recorded for slot0: None
+    assert budget["slot0"]["live"] is None and budget["slot1"]["live"] == {
+        "decode_steps": 40, "decode_s": 0.2, "other_calls_s": {"import_kv": 0.03}}
+    assert budget["slot0"]["sim"]["decode_steps"] > 0 and budget["slot0"]["sim"]["decode_s"] > 0  # the first tokens
+    assert set(budget) == {"slot0", "slot1"}  # every instance of the layout, those given no work too
     assert len(two["requests"]) == len(one["requests"]) > 3
     for result in (one, two):  # the aggregate over the simulated requests, as the live side reports its own
         ttft, tpot = result["aggregate"]["ttft_s"], result["aggregate"]["tpot_s"]

@@ -36,6 +36,12 @@ def test_every_policy_serves_the_shipped_fleet(fleet, policy: str, gpus: int) ->
         assert m["num_switches"] == len(result.instances)  # each instance loads its model once
     if policy == "spatial":
         assert m["kv_bytes_moved"] == 0
+    # each instance's time as the simulator spent it (gpu_pool_sim.py lays it beside a live run's engine calls)
+    per = result.per_instance
+    assert sum(f["decode_steps"] for f in per.values()) == result.num_decode_steps > 0
+    assert sum(f["num_switches"] for f in per.values()) == m["num_switches"]
+    assert all(0 <= f["decode_s"] and f["switch_s"] <= f["busy_s"] + 1e-9 for f in per.values())
+    assert any(f["decode_s"] > 0 for f in per.values())
 
 
 def test_dedicated_needs_one_instance_per_model(fleet) -> None:
