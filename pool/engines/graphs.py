@@ -30,7 +30,8 @@ from pool.engines.forward import Decoder, DecodeInputs
 
 # padded batch sizes decode graphs are captured for, up to the scheduler's default max_batch_size (vLLM captures
 # up to 512): a step of more requests than the largest runs eagerly, its host launching every kernel of every
-# layer (on the H200 the 7B's step went from ~5 ms to 10-25 ms at 65-128 requests, the 22 req/s run of session 14)
+# layer (on the H200 at 22 req/s the decode instance's batches of 65-128 did, when graphs stopped at 64: that
+# eager path took 2.6 of every 5 s of its process's host time)
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256)
 
 
@@ -91,7 +92,7 @@ class DecodeGraphs:
         self.max_batch = max_batch  # the largest batch captured: each vocab's logits buffer has that many rows
         self.pool = torch.cuda.graph_pool_handle()
         # the warm-up steps before each capture run on one side stream: a fresh stream per capture (torch hands
-        # out 32 in turn) would have cuBLAS make each its own workspace, kept for the process (~1.5 GB seen)
+        # out 32 in turn) would have cuBLAS make each its own workspace, kept for the process (~1 GB on the H200)
         self._side: torch.cuda.Stream | None = None
         self._graphs: dict[Hashable, _Captured] = {}
         # every graph writes its logits into one buffer per vocab size (rows: the batch): graphs replay one at
