@@ -335,7 +335,7 @@ def live_runs(args: argparse.Namespace, fleet: Path, backend: str, layout: str, 
                 ended = time.monotonic()
                 cpu = cpu_use(cpu_before, cpu_seconds(proc.pid), ended - started)
                 cpu["client (this process)"] = round((time.process_time() - client_before) / (ended - started), 3)
-            time.sleep(1.0)  # the last stats() round
+            time.sleep(2.5)  # the last stats() round (the pool asks every 2 s)
             status = httpx.get(f"{url}/pool/status", timeout=30).json()
             metrics_text = httpx.get(f"{url}/metrics", timeout=30).text
             result = phase_result(backend, layout, rate, args, before, status, metrics_text, replayed,
