@@ -67,9 +67,7 @@ def time_budget(live: dict[str, Any], sim: dict[str, Any]) -> dict[str, dict[str
     """Each instance's time, live (its engine calls in the run, by method: gpu_pool.py's call_s_by_engine; runs
     recorded before it have none) beside the simulator's (decode steps and their seconds, switches, busy)."""
     out = {}
-    idle = {"busy_s": 0.0, "decode_steps": 0, "decode_s": 0.0, "num_switches": 0, "switch_s": 0.0, "kv_moved_bytes": 0.0}
-    for iid in sim["instances"]:
-        figures = sim["per_instance"].get(iid, idle)  # an instance the simulator never gave work has no device
+    for iid, figures in sim["per_instance"].items():
         calls = (live.get("call_s_by_engine") or {}).get(iid) or {}
         steps = calls.get("decode_step", {})
         out[iid] = {

@@ -520,11 +520,10 @@ def serve_command(
     if backend == "ray":
         ray_init(address, instances or 2)
     num_gpus = count_gpus(backend, address) if engine != "sim" else 0
-    if daemon is not None and num_gpus == 0:
-        daemon.stop()
-        raise typer.BadParameter("MPS shares a GPU: this machine has no CUDA GPU", param_hint="--mps")
     if daemon is not None:
         try:
+            if num_gpus == 0:
+                raise MpsError("MPS shares a GPU: this machine has no CUDA GPU")
             daemon.check_client()
         except MpsError as exc:
             daemon.stop()

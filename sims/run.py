@@ -38,8 +38,9 @@ class SimResult:
     sim_wall_s: float = 0.0  # the event loop
     sim_cpu_s: float = 0.0  # the event loop's CPU time (steadier than wall time on a shared machine)
     metrics_wall_s: float = 0.0  # summarize()
-    # each instance's time as the simulator spent it: busy, decode steps delivered and their seconds, switches
-    # and their seconds, KV bytes moved (a live run's engine call seconds are the other side: gpu_pool_sim.py)
+    # each instance's time as the simulator spent it, every instance of the layout: busy, decode steps delivered and
+    # their seconds, switches and their seconds, KV bytes moved (a live run's engine calls are the other side:
+    # gpu_pool_sim.py)
     per_instance: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
@@ -132,9 +133,12 @@ def simulate(fleet: Fleet, workload: Workload, policy: str, *, num_gpus: int | N
                         duration_s=workload.duration_s, devices=sim.devices, num_gpus=gpus,
                         gpus_per_instance={s.instance_id: s.tp for s in instances}, makespan_s=duration)
     notes = [f"{truncated[0]} prompt(s) truncated to the model's context window"] if truncated[0] else []
-    per_instance = {iid: {"busy_s": dev.busy_s, "decode_steps": dev.decode_steps, "decode_s": dev.decode_s,
-                          "num_switches": dev.num_switches, "switch_s": dev.switch_s,
-                          "kv_moved_bytes": dev.kv_moved_bytes} for iid, dev in sim.devices.items()}
+    per_instance = {}
+    for spec in instances:  # every instance of the layout: one never given work gets a device of zeros here
+        dev = sim.device(spec.instance_id)
+        per_instance[spec.instance_id] = {"busy_s": dev.busy_s, "decode_steps": dev.decode_steps,
+                                          "decode_s": dev.decode_s, "num_switches": dev.num_switches,
+                                          "switch_s": dev.switch_s, "kv_moved_bytes": dev.kv_moved_bytes}
     return SimResult(policy, gpus, instances, records, metrics, truncated[0], notes, sim.num_plans, sim.num_events,
                      sim.num_decode_steps, sim_wall_s, sim_cpu_s, time.perf_counter() - started - sim_wall_s,
                      per_instance)

@@ -364,9 +364,10 @@ class TorchEngine:
         last = [0] * batch if fed is not None else [s.tokens[-1] for s in seqs]
         positions = [len(s.tokens) - 1 + ahead for s in seqs]
         max_blocks = max(len(k.blocks) for k in kvs)
-        picked = self.buckets.pick(batch, max_blocks) if self.use_cuda_graphs and self._graphs is not None else None
-        if picked is None and self.use_cuda_graphs and self._graphs is not None:
-            self._graphs.miss()  # outside every captured shape: eager, and counted
+        graphs: Any = self._graphs if self.use_cuda_graphs else None  # DecodeGraphs (CUDA only) or None
+        picked = self.buckets.pick(batch, max_blocks) if graphs is not None else None
+        if graphs is not None and picked is None:
+            graphs.miss()  # outside every captured shape: eager, and counted
         logits, forward = None, None
         if picked is not None:
             padded, width = picked
@@ -374,7 +375,7 @@ class TorchEngine:
             if fed is not None:
                 inputs.row("token_ids")[:batch].copy_(fed)
             timer = self.timings.forward_begin()
-            logits = self._graphs.replay(self._graph_key(model, decoder, padded, width, self._offset(model)), inputs)
+            logits = graphs.replay(self._graph_key(model, decoder, padded, width, self._offset(model)), inputs)
             if logits is not None:
                 logits, forward = logits[:batch], self.timings.forward_end(timer)
         if logits is None:

@@ -413,10 +413,7 @@ def with_request_path(profile: CalibrationProfile, run: Mapping[str, Any], where
                       name: str = "") -> CalibrationProfile:
     """`profile` with request_admit_s and token_deliver_s (only) fitted to a live pool run (`_request_path_terms`:
     a light-load benchmarks/gpu_pool.py run with its `ttft_parts`) measured `where` on GPU type `gpu`."""
-    gpu = (gpu or (profile.calibration.gpu if profile.calibration is not None else "")).lower()
-    if not gpu:
-        raise ValueError(f"profile {profile.name!r} has no calibration run to say which GPU type the live run was "
-                         f"on: name it (--gpu TYPE)")
+    gpu = _live_gpu(profile, gpu)
     path = _request_path_terms(run, gpu, where)
     if path is None:
         parts = run.get("ttft_parts")
@@ -424,13 +421,29 @@ def with_request_path(profile: CalibrationProfile, run: Mapping[str, Any], where
                          "benchmarks/gpu_pool_calls.py --run RUN --save for a run recorded before)" if not parts else
                          f"{(parts.get('admission (sent while idle)') or {}).get('n', 0)} requests that an idle "
                          f"instance went straight to; the fit needs {MIN_IDLE_REQUESTS} (a light load has them)")
-    terms, provenance = path
+    return _refitted(profile, *path, "request_admit_s and token_deliver_s", where, gpu, name)
+
+
+def _live_gpu(profile: CalibrationProfile, gpu: str | None) -> str:
+    """The GPU type a live run was on: `gpu`, else the one `profile` was calibrated on (a run JSON does not say)."""
+    gpu = (gpu or (profile.calibration.gpu if profile.calibration is not None else "")).lower()
+    if not gpu:
+        raise ValueError(f"profile {profile.name!r} has no calibration run to say which GPU type the live run was "
+                         f"on: name it (modelpool calibrate ... --gpu TYPE)")
+    return gpu
+
+
+def _refitted(profile: CalibrationProfile, terms: Mapping[str, Any], provenance: Mapping[str, Provenance],
+              fitted: str, where: str, gpu: str, name: str) -> CalibrationProfile:
+    """`profile` with `terms` (named `fitted`, in words) fitted to a live pool run measured `where` on `gpu`, their
+    provenance with them; named `name` (default: the profile's)."""
     description = (f"{profile.description} " if profile.description else "") + (
-        f"request_admit_s and token_deliver_s from the live pool run {where} (on {gpu}).")
-    return CalibrationProfile.model_validate({
-        **profile.model_dump(), "name": name or profile.name, "description": description,
-        "terms": {**profile.terms.model_dump(), **terms},
-        "provenance": {**profile.model_dump()["provenance"], **{k: v.model_dump() for k, v in provenance.items()}}})
+        f"{fitted} from the live pool run {where} (on {gpu}), on top of profile {profile.name}.")
+    return CalibrationProfile.model_validate({**profile.model_dump(), "name": name or profile.name,
+                                              "description": description,
+                                              "terms": {**profile.terms.model_dump(), **terms},
+                                              "provenance": {**profile.model_dump()["provenance"],
+                                                             **{k: v.model_dump() for k, v in provenance.items()}}})
 
 
 def with_live_host(profile: CalibrationProfile, run: Mapping[str, Any], where: str, gpu: str | None = None,
@@ -444,10 +457,7 @@ def with_live_host(profile: CalibrationProfile, run: Mapping[str, Any], where: s
     mean time a step adds to the engine's own (StepTimings' `added`; the median in runs that predate the mean) and
     the bucket's mean batch (the bucket's middle in runs that did not record it); a least-squares line through
     them, weighted by steps, is a + b x batch (both held >= 0)."""
-    gpu = (gpu or (profile.calibration.gpu if profile.calibration is not None else "")).lower()
-    if not gpu:
-        raise ValueError(f"profile {profile.name!r} has no calibration run to say which GPU type the live run was "
-                         f"on: name it (modelpool calibrate --from-live ... --gpu TYPE)")
+    gpu = _live_gpu(profile, gpu)
     timings = run.get("decode_timings") or {}
     if not timings:
         raise ValueError("the run has no decode_timings (a benchmarks/gpu_pool.py run JSON has them per engine)")
@@ -482,7 +492,7 @@ def with_live_host(profile: CalibrationProfile, run: Mapping[str, Any], where: s
     provenance = {
         "decode_host_s": Provenance(status="measured", gpus=(gpu,), source=f"a of {source}"),
         "decode_host_request_s": Provenance(status="measured", gpus=(gpu,), source=f"b of {source}")}
-    terms = {**profile.terms.model_dump(), "decode_host_s": sig(intercept), "decode_host_request_s": sig(slope)}
+    terms: dict[str, Any] = {"decode_host_s": sig(intercept), "decode_host_request_s": sig(slope)}
     fitted = "decode_host_s and decode_host_request_s"
     handoff = _handoff_move_s(run)
     if handoff is not None:
@@ -513,9 +523,4 @@ def with_live_host(profile: CalibrationProfile, run: Mapping[str, Any], where: s
             status="measured", gpus=(gpu,), source=f"the engine alone after the live run, at the {standalone['samples']} "
             f"prefill shapes the live pool ran ({backend} backend, {run.get('rate_rps', '?')} req/s): {how} ({where})")
         fitted += " and prefill_fresh_s"
-    description = (f"{profile.description} " if profile.description else "") + (
-        f"{fitted} from the live pool run {where} (on {gpu}), on top of profile {profile.name}.")
-    return CalibrationProfile.model_validate({**profile.model_dump(), "name": name or profile.name,
-                                              "description": description, "terms": terms,
-                                              "provenance": {**profile.model_dump()["provenance"],
-                                                             **{k: v.model_dump() for k, v in provenance.items()}}})
+    return _refitted(profile, terms, provenance, fitted, where, gpu, name)
