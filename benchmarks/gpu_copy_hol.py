@@ -7,8 +7,11 @@ a one-element kernel, or a round trip through a stream that makes a one-element 
 latency of the same inputs read by a kernel straight from mapped pinned memory (pool.engines.device.InputStage's
 way: no copy engine). Each again beside a second process that keeps the GPU busy (`--no-busy` skips it), as the
 pool's other instance does. Prints a table and writes JSON (results/h200-copy-hol.json: the H200's).
+`--swap-mb N` (repeatable) adds a KV swap-in of N MB in place of the small input, by the copy engine and by a
+kernel reading mapped pinned memory: alone (its GB/s) and during the weight copy (does it wait for the model?).
 
     python benchmarks/gpu_copy_hol.py --out results.json [--gb 8] [--chunk-mb 0 --chunk-mb 64 --chunk-mb 16]
+        [--swap-mb 16 --swap-mb 128]
 """
 
 from __future__ import annotations
@@ -103,12 +106,30 @@ def variants(host, device, src, dst, chunks) -> list[dict]:
     return rows
 
 
+def swap_rows(host: torch.Tensor, device: torch.Tensor, sizes_mb: list[int]) -> list[dict]:
+    """A swap-in of each size: alone, then during one whole weight copy, by copy and by a mapped-memory kernel."""
+    rows = []
+    for mb in sizes_mb:
+        src = torch.randint(0, 1 << 30, ((mb << 20) // 8,), dtype=torch.int64).pin_memory()
+        dst = torch.zeros_like(src, device="cuda")
+        for small, source in ((small_copy_ms, src), (mapped_read_ms, mapped_view(src))):
+            for _ in range(3):
+                small(source, dst)
+            alone = float(np.median([small(source, dst) for _ in range(10)]))
+            assert torch.equal((dst - 1).cpu(), src), f"{small.__name__} of {mb} MB gave other values"
+            row = during(host, device, 0, source, dst, "none", small=small)
+            rows.append(dict(row, swap_mb=mb, alone_ms=round(alone, 3), alone_gb_s=round((mb << 20) / alone / 1e6, 1)))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--gb", type=float, default=8.0)
     parser.add_argument("--chunk-mb", type=int, action="append", help="0: one copy (repeatable)")
     parser.add_argument("--no-busy", action="store_true", help="skip the runs beside a busy second process")
+    parser.add_argument("--swap-mb", type=int, action="append", default=[],
+                        help="a KV swap-in of this many MB instead of the small input (repeatable)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs CUDA: this measures the GPU's copy engines")
@@ -121,21 +142,24 @@ def main() -> None:
         small_copy_ms(src, dst)
     idle = np.array([small_copy_ms(src, dst) for _ in range(200)])
     rows = [dict(r, busy=False) for r in variants(host, device, src, dst, args.chunk_mb or [0, 64, 16])]
+    rows += [dict(r, busy=False) for r in swap_rows(host, device, args.swap_mb)]
     if not args.no_busy:  # again while another process keeps the GPU busy (CUDA time-slices the two)
         busy = subprocess.Popen([sys.executable, "-c", BUSY], stdout=subprocess.PIPE, text=True)
         try:
             busy.stdout.readline()
             time.sleep(0.5)
             rows += [dict(r, busy=True) for r in variants(host, device, src, dst, args.chunk_mb or [0, 64, 16])]
+            rows += [dict(r, busy=True) for r in swap_rows(host, device, args.swap_mb)]
         finally:
             busy.kill()
     result = {"device": torch.cuda.get_device_name(), "gb": args.gb, "idle_small_ms_p50": round(float(np.median(idle)), 3),
               "idle_small_ms_max": round(float(idle.max()), 3), "runs": rows}
     print(f"{result['device']}: small copy + kernel + sync alone: p50 {result['idle_small_ms_p50']} ms")
-    print(f"{'busy':>4s} {'small':>15s} {'chunk MB':>9s} {'yield':>6s} {'big ms':>8s} {'GB/s':>6s} {'issue ms':>9s} {'n':>6s} "
-          f"{'small p50':>10s} {'p90':>8s} {'max':>8s}")
+    print(f"{'busy':>4s} {'small':>15s} {'swap MB':>8s} {'alone ms':>9s} {'GB/s':>6s} {'chunk MB':>9s} {'yield':>6s} "
+          f"{'big ms':>8s} {'GB/s':>6s} {'issue ms':>9s} {'n':>6s} {'small p50':>10s} {'p90':>8s} {'max':>8s}")
     for r in rows:
-        print(f"{str(r['busy'])[0]:>4s} {r['small']:>15s} {r['chunk_mb']:9d} {r['yields']:>6s} {r['big_copy_ms']:8.1f} {r['gb_s']:6.1f} "
+        print(f"{str(r['busy'])[0]:>4s} {r['small']:>15s} {r.get('swap_mb', 0):8d} {r.get('alone_ms', 0):9.3f} "
+              f"{r.get('alone_gb_s', 0):6.1f} {r['chunk_mb']:9d} {r['yields']:>6s} {r['big_copy_ms']:8.1f} {r['gb_s']:6.1f} "
               f"{r['issue_ms']:9.2f} {r['small_copies']:6d} {r['small_ms_p50']:10.3f} {r['small_ms_p90']:8.3f} {r['small_ms_max']:8.3f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))

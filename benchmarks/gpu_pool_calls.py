@@ -62,6 +62,7 @@ def summarize(logs: dict[str, list[Call]], window_s: float) -> dict[str, Any]:
                   if m == "prefill" and t >= start]
         methods: dict[str, float] = defaultdict(float)
         steps: dict[str, list[float]] = defaultdict(list)
+        moves: dict[str, list[float]] = defaultdict(list)  # KV calls and switches by the call before them
         beside: dict[str, list[float]] = defaultdict(list)
         for k, (method, t, d) in enumerate(calls):
             if t < start:
@@ -70,9 +71,12 @@ def summarize(logs: dict[str, list[Call]], window_s: float) -> dict[str, Any]:
             if method == "decode_step":
                 steps[after(calls, k)].append(d)
                 beside["beside a prefill" if overlap_s(t, t + d, others) > 0 else "alone"].append(d)
+            elif method in ("import_kv", "export_kv", "restore_kv", "save_kv", "activate") and k:
+                moves[f"{method} {after(calls, k)}"].append(d)
         out["instances"][iid] = {
             "seconds_by_method": {m: round(s, 3) for m, s in sorted(methods.items(), key=lambda kv: -kv[1])},
             "decode_steps": {k: _stats(v) for k, v in sorted(steps.items())},
+            "moves": {k: _stats(v) for k, v in sorted(moves.items())},
             "decode_steps_by_overlap": {k: _stats(v) for k, v in sorted(beside.items())}}
     return out
 
@@ -143,6 +147,9 @@ def main() -> None:
             for name, s in r[group].items():
                 print(f"   decode_step {name:22s} n={s['n']:5d} mean {s['mean_ms']:7.2f} ms  p50 {s['p50_ms']:7.2f}"
                       f"  max {s['max_ms']:7.1f}  sum {s['sum_s']:6.2f} s")
+        for name, s in r["moves"].items():
+            print(f"   {name:34s} n={s['n']:5d} mean {s['mean_ms']:7.2f} ms  p50 {s['p50_ms']:7.2f}"
+                  f"  max {s['max_ms']:7.1f}  sum {s['sum_s']:6.2f} s")
     args.out.write_text(json.dumps(result, indent=1))
 
 

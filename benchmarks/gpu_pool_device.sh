@@ -57,7 +57,8 @@ for stage in "$@"; do
     alone)  # prefill alone: the fused kernels against the torch ops, fresh lengths and again
       timeout ${PROBE_S:-200} python3 benchmarks/gpu_prefill_probe.py --alone --out "$OUT/prefill_alone.json" 2>&1 | tail -4 ;;
     copyhol)  # does a weight copy hold up a step's inputs? copies behind whole or yielding weight copies, mapped reads
-      timeout 90 python3 benchmarks/gpu_copy_hol.py --gb 8 --out "$OUT/copy_hol.json" 2>&1 | tail -30 ;;
+      timeout 120 python3 benchmarks/gpu_copy_hol.py --gb 8 --out "$OUT/copy_hol.json" \
+        $(for m in ${SWAP_MB:-}; do echo --swap-mb $m; done) 2>&1 | tail -40 ;;
     tp)  # two GPUs (issue 21): the torch engine at TP1 and TP2, NCCL
       timeout ${TP_S:-550} python3 benchmarks/gpu_tp.py --out "$OUT/h200x2-tp.json" ${TP_ARGS:-} 2>&1 | tail -40 ;;
     calibrate)  # on the pool stage's fleet (built here when no stage built one); GPU_SHARE=<probe --share JSON> adds

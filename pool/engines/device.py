@@ -10,6 +10,7 @@ the same code paths run in tests.
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from collections import Counter
 from collections.abc import Iterator
@@ -236,10 +237,14 @@ class Streams:
         if self.cuda:
             torch.cuda.synchronize()
 
-    def compute_done(self) -> None:
-        """Wait for the compute stream only (not for weight prefetches or KV swaps in flight on the others)."""
-        if self.cuda:
-            self.compute.synchronize()
+    def compute_done(self) -> float:
+        """Wait for the compute stream only (not for weight prefetches or KV swaps in flight on the others);
+        returns the seconds waited."""
+        if not self.cuda:
+            return 0.0
+        started = time.perf_counter()
+        self.compute.synchronize()
+        return time.perf_counter() - started
 
 
 class _NullContext:
