@@ -158,9 +158,9 @@ class KvStore:
         targets = allocate_all(self.device, kvs, counts)  # OutOfKvMemory: nothing taken
         with torch.no_grad():
             for kv, src, blocks in zip(kvs, sources, targets):
-                write_blocks(src, self.device, kv.shape, blocks)
                 kv.on_device, kv.host_blocks = True, []
                 self._place(kv, blocks)
+                write_blocks(src, self.view(kv.shape), kv.shape, kv.rows)
 
 
 def read_host(pool: SlabPool, kv: SeqKv, num_tokens: int) -> torch.Tensor:
@@ -206,23 +206,25 @@ def write_tokens(kv: torch.Tensor, pool: SlabPool, shape: KvShape, blocks: Seque
         block[:, :, :, chunk.shape[3] :].zero_()
 
 
-def write_blocks(kv: torch.Tensor, pool: SlabPool, shape: KvShape, blocks: Sequence[BlockRef]) -> None:
-    """Write a `[L, 2, kv_heads, tokens, head_dim]` tensor into `blocks` (as many as its tokens fill) with one
-    copy per run of adjacent whole blocks (`write_tokens` copies block by block), read in place as block-major,
-    and the last, partial block's tokens then zeros (see `write_tokens`)."""
-    size, tokens = shape.block_size, kv.shape[3]
-    if len(blocks) != shape.blocks_for(tokens):
-        raise ValueError(f"{tokens} tokens fill {shape.blocks_for(tokens)} blocks of {size}, not {len(blocks)}")
-    L, _, heads, _, dim = shape.dims
-    whole = tokens // size
-    source = kv[:, :, :, : whole * size].unflatten(3, (whole, size)).permute(3, 0, 1, 2, 4, 5)
-    for i, run in adjacent_runs(blocks[:whole]):
-        target = pool.span(shape, blocks[i], run).view(shape.dtype).view(run, L, 2, heads, size, dim)
-        target.copy_(source[i : i + run])
-    if whole < len(blocks):
-        last = pool.block(shape, blocks[whole])
-        last[:, :, :, : tokens - whole * size].copy_(kv[:, :, :, whole * size :])
-        last[:, :, :, tokens - whole * size :].zero_()
+def write_blocks(kv: torch.Tensor, rows: torch.Tensor, shape: KvShape, first_rows: Sequence[int]) -> None:
+    """Write a `[L, 2, kv_heads, tokens, head_dim]` tensor into the blocks starting at `first_rows` (as many as
+    its tokens fill) of `rows`, the device KV as `[rows, block_size, head_dim]` (`row_view`): every whole block
+    in one indexed copy, read in place as row-major (one kernel however the blocks lie: decode's growth scatters
+    them, and a copy per run of adjacent blocks took a hand-off's import to 0.87 s on the H200), then the last,
+    partial block's tokens and zeros (see `write_tokens`)."""
+    size, tokens, dim = shape.block_size, kv.shape[3], shape.head_dim
+    if len(first_rows) != shape.blocks_for(tokens):
+        raise ValueError(f"{tokens} tokens fill {shape.blocks_for(tokens)} blocks of {size}, not {len(first_rows)}")
+    per_block, whole = shape.rows_per_block, tokens // size
+    if whole:
+        firsts = to_device(np.asarray(first_rows[:whole], dtype=np.int64), rows.device)
+        index = firsts[None, :] + torch.arange(per_block, device=rows.device)[:, None]  # [rows a block, blocks]
+        rows.index_put_((index,), kv[:, :, :, : whole * size].reshape(per_block, whole, size, dim))
+    if whole < len(first_rows):
+        rest = tokens - whole * size
+        last = rows[first_rows[whole] : first_rows[whole] + per_block]  # a block's rows follow each other
+        last[:, :rest].copy_(kv[:, :, :, whole * size :].reshape(per_block, rest, dim))
+        last[:, rest:].zero_()
 
 
 def allocate_all(pool: SlabPool, kvs: Sequence[SeqKv], counts: Sequence[int]) -> list[list[BlockRef]]:

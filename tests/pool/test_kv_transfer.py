@@ -429,26 +429,28 @@ def test_a_hand_off_arena_too_small_for_one_region_is_refused_in_the_config():
     assert TorchEngineConfig(handoff_bytes=ALIGN).handoff_bytes == ALIGN
 
 
-@pytest.mark.parametrize("tokens", [1, 15, 16, 17, 48, 50])
+@pytest.mark.parametrize("tokens", [1, 15, 16, 17, 48, 50, 90])
 def test_write_blocks_lays_out_what_write_tokens_does(tokens):
-    """The staged import's writer (runs of adjacent whole blocks, read in place as block-major, then the partial
-    last block) against the block-by-block one, into blocks that are partly adjacent and partly not."""
-    from pool.engines.kv import KvShape, host_pool
+    """The staged import's writer (every whole block in one indexed copy through the region's row view, then the
+    partial last block) against the block-by-block one, into blocks out of order across two slabs, some adjacent
+    and some not, as decode's growth and frees leave them."""
+    from pool.engines.kv import KvShape, device_pool, host_pool, row_view
     from pool.engines.kvstore import write_blocks, write_tokens
 
     shape = KvShape(num_layers=2, num_kv_heads=2, head_dim=8, block_size=16, dtype=torch.float32)
     kv = torch.randn(2, 2, 2, tokens, 8)
-    pools = [host_pool(8 * shape.block_bytes, 64 * shape.block_bytes, pin=False) for _ in range(2)]
-    picked = []
-    for pool in pools:
-        taken = pool.allocate(shape, 7)  # the blocks used: 0, 2, 3, 4, 6 - runs of one and of three
-        picked.append([taken[k] for k in (0, 2, 3, 4, 6)][: shape.blocks_for(tokens)])
-    for pool, refs in zip(pools, picked):  # garbage where the tail's zeros must land
-        for ref in refs:
-            pool.block(shape, ref).fill_(float("nan"))
-    write_tokens(kv, pools[0], shape, picked[0])
-    write_blocks(kv, pools[1], shape, picked[1])
-    for a, b in zip(picked[0], picked[1]):
-        assert torch.equal(pools[0].block(shape, a), pools[1].block(shape, b))
+    region = torch.empty(16 * shape.block_bytes, dtype=torch.uint8)
+    pool, host = device_pool(region, 8 * shape.block_bytes), host_pool(8 * shape.block_bytes, 64 * shape.block_bytes, pin=False)
+    taken = pool.allocate(shape, 14)  # both slabs; picked: descending, a run of three, then the other slab
+    for ref in taken:  # garbage where the tail's zeros must land
+        pool.block(shape, ref).fill_(float("nan"))
+    picked = [taken[k] for k in (5, 2, 3, 4, 0, 9, 13)][: shape.blocks_for(tokens)]
+    expected = host.allocate(shape, len(picked))
+    write_tokens(kv, host, shape, expected)
+    write_blocks(kv, row_view(region, shape), shape, [pool.first_row(shape, ref) for ref in picked])
+    for a, b in zip(expected, picked):
+        assert torch.equal(host.block(shape, a), pool.block(shape, b))
+    others = [ref for ref in taken if ref not in picked]
+    assert all(torch.isnan(pool.block(shape, ref)).all() for ref in others)  # nothing written beside them
     with pytest.raises(ValueError, match="fill"):
-        write_blocks(kv, pools[1], shape, picked[1] + picked[1][:1])
+        write_blocks(kv, row_view(region, shape), shape, [pool.first_row(shape, r) for r in picked + picked[:1]])
