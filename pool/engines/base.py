@@ -78,6 +78,11 @@ class TokenOut:
     finished: bool = False
     finish_reason: FinishReason | None = None
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # pickled as its fields: an engine process sends one per request per step, and the dataclass's own
+        # __getstate__ looks the fields up for every token (7% of the H200 decode process's host time at 22 req/s)
+        return TokenOut, (self.request_id, self.token_id, self.text, self.finished, self.finish_reason)
+
 
 @dataclass(frozen=True, slots=True)
 class ArenaRef:

@@ -12,7 +12,7 @@ import openai
 import pytest
 import typer
 
-from modelpool.serve import HANDOFF_BATCHES, CpuCosts, demo_deployment, fleet_deployment, gpu_kv_bytes
+from modelpool.serve import HANDOFF_BATCHES, HOST_KV_PREALLOC_BYTES, CpuCosts, demo_deployment, fleet_deployment, gpu_kv_bytes
 from pool.gateway.server import free_port
 from tests.pool.fault_tools import stop_serve, wait_for_serve
 
@@ -48,6 +48,12 @@ def test_fleet_deployment_serves_weights_folders_or_refuses_clearly(demo_models,
     assert gpu.engine.options["handoff_bytes"] == 0  # on two GPUs: hand-offs through host memory
     # decode graphs up to the scheduler's max_batch_size (the pool's, default 256): no batch it forms runs eagerly
     assert gpu.engine.options["graph_batch_sizes"][-1] == 256
+    # host KV pinned at start, never past what the instance may use (host_kv_gb 256 over 8 GPUs a node)
+    assert gpu.engine.options["host_kv_prealloc_bytes"] == HOST_KV_PREALLOC_BYTES < gpu.engine.options["max_host_kv_bytes"]
+    tight = tmp_path / "tight.yaml"
+    tight.write_text(fleet.read_text().replace("num_gpus: 2}", "num_gpus: 2, host_kv_gb: 8}"))
+    options = fleet_deployment(tight, "torch", 2, None, "token-level", None).engine.options
+    assert options["host_kv_prealloc_bytes"] == options["max_host_kv_bytes"] == 1_000_000_000
     small = tmp_path / "small.yaml"
     small.write_text(fleet.read_text().replace("num_gpus: 2}", "num_gpus: 2, max_batch_size: 48}"))
     assert fleet_deployment(small, "torch", 2, None, "token-level", None).engine.options["graph_batch_sizes"] == \

@@ -257,3 +257,16 @@ def test_cuda_restart_frees_the_lost_engines_device_memory_first(tiny, backend, 
         assert len(at_build) == 1, at_build
         assert at_build[0] <= before + (128 << 20), \
             f"device memory held when the successor was built: {at_build[0]:,} bytes, {before:,} before the pool"
+
+
+def test_token_outs_cross_the_pipe_whole():
+    """TokenOut pickles as its fields (its __reduce__: the engine process sends one per request per step), every
+    field kept, through the worker's own pickler too."""
+    import pickle
+
+    from pool.engines.base import TokenOut
+    from pool.procs import _dumps_result
+
+    outs = [TokenOut("r1", 7, "hi", False, None), TokenOut("r2", 0, "", True, "length")]
+    assert pickle.loads(pickle.dumps(outs)) == outs
+    assert pickle.loads(_dumps_result(outs)) == outs
