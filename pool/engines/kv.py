@@ -264,6 +264,9 @@ class SlabPool:
         return len(self._slabs)
 
     def used_bytes(self) -> int:
+        """Bytes of blocks in use: held, or freed behind a copy still in flight (those whose copy has landed
+        are given back first, so the figure does not hang on when the pool next allocates)."""
+        self._reclaim(block=False)
         return sum(n * shape.block_bytes for shape, n in self._used_of.items())
 
     def used_blocks(self, shape: KvShape | None = None) -> int:
