@@ -63,6 +63,7 @@ def summarize(logs: dict[str, list[Call]], window_s: float) -> dict[str, Any]:
         methods: dict[str, float] = defaultdict(float)
         steps: dict[str, list[float]] = defaultdict(list)
         moves: dict[str, list[float]] = defaultdict(list)  # KV calls and switches by the call before them
+        gaps: list[float] = []  # from a decode step's end to the next's start: the host outside the engine
         beside: dict[str, list[float]] = defaultdict(list)
         for k, (method, t, d) in enumerate(calls):
             if t < start:
@@ -70,6 +71,8 @@ def summarize(logs: dict[str, list[Call]], window_s: float) -> dict[str, Any]:
             methods[method] += d
             if method == "decode_step":
                 steps[after(calls, k)].append(d)
+                if k and calls[k - 1][0] == "decode_step":
+                    gaps.append(t - calls[k - 1][1] - calls[k - 1][2])
                 beside["beside a prefill" if overlap_s(t, t + d, others) > 0 else "alone"].append(d)
             elif method in ("import_kv", "export_kv", "restore_kv", "save_kv", "activate") and k:
                 moves[f"{method} {after(calls, k)}"].append(d)
@@ -77,6 +80,7 @@ def summarize(logs: dict[str, list[Call]], window_s: float) -> dict[str, Any]:
             "seconds_by_method": {m: round(s, 3) for m, s in sorted(methods.items(), key=lambda kv: -kv[1])},
             "decode_steps": {k: _stats(v) for k, v in sorted(steps.items())},
             "moves": {k: _stats(v) for k, v in sorted(moves.items())},
+            "gaps_between_decode_steps": _stats(gaps) if gaps else None,
             "decode_steps_by_overlap": {k: _stats(v) for k, v in sorted(beside.items())}}
     return out
 
@@ -147,6 +151,10 @@ def main() -> None:
             for name, s in r[group].items():
                 print(f"   decode_step {name:22s} n={s['n']:5d} mean {s['mean_ms']:7.2f} ms  p50 {s['p50_ms']:7.2f}"
                       f"  max {s['max_ms']:7.1f}  sum {s['sum_s']:6.2f} s")
+        if r["gaps_between_decode_steps"]:
+            g = r["gaps_between_decode_steps"]
+            print(f"   gap between two decode steps     n={g['n']:5d} mean {g['mean_ms']:7.2f} ms  p50 {g['p50_ms']:7.2f}"
+                  f"  max {g['max_ms']:7.1f}  sum {g['sum_s']:6.2f} s")
         for name, s in r["moves"].items():
             print(f"   {name:34s} n={s['n']:5d} mean {s['mean_ms']:7.2f} ms  p50 {s['p50_ms']:7.2f}"
                   f"  max {s['max_ms']:7.1f}  sum {s['sum_s']:6.2f} s")
