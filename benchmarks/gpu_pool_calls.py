@@ -34,7 +34,7 @@ def load(folder: Path) -> dict[str, list[Call]]:
             for p in sorted(folder.glob("calls-*.json"))}
     if not logs:
         raise SystemExit(f"{folder}: no calls-*.json (a gpu_pool.py run on the processes backend writes them)")
-    return logs  # type: ignore[return-value]
+    return logs
 
 
 def after(calls: list[Call], index: int) -> str:

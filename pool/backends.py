@@ -118,7 +118,8 @@ class ThreadBackend:
         self.engines = dict(engines)
         self._ids = itertools.count(1)
         self._done: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
-        self._work: dict[str, queue.SimpleQueue[tuple[int, str, tuple[Any, ...]] | None]] = {}
+        # a call, None (stop), or an Event: `retire` - close the engine, set the event, stop
+        self._work: dict[str, queue.SimpleQueue[tuple[int, str, tuple[Any, ...]] | threading.Event | None]] = {}
         self.in_flight = 0  # touched by the loop thread only
         self._retired: set[str] = set()  # freed by retire() and not replaced since
         for iid, engine in self.engines.items():

@@ -187,7 +187,7 @@ def _worker_main(conn: Any, instance_id: str, spec: EngineSpec, models: Mapping[
         profile.close()
     log_dir = os.environ.get("MODELPOOL_CALL_LOG_DIR")  # a benchmark's: every engine call, timed, at the end
     timings = getattr(engine, "timings", None)
-    if log_dir and hasattr(timings, "dump_calls"):
+    if log_dir and timings is not None and hasattr(timings, "dump_calls"):
         timings.dump_calls(os.path.join(log_dir, f"calls-{instance_id}.json"))
     close = getattr(engine, "close", None)
     if close is not None:

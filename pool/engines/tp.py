@@ -74,7 +74,7 @@ class TpComm:
             options._timeout = timeout
             self.group: Any = dist.ProcessGroupNCCL(store, rank, size, options)
         else:
-            options = dist.ProcessGroupGloo._Options()
+            options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # not in torch's stubs
             options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]  # loopback only
             options._timeout = timeout
             self.group = dist.ProcessGroupGloo(store, rank, size, options)

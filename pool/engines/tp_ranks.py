@@ -195,7 +195,7 @@ class RayRank:
         if placement_group is not None:
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 placement_group, placement_group_bundle_index=setup.rank)
-        self.actor = ray.remote(RankActor).options(**options).remote(setup)
+        self.actor: Any = ray.remote(RankActor).options(**options).remote(setup)
         self._ref: Any = None
         self._built: Any = None
 
