@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu_pool_calls import load as load_calls  # noqa: E402
+from benchmarks.gpu_pool_calls import plan_summary  # noqa: E402
 from benchmarks.gpu_pool_calls import ttft_parts  # noqa: E402
 from benchmarks.gpu_pool_sim import quantiles  # noqa: E402
 from scheduler.fleet import catalogue_arch, hf_shape  # noqa: E402
@@ -342,6 +343,7 @@ def live_runs(args: argparse.Namespace, fleet: Path, backend: str, layout: str, 
                                   ended - started, gpu.mean(started, ended), trace_path.name)
             result["ready_s"] = round(ready_s, 1)
             result["replay_t0_monotonic"] = round(t0, 6)  # requests' sent_s / first_s + this: the call logs' clock
+            result["plans_range"] = [before["plans"], status["plans"]]  # its lines of the plan log (one a Plan)
             result["cpu_cores"] = cpu  # the serve process, its engine processes, the replaying client
             # the serve arguments, and whether its engine processes ran as MPS clients (the banner says so)
             result["serve_args"] = list(args.serve_arg)
@@ -354,6 +356,11 @@ def live_runs(args: argparse.Namespace, fleet: Path, backend: str, layout: str, 
                 break
     finally:
         stop_server(proc)
+    plans = log_path.with_suffix(".plans.jsonl")
+    if plans.exists():  # complete once the server stopped: what each run's Plans ordered (gpu_pool_sim.py's `plans`)
+        lines = plans.read_text().splitlines()
+        for result in results:
+            result["plan_summary"] = plan_summary(lines[slice(*result["plans_range"])])
     if any(log_path.with_suffix(".calls").glob("calls-*.json")):  # written as the engine processes stopped
         logs = load_calls(log_path.with_suffix(".calls"))
         for result in results:  # each request's TTFT split: admission, queue and switch, prefill, delivery

@@ -24,6 +24,7 @@ import json
 import statistics
 from collections import defaultdict
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 Call = tuple[str, float, float]  # method, started at (monotonic s), seconds
@@ -117,6 +118,26 @@ def ttft_parts(logs: dict[str, list[Call]], run: dict[str, Any]) -> dict[str, An
             if idle:
                 parts[f"{name} (sent while idle)"].append(value)
     return {"requests": len(parts["prefill"]), **{name: _stats(v) for name, v in parts.items()}}
+
+
+def plan_summary(lines: Sequence[str]) -> dict[str, dict[str, dict[str, float]]]:
+    """What a run's Plans ordered, per instance and action: how many, their requests on average, and for Decode
+    the steps a turn may take - a plan log's lines (`modelpool serve --plan-log`, or the simulator's
+    `plan_log`: one format), so that the live pool's and the simulator's choices on one trace line up."""
+    sizes: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
+    steps: dict[str, list[int]] = defaultdict(list)
+    for line in lines:
+        for iid, actions in json.loads(line)["actions"].items():
+            for action in actions:
+                sizes[iid][action["op"]].append(len(action.get("request_ids", ())))
+                if action["op"] == "Decode":
+                    steps[iid].append(action["max_steps"])
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for iid, ops in sorted(sizes.items()):
+        out[iid] = {op: {"actions": len(n), "requests_mean": round(statistics.fmean(n), 3)} for op, n in sorted(ops.items())}
+        if steps[iid]:
+            out[iid]["Decode"]["max_steps_mean"] = round(statistics.fmean(steps[iid]), 3)
+    return out
 
 
 def _stats(values: list[float]) -> dict[str, float]:

@@ -32,6 +32,9 @@ def simulate_live_layout(fleet_path: Path, trace_path: Path, profile: Path | str
                          num_gpus: int = 1) -> dict[str, Any]:
     from modelpool.config import load_fleet
     from modelpool.serve import fleet_deployment
+    import io
+
+    from benchmarks.gpu_pool_calls import plan_summary
     from sims.costmodel import RooflineCostModel
     from sims.profiles import load_profile
     from sims.run import simulate
@@ -45,7 +48,8 @@ def simulate_live_layout(fleet_path: Path, trace_path: Path, profile: Path | str
     # each instance on the GPU serve gives it (two GPUs: the prefill instance on one, the decode one on the other)
     gpu_of = {spec.instance_id: int(dep.devices.get(spec.instance_id, "cuda:0").partition(":")[2] or 0)
               for spec in dep.instances}
-    result = simulate(fleet, workload, policy, instances=dep.instances, gpu_of=gpu_of, costs=costs)
+    plans = io.StringIO()
+    result = simulate(fleet, workload, policy, instances=dep.instances, gpu_of=gpu_of, costs=costs, plan_log=plans)
     rows: dict[int, dict[str, Any]] = {}
     for k in range(len(workload.arrival_s)):
         record = result.records.get(request_id(k))
@@ -60,7 +64,7 @@ def simulate_live_layout(fleet_path: Path, trace_path: Path, profile: Path | str
                  "tpot_s": quantiles([r["tpot_s"] for r in rows.values() if r["tpot_s"] is not None])}
     return {"requests": rows, "aggregate": aggregate, "switches": result.metrics["num_switches"],
             "profile": str(profile or PROFILE), "instances": [s.instance_id for s in dep.instances], "gpu_of": gpu_of,
-            "per_instance": result.per_instance}
+            "per_instance": result.per_instance, "plan_summary": plan_summary(plans.getvalue().splitlines())}
 
 
 def time_budget(live: dict[str, Any], sim: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -75,6 +79,13 @@ def time_budget(live: dict[str, Any], sim: dict[str, Any]) -> dict[str, dict[str
                      "other_calls_s": {m: f["s"] for m, f in calls.items() if m != "decode_step"}} if calls else None,
             "sim": {k: round(v, 4) for k, v in figures.items()}}
     return out
+
+
+def _actions(figures: dict[str, float] | None) -> str:
+    if not figures:
+        return "-"
+    steps = f" ({figures['max_steps_mean']:.1f} steps)" if "max_steps_mean" in figures else ""
+    return f"{figures['actions']:.0f} x {figures['requests_mean']:.2f}{steps}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         cmp["attainment"] = [live["aggregate"]["slo_attainment"], sim["aggregate"]["slo_attainment"]]
         cmp["switches"] = [live["switches_planned"], sim["switches"]]
         cmp["time_budget"] = time_budget(live, sim)
+        cmp["plans"] = {"live": live.get("plan_summary"), "sim": sim["plan_summary"]}  # live: runs since session 15
         out[path.name] = cmp
 
         def ratios(key: str) -> str:
@@ -127,6 +139,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:44s} {iid}: {shown} | {sim_side['decode_steps']} steps {sim_side['decode_s']:.1f} s "
                   f"({1e3 * sim_side['decode_s'] / max(1, sim_side['decode_steps']):.2f} ms); switches "
                   f"{sim_side['switch_s']:.2f} s, busy {sim_side['busy_s']:.1f} s")
+    print("\neach instance's Plans, live | sim: actions x requests on average (Decode: and its max steps)")
+    for name, cmp in out.items():
+        live_plans, sim_plans = cmp["plans"]["live"] or {}, cmp["plans"]["sim"]
+        for iid in sim_plans:
+            print(f"{name:44s} {iid}: " + ", ".join(
+                f"{op} {_actions(live_plans.get(iid, {}).get(op))} | {_actions(sim_plans[iid].get(op))}"
+                for op in sorted(set(sim_plans[iid]) | set(live_plans.get(iid, {})))))
     if args.out:
         args.out.write_text(json.dumps(out, indent=1))
     return 0

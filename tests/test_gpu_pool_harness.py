@@ -63,6 +63,9 @@ def test_tiny_harness_serves_every_request_with_no_capture_on_the_request_path(t
     assert all(parts[name]["n"] == len(served) and parts[name]["p50_ms"] >= 0
                for name in ("to_prefill", "prefill", "delivery"))
     assert run["ttft_parts"] == parts  # the harness saved it in the run JSON (calibrate --request-path reads it)
+    plans = run["plan_summary"]  # this run's Plans (its lines of the plan log), action by action
+    assert plans["slot0"]["Prefill"]["actions"] >= 1 and plans["slot1"]["Decode"]["max_steps_mean"] >= 1
+    assert sum(p.get("Switch", {}).get("actions", 0) for p in plans.values()) == run["switches_planned"]
     mine = run["call_s_by_engine"]["slot1"]["decode_step"]  # this run's share of the engine's calls
     assert 0 < mine["calls"] <= run["call_timings"]["slot1"]["decode_step"]["calls"] and mine["s"] > 0
 
@@ -89,6 +92,7 @@ def test_simulator_side_of_the_two_gpu_prefill_decode_layout(tmp_path) -> None:
     assert budget["slot0"]["sim"]["decode_steps"] > 0 and budget["slot0"]["sim"]["decode_s"] > 0  # the first tokens
     assert set(budget) == {"slot0", "slot1"}  # every instance of the layout, those given no work too
     assert len(two["requests"]) == len(one["requests"]) > 3
+    assert one["plan_summary"]["slot0"]["Prefill"]["requests_mean"] >= 1  # the simulator's Plans, as the live ones
     for result in (one, two):  # the aggregate over the simulated requests, as the live side reports its own
         ttft, tpot = result["aggregate"]["ttft_s"], result["aggregate"]["tpot_s"]
         assert 0 < ttft["p50"] <= ttft["p90"] <= ttft["p99"] and 0 < tpot["p50"] <= tpot["p99"]
@@ -151,7 +155,8 @@ def test_ttft_parts_split_each_requests_first_token_and_time_the_admission_of_th
     ("s11", "h200-pool-s11-calprofile-processes-pd-r1.json", "h200-calibrated-live-s11-fresh.json", [147, 159]),
     ("s12", "h200-pool-s12-cal-processes-pd-r1.json", "h200-calibrated-live-s12.json", [158, 163]),
     ("s13", "h200-pool-s13-mps-processes-pd-r16.json", "h200-calibrated-live-mps-s13.json", [264, 272]),
-    ("s14", "h200-pool-s14-processes-pd-r1.json", "h200-calibrated-live-mps-s14.json", [156, 165])])
+    ("s14", "h200-pool-s14-processes-pd-r1.json", "h200-calibrated-live-mps-s14.json", [156, 165]),
+    ("s15", "h200-pool-s15-processes-pd-r16.json", "h200-calibrated-live-mps-s14.json", [263, 280])])
 def test_the_recorded_h200_fidelity_is_what_the_simulator_gives_today(tmp_path, session, run_name, profile,
                                                                       switches) -> None:
     """BENCHMARKS.md's fidelity rows (sessions 11 and 12 at 1 req/s, 13 at 16 req/s under MPS, 14 at 1 req/s with
@@ -168,6 +173,10 @@ def test_the_recorded_h200_fidelity_is_what_the_simulator_gives_today(tmp_path, 
     recorded = json.loads((results / f"h200-fidelity-{session}.json").read_text())[run.name]
     assert got["switches"] == recorded["switches"] == switches
     assert got == recorded
+    if session == "s15":  # the run's Plans and the simulator's, action by action (gpu_pool.py saves plan_summary)
+        live, sim = got["plans"]["live"], got["plans"]["sim"]
+        assert sum(live[i].get("Switch", {}).get("actions", 0) for i in live) == switches[0]
+        assert sum(sim[i].get("Switch", {}).get("actions", 0) for i in sim) == switches[1]
 
 
 def test_cpu_sampling_finds_a_busy_child_process() -> None:
@@ -203,3 +212,16 @@ def test_prefill_ratios_take_each_shape_against_the_engine_alone() -> None:
     assert got["ratio_p50"] == pytest.approx(1.0) and got["ratio_vs_best_p50"] == pytest.approx(1.5)
     assert got["standalone_fresh_extra_ms_p50"] == pytest.approx(2.0)  # of 10, 1 and 2 ms
     assert prefill_ratios([["c", 5, 1, 1.0]], alone) == {"samples": 0}
+
+
+def test_plan_summary_counts_each_instances_actions_from_plan_log_lines() -> None:
+    """benchmarks/gpu_pool_calls.plan_summary on Plans written as the live pool and the simulator write them."""
+    from benchmarks.gpu_pool_calls import plan_summary
+    from scheduler import Decode, Plan, Prefill, Switch
+
+    plans = [Plan(1.0, {"slot0": (Switch("m1", "head group"), Prefill(("a", "b", "c"), "group")),
+                        "slot1": (Decode(("x", "y"), 8, "turn"),)}),
+             Plan(2.0, {"slot0": (Prefill(("d",), "group"),), "slot1": (Decode(("x",), 4, "turn"),)})]
+    summary = plan_summary([p.to_json() for p in plans])
+    assert summary == {"slot0": {"Prefill": {"actions": 2, "requests_mean": 2.0}, "Switch": {"actions": 1, "requests_mean": 0.0}},
+                       "slot1": {"Decode": {"actions": 2, "requests_mean": 1.5, "max_steps_mean": 6.0}}}
