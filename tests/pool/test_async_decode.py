@@ -192,9 +192,11 @@ def test_a_step_ahead_is_taken_by_the_same_batch_only(demo_models):
     assert extra() == (5, 2)
     engine.prefill([GenRequest("d", MODELS[0], [3, 3], short), GenRequest("e", MODELS[0], [2, 2], params)])
     assert [o.finished for o in engine.decode_step(["e", "b", "d"])] == [False, False, True]
-    assert extra() == (5, 2)  # d ends by its length: no step ahead for a batch that will not come again
-    # (the batch less d could take the rows of e and b, but their numbers would differ in the last bits from a
-    # step of two rows, and so could their tokens: results must equal the engine's without async decode)
+    # d ends by its length: the step ahead is the batch less d, a step of its own two rows (not the rows of a
+    # three-row step, whose numbers could differ in the last bits), fed e's and b's ids from the device
+    assert extra() == (6, 2)
+    engine.decode_step(["e", "b"])  # the rest of the turn, in order: takes it
+    assert extra() == (7, 2)
 
 
 def test_async_decode_is_off_on_cpu_by_default_and_for_tensor_parallel_ranks():
