@@ -507,6 +507,7 @@ def serve_command(
     from pool.gateway import GatewaySettings, create_app
     from pool.gateway.auth import ADMIN_KEY_ENV, API_KEY_ENV, read_keys
     from pool.gateway.server import GatewayServer, uvicorn_config
+    from pool.heap import freeze_heap
 
     if engine not in ("torch", "vllm", "sim"):
         raise typer.BadParameter(f"unknown engine {engine!r}; choose torch, vllm or sim", param_hint="--engine")
@@ -574,6 +575,7 @@ def serve_command(
             pool.start()
             if warmup:
                 typer.echo(f"Warmed up in {warm_up(pool):.1f} s.")
+            freeze_heap()  # start-up's objects (imports, the threads backend's engines) out of full collections
         except KeyboardInterrupt:
             typer.echo("Interrupted before serving: stopping the pool.", err=True)
             raise typer.Exit(130) from None

@@ -11,6 +11,7 @@ from typing import Any
 
 from pool.engines.base import Engine
 from pool.engines.timings import call_engine
+from pool.heap import freeze_heap
 from pool.placement import DEFAULT_TIMEOUT_S as DEFAULT_PLACEMENT_TIMEOUT_S
 from pool.placement import Placements, rank_bundle
 
@@ -64,6 +65,7 @@ class InstanceActor:
         warm_up = getattr(self.engine, "warm_up", None)
         if warm_up is not None:  # decode graphs before serving: none is captured on the request path
             warm_up(max_tokens)
+        freeze_heap()  # start-up's objects out of the collector's way while serving
 
     def call(self, method: str, *args: Any) -> Any:
         return call_engine(self.engine, method, args)

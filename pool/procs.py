@@ -39,6 +39,7 @@ from pool.backends import take_done
 from pool.controller import InstanceDied
 from pool.engines.base import EngineError
 from pool.engines.timings import call_engine
+from pool.heap import freeze_heap
 
 log = logging.getLogger("modelpool.procs")
 
@@ -157,6 +158,7 @@ def _worker_main(conn: Any, instance_id: str, spec: EngineSpec, models: Mapping[
             engine.load(name, Path(path))
         warm_up = getattr(engine, "warm_up", None)
         captured = warm_up(max_tokens) if warm_up is not None else 0
+        freeze_heap()  # start-up's objects out of the collector's way while serving
     except BaseException:  # noqa: BLE001 - reported to the parent, which gives the start up
         conn.send_bytes(pickle.dumps(("failed", traceback.format_exc())))
         return

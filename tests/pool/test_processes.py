@@ -270,3 +270,33 @@ def test_token_outs_cross_the_pipe_whole():
     outs = [TokenOut("r1", 7, "hi", False, None), TokenOut("r2", 0, "", True, "length")]
     assert pickle.loads(pickle.dumps(outs)) == outs
     assert pickle.loads(_dumps_result(outs)) == outs
+
+
+def test_freeze_heap_puts_what_start_up_made_out_of_full_collections():
+    """pool.heap.freeze_heap (engine processes after warm-up, Ray actors, serve once ready): every object alive
+    then moves to the collector's permanent generation; objects made later are collected as before."""
+    import gc
+    import weakref
+
+    from pool.heap import freeze_heap
+
+    class Node:
+        pass
+
+    try:
+        before = Node()
+        before.me = before  # a cycle only a collection frees
+        frozen = freeze_heap()
+        assert frozen == gc.get_freeze_count() > 1000  # the imports at least
+        made = Node()
+        made.me = made
+        ref = weakref.ref(made)
+        del made
+        gc.collect()
+        assert ref() is None  # made after the freeze: collected
+        old = weakref.ref(before)
+        del before
+        gc.collect()
+        assert old() is not None  # frozen: left alone
+    finally:
+        gc.unfreeze()
