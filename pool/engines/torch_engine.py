@@ -353,7 +353,8 @@ class TorchEngine:
             rows = [i for i, s in enumerate(step.seqs) if id(s) in keep]
             if not rows:
                 continue
-            fed = step.device_ids
+            fed = step.device_ids  # greedy rows: their ids are on the device
+            assert fed is not None
             if len(rows) < len(step.seqs):  # a gather on the device (its row numbers read by a kernel)
                 fed = fed[to_device(np.asarray(rows, dtype=np.int64), self.device)]
             launched.append(self._launch(kv, [step.seqs[i] for i in rows], fed))
