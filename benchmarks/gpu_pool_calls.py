@@ -64,7 +64,7 @@ def summarize(logs: dict[str, list[Call]], window_s: float) -> dict[str, Any]:
         methods: dict[str, float] = defaultdict(float)
         steps: dict[str, list[float]] = defaultdict(list)
         moves: dict[str, list[float]] = defaultdict(list)  # KV calls and switches by the call before them
-        gaps: list[float] = []  # from a decode step's end to the next's start: the host outside the engine
+        gaps: list[tuple[float, float]] = []  # (seconds, at) from a decode step's end to the next's start
         beside: dict[str, list[float]] = defaultdict(list)
         for k, (method, t, d) in enumerate(calls):
             if t < start:
@@ -73,7 +73,7 @@ def summarize(logs: dict[str, list[Call]], window_s: float) -> dict[str, Any]:
             if method == "decode_step":
                 steps[after(calls, k)].append(d)
                 if k and calls[k - 1][0] == "decode_step":
-                    gaps.append(t - calls[k - 1][1] - calls[k - 1][2])
+                    gaps.append((t - calls[k - 1][1] - calls[k - 1][2], t - start))
                 beside["beside a prefill" if overlap_s(t, t + d, others) > 0 else "alone"].append(d)
             elif method in ("import_kv", "export_kv", "restore_kv", "save_kv", "activate") and k:
                 moves[f"{method} {after(calls, k)}"].append(d)
@@ -81,7 +81,11 @@ def summarize(logs: dict[str, list[Call]], window_s: float) -> dict[str, Any]:
             "seconds_by_method": {m: round(s, 3) for m, s in sorted(methods.items(), key=lambda kv: -kv[1])},
             "decode_steps": {k: _stats(v) for k, v in sorted(steps.items())},
             "moves": {k: _stats(v) for k, v in sorted(moves.items())},
-            "gaps_between_decode_steps": _stats(gaps) if gaps else None,
+            # the host outside the engine between two steps of a turn; the longest: a stall (a pause of the
+            # serve process shows on every instance at once)
+            "gaps_between_decode_steps": _stats([g for g, _ in gaps]) if gaps else None,
+            "longest_gaps_between_decode_steps": [{"ms": round(1e3 * g, 1), "at_s": round(at, 3)}
+                                                  for g, at in sorted(gaps, reverse=True)[:3]],
             "decode_steps_by_overlap": {k: _stats(v) for k, v in sorted(beside.items())}}
     return out
 
@@ -175,7 +179,8 @@ def main() -> None:
         if r["gaps_between_decode_steps"]:
             g = r["gaps_between_decode_steps"]
             print(f"   gap between two decode steps     n={g['n']:5d} mean {g['mean_ms']:7.2f} ms  p50 {g['p50_ms']:7.2f}"
-                  f"  max {g['max_ms']:7.1f}  sum {g['sum_s']:6.2f} s")
+                  f"  max {g['max_ms']:7.1f}  sum {g['sum_s']:6.2f} s; longest: " + ", ".join(
+                      f"{x['ms']:.1f} ms at {x['at_s']:.1f} s" for x in r["longest_gaps_between_decode_steps"]))
         for name, s in r["moves"].items():
             print(f"   {name:34s} n={s['n']:5d} mean {s['mean_ms']:7.2f} ms  p50 {s['p50_ms']:7.2f}"
                   f"  max {s['max_ms']:7.1f}  sum {s['sum_s']:6.2f} s")

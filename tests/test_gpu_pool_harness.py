@@ -121,6 +121,9 @@ def test_call_logs_say_what_delayed_each_decode_step(tmp_path) -> None:
     assert steps["decode_steps_by_overlap"]["beside a prefill"]["n"] == 1  # the 0.3 s one spans 10.1-10.2
     assert steps["decode_steps_by_overlap"]["alone"]["n"] == 3
     assert steps["seconds_by_method"]["decode_step"] == pytest.approx(0.316)
+    # two steps back to back: the one ending at 10.32 and the one starting at 10.33 (the window starts at 5.356)
+    assert steps["gaps_between_decode_steps"]["n"] == 1
+    assert steps["longest_gaps_between_decode_steps"] == [{"ms": pytest.approx(10.0), "at_s": pytest.approx(4.974)}]
 
 
 def test_ttft_parts_split_each_requests_first_token_and_time_the_admission_of_those_sent_to_an_idle_instance(
