@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu_pool_calls import load as load_calls  # noqa: E402
-from benchmarks.gpu_pool_calls import plan_summary  # noqa: E402
+from benchmarks.gpu_pool_calls import plan_summary, write_run  # noqa: E402
 from benchmarks.gpu_pool_calls import ttft_parts  # noqa: E402
 from benchmarks.gpu_pool_sim import quantiles  # noqa: E402
 from scheduler.fleet import catalogue_arch, hf_shape  # noqa: E402
@@ -351,7 +351,7 @@ def live_runs(args: argparse.Namespace, fleet: Path, backend: str, layout: str, 
             results.append(result)
             print(f"   {json.dumps(result['aggregate'])}", flush=True)
             print(f"   cpu cores: {json.dumps(cpu)}", flush=True)
-            (out_dir / f"run-{tag}.json").write_text(json.dumps(result, indent=1, default=str))
+            write_run(out_dir / f"run-{tag}.json", result)
             if proc.poll() is not None:
                 break
     finally:
@@ -579,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:
                 result["sim_error"] = repr(exc)
         tag = run_tag(result["backend"], result["layout"], result["rate_rps"])
-        (args.out / f"run-{tag}.json").write_text(json.dumps(result, indent=1, default=str))
+        write_run(args.out / f"run-{tag}.json", result)
         summary["runs"].append({k: v for k, v in result.items() if k not in ("requests", "prefill_samples")})
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     print_table(summary["runs"])

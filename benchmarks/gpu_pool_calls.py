@@ -124,6 +124,11 @@ def ttft_parts(logs: dict[str, list[Call]], run: dict[str, Any]) -> dict[str, An
     return {"requests": len(parts["prefill"]), **{name: _stats(v) for name, v in parts.items()}}
 
 
+def write_run(path: Path, run: dict[str, Any]) -> None:
+    """A run's JSON, compact: its requests' inter-token gaps are most of it (results/ keeps many runs)."""
+    path.write_text(json.dumps(run, separators=(",", ":"), default=str))
+
+
 def plan_summary(lines: Sequence[str]) -> dict[str, dict[str, dict[str, float]]]:
     """What a run's Plans ordered, per instance and action: how many, their requests on average, and for Decode
     the steps a turn may take - a plan log's lines (`modelpool serve --plan-log`, or the simulator's
@@ -165,7 +170,7 @@ def main() -> None:
         run = json.loads(args.run.read_text())
         result["ttft_parts"] = ttft_parts(logs, run)
         if args.save:
-            args.run.write_text(json.dumps({**run, "ttft_parts": result["ttft_parts"]}, indent=1, default=str))
+            write_run(args.run, {**run, "ttft_parts": result["ttft_parts"]})
         for name, s in result["ttft_parts"].items():
             if isinstance(s, dict):
                 print(f"TTFT {name:32s} n={s['n']:5d} mean {s['mean_ms']:7.2f} ms  p50 {s['p50_ms']:7.2f}"
