@@ -149,6 +149,11 @@ def plan_summary(lines: Sequence[str]) -> dict[str, dict[str, dict[str, float]]]
     return out
 
 
+def _stats_line(label: str, s: dict[str, float]) -> str:
+    return (f"   {label:34s} n={s['n']:5d} mean {s['mean_ms']:7.2f} ms  p50 {s['p50_ms']:7.2f}  max {s['max_ms']:7.1f}"
+            f"  sum {s['sum_s']:6.2f} s")
+
+
 def _stats(values: list[float]) -> dict[str, float]:
     return {"n": len(values), "mean_ms": round(1e3 * statistics.fmean(values), 2),
             "p50_ms": round(1e3 * statistics.median(values), 2), "max_ms": round(1e3 * max(values), 1),
@@ -179,16 +184,12 @@ def main() -> None:
         print(f"{iid}: " + ", ".join(f"{m} {s:.2f} s" for m, s in r["seconds_by_method"].items()))
         for group in ("decode_steps", "decode_steps_by_overlap"):
             for name, s in r[group].items():
-                print(f"   decode_step {name:22s} n={s['n']:5d} mean {s['mean_ms']:7.2f} ms  p50 {s['p50_ms']:7.2f}"
-                      f"  max {s['max_ms']:7.1f}  sum {s['sum_s']:6.2f} s")
+                print(_stats_line(f"decode_step {name}", s))
         if r["gaps_between_decode_steps"]:
-            g = r["gaps_between_decode_steps"]
-            print(f"   gap between two decode steps     n={g['n']:5d} mean {g['mean_ms']:7.2f} ms  p50 {g['p50_ms']:7.2f}"
-                  f"  max {g['max_ms']:7.1f}  sum {g['sum_s']:6.2f} s; longest: " + ", ".join(
-                      f"{x['ms']:.1f} ms at {x['at_s']:.1f} s" for x in r["longest_gaps_between_decode_steps"]))
+            print(_stats_line("gap between two decode steps", r["gaps_between_decode_steps"]) + "; longest: " + ", ".join(
+                f"{x['ms']:.1f} ms at {x['at_s']:.1f} s" for x in r["longest_gaps_between_decode_steps"]))
         for name, s in r["moves"].items():
-            print(f"   {name:34s} n={s['n']:5d} mean {s['mean_ms']:7.2f} ms  p50 {s['p50_ms']:7.2f}"
-                  f"  max {s['max_ms']:7.1f}  sum {s['sum_s']:6.2f} s")
+            print(_stats_line(name, s))
     args.out.write_text(json.dumps(result, indent=1))
 
 

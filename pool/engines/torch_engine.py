@@ -299,7 +299,7 @@ class TorchEngine:
         only KV past the requests' lengths, with the values the next step writes again.
         """
         entered_at = time.perf_counter()
-        key = (tuple(request_ids), self.use_cuda_graphs, self.fused)
+        key = self._batch_key(request_ids)
         if self._ahead is not None and self._ahead.key != key:
             self._discard_ahead()
         seqs = [self._runnable(rid) for rid in request_ids]
@@ -327,6 +327,10 @@ class TorchEngine:
             outs.update((o.request_id, o) for o in self._emit(step.seqs, ids))
         self.timings.decode(tuple(request_ids), entered_at, forward, ahead is not None)
         return [outs[rid] for rid in request_ids]
+
+    def _batch_key(self, request_ids: Sequence[str]) -> tuple:
+        """What a step launched ahead is for: a decode_step with this key takes it (`_Ahead.key`)."""
+        return tuple(request_ids), self.use_cuda_graphs, self.fused
 
     def _ahead_rows(self, seqs: list[_Seq]) -> list[_Seq]:
         """The requests whose next step can be launched now: greedy rows only (sampling reads the host's
@@ -358,8 +362,7 @@ class TorchEngine:
             if len(rows) < len(step.seqs):  # a gather on the device (its row numbers read by a kernel)
                 fed = fed[to_device(np.asarray(rows, dtype=np.int64), self.device)]
             launched.append(self._launch(kv, [step.seqs[i] for i in rows], fed))
-        key = (tuple(s.request.request_id for s in going), self.use_cuda_graphs, self.fused)
-        self._ahead = _Ahead(key, launched, before)
+        self._ahead = _Ahead(self._batch_key([s.request.request_id for s in going]), launched, before)
         self.num_steps_ahead += 1
 
     def _discard_ahead(self) -> None:
