@@ -191,6 +191,7 @@ def _worker_main(conn: Any, instance_id: str, spec: EngineSpec, models: Mapping[
     timings = getattr(engine, "timings", None)
     if log_dir and timings is not None and hasattr(timings, "dump_calls"):
         timings.dump_calls(os.path.join(log_dir, f"calls-{instance_id}.json"))
+        timings.dump_kv_calls(os.path.join(log_dir, f"kv-{instance_id}.json"))
     close = getattr(engine, "close", None)
     if close is not None:
         close()

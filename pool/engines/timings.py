@@ -36,8 +36,9 @@ class StepTimings:
         self.decodes: deque[tuple[int, float, float, float, int]] = deque(maxlen=keep)
         # (ids, entered at, forward, call s, ahead)
         self._last: tuple[tuple[str, ...], float, Any, float, bool] | None = None
-        # (method, requests, bytes, s, of which s waiting for the device's compute stream)
-        self.kv_calls: deque[tuple[str, int, int, float, float]] = deque(maxlen=keep)
+        # (method, requests, bytes, s, of which s waiting for the device's compute stream, s until that wait
+        # began (checks, blocks, the copies' launch), started at: time.monotonic)
+        self.kv_calls: deque[tuple[str, int, int, float, float, float, float]] = deque(maxlen=keep)
         # every call a backend made (`call_engine`): method -> [calls, seconds] since start, the latest seconds of
         # each method, and a log of the latest calls as (method, started at: time.monotonic, seconds)
         self.call_totals: dict[str, list[float]] = {}
@@ -79,11 +80,15 @@ class StepTimings:
             self.decodes.append((len(request_ids), entered_at - last[1], self.seconds(last[2]), last[3], int(last[4])))
         self._last = (request_ids, entered_at, forward, time.perf_counter() - entered_at, ahead)
 
-    def kv_call(self, method: str, num_requests: int, nbytes: int, seconds: float, waited: float = 0.0) -> None:
+    def kv_call(self, method: str, num_requests: int, nbytes: int, seconds: float, waited: float = 0.0,
+                launched: float | None = None) -> None:
         """A KV call (save_kv, restore_kv, export_kv, import_kv): its requests, bytes and time in the engine
         (the host's part: save and restore copies run on their own streams and are not waited for), `waited` of
-        it for the compute stream (a staged hand-off's copies: whatever was queued there before them too)."""
-        self.kv_calls.append((method, num_requests, nbytes, seconds, waited))
+        it for the compute stream (a staged hand-off's copies: whatever was queued there before them too), and
+        `launched`: the seconds before that wait began (default: all of `seconds` less `waited`)."""
+        launched = seconds - waited if launched is None else launched
+        self.kv_calls.append((method, num_requests, nbytes, seconds, waited, launched,
+                              time.monotonic() - seconds))
         self._last = None
 
     def call(self, method: str, started_at: float, seconds: float) -> None:
@@ -104,6 +109,15 @@ class StepTimings:
 
         with open(path, "w") as out:
             json.dump([[m, round(t, 6), round(d, 6)] for m, t, d in self.call_log], out)
+
+    def dump_kv_calls(self, path: str) -> None:
+        """Write the latest KV calls as JSON rows [method, requests, bytes, started at (monotonic s), seconds,
+        of them waiting for the compute stream, before that wait]: which hand-offs took long, and where."""
+        import json
+
+        with open(path, "w") as out:
+            json.dump([[m, n, b, round(t, 6), round(s, 6), round(w, 6), round(x, 6)]
+                       for m, n, b, s, w, x, t in self.kv_calls], out)
 
     def other(self) -> None:
         """Any other engine call: the next decode step starts a new run of the same batch."""
@@ -143,12 +157,16 @@ class StepTimings:
             of_method = [c for c in self.kv_calls if c[0] == method]
             ms = np.array([c[3] for c in of_method]) * 1e3
             waited = np.array([c[4] for c in of_method]) * 1e3
+            launched = np.array([c[5] for c in of_method]) * 1e3
             kv[method] = {"calls": len(of_method), "requests": sum(c[1] for c in of_method),
-                          "mb": round(sum(c[2] for c in of_method) / 1e6, 3), "ms_p50": round(float(np.median(ms)), 4),
+                          "mb": round(sum(c[2] for c in of_method) / 1e6, 3), "ms_mean": round(float(ms.mean()), 4),
+                          "ms_p50": round(float(np.median(ms)), 4),
                           "ms_p90": round(float(np.percentile(ms, 90)), 4), "ms_max": round(float(ms.max()), 4),
                           "wait_ms_p50": round(float(np.median(waited)), 4),
                           "wait_ms_p90": round(float(np.percentile(waited, 90)), 4),
-                          "wait_ms_max": round(float(waited.max()), 4)}
+                          "wait_ms_max": round(float(waited.max()), 4),
+                          "launch_ms_p50": round(float(np.median(launched)), 4),
+                          "launch_ms_max": round(float(launched.max()), 4)}
         calls: dict[str, Any] = {}
         for method, (count, seconds) in sorted(self.call_totals.items()):
             ms = np.array(self.calls.get(method) or [0.0]) * 1e3

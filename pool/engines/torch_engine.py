@@ -515,15 +515,16 @@ class TorchEngine:
         started = time.perf_counter()
         seqs = [self._seqs.require(rid) for rid in request_ids]
         exports = [self._export(seq) for seq in seqs]  # nothing changes until all are copied out
-        waited = 0.0
+        waited, launched = 0.0, None
         if any(e.staged for e in exports):
+            launched = time.perf_counter() - started
             # the gathers (on the compute stream) are complete before anyone reads the regions; not the whole
             # device: a weight prefetch in flight took this to 112 ms at p90 on the H200
             waited = self.streams.compute_done()
         for seq in seqs:
             del self._seqs[seq.request.request_id]
             self._free_kv(seq.kv)
-        self._kv_timing("export_kv", exports, started, waited)
+        self._kv_timing("export_kv", exports, started, waited, launched)
         return exports
 
     @_discards_ahead
@@ -540,7 +541,7 @@ class TorchEngine:
         hosted = [(s, e) for s, e in zip(seqs, exports) if not e.staged]
         counts = [s.kv.shape.blocks_for(e.num_tokens) for s, e in hosted]
         targets = allocate_all(self._host_kv, [s.kv for s, _ in hosted], counts)  # OutOfKvMemory: nothing taken
-        waited = 0.0
+        waited, launched = 0.0, None
         if staged:
             try:
                 self._kv_store().admit_device([s.kv for s, _ in staged], [e.kv_tensor() for _, e in staged])
@@ -548,20 +549,22 @@ class TorchEngine:
                 for (seq, _), blocks in zip(hosted, targets):
                     self._host_kv.free(seq.kv.shape, blocks)
                 raise
+            launched = time.perf_counter() - started
             waited = self.streams.compute_done()  # copied (on the compute stream): the exporter may reuse its regions
         for (seq, export), blocks in zip(hosted, targets):
             write_tokens(export.kv_tensor(), self._host_kv, seq.kv.shape, blocks)
             seq.kv.host_blocks = blocks
         for seq in seqs:
             self._seqs[seq.request.request_id] = seq
-        self._kv_timing("import_kv", exports, started, waited)
+        self._kv_timing("import_kv", exports, started, waited, launched)
 
-    def _kv_timing(self, method: str, exports: list[KvExport], started: float, waited: float) -> None:
-        """One KV call's timing (`waited`: of it for the compute stream); a call that moved staged KV is booked
-        as `method(device)`."""
+    def _kv_timing(self, method: str, exports: list[KvExport], started: float, waited: float,
+                   launched: float | None) -> None:
+        """One KV call's timing (`waited`: of it for the compute stream, `launched`: of it before that wait);
+        a call that moved staged KV is booked as `method(device)`."""
         name = f"{method}(device)" if any(e.staged for e in exports) else method
         self.timings.kv_call(name, len(exports), sum(e.kv_bytes for e in exports), time.perf_counter() - started,
-                             waited)
+                             waited, launched)
 
     def synchronize(self) -> None:
         self.streams.synchronize()

@@ -172,9 +172,13 @@ def test_one_gpu_layout_is_a_prefill_and_a_decode_instance_sharing_it() -> None:
     assert gpu_kv_bytes(usable, 1, biggest) > 2 * kv
 
 
-def test_the_engine_times_its_kv_calls_with_their_bytes(tiny_engine) -> None:
+def test_the_engine_times_its_kv_calls_with_their_bytes(tiny_engine, tmp_path) -> None:
     """save/restore/export/import each leave (requests, bytes, seconds) in the step timings' summary, which the
-    live pool reports per engine (/pool/status) and benchmarks/gpu_pool.py records: the hand-off's cost."""
+    live pool reports per engine (/pool/status) and benchmarks/gpu_pool.py records: the hand-off's cost; and
+    call by call in the KV call log a benchmark dumps (which hand-off took long, and in which part)."""
+    import json
+    import time
+
     from pool.engines.base import GenRequest, SamplingParams
 
     other = TorchEngine(TorchEngineConfig(dtype="float32", kv_bytes=4 << 20), weight_cache=tiny_engine.weights)
@@ -189,11 +193,21 @@ def test_the_engine_times_its_kv_calls_with_their_bytes(tiny_engine) -> None:
     kv = tiny_engine.stats().extra["timings"]["kv"]
     assert set(kv) == {"save_kv", "restore_kv", "export_kv"}
     assert all(kv[m]["calls"] == 1 and kv[m]["requests"] == 1 and kv[m]["ms_max"] >= 0 for m in kv)
+    assert all(kv[m]["ms_mean"] == kv[m]["ms_p50"] == kv[m]["ms_max"] for m in kv)  # one call each
+    # nothing waited for: the whole call came before any wait
+    assert all(kv[m]["launch_ms_max"] == pytest.approx(kv[m]["ms_max"], abs=1e-3) for m in kv)
     assert all(kv[m]["wait_ms_max"] == 0.0 for m in kv)  # on CPU nothing is queued on a device stream
     assert kv["save_kv"]["mb"] == kv["restore_kv"]["mb"] > 0  # the same blocks out and back
     assert kv["export_kv"]["mb"] == pytest.approx(exports[0].kv_bytes / 1e6, abs=1e-3)
     imported = other.stats().extra["timings"]["kv"]["import_kv"]
     assert imported["requests"] == 1 and imported["mb"] == kv["export_kv"]["mb"]
+    tiny_engine.timings.dump_kv_calls(str(tmp_path / "kv.json"))
+    rows = json.loads((tmp_path / "kv.json").read_text())
+    assert [row[0] for row in rows] == ["save_kv", "restore_kv", "export_kv"]
+    assert [row[1] for row in rows] == [1, 1, 1] and rows[2][2] == exports[0].kv_bytes
+    started = [row[3] for row in rows]
+    assert started == sorted(started) and time.monotonic() - 60 < started[0] <= time.monotonic()
+    assert all(row[4] >= row[5] + row[6] - 1e-6 and row[5] == 0.0 for row in rows)
 
 
 def test_backends_time_every_engine_call_by_method(tiny_engine) -> None:

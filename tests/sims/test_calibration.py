@@ -217,9 +217,10 @@ def test_the_live_pool_host_terms_come_from_a_run_of_the_live_pool() -> None:
 
 
 def test_a_staged_hand_off_move_costs_what_the_live_pool_paid_for_it() -> None:
-    """kv_handoff_fixed_s: the mean of the export's and the import's median call in the run's kv_timings (hand-offs
-    staged in device memory), fitted only where both sides ran often enough; the simulator's staged move charges it
-    instead of kv_move_fixed_s, which it takes where the profile has none."""
+    """kv_handoff_fixed_s: the average of the export's and the import's mean call in the run's kv_timings (hand-offs
+    staged in device memory; their median in runs that predate the mean), fitted only where both sides ran often
+    enough; the simulator's staged move charges it instead of kv_move_fixed_s, which it takes where the profile
+    has none."""
     from pathlib import Path
 
     from modelpool.config import load_fleet
@@ -235,8 +236,18 @@ def test_a_staged_hand_off_move_costs_what_the_live_pool_paid_for_it() -> None:
     fitted = with_live_host(base, run, "a test", "h200")
     assert fitted.terms.kv_handoff_fixed_s == pytest.approx(6.1e-3, rel=1e-3)
     source = fitted.provenance["kv_handoff_fixed_s"]
-    assert source.status == "measured" and "export_kv(device) 7.70 ms over 128 calls" in source.source
+    assert source.status == "measured" and "medians: export_kv(device) 7.70 ms over 128 calls" in source.source
     assert "kv_handoff_fixed_s" in fitted.description
+    # a run that records the mean: the slow calls count, as the simulator charges every move
+    timed = {**run, "kv_timings": {"slot0": {"export_kv(device)": {"calls": 128, "ms_p50": 7.7, "ms_mean": 13.0}},
+                                   "slot1": {"import_kv(device)": {"calls": 118, "ms_p50": 4.5, "ms_mean": 24.0}}}}
+    by_mean = with_live_host(base, timed, "a test", "h200")
+    assert by_mean.terms.kv_handoff_fixed_s == pytest.approx(18.5e-3, rel=1e-3)
+    assert "means: export_kv(device) 13.00 ms" in by_mean.provenance["kv_handoff_fixed_s"].source
+    # a run from before ms_mean: each side's mean by its engine's seconds in that method over its calls
+    totals = {**run, "call_s_by_engine": {"slot0": {"export_kv": {"calls": 130, "s": 1.3}},
+                                          "slot1": {"import_kv": {"calls": 100, "s": 3.0}}}}
+    assert with_live_host(base, totals, "a test", "h200").terms.kv_handoff_fixed_s == pytest.approx(20e-3, rel=1e-3)
     few = {**run, "kv_timings": {"slot0": {"export_kv(device)": {"calls": 3, "ms_p50": 7.7}},
                                  "slot1": {"import_kv(device)": {"calls": 118, "ms_p50": 4.5}}}}
     assert with_live_host(base, few, "a test", "h200").terms.kv_handoff_fixed_s is None  # one side too rare: unfitted
