@@ -322,10 +322,12 @@ def live_runs(args: argparse.Namespace, fleet: Path, backend: str, layout: str, 
     results = []
     try:
         ready_s = wait_ready(url, proc, args.start_timeout)
+        repeats: dict[float, int] = {}  # a rate given twice replays its trace again: run-...-r22-2.json
         for rate in sorted(args.rate):
             print(f"== {backend} {layout} at {rate:g} req/s", flush=True)
             rows = make_trace(names, rate, args.duration, args.prompt, args.output, args.seed)
-            tag = run_tag(backend, layout, rate)
+            repeats[rate] = repeats.get(rate, 0) + 1
+            tag = run_tag(backend, layout, rate) + (f"-{repeats[rate]}" if repeats[rate] > 1 else "")
             trace_path = out_dir / f"trace-{tag}.csv"
             write_trace(rows, trace_path)
             before = httpx.get(f"{url}/pool/status", timeout=30).json()
@@ -342,6 +344,7 @@ def live_runs(args: argparse.Namespace, fleet: Path, backend: str, layout: str, 
             result = phase_result(backend, layout, rate, args, before, status, metrics_text, replayed,
                                   ended - started, gpu.mean(started, ended), trace_path.name)
             result["ready_s"] = round(ready_s, 1)
+            result["tag"] = tag
             result["replay_t0_monotonic"] = round(t0, 6)  # requests' sent_s / first_s + this: the call logs' clock
             result["plans_range"] = [before["plans"], status["plans"]]  # its lines of the plan log (one a Plan)
             result["cpu_cores"] = cpu  # the serve process, its engine processes, the replaying client
@@ -578,8 +581,7 @@ def main(argv: list[str] | None = None) -> int:
                                                             for k in ("ttft_s", "tpot_s"))
             except Exception as exc:
                 result["sim_error"] = repr(exc)
-        tag = run_tag(result["backend"], result["layout"], result["rate_rps"])
-        write_run(args.out / f"run-{tag}.json", result)
+        write_run(args.out / f"run-{result['tag']}.json", result)
         summary["runs"].append({k: v for k, v in result.items() if k not in ("requests", "prefill_samples")})
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     print_table(summary["runs"])

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_tiny_harness_serves_every_request_with_no_capture_on_the_request_path(tmp_path) -> None:
     out = tmp_path / "gp"
     done = subprocess.run([sys.executable, "benchmarks/gpu_pool.py", "--tiny", "--out", str(out), "--rate", "3",
-                           "--duration", "6", "--backend", "processes",
+                           "--rate", "3", "--duration", "6", "--backend", "processes",
                            "--serve-arg=--async-decode"],  # as on CUDA, where it is the default
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
@@ -68,6 +68,13 @@ def test_tiny_harness_serves_every_request_with_no_capture_on_the_request_path(t
     assert sum(p.get("Switch", {}).get("actions", 0) for p in plans.values()) == run["switches_planned"]
     mine = run["call_s_by_engine"]["slot1"]["decode_step"]  # this run's share of the engine's calls
     assert 0 < mine["calls"] <= run["call_timings"]["slot1"]["decode_step"]["calls"] and mine["s"] > 0
+    # a rate given twice replays its trace again, on the same server, saved as its own run
+    again = json.loads((out / "run-processes-pd-r3-2.json").read_text())
+    assert (out / again["trace"]).read_text() == (out / run["trace"]).read_text()
+    assert again["plans_range"][0] >= run["plans_range"][1] and again["aggregate"]["requests"] == aggregate["requests"]
+    # and each instance's KV calls, a row each (this tiny load hands nothing off: test_graph_bookkeeping has rows)
+    kv = {p.stem: json.loads(p.read_text()) for p in (out / "serve-processes-pd.calls").glob("kv-*.json")}
+    assert set(kv) == {"kv-slot0", "kv-slot1"} and all(len(row) == 7 for rows in kv.values() for row in rows)
 
 
 def test_simulator_side_of_the_two_gpu_prefill_decode_layout(tmp_path) -> None:
