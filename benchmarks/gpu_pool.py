@@ -418,6 +418,8 @@ def phase_result(backend: str, layout: str, rate: float, args: argparse.Namespac
             "prefill_samples": {iid: e["extra"].get("timings", {}).get("prefills") for iid, e in engines.items()},
             # KV calls in each engine (the P/D hand-off: export_kv on the prefill instance, import_kv on the decoder)
             "kv_timings": {iid: e["extra"].get("timings", {}).get("kv") for iid, e in engines.items()},
+            # the collector's pauses in each engine process since start (under the call log: gc-<instance>.json)
+            "gc_timings": {iid: e["extra"].get("timings", {}).get("gc") for iid, e in engines.items()},
             # every engine call by method since the engine started (calls, seconds inside the engine): where each
             # instance's time went; diff two runs of one serve for one run's share
             "call_timings": {iid: e["extra"].get("timings", {}).get("calls") for iid, e in engines.items()},

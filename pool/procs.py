@@ -164,6 +164,10 @@ def _worker_main(conn: Any, instance_id: str, spec: EngineSpec, models: Mapping[
         return
     conn.send_bytes(pickle.dumps(("ready", captured)))
     profile = HostProfile.from_env(instance_id)
+    log_dir = os.environ.get("MODELPOOL_CALL_LOG_DIR")  # a benchmark's: every engine call, timed, at the end
+    timings = getattr(engine, "timings", None)
+    if log_dir and timings is not None and hasattr(timings, "watch_gc"):
+        timings.watch_gc()  # and the collector's pauses
     while True:
         try:
             message = pickle.loads(conn.recv_bytes())
@@ -187,11 +191,10 @@ def _worker_main(conn: Any, instance_id: str, spec: EngineSpec, models: Mapping[
             profile.tick()
     if profile is not None:
         profile.close()
-    log_dir = os.environ.get("MODELPOOL_CALL_LOG_DIR")  # a benchmark's: every engine call, timed, at the end
-    timings = getattr(engine, "timings", None)
     if log_dir and timings is not None and hasattr(timings, "dump_calls"):
         timings.dump_calls(os.path.join(log_dir, f"calls-{instance_id}.json"))
         timings.dump_kv_calls(os.path.join(log_dir, f"kv-{instance_id}.json"))
+        timings.dump_gc(os.path.join(log_dir, f"gc-{instance_id}.json"))
     close = getattr(engine, "close", None)
     if close is not None:
         close()

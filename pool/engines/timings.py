@@ -44,6 +44,9 @@ class StepTimings:
         self.call_totals: dict[str, list[float]] = {}
         self.calls: dict[str, deque[float]] = {}
         self.call_log: deque[tuple[str, float, float]] = deque(maxlen=16 * keep)
+        # the cyclic collector's pauses in this process once `watch_gc` is on: (generation, started at: monotonic, s)
+        self.gc_pauses: deque[tuple[int, float, float]] = deque(maxlen=keep)
+        self._gc_began: float | None = None
 
     # ---- forward timer: CUDA events around the forward, or the host clock on CPU ----
     def forward_begin(self) -> Any:
@@ -119,6 +122,29 @@ class StepTimings:
             json.dump([[m, n, b, round(t, 6), round(s, 6), round(w, 6), round(x, 6)]
                        for m, n, b, s, w, x, t in self.kv_calls], out)
 
+    def watch_gc(self) -> None:
+        """Time every collection of the cyclic garbage collector in this process from now on (an engine
+        process's: a collection inside an engine call stalls it, and a full one walks whatever serving made)."""
+        import gc
+
+        if self._gc_phase not in gc.callbacks:
+            gc.callbacks.append(self._gc_phase)
+
+    def _gc_phase(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_began = time.perf_counter()
+        elif self._gc_began is not None:
+            seconds = time.perf_counter() - self._gc_began
+            self.gc_pauses.append((info["generation"], time.monotonic() - seconds, seconds))
+            self._gc_began = None
+
+    def dump_gc(self, path: str) -> None:
+        """Write the latest collections as JSON rows [generation, started at (monotonic s), seconds]."""
+        import json
+
+        with open(path, "w") as out:
+            json.dump([[g, round(t, 6), round(s, 6)] for g, t, s in self.gc_pauses], out)
+
     def other(self) -> None:
         """Any other engine call: the next decode step starts a new run of the same batch."""
         self._last = None
@@ -172,7 +198,12 @@ class StepTimings:
             ms = np.array(self.calls.get(method) or [0.0]) * 1e3
             calls[method] = {"calls": int(count), "s": round(seconds, 4), "ms_p50": round(float(np.median(ms)), 4),
                              "ms_p90": round(float(np.percentile(ms, 90)), 4), "ms_max": round(float(ms.max()), 4)}
-        return {"decode": decode, "prefills": prefills, "kv": kv, "calls": calls}
+        collections: dict[str, Any] = {}
+        for generation in sorted({g for g, _, _ in self.gc_pauses}):
+            ms = np.array([s for g, _, s in self.gc_pauses if g == generation]) * 1e3
+            collections[f"gen{generation}"] = {"collections": len(ms), "ms_sum": round(float(ms.sum()), 3),
+                                               "ms_max": round(float(ms.max()), 3)}
+        return {"decode": decode, "prefills": prefills, "kv": kv, "calls": calls, "gc": collections}
 
 
 def call_engine(engine: Any, method: str, args: tuple[Any, ...]) -> Any:

@@ -236,3 +236,29 @@ def test_a_weight_copy_lands_byte_for_byte(tiny_engine) -> None:
     tiny_engine._slots._copy(image, 512)
     assert torch.equal(tiny_engine._slots.region[512 : 512 + image.nbytes], image.buffer)
     assert not tiny_engine._slots.region[:512].any() and not tiny_engine._slots.region[512 + image.nbytes :].any()
+
+
+def test_step_timings_time_the_collectors_pauses(tmp_path) -> None:
+    """watch_gc (an engine process under a benchmark's call log): every collection of the cyclic collector, by
+    generation, in the summary and the dumped log - a collection inside an engine call stalls that call."""
+    import gc
+    import json
+
+    from pool.engines.timings import StepTimings
+
+    timings = StepTimings(cuda=False)
+    timings.watch_gc()
+    timings.watch_gc()  # once only
+    try:
+        assert gc.callbacks.count(timings._gc_phase) == 1
+        gc.collect()
+        gc.collect(0)
+    finally:
+        gc.callbacks.remove(timings._gc_phase)
+    assert [g for g, _, _ in timings.gc_pauses][-2:] == [2, 0]
+    summary = timings.summary()["gc"]
+    assert summary["gen2"]["collections"] >= 1 and summary["gen2"]["ms_max"] > 0
+    assert summary["gen0"]["ms_sum"] >= summary["gen0"]["ms_max"] > 0
+    timings.dump_gc(str(tmp_path / "gc.json"))
+    rows = json.loads((tmp_path / "gc.json").read_text())
+    assert len(rows) == len(timings.gc_pauses) and rows[-1][0] == 0 and rows[-1][2] > 0
