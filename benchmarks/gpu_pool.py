@@ -123,7 +123,8 @@ def free_port() -> int:
 
 
 def start_server(fleet: Path, backend: str, port: int, log_path: Path, extra: list[str],
-                 prefix: list[str] = (), host_profile_s: float | None = None) -> subprocess.Popen:
+                 prefix: list[str] = (), host_profile_s: float | None = None,
+                 slow_call_ms: float | None = None) -> subprocess.Popen:
     cmd = [*prefix, sys.executable, "-m", "modelpool.cli", "serve", "--fleet", str(fleet), "--backend", backend,
            "--port", str(port), "--plan-log", str(log_path.with_suffix(".plans.jsonl")), *extra]
     calls = log_path.with_suffix(".calls")  # each instance's engine calls, timed (processes backend), at the end
@@ -131,6 +132,8 @@ def start_server(fleet: Path, backend: str, port: int, log_path: Path, extra: li
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_AUTH_MODE": "disabled", "MODELPOOL_CALL_LOG_DIR": str(calls)}
     if host_profile_s:  # each engine process's host time, sampled, a report per window (pool.procs.HostProfile)
         env["MODELPOOL_HOST_PROFILE_S"] = str(host_profile_s)
+    if slow_call_ms:  # the stacks of engine calls slower than this (pool.procs.SlowCalls)
+        env["MODELPOOL_SLOW_CALL_MS"] = str(slow_call_ms)
     return subprocess.Popen(cmd, stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT,
                             start_new_session=True)
 
@@ -318,7 +321,8 @@ def live_runs(args: argparse.Namespace, fleet: Path, backend: str, layout: str, 
     log_path = out_dir / f"serve-{backend}-{layout}.log"
     layout_args = [] if LAYOUTS[layout] is None else ["--instances", str(LAYOUTS[layout])]
     prefix = [part.replace("{tag}", f"{backend}-{layout}") for part in shlex.split(args.serve_prefix)]
-    proc = start_server(fleet, backend, port, log_path, layout_args + args.serve_arg, prefix, args.host_profile_s)
+    proc = start_server(fleet, backend, port, log_path, layout_args + args.serve_arg, prefix, args.host_profile_s,
+                        args.slow_call_ms)
     results = []
     try:
         ready_s = wait_ready(url, proc, args.start_timeout)
@@ -536,6 +540,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--serve-arg", action="append", default=[], help="extra `modelpool serve` argument")
     parser.add_argument("--host-profile-s", type=float, help="processes backend: sample each engine process's host "
                         "time with pyinstrument, a text report per window of this many seconds beside the call logs")
+    parser.add_argument("--slow-call-ms", type=float, help="processes backend: the stacks of engine calls that run "
+                        "longer than this, sampled (slow-<instance>.json beside the call logs; quick calls untouched)")
     parser.add_argument("--serve-prefix", default="", help="a command the server runs under, e.g. a profiler "
                         "(`py-spy record -o /tmp/spy-{tag}.txt --format raw --`; {tag} is backend-layout)")
     parser.add_argument("--start-timeout", type=float, default=300.0)

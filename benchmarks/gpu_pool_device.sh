@@ -4,7 +4,8 @@
 #   BACKENDS=<a,b>; on two GPUs, GPUS_ARG='--gpus 2' gives light/heavy the prefill-GPU + decode-GPU layout
 # The pool stage serves as a user would: engine processes sharing the GPU run under a private MPS daemon (serve's
 # default); MPS=0 serves with --no-mps (time-sliced), MPS=1 with --mps (an error where no daemon can start).
-# HOST_PROFILE_S=<s>: the pool stage samples each engine process's host time (pyinstrument, carried in .whl).
+# HOST_PROFILE_S=<s>: the pool stage samples each engine process's host time (pyinstrument, carried in .whl);
+# SLOW_CALL_MS=<ms>: the stacks of engine calls slower than that (pool.procs.SlowCalls).
 # `calibrate pool` with PROFILE=calibrated: calibrate on this GPU, then serve with that profile.
 # `pool` is the issues-16/17 run (BACKENDS='processes threads', RATES='1 10' req/s, ~6 min; STANDALONE=' ' times the
 # engine's own prefill at the live lengths too; compare with the simulator afterwards on
@@ -32,7 +33,7 @@ for stage in "$@"; do
     pool)
       [ "${PROFILE:-}" = calibrated ] && PROFILE="$OUT/h200-calibrated.json"  # the calibrate stage's, run before
       timeout ${POOL_S:-450} python3 benchmarks/gpu_pool.py --out /tmp/gp-pool $(for b in ${BACKENDS:-processes threads}; do echo --backend $b; done) \
-        --layout pd $(for r in ${RATES:-1 10}; do echo --rate $r; done) --duration 30 --request-timeout 60 ${STANDALONE:---no-standalone} --no-sim ${HOST_PROFILE_S:+--host-profile-s $HOST_PROFILE_S} \
+        --layout pd $(for r in ${RATES:-1 10}; do echo --rate $r; done) --duration 30 --request-timeout 60 ${STANDALONE:---no-standalone} --no-sim ${HOST_PROFILE_S:+--host-profile-s $HOST_PROFILE_S} ${SLOW_CALL_MS:+--slow-call-ms $SLOW_CALL_MS} \
         ${PROFILE:+--serve-arg=--profile --serve-arg=$PROFILE} $(case ${MPS:-} in 1) echo --serve-arg=--mps;; 0) echo --serve-arg=--no-mps;; esac) 2>&1 | grep -v '^   {' ; pack pool ;;
     light)
       timeout ${LIGHT_S:-330} python3 benchmarks/gpu_pool.py --out /tmp/gp-light --backend processes --backend threads --layout pd \

@@ -139,6 +139,52 @@ class HostProfile:
         self._write()
 
 
+class SlowCalls:
+    """A benchmark's look inside an engine process's slow calls (MODELPOOL_SLOW_CALL_MS=<ms>, beside
+    MODELPOOL_CALL_LOG_DIR): a thread wakes every quarter of that; while a call has run longer, it takes the
+    calling thread's stack. Unlike HostProfile it does nothing while calls are quick, so it hardly slows the
+    process it looks at. Writes slow-<instance>.json: rows [method, started at (monotonic s, the call log's
+    clock), ms into the call, the innermost frames as 'file:line function']."""
+
+    FRAMES = 12
+
+    def __init__(self, folder: str, instance_id: str, threshold_s: float) -> None:
+        self.path = os.path.join(folder, f"slow-{instance_id}.json")
+        self.threshold_s = threshold_s
+        self.current: tuple[str, float] | None = None  # (method, started at) while a call runs
+        self.samples: list[tuple[str, float, float, list[str]]] = []
+        self._caller = threading.get_ident()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="modelpool-slow-calls", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_env(cls, instance_id: str) -> SlowCalls | None:
+        threshold, folder = os.environ.get("MODELPOOL_SLOW_CALL_MS"), os.environ.get("MODELPOOL_CALL_LOG_DIR")
+        return cls(folder, instance_id, float(threshold) / 1e3) if threshold and folder else None
+
+    def _watch(self) -> None:
+        import sys
+
+        while not self._stop.wait(self.threshold_s / 4):
+            call = self.current
+            if call is None or time.monotonic() - call[1] < self.threshold_s:
+                continue
+            frame = sys._current_frames().get(self._caller)
+            if frame is None:
+                continue
+            stack = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in traceback.extract_stack(frame)]
+            self.samples.append((call[0], call[1], (time.monotonic() - call[1]) * 1e3, stack[-self.FRAMES:]))
+
+    def close(self) -> None:
+        import json
+
+        self._stop.set()
+        self._thread.join()
+        with open(self.path, "w") as out:
+            json.dump([[m, round(t, 6), round(ms, 2), stack] for m, t, ms, stack in self.samples], out)
+
+
 # ---- the worker process ---------------------------------------------------------------------------------
 def _worker_main(conn: Any, instance_id: str, spec: EngineSpec, models: Mapping[str, str],
                  max_tokens: int | None, threads: int) -> None:
@@ -164,6 +210,7 @@ def _worker_main(conn: Any, instance_id: str, spec: EngineSpec, models: Mapping[
         return
     conn.send_bytes(pickle.dumps(("ready", captured)))
     profile = HostProfile.from_env(instance_id)
+    slow = SlowCalls.from_env(instance_id)
     log_dir = os.environ.get("MODELPOOL_CALL_LOG_DIR")  # a benchmark's: every engine call, timed, at the end
     timings = getattr(engine, "timings", None)
     if log_dir and timings is not None and hasattr(timings, "watch_gc"):
@@ -176,10 +223,14 @@ def _worker_main(conn: Any, instance_id: str, spec: EngineSpec, models: Mapping[
         if message is None:
             break
         handle, method, args = message
+        if slow is not None:
+            slow.current = (method, time.monotonic())
         try:
             result: Any = call_engine(engine, method, args)
         except Exception as exc:  # handed to the controller, which decides what it means
             result = exc
+        if slow is not None:
+            slow.current = None
         del args, message
         try:
             payload = _dumps_result((handle, result))
@@ -191,6 +242,8 @@ def _worker_main(conn: Any, instance_id: str, spec: EngineSpec, models: Mapping[
             profile.tick()
     if profile is not None:
         profile.close()
+    if slow is not None:
+        slow.close()
     if log_dir and timings is not None and hasattr(timings, "dump_calls"):
         timings.dump_calls(os.path.join(log_dir, f"calls-{instance_id}.json"))
         timings.dump_kv_calls(os.path.join(log_dir, f"kv-{instance_id}.json"))

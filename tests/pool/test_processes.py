@@ -300,3 +300,27 @@ def test_freeze_heap_puts_what_start_up_made_out_of_full_collections():
         assert old() is not None  # frozen: left alone
     finally:
         gc.unfreeze()
+
+
+def test_slow_calls_sample_the_stack_of_a_call_past_its_threshold(tmp_path) -> None:
+    """pool.procs.SlowCalls (MODELPOOL_SLOW_CALL_MS under a benchmark): while a call runs past the threshold a
+    thread takes the caller's stack; a quick call leaves nothing."""
+    import json
+    import time
+
+    from pool.procs import SlowCalls
+
+    def a_slow_part() -> None:
+        time.sleep(0.2)
+
+    slow = SlowCalls(str(tmp_path), "slotX", 0.02)
+    slow.current = ("quick", time.monotonic())
+    time.sleep(0.01)
+    slow.current = ("import_kv", time.monotonic())
+    a_slow_part()
+    slow.current = None
+    slow.close()
+    rows = json.loads((tmp_path / "slow-slotX.json").read_text())
+    assert rows and {row[0] for row in rows} == {"import_kv"}
+    assert all(20 <= row[2] <= 250 for row in rows) and len(rows) >= 4  # every 5 ms from 20 ms on
+    assert all(row[3][-1].endswith("a_slow_part") for row in rows)
