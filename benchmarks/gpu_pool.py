@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu_pool_calls import load as load_calls  # noqa: E402
 from benchmarks.gpu_pool_calls import plan_summary, write_run  # noqa: E402
-from benchmarks.gpu_pool_calls import ttft_parts  # noqa: E402
+from benchmarks.gpu_pool_calls import load_kv, prefill_overlaps, run_kv_calls, ttft_parts  # noqa: E402
 from benchmarks.gpu_pool_sim import quantiles  # noqa: E402
 from scheduler.fleet import catalogue_arch, hf_shape  # noqa: E402
 
@@ -369,9 +369,11 @@ def live_runs(args: argparse.Namespace, fleet: Path, backend: str, layout: str, 
         for result in results:
             result["plan_summary"] = plan_summary(lines[slice(*result["plans_range"])])
     if any(log_path.with_suffix(".calls").glob("calls-*.json")):  # written as the engine processes stopped
-        logs = load_calls(log_path.with_suffix(".calls"))
+        logs, kv_logs = load_calls(log_path.with_suffix(".calls")), load_kv(log_path.with_suffix(".calls"))
         for result in results:  # each request's TTFT split: admission, queue and switch, prefill, delivery
             result["ttft_parts"] = ttft_parts(logs, result)
+            result["prefill_overlap"] = prefill_overlaps(logs, result)  # each prefill sample beside decode steps
+            result["kv_calls"] = run_kv_calls(kv_logs, result)  # each KV call: method, requests, seconds
     return results
 
 

@@ -124,6 +124,54 @@ def ttft_parts(logs: dict[str, list[Call]], run: dict[str, Any]) -> dict[str, An
     return {"requests": len(parts["prefill"]), **{name: _stats(v) for name, v in parts.items()}}
 
 
+def load_kv(folder: Path) -> dict[str, list[list[Any]]]:
+    """Each instance's KV call log (kv-<instance>.json: method, requests, bytes, started at, seconds, waited,
+    before the wait; pool.engines.timings.StepTimings.dump_kv_calls); empty for serves that predate it."""
+    return {p.stem.removeprefix("kv-"): json.loads(p.read_text()) for p in sorted(folder.glob("kv-*.json"))}
+
+
+def run_kv_calls(kv_logs: dict[str, list[list[Any]]], run: dict[str, Any], drain_s: float = 2.0) -> dict[str, list]:
+    """A run's KV calls per instance as [method, requests, seconds] rows: those that began during its replay (its
+    last request answered: every hand-off done) or the `drain_s` after it (the calls' clock), for `modelpool calibrate --from-live` to fit a hand-off's move
+    per request (the run's kv_timings only say how many and how long on average)."""
+    start = run["replay_t0_monotonic"]
+    end = start + run["replay_s"] + drain_s
+    return {iid: [[row[0], row[1], row[4]] for row in rows if start <= row[3] <= end] for iid, rows in kv_logs.items()}
+
+
+MATCH_S = 0.001  # a prefill sample and its engine call agree on their seconds within this
+
+
+def prefill_overlaps(logs: dict[str, list[Call]], run: dict[str, Any]) -> dict[str, list[float | None]]:
+    """For each engine's prefill samples in a run (`prefill_samples`: model, tokens, requests, seconds), the
+    share of its call that other instances' decode steps overlapped on the calls' clock - a prefill beside a
+    decoding process runs slower (gpu_share_slowdown), and `modelpool calibrate --from-live` fits the engine's
+    own prefill in the pool to the others. The samples are an engine's latest prefills when the run ended, the
+    call log all of the serve's: they are matched as the run of consecutive prefill calls whose seconds agree
+    best (within MATCH_S each); None where no run of calls agrees."""
+    out: dict[str, list[float | None]] = {}
+    for iid, samples in (run.get("prefill_samples") or {}).items():
+        if not samples or iid not in logs:
+            continue
+        calls = [(t, d) for m, t, d in logs[iid] if m == "prefill"]
+        seconds = [row[3] for row in samples]
+        best, best_err = None, None
+        for start in range(len(calls) - len(seconds) + 1):
+            errs = [abs(calls[start + k][1] - s) for k, s in enumerate(seconds)]
+            if max(errs) <= MATCH_S and (best_err is None or sum(errs) < best_err):
+                best, best_err = start, sum(errs)
+        if best is None:
+            out[iid] = [None] * len(samples)
+            continue
+        decodes = sorted((t, t + d) for other, rows in logs.items() if other != iid for m, t, d in rows
+                         if m == "decode_step")
+        shares: list[float | None] = []
+        for t, d in calls[best : best + len(seconds)]:
+            shares.append(round(overlap_s(t, t + d, decodes) / d, 4) if d > 0 else 0.0)
+        out[iid] = shares
+    return out
+
+
 def write_run(path: Path, run: dict[str, Any]) -> None:
     """A run's JSON, compact: its requests' inter-token gaps are most of it (results/ keeps many runs)."""
     path.write_text(json.dumps(run, separators=(",", ":"), default=str))
@@ -167,15 +215,20 @@ def main() -> None:
     parser.add_argument("--window", type=float, default=50.0, help="seconds before the last call (the last run)")
     parser.add_argument("--run", type=Path, help="a run JSON of the same serve: split its requests' TTFT")
     parser.add_argument("--save", action="store_true", help="with --run: also write the split into the run JSON as "
-                        "its ttft_parts (gpu_pool.py does for its runs; for runs recorded before it did)")
+                        "its ttft_parts, its prefill samples' overlap with decode steps as prefill_overlap and its KV calls as "
+                        "kv_calls "
+                        "(gpu_pool.py does for its runs; for runs recorded before it did)")
     args = parser.parse_args()
     logs = load(args.calls)
     result = summarize(logs, args.window)
     if args.run is not None:
         run = json.loads(args.run.read_text())
         result["ttft_parts"] = ttft_parts(logs, run)
+        result["prefill_overlap"] = prefill_overlaps(logs, run)
+        kv = load_kv(args.calls)
         if args.save:
-            write_run(args.run, {**run, "ttft_parts": result["ttft_parts"]})
+            saved = {**run, "ttft_parts": result["ttft_parts"], "prefill_overlap": result["prefill_overlap"]}
+            write_run(args.run, {**saved, "kv_calls": run_kv_calls(kv, run)} if kv else saved)
         for name, s in result["ttft_parts"].items():
             if isinstance(s, dict):
                 print(f"TTFT {name:32s} n={s['n']:5d} mean {s['mean_ms']:7.2f} ms  p50 {s['p50_ms']:7.2f}"

@@ -69,7 +69,8 @@ def simulate_live_layout(fleet_path: Path, trace_path: Path, profile: Path | str
 
 def time_budget(live: dict[str, Any], sim: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Each instance's time, live (its engine calls in the run, by method: gpu_pool.py's call_s_by_engine; runs
-    recorded before it have none) beside the simulator's (decode steps and their seconds, switches, busy)."""
+    recorded before it have none) beside the simulator's (decode steps and their seconds, switches, prefills, KV
+    moves, busy)."""
     out = {}
     for iid, figures in sim["per_instance"].items():
         calls = (live.get("call_s_by_engine") or {}).get(iid) or {}
@@ -138,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
                             if s >= 0.01))
             print(f"{name:44s} {iid}: {shown} | {sim_side['decode_steps']} steps {sim_side['decode_s']:.1f} s "
                   f"({1e3 * sim_side['decode_s'] / max(1, sim_side['decode_steps']):.2f} ms); switches "
-                  f"{sim_side['switch_s']:.2f} s, busy {sim_side['busy_s']:.1f} s")
+                  f"{sim_side['switch_s']:.2f} s, prefill {sim_side.get('prefill_s', 0.0):.2f} s, KV moves "
+                  f"{sim_side.get('kv_s', 0.0):.2f} s, busy {sim_side['busy_s']:.1f} s")
     print("\neach instance's Plans, live | sim: actions x requests on average (Decode: and its max steps)")
     for name, cmp in out.items():
         live_plans, sim_plans = cmp["plans"]["live"] or {}, cmp["plans"]["sim"]

@@ -67,7 +67,7 @@ def calibrate_command(
     if request_path is not None and base is None:
         _fail("--request-path needs --profile: the profile the request-path terms go on top of")
     if from_live is not None or request_path is not None or (gpu_share is not None and base is not None):
-        _refit(from_live, gpu_share, base, out, gpu, gpu_share_decode, request_path)
+        _refit(from_live, gpu_share, base, out, gpu, gpu_share_decode, request_path, fleet_path)
         return
     try:
         fleet = load_fleet(fleet_path)
@@ -154,10 +154,11 @@ def _with_gpu_share(profile: Any, probe_path: Path, decode_path: Path | None = N
 
 
 def _refit(run_path: Path | None, share_path: Path | None, base: str | None, out: Path, gpu: str | None,
-           decode_path: Path | None = None, path_run: Path | None = None) -> None:
+           decode_path: Path | None = None, path_run: Path | None = None, fleet_path: Path | None = None) -> None:
     """`--from-live` / `--gpu-share` with `--profile`: the base profile with the host terms fitted to a live pool
     run and/or gpu_share_slowdown to a probe (sims.profiles.calibrated), named after `out` as a profile
-    `modelpool calibrate` measures is."""
+    `modelpool calibrate` measures is. Where `fleet_path` names the run's models (the fleet it served), their
+    shapes let the run's prefills fit prefill_live_scale too."""
     from sims.profiles import load_profile
     from sims.profiles.calibrated import with_live_host, with_request_path
 
@@ -177,8 +178,12 @@ def _refit(run_path: Path | None, share_path: Path | None, base: str | None, out
         except (OSError, ValueError) as exc:
             _fail(f"--from-live {run_path}: cannot read a run JSON ({exc})")
         when = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+        archs, missing = _run_archs(run, fleet_path)
+        if missing:
+            console.print(f"prefill_live_scale not fitted: --fleet {fleet_path} does not have the run's model(s) "
+                          f"{', '.join(missing)} (pass the fleet file the run served)")
         try:
-            profile = with_live_host(profile, run, f"{run_path.name}, fitted {when}", gpu, name=out.stem)
+            profile = with_live_host(profile, run, f"{run_path.name}, fitted {when}", gpu, name=out.stem, archs=archs)
         except ValueError as exc:
             _fail(f"--from-live {run_path}: {exc}")
     else:
@@ -213,9 +218,26 @@ def _refit(run_path: Path | None, share_path: Path | None, base: str | None, out
     if "request_admit_s" in profile.provenance and path_run is None:
         console.print(f"request_admit_s {terms.request_admit_s * 1e3:.4g} ms and token_deliver_s "
                       f"{terms.token_deliver_s * 1e3:.4g} ms per request, the live pool's way in and out")
+    if "prefill_live_scale" in profile.provenance and profile.provenance["prefill_live_scale"].status == "measured":
+        console.print(f"prefill_live_scale {terms.prefill_live_scale:.4g}: the live pool's prefill over the engine "
+                      f"terms'")
     if "prefill_fresh_s" in profile.provenance and terms.prefill_fresh_s:
         console.print(f"prefill_fresh_s {terms.prefill_fresh_s * 1e3:.4g} ms per prefill at a fresh shape")
     console.print(f"wrote {out}; use it with `modelpool simulate --profile {out}`")
+
+
+def _run_archs(run: dict[str, Any], fleet_path: Path | None) -> tuple[dict[str, Any], list[str]]:
+    """The (arch, tp) of each model a live run prefilled, from the fleet file at `fleet_path`, and the models it
+    lacks (all of them where the file cannot be read)."""
+    wanted = sorted({row[0] for samples in (run.get("prefill_samples") or {}).values() for row in samples or []})
+    if not wanted:
+        return {}, []
+    try:
+        fleet = load_fleet(fleet_path) if fleet_path is not None else None
+    except FleetFileError:
+        fleet = None
+    known = {m.name: (m.arch, m.tp) for m in fleet.models} if fleet is not None else {}
+    return {name: known[name] for name in wanted if name in known}, [name for name in wanted if name not in known]
 
 
 def pick_shapes(fleet: Any, names: list[str], max_shapes: int, device_bytes: int | None) -> tuple[dict[str, Any], list[str]]:

@@ -84,6 +84,7 @@ class ModelConstants:
     prefill_request_s: float  # per prompt
     prefill_host_s: float  # the live pool's host time per prefill (a fresh shape's cost included), after the GPU time
     prefill_padded: bool  # the GEMMs run at scheduler.costs.padded_prefill_tokens rows
+    prefill_scale: float  # the live pool's prefill over the engine terms' (prefill_live_scale)
     decode_fixed_s: float  # with the live pool's host time per step
     decode_request_s: float  # the live pool's host time per request of a step's batch
     prefill_floor_s: float  # host launch floor (0 with CUDA graphs)
@@ -93,6 +94,7 @@ class ModelConstants:
     kv_s_per_byte: float  # KV moves (at eff_kv_move)
     kv_move_fixed_s: float  # per move (kv_move_overhead_s)
     kv_handoff_fixed_s: float  # per staged hand-off move (kv_handoff_overhead_s)
+    kv_handoff_request_s: float  # per request of such a move
     kv_copy_s_per_byte: float  # KV copied within the device: read and written at eff_mem of HBM
 
 
@@ -125,6 +127,7 @@ def model_constants(arch: Arch, tp: int, gpu: GpuSpec, terms: ProfileTerms) -> M
         prefill_request_s=terms.prefill_request_s,
         prefill_host_s=terms.prefill_host_s + terms.prefill_fresh_s,
         prefill_padded=terms.prefill_padded,
+        prefill_scale=terms.prefill_live_scale,
         decode_fixed_s=terms.decode_fixed_s + terms.decode_host_s,
         decode_request_s=terms.decode_host_request_s,
         prefill_floor_s=0.0 if terms.prefill_cuda_graphs else layers * terms.launch_s_per_layer,
@@ -134,6 +137,7 @@ def model_constants(arch: Arch, tp: int, gpu: GpuSpec, terms: ProfileTerms) -> M
         kv_s_per_byte=1.0 / (gpu.h2d_gb_s * 1e9 * (terms.eff_kv_move or terms.eff_pcie)),
         kv_move_fixed_s=terms.kv_move_fixed_s,
         kv_handoff_fixed_s=terms.kv_move_fixed_s if terms.kv_handoff_fixed_s is None else terms.kv_handoff_fixed_s,
+        kv_handoff_request_s=terms.kv_handoff_request_s,
         kv_copy_s_per_byte=2.0 / (hbm * terms.eff_mem),
     )
 
@@ -206,7 +210,7 @@ class RooflineCostModel(CostModel):
         memory = c.stream_static_s + experts * c.stream_expert_s + run * c.kv_write_s_per_token
         gpu = (max(compute, memory) + c.allreduce_fixed_s + run * c.allreduce_s_per_token + c.prefill_overhead_s
                + requests * c.prefill_request_s)
-        return max(gpu, c.prefill_floor_s) + c.prefill_host_s
+        return max(gpu, c.prefill_floor_s) * c.prefill_scale + c.prefill_host_s
 
     def decode_step_s(self, model: str, batch_size: int, context_tokens: int) -> float:
         if batch_size <= 0:
@@ -236,6 +240,9 @@ class RooflineCostModel(CostModel):
 
     def kv_handoff_overhead_s(self, model: str) -> float:
         return self._models[model].kv_handoff_fixed_s
+
+    def kv_handoff_request_s(self, model: str) -> float:
+        return self._models[model].kv_handoff_request_s
 
     def host_links(self, instances: Sequence[InstanceSpec], gpu_of: Mapping[str, int] | None = None) -> CopyLinks | None:
         """The instances' host links (sims.links) when the pool shares them (gpus_per_host_link >= 1), else None."""

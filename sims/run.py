@@ -138,7 +138,8 @@ def simulate(fleet: Fleet, workload: Workload, policy: str, *, num_gpus: int | N
         dev = sim.device(spec.instance_id)
         per_instance[spec.instance_id] = {"busy_s": dev.busy_s, "decode_steps": dev.decode_steps,
                                           "decode_s": dev.decode_s, "num_switches": dev.num_switches,
-                                          "switch_s": dev.switch_s, "kv_moved_bytes": dev.kv_moved_bytes}
+                                          "switch_s": dev.switch_s, "prefill_s": dev.prefill_s, "kv_s": dev.kv_s,
+                                          "kv_moved_bytes": dev.kv_moved_bytes}
     return SimResult(policy, gpus, instances, records, metrics, truncated[0], notes, sim.num_plans, sim.num_events,
                      sim.num_decode_steps, sim_wall_s, sim_cpu_s, time.perf_counter() - started - sim_wall_s,
                      per_instance)

@@ -130,6 +130,8 @@ class _Device:
     kv_moved_bytes: float = 0.0
     decode_steps: int = 0  # decode iterations delivered (a turn of n steps counts n), and their seconds
     decode_s: float = 0.0
+    prefill_s: float = 0.0  # prefills (and their kv_to_host moves), as the live engine's prefill calls
+    kv_s: float = 0.0  # SwapIn / SwapOut moves, as the live engine's KV calls (export, import, save, restore)
     prompt_left: dict[str, int] = field(default_factory=dict)  # chunked prefill: tokens still to compute
     batch: _Batch | None = None  # the last decode batch; dropped by any other action on the device
     lost: bool = False  # its pending events are dropped
@@ -390,7 +392,7 @@ class Simulator:
         return t
 
     def _swap(self, iid: str, dev: _Device, action: SwapOut | SwapIn, t: float) -> float:
-        out = type(action) is SwapOut
+        out, started = type(action) is SwapOut, t
         turn = dev.turn  # a Decode earlier in this same plan adds its tokens before the move happens
         moves: list[tuple[str, int]] = []
         # a staging instance's SwapOut, and the SwapIn of what it staged, copy within the GPU (off the host link):
@@ -415,6 +417,7 @@ class Simulator:
         t += kv_device_move_s(self.costs, staged)
         end = self._copy_end(iid, not out, t, kv_move_s(self.costs, moves)) if moves else t  # one move each
         self._push(end, COMPLETION, KvMoved(iid, action.request_ids, "host" if out else "device"), dev)
+        dev.kv_s += end - started
         return end
 
     def _copy_end(self, iid: str, to_device: bool, t: float, alone_s: float) -> float:
@@ -449,6 +452,7 @@ class Simulator:
             move_s = self.links.copy_end_at(iid, False, t + took, move_s, self.now) - (t + took)
         end = t + took + move_s
         dev.prefill_move_s = move_s
+        dev.prefill_s += took + move_s
         self._push(end, COMPLETION, StepDone(iid, "prefill", action.request_ids, 1, tuple(finished)), dev, records)
         return end
 

@@ -12,6 +12,8 @@ from typer.testing import CliRunner
 from modelpool.cli import app
 from sims.profiles import TERM_NAMES, load_profile
 
+ROOT = Path(__file__).resolve().parents[1]
+
 FLEET = """\
 gpus:
   cpu-box: {memory_gb: 16, hbm_tb_s: 0.05, bf16_tflops: 1.0, h2d_gb_s: 20, nvlink_gb_s: 10, usd_per_hour: 0.1,
@@ -118,6 +120,26 @@ def test_calibrate_from_a_live_run_fits_the_host_terms_on_a_profile(tmp_path: Pa
     assert res.exit_code == 0, res.output
     res = CliRunner().invoke(app, ["calibrate", "--from-live", str(run_path), "--out", str(out)])
     assert res.exit_code == 1 and "--from-live needs --profile" in res.output
+    # prefills matched to their calls: with the fleet the run served (--fleet), prefill_live_scale too
+    from modelpool.config import load_fleet
+    from sims.costmodel import RooflineCostModel
+
+    fleet = load_fleet(ROOT / "models.yaml")
+    name, arch, tp = fleet.models[0].name, fleet.models[0].arch, fleet.models[0].tp
+    costs = RooflineCostModel.for_models({name: (arch, tp)}, "h200", load_profile("h200-cudagraph"), gpu_name="h200")
+    samples = [[name, tokens, 1, 1.3 * costs.prefill_s(name, tokens, 1)] for tokens in range(500, 3000, 100)]
+    run_path.write_text(json.dumps({**run, "prefill_samples": {"slot0": samples},
+                                    "prefill_overlap": {"slot0": [0.0] * len(samples)}}))
+    res = CliRunner().invoke(app, ["calibrate", "--from-live", str(run_path), "--profile", "h200-cudagraph",
+                                   "--gpu", "h200", "--fleet", str(ROOT / "models.yaml"), "--out", str(out)])
+    assert res.exit_code == 0 and "prefill_live_scale 1.3" in res.output, res.output
+    assert load_profile(out).status("prefill_live_scale", "h200") == "measured"
+    other = tmp_path / "other.yaml"
+    other.write_text((ROOT / "models.yaml").read_text().replace(f"name: {name}", "name: renamed-model"))
+    res = CliRunner().invoke(app, ["calibrate", "--from-live", str(run_path), "--profile", "h200-cudagraph",
+                                   "--gpu", "h200", "--fleet", str(other), "--out", str(out)])
+    assert res.exit_code == 0 and f"does not have the run's model(s) {name}" in " ".join(res.output.split())
+    assert load_profile(out).terms.prefill_live_scale == 1.0
 
 
 def test_calibrate_request_path_fits_the_way_in_and_out_from_a_light_run(tmp_path: Path) -> None:

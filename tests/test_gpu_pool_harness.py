@@ -235,3 +235,24 @@ def test_plan_summary_counts_each_instances_actions_from_plan_log_lines() -> Non
     summary = plan_summary([p.to_json() for p in plans])
     assert summary == {"slot0": {"Prefill": {"actions": 2, "requests_mean": 2.0}, "Switch": {"actions": 1, "requests_mean": 0.0}},
                        "slot1": {"Decode": {"actions": 2, "requests_mean": 1.5, "max_steps_mean": 6.0}}}
+
+
+def test_prefill_samples_are_matched_to_their_calls_and_kv_calls_cut_to_the_run() -> None:
+    """gpu_pool_calls.prefill_overlaps: a run's prefill samples found in the serve's call log by their seconds
+    (the run of consecutive prefill calls that agrees), each with the share of its call the other instance's
+    decode steps overlapped; run_kv_calls: the KV calls that began during the run's replay."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from benchmarks.gpu_pool_calls import prefill_overlaps, run_kv_calls
+
+    logs = {"slot0": [["prefill", 10.0, 0.05], ["decode_step", 10.06, 0.004], ["prefill", 11.0, 0.1],
+                      ["prefill", 12.0, 0.2], ["prefill", 13.0, 0.3]],
+                      # an earlier run's 0.05 s prefill; this run's 0.1, 0.2, 0.3
+            "slot1": [["decode_step", 11.0, 0.05], ["decode_step", 12.1, 0.2], ["decode_step", 14.0, 0.01]]}
+    run = {"prefill_samples": {"slot0": [["m", 100, 1, 0.1002], ["m", 200, 1, 0.2], ["m", 300, 2, 0.2999]]}}
+    assert prefill_overlaps(logs, run) == {"slot0": [0.5, 0.5, 0.0]}
+    stale = {"prefill_samples": {"slot0": [["m", 100, 1, 0.4]]}}  # no call took 0.4 s
+    assert prefill_overlaps(logs, stale) == {"slot0": [None]}
+    kv = {"slot1": [["import_kv(device)", 3, 100, 9.0, 0.01, 0.0, 0.01],  # before the run
+                    ["import_kv(device)", 4, 100, 11.5, 0.02, 0.001, 0.015],
+                    ["restore_kv", 4, 0, 15.0, 0.001, 0.0, 0.001]]}  # after it
+    assert run_kv_calls(kv, {"replay_t0_monotonic": 10.0, "replay_s": 2.5}) == {"slot1": [["import_kv(device)", 4, 0.02]]}

@@ -57,6 +57,9 @@ class ProfileTerms(_Frozen):
                                      "tokens, prompts) the engine has not run before - the live pool's case for "
                                      "nearly every prompt: the first run of a shape over its repeats (allocator, "
                                      "GEMM heuristics); added to every prefill, with prefill_host_s.")
+    prefill_live_scale: float = Field(default=1.0, gt=0.0, description="The engine's prefill in the live pool over "
+                                      "what the engine terms predict (the engine's part, launch floor included; the host terms come on top, a "
+                                      "neighbour's slowdown by gpu_share_slowdown): fitted to a live run's prefills.")
     prefill_padded: bool = Field(default=False, description="The engine pads each prefill's tokens to "
                                  "scheduler.costs.padded_prefill_tokens (the torch engine on CUDA): its matrix work "
                                  "and K/V writes are charged for the padded count, attention for the prompts' own.")
@@ -84,6 +87,8 @@ class ProfileTerms(_Frozen):
                                                 "instance's export into its arena and the decode instance's import from "
                                                 "it, each one such move, syncs included, as the live pool's kv_timings "
                                                 "record them; None: kv_move_fixed_s.")
+    kv_handoff_request_s: Seconds = Field(default=0.0, description="What each request of such a move adds on top of "
+                                          "its copy (the engine's work per request: its blocks, its rows' indices).")
     eff_pcie_shared: Fraction | None = Field(default=None, description="Achieved share of nominal host link bandwidth, "
                                                                        "all copies together, while two or more copies "
                                                                        "overlap on one link (pool.gpus_per_host_link); "
@@ -113,6 +118,8 @@ _DEFAULT_WHY = {
     "gpu_share_decode_slowdown": "means a decode step beside a prefill slows as any other work does "
                                  "(gpu_share_slowdown)",
     "prefill_padded": "charges each prefill for its own tokens (an engine that does not pad them)",
+    "kv_handoff_request_s": "charges a staged hand-off's move its one overhead whatever its requests",
+    "prefill_live_scale": "charges a prefill in the live pool what the engine's own measurements predict",
     "kv_handoff_fixed_s": "takes kv_move_fixed_s (a staged hand-off's move costs what any KV move does on top of its "
                           "copies)",
 }

@@ -367,14 +367,27 @@ MIN_STEPS = 20  # batch buckets with fewer decode steps are left out of the live
 MIN_HANDOFF_CALLS = 10  # a hand-off side with fewer calls is not fitted
 
 
-def _handoff_move_s(run: Mapping[str, Any]) -> tuple[float, str] | None:
-    """Seconds per staged hand-off move in a live run (its engines' `kv_timings`: each side's mean call - the
-    export on the prefill instance and the import on the decode instance - averaged), and the figures in words;
-    None where the run staged no hand-offs in device memory (or too few). The mean, not the median: the simulator
-    charges every move the term, so over a run it should add up to what the live pool paid, its slow calls
-    included (a hand-off right after a switch: 2-5x the median at 22 req/s on the H200). Runs that predate
-    `ms_mean` give it by their `call_s_by_engine` (the method's seconds over its calls, the few hand-offs
-    through host memory among them), older ones their median."""
+def _handoff_move_s(run: Mapping[str, Any]) -> tuple[float, float, str] | None:
+    """Seconds per staged hand-off move and per request of it in a live run, and the figures in words; None where
+    the run staged no hand-offs in device memory (or too few). With the run's KV calls one by one (`kv_calls`:
+    benchmarks/gpu_pool_calls.py), a least-squares line through both sides' calls - the export on the prefill
+    instance, the import on the decode instance - as a + b x requests (both >= 0): a move of one request costs
+    what one of thirty does not (on the H200, 3-5 ms a call at 1 req/s, 9-14 at 22 with 4-8 requests a call).
+    Else each side's mean call, averaged (b = 0): the mean, not the median, as the simulator charges every move
+    and over a run it should add up to what the live pool paid; runs that predate `ms_mean` give it by their
+    `call_s_by_engine` (the few hand-offs through host memory among them), older ones their median."""
+    rows = [(n, seconds) for calls in (run.get("kv_calls") or {}).values() for method, n, seconds in calls or []
+            if method in ("export_kv(device)", "import_kv(device)") and n > 0]
+    sides_seen = {method for calls in (run.get("kv_calls") or {}).values() for method, _, _ in calls or []}
+    if len(rows) >= 2 * MIN_HANDOFF_CALLS and {"export_kv(device)", "import_kv(device)"} <= sides_seen:
+        mean_n = statistics.fmean(n for n, _ in rows)
+        mean_s = statistics.fmean(s for _, s in rows)
+        var = sum((n - mean_n) ** 2 for n, _ in rows)
+        per = max(0.0, sum((n - mean_n) * (s - mean_s) for n, s in rows) / var) if var > 0 else 0.0
+        fixed = max(0.0, mean_s - per * mean_n)
+        return fixed, per, (f"a least-squares line through its {len(rows)} export and import calls (1 to "
+                            f"{max(n for n, _ in rows)} requests each): {fixed * 1e3:.2f} ms a call + "
+                            f"{per * 1e3:.3f} ms a request")
     sides: dict[str, tuple[str, Mapping[str, Any]]] = {}
     for engine, timings in (run.get("kv_timings") or {}).items():
         for method, figures in (timings or {}).items():
@@ -395,8 +408,8 @@ def _handoff_move_s(run: Mapping[str, Any]) -> tuple[float, str] | None:
     if statistic == "medians":  # one side without a mean: both by their median, alike
         per_call = {method: (figures["ms_p50"], figures["calls"]) for method, (_, figures) in sides.items()}
     seconds = sum(ms for ms, _ in per_call.values()) / len(per_call) / 1e3
-    return seconds, f"{statistic}: " + ", ".join(f"{m} {ms:.2f} ms over {n} calls" for m, (ms, n) in
-                                                 sorted(per_call.items()))
+    return seconds, 0.0, "the average of the export's and the import's call, " + f"{statistic}: " + ", ".join(
+        f"{m} {ms:.2f} ms over {n} calls" for m, (ms, n) in sorted(per_call.items()))
 
 
 MIN_IDLE_REQUESTS = 10  # requests sent to an idle instance: fewer, and the request path is not fitted
@@ -463,8 +476,46 @@ def _refitted(profile: CalibrationProfile, terms: Mapping[str, Any], provenance:
                                                              **{k: v.model_dump() for k, v in provenance.items()}}})
 
 
+MIN_PREFILL_SAMPLES = 20  # prefills matched to their calls: fewer, and prefill_live_scale is not fitted
+
+
+def _prefill_scale(profile: CalibrationProfile, run: Mapping[str, Any], archs: Mapping[str, tuple[Arch, int]],
+                   gpu: str) -> tuple[float, str] | None:
+    """prefill_live_scale fitted to a live run's prefills (`prefill_samples`: model, tokens, prompts, seconds, with
+    `prefill_overlap`: the share of each call other instances' decode steps overlapped, benchmarks/gpu_pool_calls.py)
+    and the figures in words; None where fewer than MIN_PREFILL_SAMPLES are matched to their calls and of models in
+    `archs`. Each prefill less the neighbour's slowdown the simulator charges it (gpu_share_slowdown over its
+    overlapped share) and less the host terms, over the engine terms' prediction of its GPU part: the ratio of the
+    sums (so that the simulator's prefill seconds add up to the live pool's), on top of the base profile's scale."""
+    overlaps = run.get("prefill_overlap") or {}
+    terms = profile.terms
+    share = terms.gpu_share_slowdown or 1.0
+    models = {name: archs[name] for name in archs}
+    costs = RooflineCostModel.for_models(models, gpu, profile, gpu_name=gpu) if models else None
+    live_sum = predicted_sum = 0.0
+    count, alone = 0, []
+    for iid, samples in (run.get("prefill_samples") or {}).items():
+        for (model, tokens, prompts, seconds), overlap in zip(samples or [], overlaps.get(iid) or []):
+            if overlap is None or costs is None or model not in models:
+                continue
+            host = costs.prefill_host_s(model)
+            engine = (costs.prefill_s(model, tokens, prompts) - host) / terms.prefill_live_scale  # the base's own
+            live = seconds / (1.0 + (share - 1.0) * overlap) - host
+            live_sum, predicted_sum, count = live_sum + live, predicted_sum + engine, count + 1
+            if overlap < 0.2:
+                alone.append(live / engine)
+    if count < MIN_PREFILL_SAMPLES or predicted_sum <= 0:
+        return None
+    scale = live_sum / predicted_sum
+    shown = (f"{count} prefills: {live_sum:.3f} s live less the neighbour's slowdown ({share:.3f}x over each one's "
+             f"overlapped share) and the host terms, over {predicted_sum:.3f} s predicted by the engine terms"
+             + (f"; the {len(alone)} that ran mostly alone (under 20% overlapped) {statistics.median(alone):.3f}x at "
+                f"the median" if alone else ""))
+    return scale, shown
+
+
 def with_live_host(profile: CalibrationProfile, run: Mapping[str, Any], where: str, gpu: str | None = None,
-                   name: str = "") -> CalibrationProfile:
+                   name: str = "", archs: Mapping[str, tuple[Arch, int]] | None = None) -> CalibrationProfile:
     """`profile` with decode_host_s and decode_host_request_s fitted to a live pool run (benchmarks/gpu_pool.py's
     run JSON: `decode_timings`, each engine's decode figures per batch bucket) measured `where` (in words) on GPU
     type `gpu` (default: the one `profile` was calibrated on; a profile without a calibration run needs it: the
@@ -473,7 +524,8 @@ def with_live_host(profile: CalibrationProfile, run: Mapping[str, Any], where: s
     The engine that decoded most steps (the decode instance) gives, per bucket of at least MIN_STEPS steps, the
     mean time a step adds to the engine's own (StepTimings' `added`; the median in runs that predate the mean) and
     the bucket's mean batch (the bucket's middle in runs that did not record it); a least-squares line through
-    them, weighted by steps, is a + b x batch (both held >= 0)."""
+    them, weighted by steps, is a + b x batch (both held >= 0). With `archs` (the run's models: name -> (arch, tp))
+    and a run whose prefills are matched to their calls, also prefill_live_scale (`_prefill_scale`)."""
     gpu = _live_gpu(profile, gpu)
     timings = run.get("decode_timings") or {}
     if not timings:
@@ -513,13 +565,13 @@ def with_live_host(profile: CalibrationProfile, run: Mapping[str, Any], where: s
     fitted = "decode_host_s and decode_host_request_s"
     handoff = _handoff_move_s(run)
     if handoff is not None:
-        seconds, shown = handoff
-        terms["kv_handoff_fixed_s"] = sig(seconds)
-        provenance["kv_handoff_fixed_s"] = Provenance(
-            status="measured", gpus=(gpu,), source=f"the live pool itself ({backend} backend, {layout} layout, "
-            f"{run.get('rate_rps', '?')} req/s): the average of the export's and the import's call of hand-offs staged in "
-            f"device memory ({shown}; their copies within the GPU included) ({where})")
-        fitted += " and kv_handoff_fixed_s"
+        seconds, per_request, shown = handoff
+        terms["kv_handoff_fixed_s"], terms["kv_handoff_request_s"] = sig(seconds), sig(per_request)
+        source = (f"the live pool itself ({backend} backend, {layout} layout, {run.get('rate_rps', '?')} req/s): "
+                  f"hand-offs staged in device memory, {shown} (their copies within the GPU included) ({where})")
+        provenance["kv_handoff_fixed_s"] = Provenance(status="measured", gpus=(gpu,), source=source)
+        provenance["kv_handoff_request_s"] = Provenance(status="measured", gpus=(gpu,), source=source)
+        fitted += " and kv_handoff_fixed_s and kv_handoff_request_s"
     path = _request_path_terms(run, gpu, where)
     if path is not None:
         terms.update(path[0])
@@ -540,4 +592,12 @@ def with_live_host(profile: CalibrationProfile, run: Mapping[str, Any], where: s
             status="measured", gpus=(gpu,), source=f"the engine alone after the live run, at the {standalone['samples']} "
             f"prefill shapes the live pool ran ({backend} backend, {run.get('rate_rps', '?')} req/s): {how} ({where})")
         fitted += " and prefill_fresh_s"
+    prefill = _prefill_scale(profile, run, archs or {}, gpu)
+    if prefill is not None:
+        scale, shown = prefill
+        terms["prefill_live_scale"] = sig(scale)
+        provenance["prefill_live_scale"] = Provenance(status="measured", gpus=(gpu,), source=(
+            f"the live pool itself ({backend} backend, {layout} layout, {run.get('rate_rps', '?')} req/s): {shown} "
+            f"({where})"))
+        fitted += " and prefill_live_scale"
     return _refitted(profile, terms, provenance, fitted, where, gpu, name)

@@ -263,6 +263,66 @@ def test_a_staged_hand_off_move_costs_what_the_live_pool_paid_for_it() -> None:
     assert after.kv_move_overhead_s(model) == before.kv_move_overhead_s(model)  # host moves keep their overhead
 
 
+def test_a_hand_offs_move_is_fitted_per_call_and_per_request_from_the_runs_kv_calls() -> None:
+    """With the run's KV calls one by one (`kv_calls`), kv_handoff_fixed_s + kv_handoff_request_s x requests is a
+    least-squares line through both sides' staged calls (host-path calls left out); the simulator's staged move
+    charges both."""
+    from pathlib import Path
+
+    from modelpool.config import load_fleet
+    from scheduler.instance import kv_device_move_s
+
+    buckets = {"<=1": {"steps": 100, "batch_mean": 1.0, "added_ms_p50": 0.03},
+               "<=16": {"steps": 100, "batch_mean": 12.0, "added_ms_p50": 0.08}}
+    calls = {"slot0": [["export_kv(device)", n, 0.004 + 0.0015 * n] for n in (1, 2, 4, 6) * 4]
+             + [["export_kv", 3, 0.2]],  # through host memory: not a staged move
+             "slot1": [["import_kv(device)", n, 0.004 + 0.0015 * n] for n in (1, 8, 12, 20) * 3]
+             + [["restore_kv", 9, 0.001]]}
+    run = {**_live_run(buckets), "kv_calls": calls}
+    fitted = with_live_host(load_profile("h200-cudagraph"), run, "a test", "h200")
+    assert fitted.terms.kv_handoff_fixed_s == pytest.approx(4e-3, rel=1e-3)
+    assert fitted.terms.kv_handoff_request_s == pytest.approx(1.5e-3, rel=1e-3)
+    assert "28 export and import calls (1 to 20 requests each)" in fitted.provenance["kv_handoff_request_s"].source
+    one_side = {**run, "kv_calls": {"slot0": calls["slot0"]}}  # the importer's calls missing: not fitted so
+    assert with_live_host(load_profile("h200-cudagraph"), one_side, "a test", "h200").terms.kv_handoff_request_s == 0.0
+
+    fleet = load_fleet(Path(__file__).resolve().parents[2] / "models.yaml")
+    model = fleet.models[0].name
+    costs = RooflineCostModel(fleet, profile=fitted)
+    moves = [(model, 1000), (model, 300), (model, 20)]
+    copies = sum(costs.kv_device_copy_s(m, t) for m, t in moves)
+    assert kv_device_move_s(costs, moves) == pytest.approx(copies + 4e-3 + 3 * 1.5e-3)
+
+
+def test_the_live_pools_prefill_scale_is_fitted_to_its_prefills_less_the_neighbours_slowdown() -> None:
+    """prefill_live_scale: a run's prefills matched to their calls (`prefill_overlap`), each less the slowdown the
+    simulator charges for its overlapped share and less the host terms, over the engine terms' prediction; the
+    cost model's prefill then charges it (the GPU part only), and a refit on top of it recovers the same scale."""
+    shipped = load_profile("h200-cudagraph")
+    base = shipped.model_copy(update={"terms": shipped.terms.model_copy(update={"gpu_share_slowdown": 1.2})})
+    archs = {"m-small": (SMALL, 1), "m-large": (LARGE, 1)}
+    costs = RooflineCostModel.for_models(archs, "h200", base, gpu_name="h200")
+    shapes = [("m-small", 900, 1), ("m-large", 4000, 4), ("m-small", 3000, 3), ("m-large", 600, 1)] * 6
+    overlaps = [0.0, 1.0, 0.5, 0.1] * 6
+    host = costs.prefill_host_s("m-small")
+    samples = [[m, t, n, ((costs.prefill_s(m, t, n) - host) * 1.15 + host) * (1 + 0.2 * o)]
+               for (m, t, n), o in zip(shapes, overlaps)]
+    buckets = {"<=1": {"steps": 100, "batch_mean": 1.0, "added_ms_p50": 0.03},
+               "<=16": {"steps": 100, "batch_mean": 12.0, "added_ms_p50": 0.08}}
+    run = {**_live_run(buckets), "prefill_samples": {"slot0": samples}, "prefill_overlap": {"slot0": overlaps}}
+    fitted = with_live_host(base, run, "a test", "h200", archs=archs)
+    assert fitted.terms.prefill_live_scale == pytest.approx(1.15, rel=1e-3)
+    assert "the 12 that ran mostly alone (under 20% overlapped) 1.150x" in fitted.provenance["prefill_live_scale"].source
+    assert with_live_host(base, run, "a test", "h200").terms.prefill_live_scale == 1.0  # no shapes: not fitted
+    unmatched = {**run, "prefill_overlap": {"slot0": [None] * len(samples)}}
+    assert with_live_host(base, unmatched, "a test", "h200", archs=archs).terms.prefill_live_scale == 1.0
+    after = RooflineCostModel.for_models(archs, "h200", fitted, gpu_name="h200")
+    for m, t, n in shapes[:4]:
+        assert after.prefill_s(m, t, n) - host == pytest.approx((costs.prefill_s(m, t, n) - host) * 1.15, rel=1e-3)
+    again = with_live_host(fitted, run, "a test", "h200", archs=archs)  # the base's own scale divided out
+    assert again.terms.prefill_live_scale == pytest.approx(1.15, rel=1e-3)
+
+
 def test_a_prefill_at_a_fresh_shape_costs_what_its_first_run_did() -> None:
     """prefill_fresh_s: calibrate's first run of each prefill shape over its repeats (median), or the engine alone
     at the live run's shapes (--from-live); the simulator adds it to every prefill, with prefill_host_s."""

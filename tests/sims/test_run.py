@@ -41,7 +41,12 @@ def test_every_policy_serves_the_shipped_fleet(fleet, policy: str, gpus: int) ->
     assert sum(f["decode_steps"] for f in per.values()) == result.num_decode_steps > 0
     assert sum(f["num_switches"] for f in per.values()) == m["num_switches"]
     assert all(0 <= f["decode_s"] and f["switch_s"] <= f["busy_s"] + 1e-9 for f in per.values())
-    assert any(f["decode_s"] > 0 for f in per.values())
+    assert any(f["decode_s"] > 0 for f in per.values()) and any(f["prefill_s"] > 0 for f in per.values())
+    # busy is its actions' time: decode turns, switches, prefills, KV moves (each as the live engine's calls)
+    for f in per.values():
+        assert f["decode_s"] + f["switch_s"] + f["prefill_s"] + f["kv_s"] == pytest.approx(f["busy_s"], rel=1e-6, abs=1e-9)
+    if policy == "token-level":
+        assert any(f["kv_s"] > 0 for f in per.values())  # preemption moves KV
 
 
 def test_dedicated_needs_one_instance_per_model(fleet) -> None:
