@@ -82,6 +82,33 @@ def time_budget(live: dict[str, Any], sim: dict[str, Any]) -> dict[str, dict[str
     return out
 
 
+NOISE_SCALE = 0.01  # the floor's perturbation: the live pool's prefill 1% slower, and 1% faster
+
+
+def noise_floor(fleet: Path, trace_path: Path, profile: Path | str, sim: dict[str, Any],
+                scale: float = NOISE_SCALE, cpu: bool = False) -> dict[str, Any]:
+    """The simulator against itself with its prefill `scale` slower and faster (prefill_live_scale x (1 +- scale)):
+    per-request ratios a cost model no better than that cannot beat. Near saturation a request's round of its
+    model's group prefill, and its turn, hang on small timing differences: if a 1% change moves the per-request
+    p90 ratio to 2, a live/sim p90 of 2 says nothing about the terms."""
+    import json
+    import tempfile
+
+    from benchmarks.gpu_pool import compare
+    from sims.profiles import load_profile
+
+    base = load_profile(profile)
+    out = {}
+    for sign, label in ((1, "slower"), (-1, "faster")):
+        terms = base.terms.model_copy(update={"prefill_live_scale": base.terms.prefill_live_scale * (1 + sign * scale)})
+        path = Path(tempfile.mkdtemp(prefix="floor-")) / "profile.json"
+        path.write_text(json.dumps(base.model_copy(update={"terms": terms}).model_dump(mode="json")))
+        other = simulate_live_layout(fleet, trace_path, path, cpu=cpu)
+        rows = [{"index": k, "served": True, **v} for k, v in other["requests"].items()]
+        out[f"prefill {scale:.0%} {label}"] = compare(rows, sim["requests"])
+    return out
+
+
 def _actions(figures: dict[str, float] | None) -> str:
     if not figures:
         return "-"
@@ -101,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("runs", nargs="+", type=Path, help="run JSONs (each with its trace CSV beside it, same stem)")
     parser.add_argument("--profile", required=True, help="the profile the live pool served with (serve --profile)")
     parser.add_argument("--out", type=Path, help="write the comparison here as JSON")
+    parser.add_argument("--noise-floor", action="store_true", help="also the simulator against itself with its "
+                        "prefill 1%% slower and faster: the per-request ratios no cost model can beat on these traces")
     args = parser.parse_args(argv)
     fleet = build_models(Path(tempfile.mkdtemp(prefix="fidelity-")), FLEET, "h200")
     out = {}
@@ -114,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         cmp["switches"] = [live["switches_planned"], sim["switches"]]
         cmp["time_budget"] = time_budget(live, sim)
         cmp["plans"] = {"live": live.get("plan_summary"), "sim": sim["plan_summary"]}  # live: runs since session 15
+        if args.noise_floor:
+            cmp["noise_floor"] = noise_floor(fleet, path.with_suffix(".csv"), args.profile, sim)
         out[path.name] = cmp
 
         def ratios(key: str) -> str:
@@ -127,6 +158,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{path.name:44s} {ratios('ttft_s'):34s} {ratios('tpot_s'):26s} "
               f"{ms('ttft_s', 'live') + ' | ' + ms('ttft_s', 'sim'):32s} {ms('tpot_s', 'live') + ' | ' + ms('tpot_s', 'sim'):32s} "
               f"{cmp['attainment'][0]:.3f}/{cmp['attainment'][1]:.3f} {cmp['switches'][0]}/{cmp['switches'][1]}")
+    if args.noise_floor:
+        print("\nthe noise floor: the simulator against itself, its prefill 1% slower | 1% faster (per-request "
+              "ratios p10/p50/p90)")
+        for name, cmp in out.items():
+            print(f"{name:44s} " + " | ".join(
+                f"TTFT {f['ttft_s'].get('ratio_p10', 0):.2f}/{f['ttft_s'].get('ratio_p50', 0):.2f}/"
+                f"{f['ttft_s'].get('ratio_p90', 0):.2f} TPOT {f['tpot_s'].get('ratio_p10', 0):.2f}/"
+                f"{f['tpot_s'].get('ratio_p50', 0):.2f}/{f['tpot_s'].get('ratio_p90', 0):.2f}"
+                for f in cmp["noise_floor"].values()))
     print("\neach instance's time, live (engine calls in the run) | sim: decode steps, their seconds (mean ms); "
           "other seconds")
     for name, cmp in out.items():

@@ -256,3 +256,22 @@ def test_prefill_samples_are_matched_to_their_calls_and_kv_calls_cut_to_the_run(
                     ["import_kv(device)", 4, 100, 11.5, 0.02, 0.001, 0.015],
                     ["restore_kv", 4, 0, 15.0, 0.001, 0.0, 0.001]]}  # after it
     assert run_kv_calls(kv, {"replay_t0_monotonic": 10.0, "replay_s": 2.5}) == {"slot1": [["import_kv(device)", 4, 0.02]]}
+
+
+def test_the_noise_floor_compares_the_simulator_with_itself_perturbed(tmp_path) -> None:
+    """gpu_pool_sim.noise_floor: the same trace simulated with the prefill 1% slower and faster, per request
+    against the unperturbed run - the ratios no cost model beats; a 50% change moves TTFT, as it must."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from benchmarks.gpu_pool_sim import noise_floor, simulate_live_layout
+    from gpu_pool import TINY_FLEET, build_models, make_trace, write_trace
+
+    fleet = build_models(tmp_path, TINY_FLEET, "cpu")
+    write_trace(make_trace([name for name, _ in TINY_FLEET], 1.0, 6.0, (200, 400), (4, 8), 1), tmp_path / "t.csv")
+    sim = simulate_live_layout(fleet, tmp_path / "t.csv", "h200-cudagraph")
+    floor = noise_floor(fleet, tmp_path / "t.csv", "h200-cudagraph", sim)
+    assert set(floor) == {"prefill 1% slower", "prefill 1% faster"}
+    for figures in floor.values():
+        assert figures["ttft_s"]["pairs"] == len(sim["requests"]) > 3
+        assert 0.9 < figures["ttft_s"]["ratio_p50"] < 1.1
+    big = noise_floor(fleet, tmp_path / "t.csv", "h200-cudagraph", sim, scale=0.5)
+    assert big["prefill 50% slower"]["ttft_s"]["ratio_p50"] > 1.05 > 0.95 > big["prefill 50% faster"]["ttft_s"]["ratio_p50"]
