@@ -5,7 +5,9 @@ host's monotonic clock, seconds inside the engine) to serve-<backend>-<layout>.c
 the instance stops. This reads them for the last `--window` seconds (the last rate's run) and prints, per
 instance, the seconds per method, and the decode steps by the call before them (a step after a Prefetch, after
 a swap-in, after another step: what delays a turn's first step), and the decode steps that overlapped a prefill
-of another instance on the same GPU. Writes JSON.
+of another instance on the same GPU; where the folder has them, the slowest KV calls split around their
+compute-stream wait (kv-*.json), the garbage collector's pauses (gc-*.json) and the slow calls' innermost frames
+(slow-*.json, `--slow-call-ms`). Writes JSON.
 
     python benchmarks/gpu_pool_calls.py RUN_DIR/serve-processes-pd.calls --out calls.json [--window 50]
         [--run RUN_DIR/run-processes-pd-r1.json]
@@ -124,6 +126,33 @@ def ttft_parts(logs: dict[str, list[Call]], run: dict[str, Any]) -> dict[str, An
     return {"requests": len(parts["prefill"]), **{name: _stats(v) for name, v in parts.items()}}
 
 
+def inside_calls(folder: Path, start: float) -> dict[str, Any]:
+    """What else the call-log folder holds, from `start` (the calls' clock) on, per instance: the slowest KV calls
+    split as the engine timed them (kv-*.json: before the compute-stream wait, the wait, after it), the garbage
+    collector's pauses (gc-*.json) and, where SlowCalls sampled (slow-*.json), each slow call's innermost frame by
+    how many samples it had (about a quarter of the threshold each)."""
+    out: dict[str, Any] = defaultdict(dict)
+    for iid, rows in load_kv(folder).items():
+        mine = sorted((r for r in rows if r[3] >= start), key=lambda r: -r[4])[:5]
+        out[iid]["slowest_kv_calls"] = [{"method": m, "requests": n, "ms": round(s * 1e3, 1),
+                                         "before_wait_ms": round(x * 1e3, 1), "wait_ms": round(w * 1e3, 1),
+                                         "after_wait_ms": round((s - w - x) * 1e3, 1)} for m, n, _, _, s, w, x in mine]
+    for path in sorted(folder.glob("gc-*.json")):
+        pauses = [(g, s) for g, t, s in json.loads(path.read_text()) if t >= start]
+        out[path.stem.removeprefix("gc-")]["gc"] = {
+            f"gen{g}": {"collections": sum(1 for h, _ in pauses if h == g),
+                        "ms_sum": round(1e3 * sum(s for h, s in pauses if h == g), 2),
+                        "ms_max": round(1e3 * max(s for h, s in pauses if h == g), 2)}
+            for g in sorted({g for g, _ in pauses})}
+    for path in sorted(folder.glob("slow-*.json")):
+        frames: dict[str, int] = defaultdict(int)
+        for method, t, _, stack in json.loads(path.read_text()):
+            if t >= start and stack:
+                frames[f"{method}: {stack[-1]}"] += 1
+        out[path.stem.removeprefix("slow-")]["slow_call_frames"] = dict(sorted(frames.items(), key=lambda kv: -kv[1])[:8])
+    return dict(out)
+
+
 def load_kv(folder: Path) -> dict[str, list[list[Any]]]:
     """Each instance's KV call log (kv-<instance>.json: method, requests, bytes, started at, seconds, waited,
     before the wait; pool.engines.timings.StepTimings.dump_kv_calls); empty for serves that predate it."""
@@ -221,6 +250,8 @@ def main() -> None:
     args = parser.parse_args()
     logs = load(args.calls)
     result = summarize(logs, args.window)
+    end = max(t + d for calls in logs.values() for _, t, d in calls)
+    result["inside"] = inside_calls(args.calls, end - args.window)
     if args.run is not None:
         run = json.loads(args.run.read_text())
         result["ttft_parts"] = ttft_parts(logs, run)
@@ -243,6 +274,15 @@ def main() -> None:
                 f"{x['ms']:.1f} ms at {x['at_s']:.1f} s" for x in r["longest_gaps_between_decode_steps"]))
         for name, s in r["moves"].items():
             print(_stats_line(name, s))
+        inside = result["inside"].get(iid, {})
+        for call in inside.get("slowest_kv_calls", []):
+            print(f"   slow KV call {call['method']:18s} {call['requests']:3d} requests {call['ms']:7.1f} ms: "
+                  f"{call['before_wait_ms']} before the wait, {call['wait_ms']} waiting, {call['after_wait_ms']} after")
+        if inside.get("gc"):
+            print("   garbage collections: " + ", ".join(f"{g} {f['collections']} x, {f['ms_sum']} ms, max {f['ms_max']}"
+                                                       for g, f in inside["gc"].items()))
+        for frame, count in inside.get("slow_call_frames", {}).items():
+            print(f"   slow calls' innermost frame {count:5d} samples  {frame}")
     args.out.write_text(json.dumps(result, indent=1))
 
 

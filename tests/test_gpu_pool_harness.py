@@ -275,3 +275,28 @@ def test_the_noise_floor_compares_the_simulator_with_itself_perturbed(tmp_path) 
         assert 0.9 < figures["ttft_s"]["ratio_p50"] < 1.1
     big = noise_floor(fleet, tmp_path / "t.csv", "h200-cudagraph", sim, scale=0.5)
     assert big["prefill 50% slower"]["ttft_s"]["ratio_p50"] > 1.05 > 0.95 > big["prefill 50% faster"]["ttft_s"]["ratio_p50"]
+
+
+def test_inside_calls_reads_the_kv_gc_and_slow_call_logs_from_a_moment_on(tmp_path) -> None:
+    """gpu_pool_calls.inside_calls: per instance, the slowest KV calls split before / during / after the
+    compute-stream wait, the collector's pauses by generation and SlowCalls' innermost frames - from `start` on."""
+    import json
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from benchmarks.gpu_pool_calls import inside_calls
+
+    (tmp_path / "kv-slot1.json").write_text(json.dumps([
+        ["import_kv(device)", 7, 100, 5.0, 0.5, 0.0, 0.1],  # before `start`: left out
+        ["import_kv(device)", 7, 100, 20.0, 0.15, 0.01, 0.02], ["restore_kv", 7, 10, 21.0, 0.001, 0.0, 0.001]]))
+    (tmp_path / "gc-slot1.json").write_text(json.dumps([[2, 5.0, 0.3], [0, 20.0, 0.001], [0, 21.0, 0.003], [2, 22.0, 0.02]]))
+    (tmp_path / "slow-slot1.json").write_text(json.dumps([
+        ["import_kv", 20.0, 45.0, ["procs.py:1 main", "kvstore.py:205 write_tokens"]],
+        ["import_kv", 20.0, 55.0, ["procs.py:1 main", "kvstore.py:205 write_tokens"]],
+        ["activate", 4.0, 45.0, ["streams.py:254 synchronize"]]]))
+    inside = inside_calls(tmp_path, start=10.0)["slot1"]
+    assert inside["slowest_kv_calls"][0] == {"method": "import_kv(device)", "requests": 7, "ms": 150.0,
+                                             "before_wait_ms": 20.0, "wait_ms": 10.0, "after_wait_ms": 120.0}
+    assert [c["method"] for c in inside["slowest_kv_calls"]] == ["import_kv(device)", "restore_kv"]
+    assert inside["gc"] == {"gen0": {"collections": 2, "ms_sum": 4.0, "ms_max": 3.0},
+                            "gen2": {"collections": 1, "ms_sum": 20.0, "ms_max": 20.0}}
+    assert inside["slow_call_frames"] == {"import_kv: kvstore.py:205 write_tokens": 2}
