@@ -118,7 +118,7 @@ def measure(device: str, batches: list[int], steps: int, shape: dict[str, int], 
         engine = make_engine(device, async_decode, shape, max(batches) * (PROMPT + steps + 8))
         run(engine, 4, 8, "warm")
         for batch in batches:
-            engine.timings.decodes.clear()
+            engine.timings.clear_decodes()
             run(engine, batch, steps, f"b{batch}", outside_s)
             figures = engine.timings.summary()["decode"]
             (bucket,) = [f for f in figures.values()]

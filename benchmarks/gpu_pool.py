@@ -416,6 +416,9 @@ def phase_result(backend: str, layout: str, rate: float, args: argparse.Namespac
             "graph_captures_after_warmup": delta("extra", "graph_captures"),
             "graph_misses": delta("extra", "graph_misses"), "graph_replays": delta("extra", "graph_replays"),
             "decode_timings": {iid: e["extra"].get("timings", {}).get("decode") for iid, e in engines.items()},
+            # per model: what its decode step costs live, by batch (the cost model's decode terms to check against)
+            "decode_timings_by_model": {iid: e["extra"].get("timings", {}).get("decode_by_model")
+                                        for iid, e in engines.items()},
             # async decode: steps queued ahead of the host, and those a call other than their batch's threw away
             "decode_steps_ahead": delta("extra", "decode_steps_ahead"),
             "decode_steps_discarded": delta("extra", "decode_steps_discarded"),

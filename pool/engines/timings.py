@@ -34,8 +34,9 @@ class StepTimings:
         # sampling, tokens out); period - call = the time outside it (backend hop, controller, runner); ahead:
         # 1 when the step was launched ahead of the host (async decode), else 0
         self.decodes: deque[tuple[int, float, float, float, int]] = deque(maxlen=keep)
-        # (ids, entered at, forward, call s, ahead)
-        self._last: tuple[tuple[str, ...], float, Any, float, bool] | None = None
+        self.decode_models: deque[str] = deque(maxlen=keep)  # each of `decodes`' model(s), "a+b" for a mixed batch
+        # (ids, entered at, forward, call s, ahead, model)
+        self._last: tuple[tuple[str, ...], float, Any, float, bool, str] | None = None
         # (method, requests, bytes, s, of which s waiting for the device's compute stream, s until that wait
         # began (checks, blocks, the copies' launch), started at: time.monotonic)
         self.kv_calls: deque[tuple[str, int, int, float, float, float, float]] = deque(maxlen=keep)
@@ -75,13 +76,15 @@ class StepTimings:
         self.prefills.append((model, num_tokens, num_requests, seconds))
         self._last = None
 
-    def decode(self, request_ids: tuple[str, ...], entered_at: float, forward: Any, ahead: bool = False) -> None:
-        """A decode step of `request_ids` entered at `entered_at`; `forward` from forward_end (None: untimed);
-        `ahead`: its tokens came from a step launched before this call (async decode)."""
+    def decode(self, request_ids: tuple[str, ...], entered_at: float, forward: Any, ahead: bool = False,
+               model: str = "") -> None:
+        """A decode step of `request_ids` (of `model`) entered at `entered_at`; `forward` from forward_end (None:
+        untimed); `ahead`: its tokens came from a step launched before this call (async decode)."""
         last = self._last
         if last is not None and last[0] == request_ids and last[2] is not None:
             self.decodes.append((len(request_ids), entered_at - last[1], self.seconds(last[2]), last[3], int(last[4])))
-        self._last = (request_ids, entered_at, forward, time.perf_counter() - entered_at, ahead)
+            self.decode_models.append(last[5])
+        self._last = (request_ids, entered_at, forward, time.perf_counter() - entered_at, ahead, model)
 
     def kv_call(self, method: str, num_requests: int, nbytes: int, seconds: float, waited: float = 0.0,
                 launched: float | None = None) -> None:
@@ -145,6 +148,12 @@ class StepTimings:
         with open(path, "w") as out:
             json.dump([[g, round(t, 6), round(s, 6)] for g, t, s in self.gc_pauses], out)
 
+    def clear_decodes(self) -> None:
+        """Forget the decode steps recorded so far (a benchmark's warm-up)."""
+        self.decodes.clear()
+        self.decode_models.clear()
+        self._last = None
+
     def other(self) -> None:
         """Any other engine call: the next decode step starts a new run of the same batch."""
         self._last = None
@@ -178,6 +187,23 @@ class StepTimings:
                     # over a turn of many steps the mean adds up, not the median (the simulator's decode_host terms)
                     "added_ms_mean": round(float(added.mean()), 4)}
         prefills = [[m, t, n, round(s, 6)] for m, t, n, s in list(self.prefills)[-max_prefills:]]
+        # per model and batch bucket, the mean forward and period: what a model's decode step costs in the live
+        # pool, beside the cost model's decode terms at that batch (a mixed batch counts as its own "a+b")
+        by_model: dict[str, dict[str, Any]] = {}
+        if self.decodes and len(self.decode_models) == len(self.decodes):  # (rows added by hand have no model)
+            rows = np.array(self.decodes, dtype=np.float64)
+            models = np.array(self.decode_models, dtype=object)
+            for name in sorted(set(self.decode_models)):
+                mine = rows[models == name]
+                low = 0
+                for high in BATCH_BUCKETS:
+                    picked = mine[(mine[:, 0] > low) & (mine[:, 0] <= high)]
+                    low = high
+                    if len(picked):
+                        by_model.setdefault(name, {})[f"<={high}"] = {
+                            "steps": int(len(picked)), "batch_mean": round(float(picked[:, 0].mean()), 3),
+                            "forward_ms_mean": round(float(picked[:, 2].mean()) * 1e3, 4),
+                            "period_ms_mean": round(float(picked[:, 1].mean()) * 1e3, 4)}
         kv: dict[str, Any] = {}
         for method in sorted({call[0] for call in self.kv_calls}):
             of_method = [c for c in self.kv_calls if c[0] == method]
@@ -203,7 +229,8 @@ class StepTimings:
             ms = np.array([s for g, _, s in self.gc_pauses if g == generation]) * 1e3
             collections[f"gen{generation}"] = {"collections": len(ms), "ms_sum": round(float(ms.sum()), 3),
                                                "ms_max": round(float(ms.max()), 3)}
-        return {"decode": decode, "prefills": prefills, "kv": kv, "calls": calls, "gc": collections}
+        return {"decode": decode, "decode_by_model": by_model, "prefills": prefills, "kv": kv, "calls": calls,
+                "gc": collections}
 
 
 def call_engine(engine: Any, method: str, args: tuple[Any, ...]) -> Any:

@@ -325,7 +325,8 @@ class TorchEngine:
             # a CUDA forward is a pair of events, complete once the batch's tokens were read: seconds now
             forward = None if forward is None or step.forward is None else forward + self.timings.seconds(step.forward)
             outs.update((o.request_id, o) for o in self._emit(step.seqs, ids))
-        self.timings.decode(tuple(request_ids), entered_at, forward, ahead is not None)
+        self.timings.decode(tuple(request_ids), entered_at, forward, ahead is not None,
+                            "+".join(sorted({s.model.name for s in seqs})))
         return [outs[rid] for rid in request_ids]
 
     def _batch_key(self, request_ids: Sequence[str]) -> tuple:

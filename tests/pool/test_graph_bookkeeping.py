@@ -111,17 +111,22 @@ def test_close_frees_the_device_buffer(tiny_engine) -> None:
 
 def test_step_timings_split_a_decode_period_into_forward_and_host() -> None:
     timings = StepTimings(cuda=False)
-    timings.decode(("a", "b"), 0.000, 0.0030)
-    timings.decode(("a", "b"), 0.004, 0.0030)  # period 4 ms, forward 3 ms: 1 ms of host
-    timings.decode(("a", "b"), 0.0085, 0.0030)  # 4.5 ms: 1.5 ms of host
+    timings.decode(("a", "b"), 0.000, 0.0030, model="m7")
+    timings.decode(("a", "b"), 0.004, 0.0030, model="m7")  # period 4 ms, forward 3 ms: 1 ms of host
+    timings.decode(("a", "b"), 0.0085, 0.0030, model="m7")  # 4.5 ms: 1.5 ms of host
     timings.other()  # a switch in between: the next step starts a new run
-    timings.decode(("a", "b"), 1.0, 0.0030)
-    timings.decode(("c",), 1.004, 0.0020)  # another batch: no period across batches
+    timings.decode(("a", "b"), 1.0, 0.0030, model="m7")
+    timings.decode(("c",), 1.004, 0.0020, model="m1")  # another batch: no period across batches
+    timings.decode(("c",), 1.007, 0.0020, model="m1")
     timings.prefill("m", 512, 1, 0.012)
     summary = timings.summary()
-    assert summary["decode"]["<=4"]["steps"] == 2
+    assert summary["decode"]["<=4"]["steps"] == 2 and summary["decode"]["<=1"]["steps"] == 1
     assert summary["decode"]["<=4"]["overhead_ms_p50"] == pytest.approx(1.25)
     assert summary["prefills"] == [["m", 512, 1, 0.012]]
+    # each model's steps apart, the period's and forward's means (what a model's step costs live, by batch)
+    by_model = summary["decode_by_model"]
+    assert by_model["m7"] == {"<=4": {"steps": 2, "batch_mean": 2.0, "forward_ms_mean": 3.0, "period_ms_mean": 4.25}}
+    assert by_model["m1"]["<=1"]["period_ms_mean"] == pytest.approx(3.0) and set(by_model) == {"m7", "m1"}
 
 
 @pytest.fixture()
@@ -227,6 +232,8 @@ def test_backends_time_every_engine_call_by_method(tiny_engine) -> None:
     assert calls["prefill"]["calls"] == 1 and calls["decode_step"]["calls"] == 3
     assert calls["decode_step"]["s"] > 0 and calls["decode_step"]["ms_max"] >= calls["decode_step"]["ms_p50"] > 0
     assert "activate" not in calls  # called directly, not through a backend
+    by_model = tiny_engine.stats().extra["timings"]["decode_by_model"]  # the engine names each step's model
+    assert by_model["tiny"]["<=1"]["steps"] == 1 and set(by_model) == {"tiny"}
 
 
 def test_a_weight_copy_lands_byte_for_byte(tiny_engine) -> None:
