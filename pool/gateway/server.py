@@ -64,6 +64,11 @@ class BackgroundServer:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    @property
+    def open_connections(self) -> int:
+        """Client connections uvicorn holds now (a closed client's goes once the server has read its close)."""
+        return len(self.server.server_state.connections)
+
     def start(self, timeout_s: float = 30.0) -> BackgroundServer:
         self.thread.start()
         deadline = time.monotonic() + timeout_s
