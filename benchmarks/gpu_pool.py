@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu_pool_calls import load as load_calls  # noqa: E402
-from benchmarks.gpu_pool_calls import plan_summary, write_run  # noqa: E402
+from benchmarks.gpu_pool_calls import plan_summary, prefill_rounds, write_run  # noqa: E402
 from benchmarks.gpu_pool_calls import load_kv, prefill_overlaps, run_kv_calls, ttft_parts  # noqa: E402
 from benchmarks.gpu_pool_sim import quantiles  # noqa: E402
 from scheduler.fleet import catalogue_arch, hf_shape  # noqa: E402
@@ -368,6 +368,7 @@ def live_runs(args: argparse.Namespace, fleet: Path, backend: str, layout: str, 
         lines = plans.read_text().splitlines()
         for result in results:
             result["plan_summary"] = plan_summary(lines[slice(*result["plans_range"])])
+            result["prefill_rounds"] = prefill_rounds(lines[slice(*result["plans_range"])])
     if any(log_path.with_suffix(".calls").glob("calls-*.json")):  # written as the engine processes stopped
         logs, kv_logs = load_calls(log_path.with_suffix(".calls")), load_kv(log_path.with_suffix(".calls"))
         for result in results:  # each request's TTFT split: admission, queue and switch, prefill, delivery

@@ -226,6 +226,37 @@ def plan_summary(lines: Sequence[str]) -> dict[str, dict[str, dict[str, float]]]
     return out
 
 
+def prefill_rounds(lines: Sequence[str]) -> dict[str, dict[str, dict[str, float]]]:
+    """Each instance's group prefills by model, from a plan log's lines (the live pool's and the simulator's: one
+    format): how many rounds, their prompts on average, the share that began with a switch to the model, and the
+    mean seconds from the round's Plan to that instance's next Plan (its switch and prefill: what the round held
+    the instance for). Where the live pool and the simulator differ model by model, this says whether in how
+    often a model's group is prefilled or in how long each round takes."""
+    plans = [json.loads(line) for line in lines]
+    rounds: dict[str, dict[str, list[tuple[int, bool, float | None]]]] = defaultdict(lambda: defaultdict(list))
+    current: dict[str, str] = {}  # each instance's model: its latest Switch (a Prefill names none)
+    for k, plan in enumerate(plans):
+        for iid, actions in plan["actions"].items():
+            switch = next((a for a in actions if a["op"] == "Switch"), None)
+            if switch is not None:
+                current[iid] = switch["model"]
+            prefill = next((a for a in actions if a["op"] == "Prefill"), None)
+            if prefill is None:
+                continue
+            after = next((p["at"] for p in plans[k + 1:] if iid in p["actions"]), None)
+            rounds[iid][current.get(iid, "?")].append((len(prefill["request_ids"]), switch is not None,
+                                       None if after is None else after - plan["at"]))
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for iid, models in sorted(rounds.items()):
+        out[iid] = {}
+        for model, rows in sorted(models.items()):
+            held = [s for _, _, s in rows if s is not None]
+            out[iid][model] = {"rounds": len(rows), "prompts_mean": round(statistics.fmean(n for n, _, _ in rows), 3),
+                               "switched_share": round(sum(1 for _, w, _ in rows if w) / len(rows), 3),
+                               "held_ms_mean": round(1e3 * statistics.fmean(held), 2) if held else None}
+    return out
+
+
 def _stats_line(label: str, s: dict[str, float]) -> str:
     return (f"   {label:34s} n={s['n']:5d} mean {s['mean_ms']:7.2f} ms  p50 {s['p50_ms']:7.2f}  max {s['max_ms']:7.1f}"
             f"  sum {s['sum_s']:6.2f} s")

@@ -34,7 +34,7 @@ def simulate_live_layout(fleet_path: Path, trace_path: Path, profile: Path | str
     from modelpool.serve import fleet_deployment
     import io
 
-    from benchmarks.gpu_pool_calls import plan_summary
+    from benchmarks.gpu_pool_calls import plan_summary, prefill_rounds
     from sims.costmodel import RooflineCostModel
     from sims.profiles import load_profile
     from sims.run import simulate
@@ -64,7 +64,8 @@ def simulate_live_layout(fleet_path: Path, trace_path: Path, profile: Path | str
                  "tpot_s": quantiles([r["tpot_s"] for r in rows.values() if r["tpot_s"] is not None])}
     return {"requests": rows, "aggregate": aggregate, "switches": result.metrics["num_switches"],
             "profile": str(profile or PROFILE), "instances": [s.instance_id for s in dep.instances], "gpu_of": gpu_of,
-            "per_instance": result.per_instance, "plan_summary": plan_summary(plans.getvalue().splitlines())}
+            "per_instance": result.per_instance, "plan_summary": plan_summary(plans.getvalue().splitlines()),
+            "prefill_rounds": prefill_rounds(plans.getvalue().splitlines())}
 
 
 def time_budget(live: dict[str, Any], sim: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -116,6 +117,13 @@ def _actions(figures: dict[str, float] | None) -> str:
     return f"{figures['actions']:.0f} x {figures['requests_mean']:.2f}{steps}"
 
 
+def _round(figures: dict[str, Any] | None) -> str:
+    if not figures:
+        return "-"
+    held = "-" if figures["held_ms_mean"] is None else f"{figures['held_ms_mean']:.0f} ms"
+    return f"{figures['rounds']} x {figures['prompts_mean']:.2f} ({figures['switched_share']:.0%} sw, {held})"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Live runs saved by benchmarks/gpu_pool.py against the simulator on their traces, side by side."""
     import argparse
@@ -143,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         cmp["switches"] = [live["switches_planned"], sim["switches"]]
         cmp["time_budget"] = time_budget(live, sim)
         cmp["plans"] = {"live": live.get("plan_summary"), "sim": sim["plan_summary"]}  # live: runs since session 15
+        cmp["prefill_rounds"] = {"live": live.get("prefill_rounds"), "sim": sim["prefill_rounds"]}  # since session 17
         if args.noise_floor:
             cmp["noise_floor"] = noise_floor(fleet, path.with_suffix(".csv"), args.profile, sim)
         out[path.name] = cmp
@@ -188,6 +197,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:44s} {iid}: " + ", ".join(
                 f"{op} {_actions(live_plans.get(iid, {}).get(op))} | {_actions(sim_plans[iid].get(op))}"
                 for op in sorted(set(sim_plans[iid]) | set(live_plans.get(iid, {})))))
+    print("\neach instance's group prefills by model, live | sim: rounds x prompts on average, the share that "
+          "switched, the mean ms each held the instance (its switch and prefill)")
+    for name, cmp in out.items():
+        live_rounds, sim_rounds = cmp["prefill_rounds"]["live"] or {}, cmp["prefill_rounds"]["sim"]
+        for iid in sim_rounds:
+            print(f"{name:44s} {iid}: " + ", ".join(
+                f"{model} {_round(live_rounds.get(iid, {}).get(model))} | {_round(sim_rounds[iid].get(model))}"
+                for model in sorted(set(sim_rounds[iid]) | set(live_rounds.get(iid, {})))))
     if args.out:
         args.out.write_text(json.dumps(out, indent=1))
     return 0

@@ -185,6 +185,9 @@ def test_the_recorded_h200_fidelity_is_what_the_simulator_gives_today(tmp_path, 
     for iid, budget in got["time_budget"].items():  # files recorded before the simulator booked prefill and KV-move
         if "prefill_s" not in recorded["time_budget"][iid]["sim"]:  # seconds per instance (session 16): the rest
             assert budget["sim"].pop("prefill_s") >= 0 and budget["sim"].pop("kv_s") >= 0
+    if "prefill_rounds" not in recorded:  # recorded before the rounds by model (session 17): the simulator's are there
+        rounds = got.pop("prefill_rounds")["sim"]
+        assert sum(r["rounds"] for r in rounds["slot0"].values()) == got["plans"]["sim"]["slot0"]["Prefill"]["actions"]
     assert got == recorded
     if session == "s15":  # the run's Plans and the simulator's, action by action (gpu_pool.py saves plan_summary)
         live, sim = got["plans"]["live"], got["plans"]["sim"]
@@ -238,6 +241,28 @@ def test_plan_summary_counts_each_instances_actions_from_plan_log_lines() -> Non
     summary = plan_summary([p.to_json() for p in plans])
     assert summary == {"slot0": {"Prefill": {"actions": 2, "requests_mean": 2.0}, "Switch": {"actions": 1, "requests_mean": 0.0}},
                        "slot1": {"Decode": {"actions": 2, "requests_mean": 1.5, "max_steps_mean": 6.0}}}
+
+
+def test_prefill_rounds_split_each_instances_group_prefills_by_model() -> None:
+    """benchmarks/gpu_pool_calls.prefill_rounds: a Prefill's model is its instance's latest Switch; a round holds
+    its instance until that instance's next Plan (another instance's Plans in between do not end it); the last
+    round, with no Plan after it, has no held time."""
+    from benchmarks.gpu_pool_calls import prefill_rounds
+    from scheduler import Decode, Plan, Prefill, Switch
+
+    plans = [Plan(1.0, {"slot0": (Switch("m1", "head group"), Prefill(("a", "b", "c"), "group"))}),
+             Plan(1.05, {"slot1": (Decode(("x",), 4, "turn"),)}),
+             Plan(1.1, {"slot0": (Prefill(("d",), "group"),)}),  # m1 again, no switch
+             Plan(1.4, {"slot0": (Switch("m2", "head group"), Prefill(("e", "f"), "group"))}),
+             Plan(1.9, {"slot0": (Decode(("e", "f"), 7, "first tokens"),)}),
+             Plan(2.0, {"slot0": (Switch("m1", "head group"), Prefill(("g",), "group"))})]
+    rounds = prefill_rounds([p.to_json() for p in plans])
+    assert set(rounds) == {"slot0"}  # slot1 prefilled nothing
+    assert rounds["slot0"]["m1"] == {"rounds": 3, "prompts_mean": pytest.approx(5 / 3, abs=1e-3),
+                                     "switched_share": pytest.approx(2 / 3, abs=1e-3),
+                                     "held_ms_mean": pytest.approx(200.0)}  # 100 and 300 ms; the last has none
+    assert rounds["slot0"]["m2"] == {"rounds": 1, "prompts_mean": 2.0, "switched_share": 1.0,
+                                     "held_ms_mean": pytest.approx(500.0)}
 
 
 def test_prefill_samples_are_matched_to_their_calls_and_kv_calls_cut_to_the_run() -> None:
