@@ -59,6 +59,9 @@ def calibrate_command(
                                              "in and out of each request (request_admit_s, token_deliver_s) to this "
                                              "light-load benchmarks/gpu_pool.py run JSON (its ttft_parts), after "
                                              "--from-live."),
+    refit_engine: bool = typer.Option(False, "--refit-engine", help="With --profile (one calibrate measured) and "
+                                      "--fleet (its shapes): measure nothing, fit the engine terms again to the "
+                                      "measurements the profile carries, with this modelpool's fits; keep the rest."),
 ) -> None:
     """Measure prefill, decode, switch, KV-move, shared-link and live-pool host times on this device; write a profile."""
     started = time.perf_counter()
@@ -66,8 +69,10 @@ def calibrate_command(
         _fail("--gpu-share-decode needs --gpu-share: the probe the prefill's slowdown is fitted to")
     if request_path is not None and base is None:
         _fail("--request-path needs --profile: the profile the request-path terms go on top of")
-    if from_live is not None or request_path is not None or (gpu_share is not None and base is not None):
-        _refit(from_live, gpu_share, base, out, gpu, gpu_share_decode, request_path, fleet_path)
+    if refit_engine and base is None:
+        _fail("--refit-engine needs --profile: the profile whose measurements the engine terms are fitted to again")
+    if from_live is not None or request_path is not None or refit_engine or (gpu_share is not None and base is not None):
+        _refit(from_live, gpu_share, base, out, gpu, gpu_share_decode, request_path, fleet_path, refit_engine)
         return
     try:
         fleet = load_fleet(fleet_path)
@@ -154,11 +159,13 @@ def _with_gpu_share(profile: Any, probe_path: Path, decode_path: Path | None = N
 
 
 def _refit(run_path: Path | None, share_path: Path | None, base: str | None, out: Path, gpu: str | None,
-           decode_path: Path | None = None, path_run: Path | None = None, fleet_path: Path | None = None) -> None:
-    """`--from-live` / `--gpu-share` with `--profile`: the base profile with the host terms fitted to a live pool
-    run and/or gpu_share_slowdown to a probe (sims.profiles.calibrated), named after `out` as a profile
-    `modelpool calibrate` measures is. Where `fleet_path` names the run's models (the fleet it served), their
-    shapes let the run's prefills fit prefill_live_scale too."""
+           decode_path: Path | None = None, path_run: Path | None = None, fleet_path: Path | None = None,
+           refit_engine: bool = False) -> None:
+    """`--from-live` / `--gpu-share` / `--refit-engine` with `--profile`: the base profile with its engine terms
+    fitted again to its own measurements (`refit_engine`, first), the host terms fitted to a live pool run and/or
+    gpu_share_slowdown to a probe (sims.profiles.calibrated), named after `out` as a profile `modelpool
+    calibrate` measures is. Where `fleet_path` names the run's models (the fleet it served), their shapes let the
+    run's prefills fit prefill_live_scale too."""
     from sims.profiles import load_profile
     from sims.profiles.calibrated import with_live_host, with_request_path
 
@@ -172,6 +179,8 @@ def _refit(run_path: Path | None, share_path: Path | None, base: str | None, out
             profile.calibration is None or gpu.lower() != profile.calibration.gpu):
         _fail(f"--gpu {gpu!r}: not in the GPU catalogue ({', '.join(sorted(_catalogue()))}) nor the GPU type "
               f"--profile {base} was calibrated on")
+    if refit_engine:
+        profile = _engine_refit(profile, base, fleet_path, out.stem)
     if run_path is not None:
         try:
             run = json.loads(run_path.read_text())
@@ -226,6 +235,37 @@ def _refit(run_path: Path | None, share_path: Path | None, base: str | None, out
     console.print(f"wrote {out}; use it with `modelpool simulate --profile {out}`")
 
 
+def _engine_refit(profile: Any, base: str, fleet_path: Path | None, name: str) -> Any:
+    """`profile`'s engine terms fitted again to its measurements (sims.profiles.calibrated.with_engine_refit),
+    the shapes from the fleet file; prints the terms that moved."""
+    from sims.profiles.calibrated import with_engine_refit
+
+    if profile.calibration is None:
+        _fail(f"--refit-engine: --profile {base} carries no calibration measurements (a shipped profile?)")
+    try:
+        fleet = load_fleet(fleet_path if fleet_path is not None else Path("models.yaml"))
+    except FleetFileError as exc:
+        _fail(f"--refit-engine needs the fleet file whose shapes the profile measured: {exc}")
+    try:
+        refitted = with_engine_refit(profile, fleet_shapes(fleet), fleet.gpu(profile.calibration.gpu), name)
+    except (ValueError, KeyError) as exc:
+        _fail(f"--refit-engine: {exc}")
+    for term in type(refitted.terms).model_fields:
+        before, after = getattr(profile.terms, term), getattr(refitted.terms, term)
+        if before != after:
+            console.print(f"{term}: {before:.4g} -> {after:.4g}")
+    return refitted
+
+
+def fleet_shapes(fleet: Any) -> dict[str, Any]:
+    """Every model shape of the fleet as the engine builds it (parameters counted from the shape), by the key
+    calibrate measures it under: the fleet's arch name (the model's name for an inline arch)."""
+    from scheduler.fleet import Arch
+
+    return {entry.arch_name or entry.name: Arch.model_validate({**entry.arch.model_dump(), "total_params": None})
+            for entry in fleet.models}
+
+
 def _run_archs(run: dict[str, Any], fleet_path: Path | None) -> tuple[dict[str, Any], list[str]]:
     """The (arch, tp) of each model a live run prefilled, from the fleet file at `fleet_path`, and the models it
     lacks (all of them where the file cannot be read)."""
@@ -245,8 +285,8 @@ def pick_shapes(fleet: Any, names: list[str], max_shapes: int, device_bytes: int
     builds it) and why others were left out. Without `names`: distinct shapes sorted by size, at most
     `max_shapes` spread from the smallest to the largest that fits the device."""
     from modelpool.measure import unsupported
-    from scheduler.fleet import Arch
 
+    built = fleet_shapes(fleet)
     entries = fleet.models
     if names:
         unknown = sorted(set(names) - {m.name for m in entries})
@@ -266,7 +306,7 @@ def pick_shapes(fleet: Any, names: list[str], max_shapes: int, device_bytes: int
         if why:
             skipped.append(f"{key} ({entry.name}): {why}")
             continue
-        arch = Arch.model_validate({**entry.arch.model_dump(), "total_params": None})
+        arch = built[key]
         if device_bytes is not None and 4 * arch.weight_bytes > DEVICE_FRACTION * device_bytes:
             skipped.append(f"{key}: {arch.weight_bytes / 1e9:.1f} GB of weights; two engines with two model slots "
                            f"each do not fit {device_bytes / 1e9:.0f} GB")

@@ -22,7 +22,8 @@ plus overheads. A scheduler.costs.CostModel. Assumptions:
   num_layers * launch_s_per_layer.
 - Switch: each GPU copies its own shard from pinned host memory over its own
   PCIe link, all in parallel. Norms, rotary, sampling, activation traffic are
-  left to the fitted fixed terms.
+  left to the fitted fixed terms: decode_fixed_s a step, decode_layer_s a layer
+  of it, decode_request_s a request of its batch.
 - The live pool's host time (controller tick, backend hop, token delivery) adds
   decode_host_s (+ decode_host_request_s per request of the batch) to every
   decode step and prefill_host_s to every prefill, after the GPU time and the
@@ -85,8 +86,8 @@ class ModelConstants:
     prefill_host_s: float  # the live pool's host time per prefill (a fresh shape's cost included), after the GPU time
     prefill_padded: bool  # the GEMMs run at scheduler.costs.padded_prefill_tokens rows
     prefill_scale: float  # the live pool's prefill over the engine terms' (prefill_live_scale)
-    decode_fixed_s: float  # with the live pool's host time per step
-    decode_request_s: float  # the live pool's host time per request of a step's batch
+    decode_fixed_s: float  # with the per-layer term and the live pool's host time per step
+    decode_request_s: float  # GPU and the live pool's host time per request of a step's batch
     prefill_floor_s: float  # host launch floor (0 with CUDA graphs)
     decode_floor_s: float
     switch_s: float
@@ -128,8 +129,8 @@ def model_constants(arch: Arch, tp: int, gpu: GpuSpec, terms: ProfileTerms) -> M
         prefill_host_s=terms.prefill_host_s + terms.prefill_fresh_s,
         prefill_padded=terms.prefill_padded,
         prefill_scale=terms.prefill_live_scale,
-        decode_fixed_s=terms.decode_fixed_s + terms.decode_host_s,
-        decode_request_s=terms.decode_host_request_s,
+        decode_fixed_s=terms.decode_fixed_s + layers * terms.decode_layer_s + terms.decode_host_s,
+        decode_request_s=terms.decode_request_s + terms.decode_host_request_s,
         prefill_floor_s=0.0 if terms.prefill_cuda_graphs else layers * terms.launch_s_per_layer,
         decode_floor_s=0.0 if terms.decode_cuda_graphs else layers * terms.launch_s_per_layer,
         switch_s=arch.weight_bytes / tp / (gpu.h2d_gb_s * 1e9 * terms.eff_pcie) + terms.switch_fixed_s,

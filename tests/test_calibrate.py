@@ -66,6 +66,24 @@ def test_calibrate_on_cpu_then_simulate_with_the_profile(tmp_path: Path) -> None
     assert {"kv_shared_restore_vs_rule_behind", "kv_shared_save_slowdown"} <= set(run.figures)
     assert profile.status("eff_mem", "h200") == "estimated"  # a CPU measurement is no H200 one
 
+    # the engine terms fitted again to the measurements the profile carries: this build's fits, so none moves
+    refit = tmp_path / "refit.json"
+    res = CliRunner().invoke(app, ["calibrate", "--profile", str(profile_path), "--refit-engine", "--fleet",
+                                   str(fleet), "--out", str(refit)])
+    assert res.exit_code == 0, res.output
+    again = load_profile(refit)
+    assert again.name == "refit" and again.terms == profile.terms and "(none moved)" in again.description
+    assert "refitted" in again.provenance["eff_mem"].source and again.calibration == profile.calibration
+    other = tmp_path / "other.yaml"  # a fleet without the measured shapes, a profile without measurements
+    other.write_text(FLEET.replace("tiny-llama", "tiny-other"))
+    res = CliRunner().invoke(app, ["calibrate", "--profile", str(profile_path), "--refit-engine", "--fleet",
+                                   str(other), "--out", str(refit)])
+    assert res.exit_code == 1 and "tiny-llama" in res.output and "not in the fleet" in res.output
+    res = CliRunner().invoke(app, ["calibrate", "--profile", "h200-cudagraph", "--refit-engine", "--out", str(refit)])
+    assert res.exit_code == 1 and "carries no calibration measurements" in res.output
+    res = CliRunner().invoke(app, ["calibrate", "--refit-engine", "--out", str(refit)])
+    assert res.exit_code == 1 and "--refit-engine needs --profile" in res.output
+
     out = tmp_path / "sim"
     res = CliRunner().invoke(app, ["simulate", "--fleet", str(fleet), "--profile", str(profile_path),
                                    "--policy", "token-level", "--duration", "30", "--out", str(out)])

@@ -63,6 +63,13 @@ class ProfileTerms(_Frozen):
     prefill_padded: bool = Field(default=False, description="The engine pads each prefill's tokens to "
                                  "scheduler.costs.padded_prefill_tokens (the torch engine on CUDA): its matrix work "
                                  "and K/V writes are charged for the padded count, attention for the prompts' own.")
+    decode_layer_s: Seconds = Field(default=0.0, description="Per layer GPU time of a decode step on top of its "
+                                    "bytes (a CUDA-graph step's small kernels each take a few microseconds however "
+                                    "little they do): fitted where the shapes measured tell layers from weight bytes.")
+    decode_request_s: Seconds = Field(default=0.0, description="GPU time a decode step takes per request of its "
+                                      "batch on top of its KV reads (logits and sampling over the vocabulary, each "
+                                      "sequence's attention setup): fitted where batch and context per request vary "
+                                      "apart.")
     decode_host_s: Seconds = Field(default=0.0, description="Host time the live pool adds to each decode step beyond "
                                                             "the engine's own: the first token to the next at the "
                                                             "sink, less the engine's decode step.")

@@ -33,6 +33,7 @@ profile's value and provenance. No torch here: the measurements are plain data.
 
 from __future__ import annotations
 
+import datetime
 import statistics
 from collections.abc import Mapping
 from typing import Any
@@ -61,16 +62,12 @@ def build_profile(measurements: Mapping[str, Any], archs: Mapping[str, Arch], gp
     """The profile of `measurements` (modelpool.measure's result) on GPU type `gpu` (figures `spec`). `run`:
     the CalibrationRun fields but figures and measurements (command, device, measured_at, ...)."""
     base = base or load_profile("default")
-    anchors = anchors_from(measurements)
-    fitted = fit(anchors, spec, archs.__getitem__)
     where = f"modelpool calibrate on {measurements['device']} ({gpu}), {str(run['measured_at'])[:10]}"
     terms: dict[str, Any] = dict(base.terms_for(gpu).model_dump())
     provenance = {term: base.entry(term, gpu) for term in terms}
-    sources = _sources(measurements, fitted)
-    for term, value in fitted.terms.items():
-        terms[term] = value
-        held = _HELD.get(term, "") if term in fitted.held else ""
-        provenance[term] = Provenance(status="measured", source=f"{sources[term]}{held} ({where})", gpus=(gpu,))
+    fitted, sources = _engine_fit(measurements, archs, gpu, spec, where)
+    terms.update(fitted)
+    provenance.update(sources)
     figures = {key: float(value) for key, value in measurements.get("figures", {}).items()}
     fresh = [max(0.0, p["first_s"] - p["seconds"]) for p in measurements["prefill"] if "first_s" in p]
     if fresh:
@@ -125,6 +122,41 @@ def build_profile(measurements: Mapping[str, Any], archs: Mapping[str, Arch], gp
         calibration=CalibrationRun(**{**run, "gpu": gpu, "device": measurements["device"], "figures": figures,
                                       "software": {**measurements.get("software", {}), **run.get("software", {})},
                                       "measurements": dict(measurements)}))
+
+
+def _engine_fit(measurements: Mapping[str, Any], archs: Mapping[str, Arch], gpu: str, spec: GpuSpec,
+                where: str) -> tuple[dict[str, Any], dict[str, Provenance]]:
+    """The engine terms `measurements` determine (sims.profiles.fitting) and where each came from."""
+    fitted = fit(anchors_from(measurements), spec, archs.__getitem__)
+    sources = _sources(measurements, fitted)
+    provenance = {term: Provenance(status="measured", gpus=(gpu,), source=(
+        f"{sources[term]}{_HELD.get(term, '') if term in fitted.held else ''} ({where})")) for term in fitted.terms}
+    return dict(fitted.terms), provenance
+
+
+def with_engine_refit(profile: CalibrationProfile, archs: Mapping[str, Arch], spec: GpuSpec,
+                      name: str = "") -> CalibrationProfile:
+    """`profile` (one `modelpool calibrate` measured) with its engine terms fitted again to the measurements it
+    carries, by this modelpool's fits; every other term kept (the live pool's were fitted on top of the old
+    engine terms: where those moved, refit them too). `archs`: the measured shapes by their key in the
+    measurements (the fleet's arch names), on a GPU of figures `spec`."""
+    if profile.calibration is None:
+        raise ValueError(f"profile {profile.name!r} carries no calibration measurements (a shipped profile, or one "
+                         f"written before calibrate kept them)")
+    run = profile.calibration
+    missing = sorted(set(run.measurements.get("shapes", {})) - set(archs))
+    if missing:
+        raise ValueError(f"the shapes {', '.join(missing)} the profile measured are not in the fleet given")
+    where = (f"modelpool calibrate on {run.device} ({run.gpu}), {str(run.measured_at)[:10]}; refitted "
+             f"{datetime.date.today().isoformat()}")
+    fitted, sources = _engine_fit(run.measurements, archs, run.gpu, spec, where)
+    moved = sorted(t for t, v in fitted.items() if getattr(profile.terms, t) != v)
+    return CalibrationProfile.model_validate({
+        **profile.model_dump(), "name": name or profile.name,
+        "description": f"{profile.description} Engine terms refitted to its measurements"
+                       + (f" ({', '.join(moved)} moved)." if moved else " (none moved)."),
+        "terms": {**profile.terms.model_dump(), **fitted},
+        "provenance": {**profile.model_dump()["provenance"], **{k: v.model_dump() for k, v in sources.items()}}})
 
 
 def with_gpu_share(profile: CalibrationProfile, probe: Mapping[str, Any], where: str) -> CalibrationProfile:
@@ -217,7 +249,9 @@ def fit_errors(profile: CalibrationProfile, archs: Mapping[str, Arch], spec: Gpu
 
 
 _HELD = {"prefill_layer_s": "; held at 0", "prefill_fixed_s": "; held at 0 (the fit wanted it negative)",
-         "decode_fixed_s": "; held at 0 (the fit wanted it negative)", "switch_fixed_s": "; held at 0 (the fit "
+         "decode_fixed_s": "; held at 0 (the fit wanted it negative)", "decode_layer_s": "; held at 0 (the fit "
+         "wanted it negative)", "decode_request_s": "; held at 0 (the fit wanted it negative)",
+         "switch_fixed_s": "; held at 0 (the fit "
          "wanted it negative)", "kv_move_fixed_s": "; held at 0", "prefill_request_s": "; held at 0 (the fit wanted "
          "it negative)", "launch_s_per_layer": "; held at 0 (eager steps no slower than the fitted ones)"}
 _HELD.update({eff: "; held at 1 (the times did not grow with the work, or grew less than the datasheet allows)"
@@ -240,9 +274,10 @@ def _sources(m: Mapping[str, Any], fitted: Fit) -> dict[str, str]:
           f"requests" + (f" x {values(m['kv_move'], 'context')} tokens" if "context" in m["kv_move"][0] else "")
           if m["kv_move"] else "")
     eager = [d for d in m["decode"] if not d["graphs"]]
-    launch = (f"eager decode ({len(eager)} steps) less decode_fixed_s, per layer" if mode == "CUDA-graph" else
+    launch = (f"eager decode ({len(eager)} steps) less the fitted overheads of its step, per layer" if mode == "CUDA-graph" else
               "no CUDA graphs on this device: the linear decode terms fit the eager steps; no separate floor")
     out = {"eff_mem": dec, "eff_kv": dec, "decode_fixed_s": dec + " (intercept)", "launch_s_per_layer": launch,
+           "decode_layer_s": dec + " (per layer)", "decode_request_s": dec + " (per request of the batch)",
            "decode_cuda_graphs": f"measured setting: the decode steps ran {mode}",
            "eff_compute": pre, "prefill_fixed_s": pre + " (intercept)",
            "prefill_layer_s": pre if len({m["shapes"][a]["num_layers"] for a in m["shapes"]}) > 1 else

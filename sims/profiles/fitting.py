@@ -7,9 +7,13 @@ can tell apart:
 
 - decode (CUDA graphs; without them when no graph step was measured):
       t = W / (hbm * eff_mem) + KV / (hbm * eff_kv) + decode_fixed_s
-  W = weight bytes a step streams (+ KV written), KV = KV bytes read.
+          + layers * decode_layer_s + batch * decode_request_s
+  W = weight bytes a step streams (+ KV written), KV = KV bytes read; the layer column only
+  where three shapes or more put layers off the weight bytes' line, the request column only
+  where a shape was timed at two batches and two contexts (else they cannot be told from the
+  intercept and the KV read).
 - eager decode, beside graph steps: the host launch floor,
-      launch_s_per_layer = (t - decode_fixed_s) / layers (averaged over anchors)
+      launch_s_per_layer = (t - the fitted overheads of its step) / layers (averaged over anchors)
 - prefill (eager): t = FLOPs / (peak * eff_compute) + prefill_fixed_s + layers * prefill_layer_s
       + prompts * prefill_request_s   (the layer column only when layer counts differ, the prompt
       column only when prompt counts differ: else they cannot be told from the intercept)
@@ -115,16 +119,26 @@ def fit(anchors: Sequence[Anchor], gpu: GpuSpec, arch_of: Callable[[str], Arch])
     eager = [a for a in anchors if a.kind == "decode" and not a.cuda_graphs]
     decode = graphs or eager
     if decode:
+        extra = _decode_columns(decode, unit)
         rows = [[unit[a.arch].stream_static_s + a.batch * unit[a.arch].kv_write_s_per_token,
-                 a.batch * a.tokens * unit[a.arch].kv_read_s_per_token, 1.0] for a in decode]
-        inv_mem, inv_kv, fixed = solve(rows, [a.measured_s for a in decode], nonnegative=(0, 1, 2))
+                 a.batch * a.tokens * unit[a.arch].kv_read_s_per_token, 1.0]
+                + [float(unit[a.arch].num_layers if term == "decode_layer_s" else a.batch) for term in extra]
+                for a in decode]
+        inv_mem, inv_kv, fixed, *rest = solve(rows, [a.measured_s for a in decode],
+                                              nonnegative=tuple(range(len(rows[0]))))
         efficiency("eff_mem", inv_mem)
         efficiency("eff_kv", inv_kv)
         overhead("decode_fixed_s", fixed)
+        for term, value in zip(extra, rest):
+            overhead(term, value)
         terms["decode_cuda_graphs"] = bool(graphs)
         points["decode"] = len(decode)
         if graphs and eager:
-            launch = [(a.measured_s - float(terms["decode_fixed_s"])) / unit[a.arch].num_layers for a in eager]
+            def fixed_of(a: Anchor) -> float:  # the fitted overheads of a step of a's shape and batch
+                return (float(terms["decode_fixed_s"]) + unit[a.arch].num_layers * float(terms.get("decode_layer_s", 0.0))
+                        + a.batch * float(terms.get("decode_request_s", 0.0)))
+
+            launch = [(a.measured_s - fixed_of(a)) / unit[a.arch].num_layers for a in eager]
             overhead("launch_s_per_layer", sum(launch) / len(launch))
             points["eager decode"] = len(eager)
         elif not graphs:  # eager steps fitted by the linear terms themselves: no separate floor
@@ -148,6 +162,24 @@ def fit(anchors: Sequence[Anchor], gpu: GpuSpec, arch_of: Callable[[str], Arch])
         overhead("kv_move_fixed_s", solution[1])
         points["kv_move"] = len(moves)
     return Fit(terms, frozenset(held), points)
+
+
+def _decode_columns(decode: list[Anchor], unit: dict) -> list[str]:
+    """The decode overheads beyond decode_fixed_s that these steps tell apart from the other columns:
+    decode_layer_s where the shapes' (layers, weight bytes) do not lie on one line (three shapes at least,
+    two layer counts), decode_request_s where one shape was timed at two batch sizes and two contexts per
+    request (else a request's cost cannot be told from the KV it reads)."""
+    shapes = {(unit[a.arch].num_layers, unit[a.arch].stream_static_s) for a in decode}
+    columns = []
+    if len(shapes) >= 3 and np.linalg.matrix_rank(np.array([[1.0, layers, weights / max(w for _, w in shapes)]
+                                                             for layers, weights in shapes])) == 3:
+        columns.append("decode_layer_s")
+    by_arch: dict[str, list[Anchor]] = {}
+    for a in decode:
+        by_arch.setdefault(a.arch, []).append(a)
+    if any(len({a.batch for a in mine}) > 1 and len({a.tokens for a in mine}) > 1 for mine in by_arch.values()):
+        columns.append("decode_request_s")
+    return columns
 
 
 def _fit_prefill(prefill: list[Anchor], unit: dict, efficiency: Callable[[str, float], None],

@@ -8,7 +8,7 @@ import pytest
 from scheduler.fleet import GPUS, Arch
 from sims.costmodel import RooflineCostModel
 from sims.profiles import CalibrationProfile, load_profile
-from sims.profiles.calibrated import MIN_STEPS, build_profile, fit_errors, with_live_host
+from sims.profiles.calibrated import MIN_STEPS, build_profile, fit_errors, with_engine_refit, with_live_host
 from sims.profiles.fitting import Anchor, fit
 
 SMALL = Arch(family="qwen2", num_layers=24, hidden_size=1536, num_heads=12, num_kv_heads=2, intermediate_size=8960,
@@ -26,17 +26,17 @@ def _truth() -> CalibrationProfile:
     return base.model_copy(update={"terms": base.terms.model_copy(update=TRUE)})
 
 
-def _measurements(profile: CalibrationProfile) -> dict:
+def _measurements(profile: CalibrationProfile, archs: dict[str, Arch] = ARCHS) -> dict:
     """What modelpool.measure would record on a device that follows `profile` exactly."""
-    costs = RooflineCostModel.for_models({n: (a, 1) for n, a in ARCHS.items()}, "h200", profile)
+    costs = RooflineCostModel.for_models({n: (a, 1) for n, a in archs.items()}, "h200", profile)
     graphs = costs.profile.terms
-    eager = RooflineCostModel.for_models({n: (a, 1) for n, a in ARCHS.items()}, "h200",
+    eager = RooflineCostModel.for_models({n: (a, 1) for n, a in archs.items()}, "h200",
                                          profile.model_copy(update={"terms": graphs.model_copy(
                                              update={"decode_cuda_graphs": False})}))
     m: dict = {"device": "NVIDIA H200", "software": {"torch": "test"}, "figures": {}, "prefill": [], "decode": [],
                "swap": [], "kv_move": [], "shared": [],
-               "shapes": {n: {"weight_bytes": a.weight_bytes, "num_layers": a.num_layers} for n, a in ARCHS.items()}}
-    for name in ARCHS:
+               "shapes": {n: {"weight_bytes": a.weight_bytes, "num_layers": a.num_layers} for n, a in archs.items()}}
+    for name in archs:
         c = costs.constants(name)
         for tokens in (128, 512, 2048):
             for batch in (1, 4):
@@ -48,7 +48,7 @@ def _measurements(profile: CalibrationProfile) -> dict:
                                     "seconds": costs.decode_step_s(name, batch, batch * context)})
         m["decode"].append({"arch": name, "batch": 1, "context": 256, "graphs": False,
                             "seconds": eager.decode_step_s(name, 1, 256)})
-        m["swap"].append({"arch": name, "bytes": ARCHS[name].weight_bytes, "seconds": costs.switch_s(name)})
+        m["swap"].append({"arch": name, "bytes": archs[name].weight_bytes, "seconds": costs.switch_s(name)})
         for batch in (1, 8):
             nbytes = batch * 2048 * c.kv_bytes_per_token_gpu
             seconds = costs.kv_move_s(name, batch * 2048) + costs.kv_move_overhead_s(name)
@@ -67,6 +67,44 @@ def test_the_fit_recovers_the_terms_of_a_device_that_follows_the_model() -> None
         assert getattr(profile.terms, term) == pytest.approx(value, rel=0.02), term
     assert profile.terms.decode_cuda_graphs and not profile.terms.prefill_cuda_graphs
     assert max(abs(check.error) for check in fit_errors(profile, ARCHS, GPUS["h200"])) < 0.01
+
+
+MID = Arch(family="qwen2", num_layers=36, hidden_size=2048, num_heads=16, num_kv_heads=2, intermediate_size=11008,
+          vocab_size=151936, tie_embeddings=True)
+
+
+def test_the_decode_fit_tells_a_layers_and_a_requests_cost_apart_where_the_steps_can() -> None:
+    """Three shapes whose layers are off their weight bytes' line, timed at several batches and contexts: the
+    fit recovers decode_layer_s and decode_request_s beside the rest (and the eager floor less both). Two shapes
+    at one context per request (ANCHORS.md's decode figures) cannot tell them from the intercept and the KV read:
+    neither is fitted, so the shipped profiles keep their terms."""
+    from sims.profiles.fit import DECODE, benchmark_arch
+
+    truth = {**TRUE, "decode_fixed_s": 4e-4, "decode_layer_s": 2e-5, "decode_request_s": 7e-6}
+    base = load_profile("h200-cudagraph")
+    archs = {**ARCHS, "mid": MID}
+    m = _measurements(base.model_copy(update={"terms": base.terms.model_copy(update=truth)}), archs)
+    profile = build_profile(m, archs, "h200", GPUS["h200"], run=RUN)
+    for term, value in truth.items():
+        assert getattr(profile.terms, term) == pytest.approx(value, rel=0.02), term
+    assert "per layer" in profile.provenance["decode_layer_s"].source
+    assert max(abs(check.error) for check in fit_errors(profile, archs, GPUS["h200"])) < 0.01
+    two = build_profile(_measurements(_truth()), ARCHS, "h200", GPUS["h200"], run=RUN)  # two shapes: no layer term
+    assert two.terms.decode_layer_s == 0 and two.provenance["decode_layer_s"].status == "estimated"
+    anchors = fit(DECODE, GPUS["h200"], benchmark_arch).terms
+    assert "decode_layer_s" not in anchors and "decode_request_s" not in anchors
+    # a profile fitted before the decode fit had those columns: refitted to the measurements it carries, its
+    # engine terms come out true and its live-pool terms stay as they were
+    stale = profile.model_copy(update={"terms": profile.terms.model_copy(update={
+        "decode_fixed_s": 1.1e-3, "decode_layer_s": 0.0, "decode_request_s": 0.0, "prefill_live_scale": 1.2,
+        "request_admit_s": 4e-3})})
+    refit = with_engine_refit(stale, archs, GPUS["h200"], name="refit")
+    for term, value in truth.items():
+        assert getattr(refit.terms, term) == pytest.approx(value, rel=0.02), term
+    assert refit.terms.prefill_live_scale == 1.2 and refit.terms.request_admit_s == 4e-3 and refit.name == "refit"
+    assert "decode_fixed_s" in refit.description and "refitted" in refit.provenance["decode_layer_s"].source
+    with pytest.raises(ValueError, match="mid"):  # a shape it measured that the fleet given lacks
+        with_engine_refit(stale, ARCHS, GPUS["h200"])
 
 
 def test_every_measured_term_says_where_and_how_it_was_measured() -> None:
