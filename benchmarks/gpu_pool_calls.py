@@ -226,7 +226,7 @@ def plan_summary(lines: Sequence[str]) -> dict[str, dict[str, dict[str, float]]]
     return out
 
 
-def prefill_rounds(lines: Sequence[str]) -> dict[str, dict[str, dict[str, float]]]:
+def prefill_rounds(lines: Sequence[str]) -> dict[str, dict[str, dict[str, float | None]]]:
     """Each instance's group prefills by model, from a plan log's lines (the live pool's and the simulator's: one
     format): how many rounds, their prompts on average, the share that began with a switch to the model, and the
     mean seconds from the round's Plan to that instance's next Plan (its switch and prefill: what the round held
@@ -246,7 +246,7 @@ def prefill_rounds(lines: Sequence[str]) -> dict[str, dict[str, dict[str, float]
             after = next((p["at"] for p in plans[k + 1:] if iid in p["actions"]), None)
             rounds[iid][current.get(iid, "?")].append((len(prefill["request_ids"]), switch is not None,
                                        None if after is None else after - plan["at"]))
-    out: dict[str, dict[str, dict[str, float]]] = {}
+    out: dict[str, dict[str, dict[str, float | None]]] = {}
     for iid, models in sorted(rounds.items()):
         out[iid] = {}
         for model, rows in sorted(models.items()):
