@@ -29,7 +29,10 @@ def quantiles(values: list[float]) -> dict[str, float | None]:
 
 def simulate_live_layout(fleet_path: Path, trace_path: Path, profile: Path | str | None = None, *,
                          cpu: bool = False, policy: str = "token-level", num_instances: int | None = None,
-                         num_gpus: int = 1) -> dict[str, Any]:
+                         num_gpus: int = 1, planned_with: Path | str | None = None) -> dict[str, Any]:
+    """The simulator on `trace_path` in the layout serve gives `fleet_path`, its steps costed by `profile`; its
+    scheduler plans with `planned_with` (the profile the live pool served with: its turn quotas and group sizes
+    came from that one's costs; default: `profile`)."""
     from modelpool.config import load_fleet
     from modelpool.serve import fleet_deployment
     import io
@@ -49,7 +52,10 @@ def simulate_live_layout(fleet_path: Path, trace_path: Path, profile: Path | str
     gpu_of = {spec.instance_id: int(dep.devices.get(spec.instance_id, "cuda:0").partition(":")[2] or 0)
               for spec in dep.instances}
     plans = io.StringIO()
-    result = simulate(fleet, workload, policy, instances=dep.instances, gpu_of=gpu_of, costs=costs, plan_log=plans)
+    planner = (RooflineCostModel(fleet, profile=load_profile(planned_with), gpus_per_host_link=1)
+               if planned_with is not None and str(planned_with) != str(profile) else None)
+    result = simulate(fleet, workload, policy, instances=dep.instances, gpu_of=gpu_of, costs=costs, plan_log=plans,
+                      plan_costs=planner)
     rows: dict[int, dict[str, Any]] = {}
     for k in range(len(workload.arrival_s)):
         record = result.records.get(request_id(k))
@@ -63,7 +69,7 @@ def simulate_live_layout(fleet_path: Path, trace_path: Path, profile: Path | str
                  "ttft_s": quantiles([r["ttft_s"] for r in rows.values()]),
                  "tpot_s": quantiles([r["tpot_s"] for r in rows.values() if r["tpot_s"] is not None])}
     return {"requests": rows, "aggregate": aggregate, "switches": result.metrics["num_switches"],
-            "profile": str(profile or PROFILE), "instances": [s.instance_id for s in dep.instances], "gpu_of": gpu_of,
+            "profile": str(profile or PROFILE), "planned_with": str(planned_with or profile or PROFILE), "instances": [s.instance_id for s in dep.instances], "gpu_of": gpu_of,
             "per_instance": result.per_instance, "plan_summary": plan_summary(plans.getvalue().splitlines()),
             "prefill_rounds": prefill_rounds(plans.getvalue().splitlines())}
 
@@ -87,7 +93,7 @@ NOISE_SCALE = 0.01  # the floor's perturbation: the live pool's prefill 1% slowe
 
 
 def noise_floor(fleet: Path, trace_path: Path, profile: Path | str, sim: dict[str, Any],
-                scale: float = NOISE_SCALE, cpu: bool = False) -> dict[str, Any]:
+                scale: float = NOISE_SCALE, cpu: bool = False, planned_with: Path | str | None = None) -> dict[str, Any]:
     """The simulator against itself with its prefill `scale` slower and faster (prefill_live_scale x (1 +- scale)):
     per-request ratios a cost model no better than that cannot beat. Near saturation a request's round of its
     model's group prefill, and its turn, hang on small timing differences: if a 1% change moves the per-request
@@ -104,10 +110,18 @@ def noise_floor(fleet: Path, trace_path: Path, profile: Path | str, sim: dict[st
         terms = base.terms.model_copy(update={"prefill_live_scale": base.terms.prefill_live_scale * (1 + sign * scale)})
         path = Path(tempfile.mkdtemp(prefix="floor-")) / "profile.json"
         path.write_text(json.dumps(base.model_copy(update={"terms": terms}).model_dump(mode="json")))
-        other = simulate_live_layout(fleet, trace_path, path, cpu=cpu)
+        other = simulate_live_layout(fleet, trace_path, path, cpu=cpu, planned_with=planned_with or profile)
         rows = [{"index": k, "served": True, **v} for k, v in other["requests"].items()]
         out[f"prefill {scale:.0%} {label}"] = compare(rows, sim["requests"])
     return out
+
+
+def served_profile(run: dict[str, Any], profile: str) -> str:
+    """The profile file the run's serve was given (`--profile` in its serve_args), where it is a file here; else
+    `profile`."""
+    args = run.get("serve_args") or []
+    given = next((args[k + 1] for k, arg in enumerate(args[:-1]) if arg == "--profile"), None)
+    return given if given is not None and Path(given).is_file() else profile
 
 
 def _actions(figures: dict[str, float] | None) -> str:
@@ -136,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("runs", nargs="+", type=Path, help="run JSONs (each with its trace CSV beside it, same stem)")
     parser.add_argument("--profile", required=True, help="the profile the live pool served with (serve --profile)")
     parser.add_argument("--out", type=Path, help="write the comparison here as JSON")
+    parser.add_argument("--planned-with", default="served", help="the profile the simulator's scheduler plans "
+                        "with: 'served' (default: the one the run's serve was given, where it is a file here, else "
+                        "--profile), 'same' (--profile) or a profile file")
     parser.add_argument("--noise-floor", action="store_true", help="also the simulator against itself with its "
                         "prefill 1%% slower and faster: the per-request ratios no cost model can beat on these traces")
     args = parser.parse_args(argv)
@@ -145,7 +162,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{'TTFT p50/p90/p99 ms live | sim':32s} {'TPOT p50/p90/p99 ms live | sim':32s} {'attain':11s} switches")
     for path in args.runs:
         live = json.loads(path.read_text())
-        sim = simulate_live_layout(fleet, path.with_suffix(".csv"), args.profile)
+        planner = served_profile(live, args.profile) if args.planned_with == "served" else \
+            args.profile if args.planned_with == "same" else args.planned_with
+        sim = simulate_live_layout(fleet, path.with_suffix(".csv"), args.profile, planned_with=planner)
         cmp = compare(live["requests"], sim["requests"])
         cmp["attainment"] = [live["aggregate"]["slo_attainment"], sim["aggregate"]["slo_attainment"]]
         cmp["switches"] = [live["switches_planned"], sim["switches"]]
@@ -153,7 +172,9 @@ def main(argv: list[str] | None = None) -> int:
         cmp["plans"] = {"live": live.get("plan_summary"), "sim": sim["plan_summary"]}  # live: runs since session 15
         cmp["prefill_rounds"] = {"live": live.get("prefill_rounds"), "sim": sim["prefill_rounds"]}  # since session 17
         if args.noise_floor:
-            cmp["noise_floor"] = noise_floor(fleet, path.with_suffix(".csv"), args.profile, sim)
+            cmp["noise_floor"] = noise_floor(fleet, path.with_suffix(".csv"), args.profile, sim, planned_with=planner)
+        if str(planner) != str(args.profile):
+            cmp["planned_with"] = str(planner)
         out[path.name] = cmp
 
         def ratios(key: str) -> str:

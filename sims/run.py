@@ -107,17 +107,19 @@ def simulate(fleet: Fleet, workload: Workload, policy: str, *, num_gpus: int | N
              prefill_fraction: float | None = None, gpus_by_tp: dict[int, int] | None = None,
              costs: RooflineCostModel | None = None, plan_log: IO[str] | None = None,
              progress: Callable[[float], None] | None = None, instances: list[InstanceSpec] | None = None,
-             gpu_of: Mapping[str, int] | None = None, **options: Any) -> SimResult:
+             gpu_of: Mapping[str, int] | None = None, plan_costs: RooflineCostModel | None = None,
+             **options: Any) -> SimResult:
     """`instances` replaces the cut of the fleet's GPUs (a live pool's layout), and `gpu_of` places
     instances on GPUs by index (instances on one GPU share its host link, sims.links, and its compute,
-    sims.gpu_share)."""
+    sims.gpu_share). `plan_costs`: what the scheduler plans with where it is not what the steps cost (`costs`) -
+    a live pool that served with one profile, replayed with one fitted to it since (default: `costs`)."""
     costs = costs or RooflineCostModel(fleet)
     profiles = model_profiles(fleet)
     instances = instances or build_instances(fleet, policy, num_gpus, prefill_fraction, gpus_by_tp)
     # like the live pool, the scheduler forgets requests once they end (same plans; the records keep what happened):
     # its request table stays the size of what is in flight, not of the whole trace
     options.setdefault("keep_ended", False)
-    scheduler = make_scheduler(policy, profiles, instances, costs, max_batch_size=fleet.pool.max_batch_size,
+    scheduler = make_scheduler(policy, profiles, instances, plan_costs or costs, max_batch_size=fleet.pool.max_batch_size,
                                max_prefill_tokens=fleet.pool.max_prefill_tokens, **options)
     truncated = [0]
     sim = Simulator(scheduler, costs, requests_from(workload, fleet, truncated),

@@ -177,7 +177,8 @@ def test_the_recorded_h200_fidelity_is_what_the_simulator_gives_today(tmp_path, 
     run = results / run_name
     out = tmp_path / "fidelity.json"
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_pool_sim.py"), str(run),
-                    "--profile", str(results / profile), "--out", str(out)],
+                    "--profile", str(results / profile), "--out", str(out),
+                    "--planned-with", "same"],  # recorded before the simulator planned with the served profile
                    check=True, capture_output=True, text=True, timeout=300)
     got = json.loads(out.read_text())[run.name]
     recorded = json.loads((results / f"h200-fidelity-{session}.json").read_text())[run.name]

@@ -49,6 +49,34 @@ def test_every_policy_serves_the_shipped_fleet(fleet, policy: str, gpus: int) ->
         assert any(f["kv_s"] > 0 for f in per.values())  # preemption moves KV
 
 
+def test_the_scheduler_plans_with_plan_costs_and_the_steps_cost_costs(fleet) -> None:
+    """simulate(plan_costs=...): a live pool served with one profile and replayed with one fitted since plans as
+    it did (turn quotas, group sizes from plan_costs) while its steps take what `costs` says. Planning with a
+    decode step 10x dearer changes the Plans; the step times still come from `costs`."""
+    import io
+
+    from sims.costmodel import RooflineCostModel
+    from sims.profiles import load_profile
+
+    workload = load_workload(fleet_workload_spec(fleet, 60), [m.name for m in fleet.models], seed=3)
+    base = load_profile("h200-cudagraph")
+    costs = RooflineCostModel(fleet, profile=base)
+    dear = RooflineCostModel(fleet, profile=base.model_copy(update={"terms": base.terms.model_copy(
+        update={"decode_fixed_s": 10 * base.terms.decode_fixed_s})}))
+    logs = {}
+    for name, planner in (("same", costs), ("none", None), ("dear", dear)):
+        log = io.StringIO()
+        result = simulate(fleet, workload, "token-level", num_gpus=32, costs=costs, plan_log=log, plan_costs=planner)
+        logs[name] = (log.getvalue(), result)
+    assert logs["same"][0] == logs["none"][0]  # plan_costs defaults to costs
+    assert logs["dear"][0] != logs["same"][0]
+    steps = {name: r.num_decode_steps for name, (_, r) in logs.items()}
+    seconds = {name: sum(f["decode_s"] for f in r.per_instance.values()) for name, (_, r) in logs.items()}
+    # what a step costs is `costs`' in both: the mean step stays within a few percent (batches differ a little)
+    assert seconds["dear"] / steps["dear"] == pytest.approx(seconds["same"] / steps["same"], rel=0.25)
+    assert seconds["dear"] / steps["dear"] < 10 * base.terms.decode_fixed_s  # not charged at the planner's rate
+
+
 def test_dedicated_needs_one_instance_per_model(fleet) -> None:
     workload = load_workload(fleet_workload_spec(fleet, 10), [m.name for m in fleet.models], seed=1)
     with pytest.raises(ValueError, match="one instance per model"):
