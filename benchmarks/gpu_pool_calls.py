@@ -168,6 +168,24 @@ def run_kv_calls(kv_logs: dict[str, list[list[Any]]], run: dict[str, Any], drain
     return {iid: [[row[0], row[1], row[4]] for row in rows if start <= row[3] <= end] for iid, rows in kv_logs.items()}
 
 
+def call_gaps(logs: dict[str, list[Call]], run: dict[str, Any]) -> dict[str, dict[str, dict[str, float]]]:
+    """Per instance, the host time between two engine calls in a run's replay (the calls' clock), by the pair of
+    methods: from one call's end to the next's start - the controller's loop, the Plan, the backend's hop. Within
+    a group prefill's round (activate -> prefill -> decode_step -> export_kv) the next call is always due, so
+    those gaps are what the live pool adds between a round's steps; a gap after the round's last call also holds
+    any wait for work. stats() polls are left out (they interleave with everything)."""
+    start = run["replay_t0_monotonic"]
+    end = start + run["replay_s"]
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for iid, rows in logs.items():
+        calls = [(m, t, d) for m, t, d in rows if m != "stats" and start <= t <= end]
+        gaps: dict[str, list[float]] = defaultdict(list)
+        for (m0, t0, d0), (m1, t1, _) in zip(calls, calls[1:]):
+            gaps[f"{m0} -> {m1}"].append(max(0.0, t1 - t0 - d0))
+        out[iid] = {pair: _stats(v) for pair, v in sorted(gaps.items(), key=lambda kv: -sum(kv[1]))}
+    return out
+
+
 MATCH_S = 0.001  # a prefill sample and its engine call agree on their seconds within this
 
 

@@ -244,6 +244,23 @@ def test_plan_summary_counts_each_instances_actions_from_plan_log_lines() -> Non
                        "slot1": {"Decode": {"actions": 2, "requests_mean": 1.5, "max_steps_mean": 6.0}}}
 
 
+def test_call_gaps_are_the_host_between_two_calls_in_the_replay_by_method_pair() -> None:
+    """gpu_pool_calls.call_gaps: from one call's end to the next's start, per pair of methods, over the calls
+    that began during the run's replay; stats() polls are not calls of the work."""
+    from benchmarks.gpu_pool_calls import call_gaps
+
+    logs = {"slot0": [["activate", 9.0, 0.5],  # before the replay
+                      ["activate", 10.0, 0.1], ["stats", 10.101, 0.001], ["prefill", 10.104, 0.05],
+                      ["decode_step", 10.156, 0.004], ["export_kv", 10.161, 0.01], ["activate", 10.2, 0.1],
+                      ["prefill", 10.302, 0.05], ["prefill", 13.0, 0.05]]}  # after it
+    gaps = call_gaps(logs, {"replay_t0_monotonic": 10.0, "replay_s": 2.0})["slot0"]
+    assert gaps["activate -> prefill"]["n"] == 2 and gaps["activate -> prefill"]["mean_ms"] == pytest.approx(3.0)
+    assert gaps["prefill -> decode_step"]["p50_ms"] == pytest.approx(2.0)
+    assert gaps["export_kv -> activate"]["max_ms"] == pytest.approx(29.0)
+    assert not any("stats" in pair for pair in gaps)
+    assert list(gaps)[0] == "export_kv -> activate"  # the largest sum first
+
+
 def test_prefill_rounds_split_each_instances_group_prefills_by_model() -> None:
     """benchmarks/gpu_pool_calls.prefill_rounds: a Prefill's model is its instance's latest Switch; a round holds
     its instance until that instance's next Plan (another instance's Plans in between do not end it); the last
