@@ -138,6 +138,17 @@ def _round(figures: dict[str, Any] | None) -> str:
     return f"{figures['rounds']} x {figures['prompts_mean']:.2f} ({figures['switched_share']:.0%} sw, {held})"
 
 
+def _side_by_side(out: dict[str, Any], key: str, shown: Any, title: str) -> None:
+    """Print each run's `key` figures (instance -> name -> figures), live | sim, name by name."""
+    print(f"\n{title}")
+    for name, cmp in out.items():
+        live, sim = cmp[key]["live"] or {}, cmp[key]["sim"]
+        for iid in sim:
+            print(f"{name:44s} {iid}: " + ", ".join(
+                f"{what} {shown(live.get(iid, {}).get(what))} | {shown(sim[iid].get(what))}"
+                for what in sorted(set(sim[iid]) | set(live.get(iid, {})))))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Live runs saved by benchmarks/gpu_pool.py against the simulator on their traces, side by side."""
     import argparse
@@ -211,21 +222,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"({1e3 * sim_side['decode_s'] / max(1, sim_side['decode_steps']):.2f} ms); switches "
                   f"{sim_side['switch_s']:.2f} s, prefill {sim_side.get('prefill_s', 0.0):.2f} s, KV moves "
                   f"{sim_side.get('kv_s', 0.0):.2f} s, busy {sim_side['busy_s']:.1f} s")
-    print("\neach instance's Plans, live | sim: actions x requests on average (Decode: and its max steps)")
-    for name, cmp in out.items():
-        live_plans, sim_plans = cmp["plans"]["live"] or {}, cmp["plans"]["sim"]
-        for iid in sim_plans:
-            print(f"{name:44s} {iid}: " + ", ".join(
-                f"{op} {_actions(live_plans.get(iid, {}).get(op))} | {_actions(sim_plans[iid].get(op))}"
-                for op in sorted(set(sim_plans[iid]) | set(live_plans.get(iid, {})))))
-    print("\neach instance's group prefills by model, live | sim: rounds x prompts on average, the share that "
-          "switched, the mean ms each held the instance (its switch and prefill)")
-    for name, cmp in out.items():
-        live_rounds, sim_rounds = cmp["prefill_rounds"]["live"] or {}, cmp["prefill_rounds"]["sim"]
-        for iid in sim_rounds:
-            print(f"{name:44s} {iid}: " + ", ".join(
-                f"{model} {_round(live_rounds.get(iid, {}).get(model))} | {_round(sim_rounds[iid].get(model))}"
-                for model in sorted(set(sim_rounds[iid]) | set(live_rounds.get(iid, {})))))
+    _side_by_side(out, "plans", _actions, "each instance's Plans, live | sim: actions x requests on average "
+                  "(Decode: and its max steps)")
+    _side_by_side(out, "prefill_rounds", _round, "each instance's group prefills by model, live | sim: rounds x "
+                  "prompts on average, the share that switched, the mean ms each held the instance (its switch and "
+                  "prefill)")
     if args.out:
         args.out.write_text(json.dumps(out, indent=1))
     return 0
