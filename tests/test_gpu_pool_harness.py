@@ -308,7 +308,7 @@ def test_the_noise_floor_compares_the_simulator_with_itself_perturbed(tmp_path) 
     """gpu_pool_sim.noise_floor: the same trace simulated with the prefill 1% slower and faster, per request
     against the unperturbed run - the ratios no cost model beats; a 50% change moves TTFT, as it must."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from benchmarks.gpu_pool_sim import noise_floor, simulate_live_layout
+    from benchmarks.gpu_pool_sim import aggregate_band, noise_floor, simulate_live_layout
     from gpu_pool import TINY_FLEET, build_models, make_trace, write_trace
 
     fleet = build_models(tmp_path, TINY_FLEET, "cpu")
@@ -321,6 +321,11 @@ def test_the_noise_floor_compares_the_simulator_with_itself_perturbed(tmp_path) 
         assert 0.9 < figures["ttft_s"]["ratio_p50"] < 1.1
     big = noise_floor(fleet, tmp_path / "t.csv", "h200-cudagraph", sim, scale=0.5)
     assert big["prefill 50% slower"]["ttft_s"]["ratio_p50"] > 1.05 > 0.95 > big["prefill 50% faster"]["ttft_s"]["ratio_p50"]
+    # the simulator's own band of its aggregates spans the unperturbed run and both perturbed ones
+    band = aggregate_band(sim, big)
+    slower, faster = (big[f"prefill 50% {w}"]["aggregate"]["ttft_s"]["p50"] for w in ("slower", "faster"))
+    assert band["ttft_s"]["p50"] == [faster, slower] and faster < sim["aggregate"]["ttft_s"]["p50"] < slower
+    assert band["tpot_s"]["p90"][0] <= sim["aggregate"]["tpot_s"]["p90"] <= band["tpot_s"]["p90"][1]
 
 
 def test_inside_calls_reads_the_kv_gc_and_slow_call_logs_from_a_moment_on(tmp_path) -> None:
