@@ -253,7 +253,7 @@ def _engine_refit(profile: Any, base: str, fleet_path: Path | None, name: str) -
     for term in type(refitted.terms).model_fields:
         before, after = getattr(profile.terms, term), getattr(refitted.terms, term)
         if before != after:
-            console.print(f"{term}: {before:.4g} -> {after:.4g}")
+            console.print(" ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in (f"{term}:", before, "->", after)))
     return refitted
 
 

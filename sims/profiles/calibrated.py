@@ -248,12 +248,11 @@ def fit_errors(profile: CalibrationProfile, archs: Mapping[str, Arch], spec: Gpu
                    archs.__getitem__)
 
 
-_HELD = {"prefill_layer_s": "; held at 0", "prefill_fixed_s": "; held at 0 (the fit wanted it negative)",
-         "decode_fixed_s": "; held at 0 (the fit wanted it negative)", "decode_layer_s": "; held at 0 (the fit "
-         "wanted it negative)", "decode_request_s": "; held at 0 (the fit wanted it negative)",
-         "switch_fixed_s": "; held at 0 (the fit "
-         "wanted it negative)", "kv_move_fixed_s": "; held at 0", "prefill_request_s": "; held at 0 (the fit wanted "
-         "it negative)", "launch_s_per_layer": "; held at 0 (eager steps no slower than the fitted ones)"}
+_NEGATIVE = "; held at 0 (the fit wanted it negative)"
+_HELD = {"prefill_layer_s": "; held at 0", "kv_move_fixed_s": "; held at 0",
+         "launch_s_per_layer": "; held at 0 (eager steps no slower than the fitted ones)",
+         **{term: _NEGATIVE for term in ("prefill_fixed_s", "decode_fixed_s", "decode_layer_s", "decode_request_s",
+                                         "switch_fixed_s", "prefill_request_s")}}
 _HELD.update({eff: "; held at 1 (the times did not grow with the work, or grew less than the datasheet allows)"
               for eff in ("eff_compute", "eff_mem", "eff_kv", "eff_pcie", "eff_kv_move")})
 
