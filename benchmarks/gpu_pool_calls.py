@@ -251,9 +251,15 @@ def prefill_rounds(lines: Sequence[str]) -> dict[str, dict[str, dict[str, float 
     the instance for). Where the live pool and the simulator differ model by model, this says whether in how
     often a model's group is prefilled or in how long each round takes."""
     plans = [json.loads(line) for line in lines]
+    next_at: list[dict[str, float]] = []  # per Plan, each instance's next Plan's time (a pass from the end)
+    later: dict[str, float] = {}
+    for plan in reversed(plans):
+        next_at.append(dict(later))
+        later.update((iid, plan["at"]) for iid in plan["actions"])
+    next_at.reverse()
     rounds: dict[str, dict[str, list[tuple[int, bool, float | None]]]] = defaultdict(lambda: defaultdict(list))
     current: dict[str, str] = {}  # each instance's model: its latest Switch (a Prefill names none)
-    for k, plan in enumerate(plans):
+    for plan, after in zip(plans, next_at):
         for iid, actions in plan["actions"].items():
             switch = next((a for a in actions if a["op"] == "Switch"), None)
             if switch is not None:
@@ -261,9 +267,8 @@ def prefill_rounds(lines: Sequence[str]) -> dict[str, dict[str, dict[str, float 
             prefill = next((a for a in actions if a["op"] == "Prefill"), None)
             if prefill is None:
                 continue
-            after = next((p["at"] for p in plans[k + 1:] if iid in p["actions"]), None)
-            rounds[iid][current.get(iid, "?")].append((len(prefill["request_ids"]), switch is not None,
-                                       None if after is None else after - plan["at"]))
+            held = after[iid] - plan["at"] if iid in after else None
+            rounds[iid][current.get(iid, "?")].append((len(prefill["request_ids"]), switch is not None, held))
     out: dict[str, dict[str, dict[str, float | None]]] = {}
     for iid, models in sorted(rounds.items()):
         out[iid] = {}

@@ -68,10 +68,11 @@ def simulate_live_layout(fleet_path: Path, trace_path: Path, profile: Path | str
     aggregate = {"slo_attainment": result.metrics["slo_attainment"],
                  "ttft_s": quantiles([r["ttft_s"] for r in rows.values()]),
                  "tpot_s": quantiles([r["tpot_s"] for r in rows.values() if r["tpot_s"] is not None])}
+    lines = plans.getvalue().splitlines()
     return {"requests": rows, "aggregate": aggregate, "switches": result.metrics["num_switches"],
-            "profile": str(profile or PROFILE), "planned_with": str(planned_with or profile or PROFILE), "instances": [s.instance_id for s in dep.instances], "gpu_of": gpu_of,
-            "per_instance": result.per_instance, "plan_summary": plan_summary(plans.getvalue().splitlines()),
-            "prefill_rounds": prefill_rounds(plans.getvalue().splitlines())}
+            "profile": str(profile or PROFILE), "planned_with": str(planned_with or profile or PROFILE),
+            "instances": [s.instance_id for s in dep.instances], "gpu_of": gpu_of, "per_instance": result.per_instance,
+            "plan_summary": plan_summary(lines), "prefill_rounds": prefill_rounds(lines)}
 
 
 def time_budget(live: dict[str, Any], sim: dict[str, Any]) -> dict[str, dict[str, Any]]:
