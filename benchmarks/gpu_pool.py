@@ -367,8 +367,10 @@ def live_runs(args: argparse.Namespace, fleet: Path, backend: str, layout: str, 
     if plans.exists():  # complete once the server stopped: what each run's Plans ordered (gpu_pool_sim.py's `plans`)
         lines = plans.read_text().splitlines()
         for result in results:
-            mine = lines[slice(*result["plans_range"])]
-            result["plan_summary"], result["prefill_rounds"] = plan_summary(mine), prefill_rounds(mine)
+            start, end = result["plans_range"]
+            result["plan_summary"] = plan_summary(lines[start:end])
+            # the lines before the run say which model each instance held as it began
+            result["prefill_rounds"] = prefill_rounds(lines[:end], first=start)
     if any(log_path.with_suffix(".calls").glob("calls-*.json")):  # written as the engine processes stopped
         logs, kv_logs = load_calls(log_path.with_suffix(".calls")), load_kv(log_path.with_suffix(".calls"))
         for result in results:  # each request's TTFT split: admission, queue and switch, prefill, delivery

@@ -244,9 +244,9 @@ def plan_summary(lines: Sequence[str]) -> dict[str, dict[str, dict[str, float]]]
     return out
 
 
-def prefill_rounds(lines: Sequence[str]) -> dict[str, dict[str, dict[str, float | None]]]:
+def prefill_rounds(lines: Sequence[str], first: int = 0) -> dict[str, dict[str, dict[str, float | None]]]:
     """Each instance's group prefills by model, from a plan log's lines (the live pool's and the simulator's: one
-    format): how many rounds, their prompts on average, the share that began with a switch to the model, and the
+    format) from line `first` on (the lines before only say which model each instance holds): how many rounds, their prompts on average, the share that began with a switch to the model, and the
     mean seconds from the round's Plan to that instance's next Plan (its switch and prefill: what the round held
     the instance for). Where the live pool and the simulator differ model by model, this says whether in how
     often a model's group is prefilled or in how long each round takes."""
@@ -259,13 +259,13 @@ def prefill_rounds(lines: Sequence[str]) -> dict[str, dict[str, dict[str, float 
     next_at.reverse()
     rounds: dict[str, dict[str, list[tuple[int, bool, float | None]]]] = defaultdict(lambda: defaultdict(list))
     current: dict[str, str] = {}  # each instance's model: its latest Switch (a Prefill names none)
-    for plan, after in zip(plans, next_at):
+    for k, (plan, after) in enumerate(zip(plans, next_at)):
         for iid, actions in plan["actions"].items():
             switch = next((a for a in actions if a["op"] == "Switch"), None)
             if switch is not None:
                 current[iid] = switch["model"]
             prefill = next((a for a in actions if a["op"] == "Prefill"), None)
-            if prefill is None:
+            if prefill is None or k < first:
                 continue
             held = after[iid] - plan["at"] if iid in after else None
             rounds[iid][current.get(iid, "?")].append((len(prefill["request_ids"]), switch is not None, held))

@@ -281,6 +281,10 @@ def test_prefill_rounds_split_each_instances_group_prefills_by_model() -> None:
                                      "held_ms_mean": pytest.approx(200.0)}  # 100 and 300 ms; the last has none
     assert rounds["slot0"]["m2"] == {"rounds": 1, "prompts_mean": 2.0, "switched_share": 1.0,
                                      "held_ms_mean": pytest.approx(500.0)}
+    # a run's window (gpu_pool.py: its plans_range): the Switch before it still names the model of its first round
+    window = prefill_rounds([p.to_json() for p in plans], first=2)
+    assert window["slot0"]["m1"]["rounds"] == 2 and window["slot0"]["m1"]["switched_share"] == 0.5
+    assert "?" not in window["slot0"]
 
 
 def test_prefill_samples_are_matched_to_their_calls_and_kv_calls_cut_to_the_run() -> None:
