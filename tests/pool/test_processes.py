@@ -287,7 +287,9 @@ def test_freeze_heap_puts_what_start_up_made_out_of_full_collections():
         before = Node()
         before.me = before  # a cycle only a collection frees
         frozen = freeze_heap()
-        assert frozen == gc.get_freeze_count() > 1000  # the imports at least
+        assert frozen > 1000  # the imports at least
+        # a frozen object still goes when its last reference does (another test's thread may drop a few meanwhile)
+        assert 0 <= frozen - gc.get_freeze_count() < 100
         made = Node()
         made.me = made
         ref = weakref.ref(made)
