@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the lent GPU box (no Ray, no pydantic/fastapi/uvicorn: carried as wheels in .whl):
-#   bash benchmarks/gpu_pool_device.sh STAGE...    stages: tests, pool, probe, share, mps, decode, mpsdecode, alone, copyhol, light, heavy, calibrate, tp (two GPUs), RATE=<r>,
+#   bash benchmarks/gpu_pool_device.sh STAGE...    stages: tests, pool, link, probe, share, mps, decode, mpsdecode, alone, copyhol, light, heavy, calibrate, tp (two GPUs), RATE=<r>,
 #   BACKENDS=<a,b>; on two GPUs, GPUS_ARG='--gpus 2' gives light/heavy the prefill-GPU + decode-GPU layout
 # The pool stage serves as a user would: engine processes sharing the GPU run under a private MPS daemon (serve's
 # default); MPS=0 serves with --no-mps (time-sliced), MPS=1 with --mps (an error where no daemon can start).
@@ -30,8 +30,17 @@ for stage in "$@"; do
     tests)  # MPS=1: pytest and the processes it starts as clients of a private MPS daemon (CUDA IPC between them)
       $([ "${MPS:-}" = 1 ] && echo under_mps) timeout ${TEST_S:-150} python3 -m pytest -q -p no:cacheprovider -k cuda ${PYTEST_ARGS:-} \
         ${TEST_FILES:-tests/pool/test_torch_engine.py tests/pool/test_kv_transfer.py tests/pool/test_fused_decode.py tests/pool/test_processes.py} 2>&1 | tail -30 ;;
+    link)  # how the GPU's host link serves two instances' copies at once (benchmarks/gpu_link_share.py): engine
+      # processes under MPS (serve's default), time-sliced, and two threads of one process (calibrate's own pair);
+      # LINK_BASE=<profile>: that profile with the link read from the MPS run, $OUT/h200-link.json (PROFILE=link serves it)
+      under_mps timeout ${PROBE_S:-200} python3 benchmarks/gpu_link_share.py --out "$OUT/link_share_mps.json" 2>&1 | tail -6
+      timeout ${PROBE_S:-200} python3 benchmarks/gpu_link_share.py --out "$OUT/link_share.json" 2>&1 | tail -1
+      timeout ${PROBE_S:-200} python3 benchmarks/gpu_link_share.py --threads --out "$OUT/link_share_threads.json" 2>&1 | tail -1
+      [ -n "${LINK_BASE:-}" ] && python3 -m modelpool.cli calibrate --profile "$LINK_BASE" --link-share "$OUT/link_share_mps.json" \
+        --out "$OUT/h200-link.json" 2>&1 | tail -3 ;;
     pool)
       [ "${PROFILE:-}" = calibrated ] && PROFILE="$OUT/h200-calibrated.json"  # the calibrate stage's, run before
+      [ "${PROFILE:-}" = link ] && { PROFILE="$OUT/h200-link.json"; [ -f "$PROFILE" ] || PROFILE=${LINK_BASE:-}; }  # the link stage's
       timeout ${POOL_S:-450} python3 benchmarks/gpu_pool.py --out /tmp/gp-pool $(for b in ${BACKENDS:-processes threads}; do echo --backend $b; done) \
         --layout pd $(for r in ${RATES:-1 10}; do echo --rate $r; done) --duration 30 --request-timeout 60 ${STANDALONE:---no-standalone} --no-sim ${HOST_PROFILE_S:+--host-profile-s $HOST_PROFILE_S} ${SLOW_CALL_MS:+--slow-call-ms $SLOW_CALL_MS} \
         ${PROFILE:+--serve-arg=--profile --serve-arg=$PROFILE} $(case ${MPS:-} in 1) echo --serve-arg=--mps;; 0) echo --serve-arg=--no-mps;; esac) 2>&1 | grep -v '^   {' ; pack pool ;;

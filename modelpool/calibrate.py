@@ -59,6 +59,11 @@ def calibrate_command(
                                              "in and out of each request (request_admit_s, token_deliver_s) to this "
                                              "light-load benchmarks/gpu_pool.py run JSON (its ttft_parts), after "
                                              "--from-live."),
+    link_share: Path | None = typer.Option(None, "--link-share", help="Read link_sharing and eff_pcie_shared (two "
+                                           "instances' copies on one GPU's host link) from this "
+                                           "benchmarks/gpu_link_share.py result (two engine processes, as the pool "
+                                           "serves) instead of calibrate's two threads; with --profile, measure "
+                                           "nothing else."),
     refit_engine: bool = typer.Option(False, "--refit-engine", help="With --profile (one calibrate measured) and "
                                       "--fleet (its shapes): measure nothing, fit the engine terms again to the "
                                       "measurements the profile carries, with this modelpool's fits; keep the rest."),
@@ -71,8 +76,10 @@ def calibrate_command(
         _fail("--request-path needs --profile: the profile the request-path terms go on top of")
     if refit_engine and base is None:
         _fail("--refit-engine needs --profile: the profile whose measurements the engine terms are fitted to again")
-    if from_live is not None or request_path is not None or refit_engine or (gpu_share is not None and base is not None):
-        _refit(from_live, gpu_share, base, out, gpu, gpu_share_decode, request_path, fleet_path, refit_engine)
+    if from_live is not None or request_path is not None or refit_engine or (
+            (gpu_share is not None or link_share is not None) and base is not None):
+        _refit(from_live, gpu_share, base, out, gpu, gpu_share_decode, request_path, fleet_path, refit_engine,
+               link_share)
         return
     try:
         fleet = load_fleet(fleet_path)
@@ -120,6 +127,8 @@ def calibrate_command(
     profile = build_profile(measurements, archs, gpu_key, fleet.gpu(gpu_key), run=run, name=out.stem)
     if gpu_share is not None:
         profile = _with_gpu_share(profile, gpu_share, gpu_share_decode)
+    if link_share is not None:
+        profile = _with_link_share(profile, link_share)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(profile.model_dump(mode="json"), indent=2) + "\n")
     console.print(_shape_table(measurements))
@@ -158,9 +167,24 @@ def _with_gpu_share(profile: Any, probe_path: Path, decode_path: Path | None = N
         _fail(f"--gpu-share {probe_path}: not a gpu_prefill_probe.py --share result ({exc!r})")
 
 
+def _with_link_share(profile: Any, probe_path: Path) -> Any:
+    """`profile` with link_sharing and eff_pcie_shared read from a benchmarks/gpu_link_share.py result."""
+    from sims.profiles.calibrated import with_link_share
+
+    try:
+        probe = json.loads(probe_path.read_text())
+        when = datetime.datetime.fromtimestamp(probe_path.stat().st_mtime, datetime.timezone.utc).date().isoformat()
+    except (OSError, ValueError) as exc:
+        _fail(f"--link-share {probe_path}: cannot read a gpu_link_share.py result ({exc})")
+    try:
+        return with_link_share(profile, probe, f"{probe_path.name}, {probe.get('measured_at', when)[:10]}")
+    except (ValueError, KeyError, TypeError) as exc:
+        _fail(f"--link-share {probe_path}: not a gpu_link_share.py result ({exc!r})")
+
+
 def _refit(run_path: Path | None, share_path: Path | None, base: str | None, out: Path, gpu: str | None,
            decode_path: Path | None = None, path_run: Path | None = None, fleet_path: Path | None = None,
-           refit_engine: bool = False) -> None:
+           refit_engine: bool = False, link_path: Path | None = None) -> None:
     """`--from-live` / `--gpu-share` / `--refit-engine` with `--profile`: the base profile with its engine terms
     fitted again to its own measurements (`refit_engine`, first), the host terms fitted to a live pool run and/or
     gpu_share_slowdown to a probe (sims.profiles.calibrated), named after `out` as a profile `modelpool
@@ -206,9 +230,14 @@ def _refit(run_path: Path | None, share_path: Path | None, base: str | None, out
             _fail(f"--request-path {path_run}: {exc}")
     if share_path is not None:
         profile = _with_gpu_share(profile, share_path, decode_path)
+    if link_path is not None:
+        profile = _with_link_share(profile, link_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(profile.model_dump(mode="json"), indent=2) + "\n")
     terms = profile.terms
+    if link_path is not None:
+        console.print(f"link_sharing {terms.link_sharing}, eff_pcie_shared {terms.eff_pcie_shared:.4g}, from "
+                      f"{link_path}")
     if share_path is not None:
         console.print(f"gpu_share_slowdown {terms.gpu_share_slowdown:.4g}, from {share_path}")
         if terms.gpu_share_decode_slowdown is not None:

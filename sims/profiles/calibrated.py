@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import datetime
 import statistics
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from scheduler.costs import InstanceSpec
@@ -84,12 +84,7 @@ def build_profile(measurements: Mapping[str, Any], archs: Mapping[str, Arch], gp
     link = _link_sharing(measurements)
     if link is not None:
         sharing, shared = link
-        runs = measurements["shared"]
-        alone = {s["arch"]: s["seconds"] for s in measurements["swap"]}
-        together = ", ".join(f"{t:.3f}" for t in runs[0]["seconds"])
-        apart = ", ".join(f"{alone[a]:.3f}" for a in runs[0]["archs"])
-        what = (f"two engines on one device switching in {' and '.join(runs[0]['archs'])} at once, from two threads "
-                f"({len(runs)} times; {together} s against {apart} s alone)")
+        what = _link_words(measurements)
         terms["eff_pcie_shared"] = min(1.0, sig(shared * float(terms["eff_pcie"])))
         terms["link_sharing"] = sharing
         provenance["eff_pcie_shared"] = Provenance(status="measured", gpus=(gpu,), source=(
@@ -174,6 +169,36 @@ def with_gpu_share(profile: CalibrationProfile, probe: Mapping[str, Any], where:
     run = profile.calibration.model_copy(update={
         "measurements": {**profile.calibration.measurements, "gpu_share": entry},
         "figures": {**profile.calibration.figures, **spread}})
+    return profile.model_copy(update={
+        "terms": ProfileTerms.model_validate({**profile.terms.model_dump(), **terms}),
+        "provenance": {**profile.provenance, **provenance}, "calibration": run})
+
+
+def with_link_share(profile: CalibrationProfile, probe: Mapping[str, Any], where: str) -> CalibrationProfile:
+    """`profile` (one `modelpool calibrate` wrote) with link_sharing and eff_pcie_shared read from `probe`, the
+    result of benchmarks/gpu_link_share.py, measured `where` (device and date, in words): two engine processes
+    copying at once, as the live pool's instances do (calibrate's own pair comes from two threads of one process,
+    which the copy engine may serve otherwise). The probe goes into the measurements, so a refit keeps it."""
+    if profile.calibration is None:
+        raise ValueError(f"profile {profile.name!r} has no calibration run to add the probe's measurements to")
+    entry = {key: probe[key] for key in ("mode", "mps", "alone", "shared", "small_beside", "bytes") if key in probe}
+    entry["where"] = where
+    measurements = {**profile.calibration.measurements, "link_share": entry}
+    link = _link_sharing(measurements)
+    if link is None:
+        raise ValueError("the probe's copies did not overlap: nothing to read the link's sharing from")
+    sharing, shared = link
+    what = _link_words(measurements)
+    terms = {"link_sharing": sharing, "eff_pcie_shared": min(1.0, sig(shared * float(profile.terms.eff_pcie)))}
+    gpus = (profile.calibration.gpu,)
+    provenance = {
+        "eff_pcie_shared": Provenance(status="measured", gpus=gpus, source=(
+            f"{what}: the link moved {shared:.3f} of one copy's rate, times eff_pcie")),
+        "link_sharing": Provenance(status="measured", gpus=gpus, source=(
+            f"{what}: " + ("one copy kept its time alone, the other waited" if sharing == "fifo" else
+                           "both copies slowed down together")))}
+    run = profile.calibration.model_copy(update={
+        "measurements": measurements, "figures": {**profile.calibration.figures, "shared_link_rate": round(shared, 4)}})
     return profile.model_copy(update={
         "terms": ProfileTerms.model_validate({**profile.terms.model_dump(), **terms}),
         "provenance": {**profile.provenance, **provenance}, "calibration": run})
@@ -287,13 +312,45 @@ def _sources(m: Mapping[str, Any], fitted: Fit) -> dict[str, str]:
     return {term: out[term] for term in fitted.terms}
 
 
-def _link_sharing(m: Mapping[str, Any]) -> tuple[str, float] | None:
-    """How the link served two copies at once, and its rate then as a share of one copy's alone: 'fifo' when
-    one copy took its time alone (the other waited: rate (w1 + w2) / span), else 'fair' (processor sharing:
-    the last ends at 2 w2 / rate + w1 - w2). None when the copies did not overlap."""
+def _link_words(m: Mapping[str, Any]) -> str:
+    """What the link rule was measured on, in words (the runs `_link_sharing` read)."""
+    probe = m.get("link_share")
+    if probe:
+        run = probe["shared"][0]
+        alone = {name: statistics.median(v) for name, v in probe["alone"].items()}
+        how = " (under MPS)" if probe.get("mps") else " (time-sliced, no MPS)" if probe.get("mps") is not None else ""
+        small = probe.get("small_beside") or []
+        beside = (f"; a {small[0]['small']} copy {1e3 * small[0]['small_started_s']:.0f} ms into the {small[0]['big']} "
+                  f"took {statistics.median(x['small_s'] for x in small) / alone[small[0]['small']]:.1f}x its time "
+                  f"alone" if small else "")
+        return (f"two engine {probe['mode']}{how} on one device copying {' and '.join(run['archs'])} at once "
+                f"({len(probe['shared'])} pairs of sizes; e.g. {', '.join(f'{t:.3f}' for t in run['seconds'])} s "
+                f"against {', '.join(f'{alone[a]:.3f}' for a in run['archs'])} s alone{beside}; "
+                f"benchmarks/gpu_link_share.py, {probe['where']})")
+    runs = m["shared"]
     alone = {s["arch"]: s["seconds"] for s in m["swap"]}
+    together = ", ".join(f"{t:.3f}" for t in runs[0]["seconds"])
+    apart = ", ".join(f"{alone[a]:.3f}" for a in runs[0]["archs"])
+    return (f"two engines on one device switching in {' and '.join(runs[0]['archs'])} at once, from two threads "
+            f"({len(runs)} times; {together} s against {apart} s alone)")
+
+
+def _link_sharing(m: Mapping[str, Any]) -> tuple[str, float] | None:
+    """How the link served two copies at once (link_sharing_of): the probe of two engine processes where the
+    measurements have one (`with_link_share`: as the live pool's instances copy), else calibrate's two threads."""
+    probe = m.get("link_share")
+    if probe:
+        return link_sharing_of({name: statistics.median(v) for name, v in probe["alone"].items()}, probe["shared"])
+    return link_sharing_of({s["arch"]: s["seconds"] for s in m["swap"]}, m.get("shared", []))
+
+
+def link_sharing_of(alone: Mapping[str, float], runs: Sequence[Mapping[str, Any]]) -> tuple[str, float] | None:
+    """How the link served two copies started together, and its rate then as a share of one copy's alone: 'fifo'
+    when one copy took its time alone (the other waited: rate (w1 + w2) / span), else 'fair' (processor sharing:
+    the last ends at 2 w2 / rate + w1 - w2). `alone`: each copy's seconds alone; `runs`: {archs, seconds,
+    span_s}. None when the copies did not overlap."""
     rates: dict[str, list[float]] = {"fifo": [], "fair": []}
-    for run in m.get("shared", []):
+    for run in runs:
         works = [alone[a] for a in run["archs"]]
         w1, w2 = max(works), min(works)
         if run["span_s"] <= 1.02 * w1:
