@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu_pool_calls import load as load_calls  # noqa: E402
 from benchmarks.gpu_pool_calls import plan_summary, prefill_rounds, write_run  # noqa: E402
-from benchmarks.gpu_pool_calls import call_gaps, load_kv, prefill_overlaps, run_kv_calls, ttft_parts  # noqa: E402
+from benchmarks.gpu_pool_calls import call_gaps, load_kv, prefill_overlaps, run_kv_calls, switch_times, ttft_parts  # noqa: E402
 from benchmarks.gpu_pool_sim import quantiles  # noqa: E402
 from scheduler.fleet import catalogue_arch, hf_shape  # noqa: E402
 
@@ -378,6 +378,9 @@ def live_runs(args: argparse.Namespace, fleet: Path, backend: str, layout: str, 
             result["prefill_overlap"] = prefill_overlaps(logs, result)  # each prefill sample beside decode steps
             result["kv_calls"] = run_kv_calls(kv_logs, result)  # each KV call: method, requests, seconds
             result["call_gaps"] = call_gaps(logs, result)  # the host between two calls, by the pair of methods
+            if plans.exists():  # each Switch's activate, by model (gpu_pool_sim.py: beside the simulator's)
+                start, end = result["plans_range"]
+                result["switch_times"] = switch_times(lines, logs, start, end)
     return results
 
 

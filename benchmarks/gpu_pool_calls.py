@@ -280,6 +280,36 @@ def prefill_rounds(lines: Sequence[str], first: int = 0) -> dict[str, dict[str, 
     return out
 
 
+def switch_times(lines: Sequence[str], logs: dict[str, list[Call]], first: int = 0,
+                 end: int | None = None) -> dict[str, dict[str, list[float]]]:
+    """Each instance's switches by model in plan-log lines [first, end): the seconds of the `activate` call that
+    ran each Switch (a prefetched model's: what was left of its copy), matched in order - an engine runs its
+    Switches as it is handed them, one activate each, so the n-th Switch of the whole log is its n-th activate.
+    An instance whose counts differ (a restart: the log and the calls no longer line up) is left out."""
+    switches: dict[str, list[tuple[int, str]]] = defaultdict(list)
+    for k, line in enumerate(lines):
+        for iid, actions in json.loads(line)["actions"].items():
+            switches[iid] += [(k, a["model"]) for a in actions if a["op"] == "Switch"]
+    out: dict[str, dict[str, list[float]]] = {}
+    for iid, rows in sorted(switches.items()):
+        activates = [d for m, _, d in logs.get(iid, []) if m == "activate"]
+        if len(activates) != len(rows):
+            continue
+        by_model: dict[str, list[float]] = defaultdict(list)
+        for (k, model), seconds in zip(rows, activates):
+            if first <= k < (len(lines) if end is None else end):
+                by_model[model].append(round(seconds, 6))
+        out[iid] = dict(sorted(by_model.items()))
+    return out
+
+
+def switch_summary(by_model: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    """Per model: how many switches, their mean and p90 ms (the live and the simulated side alike)."""
+    return {model: {"n": len(v), "mean_ms": round(1e3 * statistics.fmean(v), 1),
+                    "p90_ms": round(1e3 * sorted(v)[int(0.9 * (len(v) - 1))], 1)}
+            for model, v in sorted(by_model.items()) if v}
+
+
 def _stats_line(label: str, s: dict[str, float]) -> str:
     return (f"   {label:34s} n={s['n']:5d} mean {s['mean_ms']:7.2f} ms  p50 {s['p50_ms']:7.2f}  max {s['max_ms']:7.1f}"
             f"  sum {s['sum_s']:6.2f} s")

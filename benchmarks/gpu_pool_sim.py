@@ -37,7 +37,7 @@ def simulate_live_layout(fleet_path: Path, trace_path: Path, profile: Path | str
     from modelpool.serve import fleet_deployment
     import io
 
-    from benchmarks.gpu_pool_calls import plan_summary, prefill_rounds
+    from benchmarks.gpu_pool_calls import plan_summary, prefill_rounds, switch_summary
     from sims.costmodel import RooflineCostModel
     from sims.profiles import load_profile
     from sims.run import simulate
@@ -72,7 +72,8 @@ def simulate_live_layout(fleet_path: Path, trace_path: Path, profile: Path | str
     return {"requests": rows, "aggregate": aggregate, "switches": result.metrics["num_switches"],
             "profile": str(profile or PROFILE), "planned_with": str(planned_with or profile or PROFILE),
             "instances": [s.instance_id for s in dep.instances], "gpu_of": gpu_of, "per_instance": result.per_instance,
-            "plan_summary": plan_summary(lines), "prefill_rounds": prefill_rounds(lines)}
+            "plan_summary": plan_summary(lines), "prefill_rounds": prefill_rounds(lines),
+            "switch_times": {iid: switch_summary(v) for iid, v in result.switches_by_model.items()}}
 
 
 def time_budget(live: dict[str, Any], sim: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -148,6 +149,10 @@ def _round(figures: dict[str, Any] | None) -> str:
     return f"{figures['rounds']} x {figures['prompts_mean']:.2f} ({figures['switched_share']:.0%} sw, {held})"
 
 
+def _switches(figures: dict[str, float] | None) -> str:
+    return "-" if not figures else f"{figures['n']} x {figures['mean_ms']:.0f} ms (p90 {figures['p90_ms']:.0f})"
+
+
 def _side_by_side(out: dict[str, Any], key: str, shown: Any, title: str) -> None:
     """Print each run's `key` figures (instance -> name -> figures), live | sim, name by name."""
     print(f"\n{title}")
@@ -166,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     import tempfile
 
     from benchmarks.gpu_pool import FLEET, build_models, compare
+    from benchmarks.gpu_pool_calls import switch_summary
 
     parser = argparse.ArgumentParser(description="live gpu_pool.py runs against the simulator on the same traces")
     parser.add_argument("runs", nargs="+", type=Path, help="run JSONs (each with its trace CSV beside it, same stem)")
@@ -192,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         cmp["time_budget"] = time_budget(live, sim)
         cmp["plans"] = {"live": live.get("plan_summary"), "sim": sim["plan_summary"]}  # live: runs since session 15
         cmp["prefill_rounds"] = {"live": live.get("prefill_rounds"), "sim": sim["prefill_rounds"]}  # since session 17
+        cmp["switch_times"] = {"live": {iid: switch_summary(v) for iid, v in live["switch_times"].items()}
+                               if live.get("switch_times") else None, "sim": sim["switch_times"]}  # since session 18
         if args.noise_floor:
             cmp["noise_floor"] = noise_floor(fleet, path.with_suffix(".csv"), args.profile, sim, planned_with=planner)
             cmp["sim_band"] = aggregate_band(sim, cmp["noise_floor"])
@@ -245,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     _side_by_side(out, "prefill_rounds", _round, "each instance's group prefills by model, live | sim: rounds x "
                   "prompts on average, the share that switched, the mean ms each held the instance (its switch and "
                   "prefill)")
+    _side_by_side(out, "switch_times", _switches, "each instance's switches by model, live (its activate calls) | sim: "
+                  "how many, the mean and p90 ms each held the instance (a prefetched model's: what was left of its copy)")
     if args.out:
         args.out.write_text(json.dumps(out, indent=1))
     return 0

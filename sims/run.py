@@ -42,6 +42,9 @@ class SimResult:
     # their seconds, switches and their seconds, KV bytes moved (a live run's engine calls are the other side:
     # gpu_pool_sim.py)
     per_instance: dict[str, dict[str, float]] = field(default_factory=dict)
+    # each instance's switches by model: the seconds each one held the instance (a prefetched model's, what was
+    # left of its copy) - the live side: gpu_pool_calls.switch_times
+    switches_by_model: dict[str, dict[str, list[float]]] = field(default_factory=dict)
 
 
 def compiled() -> bool:
@@ -144,4 +147,5 @@ def simulate(fleet: Fleet, workload: Workload, policy: str, *, num_gpus: int | N
                                           "kv_moved_bytes": dev.kv_moved_bytes}
     return SimResult(policy, gpus, instances, records, metrics, truncated[0], notes, sim.num_plans, sim.num_events,
                      sim.num_decode_steps, sim_wall_s, sim_cpu_s, time.perf_counter() - started - sim_wall_s,
-                     per_instance)
+                     per_instance, {spec.instance_id: dict(sim.device(spec.instance_id).switch_s_by_model)
+                                    for spec in instances})

@@ -127,6 +127,7 @@ class _Device:
     busy_s: float = 0.0
     num_switches: int = 0
     switch_s: float = 0.0
+    switch_s_by_model: dict[str, list[float]] = field(default_factory=dict)  # each switch's wait, by model
     kv_moved_bytes: float = 0.0
     decode_steps: int = 0  # decode iterations delivered (a turn of n steps counts n), and their seconds
     decode_s: float = 0.0
@@ -383,6 +384,7 @@ class Simulator:
                 took = self.links.copy_end_at(iid, True, t, took, self.now) - t
         dev.num_switches += 1
         dev.switch_s += took
+        dev.switch_s_by_model.setdefault(action.model, []).append(took)
         self._push(t + took, COMPLETION, SwitchDone(iid, action.model), dev)
         return t + took
 

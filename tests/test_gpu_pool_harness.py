@@ -189,6 +189,10 @@ def test_the_recorded_h200_fidelity_is_what_the_simulator_gives_today(tmp_path, 
     if "prefill_rounds" not in recorded:  # recorded before the rounds by model (session 17): the simulator's are there
         rounds = got.pop("prefill_rounds")["sim"]
         assert sum(r["rounds"] for r in rounds["slot0"].values()) == got["plans"]["sim"]["slot0"]["Prefill"]["actions"]
+    if "switch_times" not in recorded:  # recorded before the switches by model (session 18): the simulator's count
+        times = got.pop("switch_times")
+        assert times["live"] is None
+        assert sum(m["n"] for i in times["sim"].values() for m in i.values()) == switches[1]
     assert got == recorded
     if session == "s15":  # the run's Plans and the simulator's, action by action (gpu_pool.py saves plan_summary)
         live, sim = got["plans"]["live"], got["plans"]["sim"]
@@ -285,6 +289,39 @@ def test_prefill_rounds_split_each_instances_group_prefills_by_model() -> None:
     window = prefill_rounds([p.to_json() for p in plans], first=2)
     assert window["slot0"]["m1"]["rounds"] == 2 and window["slot0"]["m1"]["switched_share"] == 0.5
     assert "?" not in window["slot0"]
+
+
+def test_switch_times_match_each_switch_to_its_activate_call_by_model() -> None:
+    """benchmarks/gpu_pool_calls.switch_times: the n-th Switch of an instance in the plan log ran as its n-th
+    activate call; only the window's are kept; an instance whose counts differ (a restart) is left out. The
+    simulator's side (SimResult.switches_by_model) adds up to its switch seconds per instance."""
+    from benchmarks.gpu_pool_calls import switch_summary, switch_times
+    from scheduler import Plan, Prefetch, Prefill, Switch
+
+    plans = [Plan(1.0, {"slot0": (Switch("m1", "head"), Prefetch("m2", "next"), Prefill(("a",), "group")),
+                        "slot1": (Switch("m2", "turn"),)}),
+             Plan(1.5, {"slot0": (Switch("m2", "head"), Prefill(("b",), "group"))}),
+             Plan(2.0, {"slot0": (Switch("m1", "head"), Prefill(("c",), "group")), "slot1": (Switch("m1", "turn"),)})]
+    logs = {"slot0": [("activate", 1.0, 0.3), ("prefetch", 1.3, 0.001), ("prefill", 1.31, 0.05),
+                      ("activate", 1.5, 0.02), ("prefill", 1.52, 0.05), ("activate", 2.0, 0.004)],
+            "slot1": [("activate", 1.0, 0.2)]}  # one activate for two Switches: left out
+    lines = [p.to_json() for p in plans]
+    assert switch_times(lines, logs) == {"slot0": {"m1": [0.3, 0.004], "m2": [0.02]}}
+    assert switch_times(lines, logs, first=1, end=3) == {"slot0": {"m1": [0.004], "m2": [0.02]}}
+    assert switch_summary({"m1": [0.3, 0.004], "m2": []}) == {"m1": {"n": 2, "mean_ms": 152.0, "p90_ms": 4.0}}
+
+
+def test_the_simulators_switches_by_model_add_up_to_its_switch_seconds(tmp_path) -> None:
+    from benchmarks.gpu_pool import FLEET, build_models
+    from benchmarks.gpu_pool_sim import simulate_live_layout
+
+    fleet = build_models(tmp_path / "models", FLEET, "h200")
+    trace = ROOT / "benchmarks" / "results" / "h200-pool-s18-processes-pd-r1.csv"
+    sim = simulate_live_layout(fleet, trace, ROOT / "benchmarks" / "results" / "h200-calibrated-live-mps-s17.json")
+    for iid, per in sim["per_instance"].items():
+        times = sim["switch_times"][iid]
+        assert sum(m["n"] for m in times.values()) == per["num_switches"] > 0
+        assert sum(m["n"] * m["mean_ms"] for m in times.values()) == pytest.approx(1e3 * per["switch_s"], rel=1e-3)
 
 
 def test_prefill_samples_are_matched_to_their_calls_and_kv_calls_cut_to_the_run() -> None:
