@@ -74,7 +74,7 @@ def test_calibrate_link_share_puts_the_probe_s_rule_on_a_profile(tmp_path: Path)
     assert after.terms.model_copy(update={"link_sharing": "fifo", "eff_pcie_shared": before.terms.eff_pcie_shared}) \
         == before.terms
     source = after.provenance["link_sharing"].source
-    assert "processes (under MPS)" in source and "link_mps.json" in source and "both copies slowed" in source
+    assert "processes (under MPS) on one device" in source and "link_mps.json" in source and "both copies slowed" in source
     assert after.status("link_sharing", "h200") == "measured"
     assert _link_sharing(after.calibration.measurements) == ("fair", pytest.approx(rate))
     assert _link_sharing(before.calibration.measurements)[0] == "fifo"  # calibrate's two threads

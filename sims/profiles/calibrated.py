@@ -181,7 +181,8 @@ def with_link_share(profile: CalibrationProfile, probe: Mapping[str, Any], where
     which the copy engine may serve otherwise). The probe goes into the measurements, so a refit keeps it."""
     if profile.calibration is None:
         raise ValueError(f"profile {profile.name!r} has no calibration run to add the probe's measurements to")
-    entry = {key: probe[key] for key in ("mode", "mps", "alone", "shared", "small_beside", "bytes") if key in probe}
+    entry = {key: probe[key] for key in ("mode", "mps", "device", "alone", "shared", "small_beside", "bytes")
+             if key in probe}
     entry["where"] = where
     measurements = {**profile.calibration.measurements, "link_share": entry}
     link = _link_sharing(measurements)
@@ -323,7 +324,8 @@ def _link_words(m: Mapping[str, Any]) -> str:
         beside = (f"; a {small[0]['small']} copy {1e3 * small[0]['small_started_s']:.0f} ms into the {small[0]['big']} "
                   f"took {statistics.median(x['small_s'] for x in small) / alone[small[0]['small']]:.1f}x its time "
                   f"alone" if small else "")
-        return (f"two engine {probe['mode']}{how} on one device copying {' and '.join(run['archs'])} at once "
+        on = f" {probe['device']}" if probe.get("device") else " device"
+        return (f"two engine {probe['mode']}{how} on one{on} copying {' and '.join(run['archs'])} at once "
                 f"({len(probe['shared'])} pairs of sizes; e.g. {', '.join(f'{t:.3f}' for t in run['seconds'])} s "
                 f"against {', '.join(f'{alone[a]:.3f}' for a in run['archs'])} s alone{beside}; "
                 f"benchmarks/gpu_link_share.py, {probe['where']})")
