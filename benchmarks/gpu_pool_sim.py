@@ -73,7 +73,28 @@ def simulate_live_layout(fleet_path: Path, trace_path: Path, profile: Path | str
             "profile": str(profile or PROFILE), "planned_with": str(planned_with or profile or PROFILE),
             "instances": [s.instance_id for s in dep.instances], "gpu_of": gpu_of, "per_instance": result.per_instance,
             "plan_summary": plan_summary(lines), "prefill_rounds": prefill_rounds(lines),
-            "switch_times": {iid: switch_summary(v) for iid, v in result.switches_by_model.items()}}
+            "switch_times": {iid: switch_summary(v) for iid, v in result.switches_by_model.items()},
+            "decode_by_model": {iid: decode_buckets(v) for iid, v in result.decode_by_shape.items()}}
+
+
+def decode_buckets(by_shape: dict[tuple[str, int], list[float]]) -> dict[str, dict[str, dict[str, float]]]:
+    """The simulator's decode steps by model and batch size in the live engine's batch buckets
+    (pool.engines.timings.BATCH_BUCKETS): steps, their mean batch and mean ms - beside the live run's
+    decode_timings_by_model (its period_ms_mean: a step's time on the engine's side, call to call)."""
+    from pool.engines.timings import BATCH_BUCKETS
+
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for model in sorted({m for m, _ in by_shape}):
+        low = 0
+        for high in BATCH_BUCKETS:
+            rows = [(b, steps, sec) for (m, b), (steps, sec) in by_shape.items() if m == model and low < b <= high]
+            steps = sum(r[1] for r in rows)
+            if steps:
+                out.setdefault(model, {})[f"<={high}"] = {
+                    "steps": int(steps), "batch_mean": round(sum(b * n for b, n, _ in rows) / steps, 3),
+                    "step_ms_mean": round(1e3 * sum(r[2] for r in rows) / steps, 4)}
+            low = high
+    return out
 
 
 def time_budget(live: dict[str, Any], sim: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -149,6 +170,13 @@ def _round(figures: dict[str, Any] | None) -> str:
     return f"{figures['rounds']} x {figures['prompts_mean']:.2f} ({figures['switched_share']:.0%} sw, {held})"
 
 
+def _steps(figures: dict[str, float] | None) -> str:
+    if not figures:
+        return "-"
+    ms = figures.get("step_ms_mean", figures.get("period_ms_mean"))
+    return f"{figures['steps']} x {ms:.2f} ms (batch {figures['batch_mean']:.1f})"
+
+
 def _switches(figures: dict[str, float] | None) -> str:
     return "-" if not figures else f"{figures['n']} x {figures['mean_ms']:.0f} ms (p90 {figures['p90_ms']:.0f})"
 
@@ -198,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         cmp["time_budget"] = time_budget(live, sim)
         cmp["plans"] = {"live": live.get("plan_summary"), "sim": sim["plan_summary"]}  # live: runs since session 15
         cmp["prefill_rounds"] = {"live": live.get("prefill_rounds"), "sim": sim["prefill_rounds"]}  # since session 17
+        cmp["decode_by_model"] = {"live": live.get("decode_timings_by_model"), "sim": sim["decode_by_model"]}
         cmp["switch_times"] = {"live": {iid: switch_summary(v) for iid, v in live["switch_times"].items()}
                                if live.get("switch_times") else None, "sim": sim["switch_times"]}  # since session 18
         if args.noise_floor:
@@ -255,6 +284,16 @@ def main(argv: list[str] | None = None) -> int:
                   "prefill)")
     _side_by_side(out, "switch_times", _switches, "each instance's switches by model, live (its activate calls) | sim: "
                   "how many, the mean and p90 ms each held the instance (a prefetched model's: what was left of its copy)")
+    print("\neach instance's decode steps by model and batch bucket, live (the engine's period, call to call) | sim: "
+          "steps x mean ms (mean batch)")
+    for name, cmp in out.items():
+        live_all, sim_all = cmp["decode_by_model"]["live"] or {}, cmp["decode_by_model"]["sim"]
+        for iid in sim_all:
+            for model in sorted(set(sim_all[iid]) | set(live_all.get(iid) or {})):
+                live_m, sim_m = (live_all.get(iid) or {}).get(model, {}), sim_all[iid].get(model, {})
+                print(f"{name:44s} {iid} {model}: " + ", ".join(
+                    f"{b} {_steps(live_m.get(b))} | {_steps(sim_m.get(b))}"
+                    for b in sorted(set(live_m) | set(sim_m), key=lambda k: int(k.removeprefix("<=")))))
     if args.out:
         args.out.write_text(json.dumps(out, indent=1))
     return 0

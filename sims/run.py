@@ -45,6 +45,9 @@ class SimResult:
     # each instance's switches by model: the seconds each one held the instance (a prefetched model's, what was
     # left of its copy) - the live side: gpu_pool_calls.switch_times
     switches_by_model: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    # each instance's decode steps by model and batch size: how many, their seconds (the live side: the engine's
+    # decode_by_model timings, gpu_pool.py's decode_timings_by_model)
+    decode_by_shape: dict[str, dict[tuple[str, int], list[float]]] = field(default_factory=dict)
 
 
 def compiled() -> bool:
@@ -148,4 +151,5 @@ def simulate(fleet: Fleet, workload: Workload, policy: str, *, num_gpus: int | N
     return SimResult(policy, gpus, instances, records, metrics, truncated[0], notes, sim.num_plans, sim.num_events,
                      sim.num_decode_steps, sim_wall_s, sim_cpu_s, time.perf_counter() - started - sim_wall_s,
                      per_instance, {spec.instance_id: dict(sim.device(spec.instance_id).switch_s_by_model)
-                                    for spec in instances})
+                                    for spec in instances},
+                     {spec.instance_id: dict(sim.device(spec.instance_id).decode_by_shape) for spec in instances})

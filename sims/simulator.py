@@ -131,6 +131,7 @@ class _Device:
     kv_moved_bytes: float = 0.0
     decode_steps: int = 0  # decode iterations delivered (a turn of n steps counts n), and their seconds
     decode_s: float = 0.0
+    decode_by_shape: dict[tuple[str, int], list[float]] = field(default_factory=dict)  # (model, batch) -> steps, s
     prefill_s: float = 0.0  # prefills (and their kv_to_host moves), as the live engine's prefill calls
     kv_s: float = 0.0  # SwapIn / SwapOut moves, as the live engine's KV calls (export, import, save, restore)
     prompt_left: dict[str, int] = field(default_factory=dict)  # chunked prefill: tokens still to compute
@@ -293,6 +294,10 @@ class Simulator:
             self.num_decode_steps += num_steps
             dev.decode_steps += num_steps
             dev.decode_s += num_steps * step_s
+            if records:
+                shape = dev.decode_by_shape.setdefault((records[0].model, len(records)), [0, 0.0])
+                shape[0] += num_steps
+                shape[1] += num_steps * step_s
             batch = turn.batch
             # a batch member has had its first token (its prefill, or the chunk that completed it,
             # was booked before): only requests past the batch can be getting theirs

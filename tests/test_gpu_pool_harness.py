@@ -193,6 +193,11 @@ def test_the_recorded_h200_fidelity_is_what_the_simulator_gives_today(tmp_path, 
         times = got.pop("switch_times")
         assert times["live"] is None
         assert sum(m["n"] for i in times["sim"].values() for m in i.values()) == switches[1]
+    if "decode_by_model" not in recorded:  # recorded before the decode steps by model (session 18)
+        steps = got.pop("decode_by_model")
+        for iid, budget in got["time_budget"].items():
+            assert sum(b["steps"] for m in steps["sim"].get(iid, {}).values() for b in m.values()) == \
+                budget["sim"]["decode_steps"]
     assert got == recorded
     if session == "s15":  # the run's Plans and the simulator's, action by action (gpu_pool.py saves plan_summary)
         live, sim = got["plans"]["live"], got["plans"]["sim"]
@@ -311,7 +316,7 @@ def test_switch_times_match_each_switch_to_its_activate_call_by_model() -> None:
     assert switch_summary({"m1": [0.3, 0.004], "m2": []}) == {"m1": {"n": 2, "mean_ms": 152.0, "p90_ms": 4.0}}
 
 
-def test_the_simulators_switches_by_model_add_up_to_its_switch_seconds(tmp_path) -> None:
+def test_the_simulators_switches_and_decode_steps_by_model_add_up_to_its_totals(tmp_path) -> None:
     from benchmarks.gpu_pool import FLEET, build_models
     from benchmarks.gpu_pool_sim import simulate_live_layout
 
@@ -322,6 +327,14 @@ def test_the_simulators_switches_by_model_add_up_to_its_switch_seconds(tmp_path)
         times = sim["switch_times"][iid]
         assert sum(m["n"] for m in times.values()) == per["num_switches"] > 0
         assert sum(m["n"] * m["mean_ms"] for m in times.values()) == pytest.approx(1e3 * per["switch_s"], rel=1e-3)
+        # its decode steps by model and batch bucket (beside the live engine's decode_timings_by_model)
+        buckets = [b for m in sim["decode_by_model"][iid].values() for b in m.values()]
+        assert sum(b["steps"] for b in buckets) == per["decode_steps"] > 0
+        assert sum(b["steps"] * b["step_ms_mean"] for b in buckets) == pytest.approx(1e3 * per["decode_s"], rel=1e-3)
+        for model in sim["decode_by_model"][iid].values():
+            for name, b in model.items():
+                low = {"<=1": 0, "<=4": 1, "<=8": 4, "<=16": 8, "<=32": 16, "<=64": 32, "<=256": 64}[name]
+                assert low < b["batch_mean"] <= int(name.removeprefix("<="))
 
 
 def test_prefill_samples_are_matched_to_their_calls_and_kv_calls_cut_to_the_run() -> None:
