@@ -52,7 +52,6 @@ class Copier:
 
     def __init__(self, sizes: dict[str, int], device: str) -> None:
         pinned = device != "cpu"
-        self.device = device
         self.host = {name: torch.empty(n, dtype=torch.uint8, pin_memory=pinned) for name, n in sizes.items()}
         self.target = torch.empty(max(sizes.values()), dtype=torch.uint8, device=device)
         self.stream = torch.cuda.Stream(device=device) if pinned else None
@@ -74,7 +73,7 @@ class Copier:
         return start, time.monotonic()
 
 
-def _serve(rank: int, sizes: dict[str, int], device: str, conn: Any, barrier: Any) -> None:
+def _serve(sizes: dict[str, int], device: str, conn: Any, barrier: Any) -> None:
     """A copier process: build, say ready, then for each order (name or None, delay) meet the others at the
     barrier and answer its copy's (start, end) or None."""
     torch.set_num_threads(1)
@@ -96,9 +95,9 @@ class Processes:
         ctx = mp.get_context("spawn")
         self.barrier = ctx.Barrier(2)
         self.conns, self.procs = [], []
-        for rank in range(2):
+        for _ in range(2):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(rank, sizes, device, child, self.barrier), daemon=True)
+            proc = ctx.Process(target=_serve, args=(sizes, device, child, self.barrier), daemon=True)
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)

@@ -81,18 +81,11 @@ def build_profile(measurements: Mapping[str, Any], archs: Mapping[str, Arch], gp
         provenance["prefill_padded"] = Provenance(status="measured", gpus=(gpu,), source=(
             f"measured setting: the engine {'padded' if terms['prefill_padded'] else 'did not pad'} its prefills' "
             f"tokens (scheduler.costs.padded_prefill_tokens) ({where})"))
-    link = _link_sharing(measurements)
+    link = _link_terms(measurements, float(terms["eff_pcie"]), gpu, f" ({where})")
     if link is not None:
-        sharing, shared = link
-        what = _link_words(measurements)
-        terms["eff_pcie_shared"] = min(1.0, sig(shared * float(terms["eff_pcie"])))
-        terms["link_sharing"] = sharing
-        provenance["eff_pcie_shared"] = Provenance(status="measured", gpus=(gpu,), source=(
-            f"{what}: the link moved {shared:.3f} of one copy's rate, times eff_pcie ({where})"))
-        provenance["link_sharing"] = Provenance(status="measured", gpus=(gpu,), source=(
-            f"{what}: " + ("one copy kept its time alone, the other waited" if sharing == "fifo" else
-                           "both copies slowed down together") + f" ({where})"))
-        figures["shared_link_rate"] = round(shared, 4)
+        link_terms, link_sources, figures["shared_link_rate"] = link
+        terms.update(link_terms)
+        provenance.update(link_sources)
     if measurements.get("gpu_share"):
         sharing_terms, sharing_sources, sharing_spread = _gpu_share_terms(measurements["gpu_share"], gpu)
         terms.update(sharing_terms)
@@ -185,21 +178,12 @@ def with_link_share(profile: CalibrationProfile, probe: Mapping[str, Any], where
              if key in probe}
     entry["where"] = where
     measurements = {**profile.calibration.measurements, "link_share": entry}
-    link = _link_sharing(measurements)
+    link = _link_terms(measurements, float(profile.terms.eff_pcie), profile.calibration.gpu)
     if link is None:
         raise ValueError("the probe's copies did not overlap: nothing to read the link's sharing from")
-    sharing, shared = link
-    what = _link_words(measurements)
-    terms = {"link_sharing": sharing, "eff_pcie_shared": min(1.0, sig(shared * float(profile.terms.eff_pcie)))}
-    gpus = (profile.calibration.gpu,)
-    provenance = {
-        "eff_pcie_shared": Provenance(status="measured", gpus=gpus, source=(
-            f"{what}: the link moved {shared:.3f} of one copy's rate, times eff_pcie")),
-        "link_sharing": Provenance(status="measured", gpus=gpus, source=(
-            f"{what}: " + ("one copy kept its time alone, the other waited" if sharing == "fifo" else
-                           "both copies slowed down together")))}
+    terms, provenance, rate = link
     run = profile.calibration.model_copy(update={
-        "measurements": measurements, "figures": {**profile.calibration.figures, "shared_link_rate": round(shared, 4)}})
+        "measurements": measurements, "figures": {**profile.calibration.figures, "shared_link_rate": rate}})
     return profile.model_copy(update={
         "terms": ProfileTerms.model_validate({**profile.terms.model_dump(), **terms}),
         "provenance": {**profile.provenance, **provenance}, "calibration": run})
@@ -313,12 +297,39 @@ def _sources(m: Mapping[str, Any], fitted: Fit) -> dict[str, str]:
     return {term: out[term] for term in fitted.terms}
 
 
+def _link_terms(m: Mapping[str, Any], eff_pcie: float, gpu: str, where: str = "") -> tuple[
+        dict[str, Any], dict[str, Provenance], float] | None:
+    """link_sharing and eff_pcie_shared as the measurements' pairs of copies say (`_link_sharing`), their
+    provenance (`where`: appended to each source) and the link's shared rate; None when no pair overlapped."""
+    link = _link_sharing(m)
+    if link is None:
+        return None
+    sharing, shared = link
+    what = _link_words(m)
+    rule = "one copy kept its time alone, the other waited" if sharing == "fifo" else "both copies slowed down together"
+    terms = {"link_sharing": sharing, "eff_pcie_shared": min(1.0, sig(shared * eff_pcie))}
+    provenance = {
+        "eff_pcie_shared": Provenance(status="measured", gpus=(gpu,), source=(
+            f"{what}: the link moved {shared:.3f} of one copy's rate, times eff_pcie{where}")),
+        "link_sharing": Provenance(status="measured", gpus=(gpu,), source=f"{what}: {rule}{where}")}
+    return terms, provenance, round(shared, 4)
+
+
+def _link_runs(m: Mapping[str, Any]) -> tuple[dict[str, float], Sequence[Mapping[str, Any]]]:
+    """Each copy's seconds alone and the pairs started together: the probe of two engine processes where the
+    measurements have one (`with_link_share`: as the live pool's instances copy), else calibrate's two threads."""
+    probe = m.get("link_share")
+    if probe:
+        return {name: statistics.median(v) for name, v in probe["alone"].items()}, probe["shared"]
+    return {s["arch"]: s["seconds"] for s in m["swap"]}, m.get("shared", [])
+
+
 def _link_words(m: Mapping[str, Any]) -> str:
     """What the link rule was measured on, in words (the runs `_link_sharing` read)."""
     probe = m.get("link_share")
+    alone, runs = _link_runs(m)
     if probe:
-        run = probe["shared"][0]
-        alone = {name: statistics.median(v) for name, v in probe["alone"].items()}
+        run = runs[0]
         how = " (under MPS)" if probe.get("mps") else " (time-sliced, no MPS)" if probe.get("mps") is not None else ""
         small = probe.get("small_beside") or []
         beside = (f"; a {small[0]['small']} copy {1e3 * small[0]['small_started_s']:.0f} ms into the {small[0]['big']} "
@@ -326,11 +337,9 @@ def _link_words(m: Mapping[str, Any]) -> str:
                   f"alone" if small else "")
         on = f" {probe['device']}" if probe.get("device") else " device"
         return (f"two engine {probe['mode']}{how} on one{on} copying {' and '.join(run['archs'])} at once "
-                f"({len(probe['shared'])} pairs of sizes; e.g. {', '.join(f'{t:.3f}' for t in run['seconds'])} s "
+                f"({len(runs)} pairs of sizes; e.g. {', '.join(f'{t:.3f}' for t in run['seconds'])} s "
                 f"against {', '.join(f'{alone[a]:.3f}' for a in run['archs'])} s alone{beside}; "
                 f"benchmarks/gpu_link_share.py, {probe['where']})")
-    runs = m["shared"]
-    alone = {s["arch"]: s["seconds"] for s in m["swap"]}
     together = ", ".join(f"{t:.3f}" for t in runs[0]["seconds"])
     apart = ", ".join(f"{alone[a]:.3f}" for a in runs[0]["archs"])
     return (f"two engines on one device switching in {' and '.join(runs[0]['archs'])} at once, from two threads "
@@ -338,12 +347,8 @@ def _link_words(m: Mapping[str, Any]) -> str:
 
 
 def _link_sharing(m: Mapping[str, Any]) -> tuple[str, float] | None:
-    """How the link served two copies at once (link_sharing_of): the probe of two engine processes where the
-    measurements have one (`with_link_share`: as the live pool's instances copy), else calibrate's two threads."""
-    probe = m.get("link_share")
-    if probe:
-        return link_sharing_of({name: statistics.median(v) for name, v in probe["alone"].items()}, probe["shared"])
-    return link_sharing_of({s["arch"]: s["seconds"] for s in m["swap"]}, m.get("shared", []))
+    """How the link served two copies at once (link_sharing_of), from the runs `_link_runs` picks."""
+    return link_sharing_of(*_link_runs(m))
 
 
 def link_sharing_of(alone: Mapping[str, float], runs: Sequence[Mapping[str, Any]]) -> tuple[str, float] | None:
