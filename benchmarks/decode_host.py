@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=SHAPE["hidden_size"], help="hidden size (heads of 64)")
     parser.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"])
     parser.add_argument("--outside-ms", type=float, default=0.0, help="host time spent between two calls")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "decode_host.json")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "decode_host.json")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     heads = max(1, args.hidden // 64)  # heads of 64, two KV heads where they divide

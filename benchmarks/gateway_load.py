@@ -1,7 +1,7 @@
 """Gateway + controller under load, on loopback, with the `sim` engine (bounded: it stops by itself).
 
     OMP_NUM_THREADS=1 python benchmarks/gateway_load.py [--duration 15] [--concurrency 1,16,64,256]
-                                                        [--out benchmarks/results/gateway_load.json]
+                                                        [--out benchmarks/out/gateway_load.json]
 
 1. Added TTFT: a sim pool (one instance, one model, prefill 5 ms, decode
    2 ms a step) is called directly (`LivePool.submit`: time to the first
@@ -236,7 +236,7 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=15.0, help="seconds per concurrency level")
     parser.add_argument("--concurrency", default="1,16,64,256")
     parser.add_argument("--ttft-requests", type=int, default=200)
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "gateway_load.json")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "out" / "gateway_load.json")
     parser.add_argument("--serve-fixed", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_fixed:

@@ -6,7 +6,7 @@ default stream while a large pinned copy of `--gb` runs on a side stream - issue
 a one-element kernel, or a round trip through a stream that makes a one-element copy between them - and the
 latency of the same inputs read by a kernel straight from mapped pinned memory (pool.engines.device.InputStage's
 way: no copy engine). Each again beside a second process that keeps the GPU busy (`--no-busy` skips it), as the
-pool's other instance does. Prints a table and writes JSON (results/h200-copy-hol.json: the H200's).
+pool's other instance does. Prints a table and writes JSON (BENCHMARKS.md has the H200's).
 `--swap-mb N` (repeatable) adds a KV swap-in of N MB in place of the small input, by the copy engine and by a
 kernel reading mapped pinned memory: alone (its GB/s) and during the weight copy (does it wait for the model?).
 

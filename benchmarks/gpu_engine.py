@@ -1,6 +1,6 @@
 """Benchmark the swap-native torch engine: switch time vs the PCIe floor, KV swap, decode, prefetch interference.
 
-    python benchmarks/gpu_engine.py --out results/h200-engine.json      # on a GPU (7B and 14B shapes)
+    python benchmarks/gpu_engine.py --out benchmarks/out/h200-engine.json      # on a GPU (7B and 14B shapes)
     python benchmarks/gpu_engine.py --tiny --out /tmp/engine.json        # anywhere, seconds, tiny shapes
 
 Models are random bf16 weights built in memory from Qwen2.5-7B/14B-shaped

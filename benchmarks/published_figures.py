@@ -17,7 +17,7 @@ Quantities (times in seconds; what each source's figure means, as the source sta
 - e2e: prefill of the batch + output - 1 decode steps (a whole batch-1 or batch-B generation).
 - switch: copy the weights from pinned host memory (vLLM sleep level 1 wake-up copies them back).
 
-    python benchmarks/published_figures.py [--out benchmarks/results/published_figures.json]
+    python benchmarks/published_figures.py [--out benchmarks/out/published_figures.json]
 """
 
 from __future__ import annotations
@@ -208,7 +208,7 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "published_figures.json"))
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "published_figures.json"))
     args = parser.parse_args(argv)
     rows = run()
     print(render(rows))
@@ -218,6 +218,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     s = result["summary"]
     print(f"\n{s['rows']} rows; median predicted/published {s['median_ratio']:.2f}; "
           f"{s['within_25_percent']} within 25%")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
     return result

@@ -1,7 +1,7 @@
 """How long one scheduling decision takes: schedule() (+ the on_event calls feeding it)
 with ~64 running requests over 10 models, for each policy.
 
-    python benchmarks/schedule_cost.py [--out benchmarks/results/schedule_cost.json]
+    python benchmarks/schedule_cost.py [--out benchmarks/out/schedule_cost.json]
 
 Target (issue 2): <= 100 microseconds per decision on the 2-core dev machine.
 """
@@ -84,7 +84,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/schedule_cost.json"))
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/out/schedule_cost.json"))
     args = parser.parse_args()
     rows = [run(policy, args.requests, args.seed) for policy in SETUPS]
     print(f"{'policy':14} {'decisions':>9} {'running mean/max':>17} {'p50 us':>8} {'p99 us':>8} {'mean us (+events)':>18}")

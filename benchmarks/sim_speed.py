@@ -105,8 +105,8 @@ def main() -> None:
     parser.add_argument("--gpus", type=int, default=32, help="pool size (the shipped fleet is stable from ~24)")
     parser.add_argument("--policy", default="token-level", help="policies, comma separated")
     parser.add_argument("--fleet", default=str(ROOT / "models.yaml"))
-    parser.add_argument("--out", help="JSON report (default results/sim_speed.json, "
-                                          "results/sim_speed_compiled.json with --compare-compiled)")
+    parser.add_argument("--out", help="JSON report (default benchmarks/out/sim_speed.json, "
+                                          "benchmarks/out/sim_speed_compiled.json with --compare-compiled)")
     parser.add_argument("--compare-compiled", action="store_true",
                         help="build the mypyc modules in a temporary copy of the tree; run each size with both builds")
     parser.add_argument("--repeat", type=int, default=1, help="runs of each size (and build)")
@@ -118,7 +118,7 @@ def main() -> None:
             sys.path.insert(0, args.tree)
         print(json.dumps(one(args.one, args.gpus, args.policy, args.fleet)))
         return
-    out_path = args.out or str(ROOT / "benchmarks/results" /
+    out_path = args.out or str(ROOT / "benchmarks/out" /
                                ("sim_speed_compiled.json" if args.compare_compiled else "sim_speed.json"))
     commit = _commit()  # before anything else: the build takes a minute, the report lands under benchmarks/
     with tempfile.TemporaryDirectory(prefix="sim_speed-") as tmp:

@@ -1,7 +1,7 @@
 """Soak: a bounded loopback load against a real gateway for a long time, with the server's RSS sampled.
 
     OMP_NUM_THREADS=1 python benchmarks/soak.py [--duration 1800] [--warmup 120] [--clients 4]
-                                                [--sample-s 5] [--time-scale 1] [--out benchmarks/results/soak.json]
+                                                [--sample-s 5] [--time-scale 1] [--out benchmarks/out/soak.json]
 
 `modelpool serve --engine sim` runs in a subprocess on 127.0.0.1 with a
 four-model fleet on two simulated H20s (tokens timed by the roofline cost
@@ -284,7 +284,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--time-scale", type=float, default=1.0, help="--sim-time-scale of the server")
     parser.add_argument("--max-growth", type=float, default=0.10, help="allowed RSS growth after the warm-up")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "soak.json")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "out" / "soak.json")
     args = parser.parse_args(argv)
     if not 0 <= args.warmup < args.duration:
         parser.error(f"--warmup {args.warmup} must be in [0, --duration {args.duration})")

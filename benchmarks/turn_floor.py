@@ -36,7 +36,7 @@ def main() -> None:
     parser.add_argument("--gpus", default="24,32", help="pool sizes, comma separated")
     parser.add_argument("--floors", default="0,1", help="min_turn_tpot values, comma separated")
     parser.add_argument("--fleet", default=str(ROOT / "models.yaml"))
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "turn_floor.json"))
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "turn_floor.json"))
     args = parser.parse_args()
 
     fleet = load_fleet(Path(args.fleet))
@@ -54,6 +54,7 @@ def main() -> None:
                          "loop_cpu_s": result.sim_cpu_s})
             row = rows[-1]
             print(" | ".join(f"{label} {_fmt(row.get(key))}" for key, label in COLUMNS), flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({
         "date": datetime.date.today().isoformat(), "machine": platform.platform(), "python": platform.python_version(),
         "command": " ".join(sys.argv), "requests": len(workload), "rows": rows}, indent=2) + "\n")

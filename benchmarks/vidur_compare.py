@@ -137,7 +137,7 @@ def main() -> None:
     parser.add_argument("--vidur-label", default="issue 3's figure", help="where the Vidur numbers come from")
     parser.add_argument("--vidur-command", help="run Vidur now, side by side (a shell command ending in "
                         "benchmarks/vidur_timed_main.py and Vidur's options; BENCHMARKS.md has it), and use its timing")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/vidur_compare.json")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/out/vidur_compare.json")
     args = parser.parse_args()
     workload = comparison_workload()
     if args.write_vidur_attention:

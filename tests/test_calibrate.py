@@ -13,6 +13,7 @@ from modelpool.cli import app
 from sims.profiles import TERM_NAMES, load_profile
 
 ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "tests" / "data"  # small real inputs: H200 profiles and probes
 
 FLEET = """\
 gpus:
@@ -189,7 +190,7 @@ def test_calibrate_gpu_share_fits_the_probe_on_a_profile(tmp_path: Path) -> None
     """`--gpu-share PROBE --profile P`: no measurement; gpu_share_slowdown is the median over prompts of the
     probe's prefill beside a decoding process over the same length alone, measured on P's GPU; a file that is no
     probe result is refused by name."""
-    profile_path = Path(__file__).resolve().parents[1] / "benchmarks/results/h200-calibrated.json"
+    profile_path = DATA / "h200-calibrated.json"
     probe = {"m": {"fresh_again": [[100, 10.0], [200, 20.0], [300, 30.0]]},
              "with_decode_process": {"m": [[100, 15.0], [200, 40.0], [300, 36.0]]}}  # 1.5, 2.0, 1.2
     probe_path, out = tmp_path / "share.json", tmp_path / "shared.json"
@@ -217,7 +218,7 @@ def test_capacity_with_a_calibrated_profile_says_which_and_whether_measured_on_i
     fleet.write_text("pool: {gpu: h200, num_gpus: 2, gpus_per_node: 2, gpus_per_host_link: 1}\nmodels:\n"
                      "  - {name: a, arch: qwen2.5-1.5b, traffic: {rate_rps: 0.3}}\n"
                      "  - {name: b, arch: qwen2.5-7b, traffic: {rate_rps: 0.3}}\n")
-    path = Path(__file__).resolve().parents[1] / "benchmarks/results/h200-calibrated.json"
+    path = DATA / "h200-calibrated.json"
     out = tmp_path / "report"
     res = CliRunner().invoke(app, ["capacity", "--fleet", str(fleet), "--profile", str(path), "--workers", "0",
                                    "--policies", "dedicated,token-level", "--duration", "60", "--what-if-tpot", "0",
@@ -234,7 +235,7 @@ def test_capacity_with_a_calibrated_profile_says_which_and_whether_measured_on_i
                                                         "estimated;")
     assert "estimated from datasheet ratios (efficiencies measured on h200): eff_compute" in rows["cost model profile on H100"]
     assert "one at a time in the order they start" in rows["host links"]  # the H200's copy engine: fifo
-    assert "gpu_share_slowdown 1.774 applies only where instances share a GPU" in rows["GPU time-sharing"]
+    assert f"gpu_share_slowdown {load_profile(path).terms.gpu_share_slowdown} applies only where instances share a GPU" in rows["GPU time-sharing"]
     assert "cost model profile on H200" in (out / "report.md").read_text()
 
 
@@ -290,7 +291,7 @@ def test_serve_names_a_broken_profile_file(tmp_path: Path) -> None:
 def test_gpu_share_decode_takes_the_decode_term_from_its_own_probe_measured_the_same_way(tmp_path: Path) -> None:
     """--gpu-share-decode: gpu_share_decode_slowdown from a --decode-share probe, refused when it was measured with
     MPS and the --gpu-share probe without (or the other way round), and without --gpu-share."""
-    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    results = DATA
     base, share, decode = (results / name for name in ("h200-calibrated-live-s12.json", "h200-prefill-share-s12.json",
                                                         "h200-decode-share-s13.json"))
     out = tmp_path / "p.json"

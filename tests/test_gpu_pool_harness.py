@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "tests" / "data"  # a short live H200 run (its trace and summary) and a profile
 
 
 @pytest.mark.slow
@@ -161,48 +162,30 @@ def test_ttft_parts_split_each_requests_first_token_and_time_the_admission_of_th
     assert parts["to_prefill (sent while idle)"]["n"] == 2
 
 
-@pytest.mark.parametrize("session, run_name, profile, switches", [
-    ("s11", "h200-pool-s11-calprofile-processes-pd-r1.json", "h200-calibrated-live-s11-fresh.json", [147, 159]),
-    ("s12", "h200-pool-s12-cal-processes-pd-r1.json", "h200-calibrated-live-s12.json", [158, 163]),
-    ("s13", "h200-pool-s13-mps-processes-pd-r16.json", "h200-calibrated-live-mps-s13.json", [264, 272]),
-    ("s14", "h200-pool-s14-processes-pd-r1.json", "h200-calibrated-live-mps-s14.json", [156, 165]),
-    ("s15", "h200-pool-s15-processes-pd-r16.json", "h200-calibrated-live-mps-s14.json", [263, 280])])
-def test_the_recorded_h200_fidelity_is_what_the_simulator_gives_today(tmp_path, session, run_name, profile,
-                                                                      switches) -> None:
-    """BENCHMARKS.md's fidelity rows (sessions 11 and 12 at 1 req/s, 13 at 16 req/s under MPS, 14 at 1 req/s with
-    the request path charged), recomputed from the committed live run and
-    profile by benchmarks/gpu_pool_sim.py: a change to the simulator or the cost model that moves them shows here
-    (then re-record results/h200-fidelity-<session>.json and the table, saying why)."""
-    results = ROOT / "benchmarks" / "results"
-    run = results / run_name
+def test_gpu_pool_sim_sets_a_recorded_run_beside_the_simulator_on_its_trace(tmp_path) -> None:
+    """benchmarks/gpu_pool_sim.py on a live H200 run (tests/data: its trace, and the run less its token gaps and
+    call logs) with the shipped profile: every request paired, the live side's figures as the run has them, the
+    simulator's by-model figures adding up to its totals. No recorded ratio is pinned: the fidelity figures are
+    GPU results (BENCHMARKS.md), re-measured when the simulator or cost model changes, not asserted here."""
+    run = DATA / "h200-pool-s18-processes-pd-r1.json"
     out = tmp_path / "fidelity.json"
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_pool_sim.py"), str(run),
-                    "--profile", str(results / profile), "--out", str(out),
-                    "--planned-with", "same"],  # recorded before the simulator planned with the served profile
+                    "--profile", str(ROOT / "sims" / "profiles" / "h200-cudagraph.json"), "--out", str(out)],
                    check=True, capture_output=True, text=True, timeout=300)
+    live = json.loads(run.read_text())
     got = json.loads(out.read_text())[run.name]
-    recorded = json.loads((results / f"h200-fidelity-{session}.json").read_text())[run.name]
-    assert got["switches"] == recorded["switches"] == switches
-    for iid, budget in got["time_budget"].items():  # files recorded before the simulator booked prefill and KV-move
-        if "prefill_s" not in recorded["time_budget"][iid]["sim"]:  # seconds per instance (session 16): the rest
-            assert budget["sim"].pop("prefill_s") >= 0 and budget["sim"].pop("kv_s") >= 0
-    if "prefill_rounds" not in recorded:  # recorded before the rounds by model (session 17): the simulator's are there
-        rounds = got.pop("prefill_rounds")["sim"]
-        assert sum(r["rounds"] for r in rounds["slot0"].values()) == got["plans"]["sim"]["slot0"]["Prefill"]["actions"]
-    if "switch_times" not in recorded:  # recorded before the switches by model (session 18): the simulator's count
-        times = got.pop("switch_times")
-        assert times["live"] is None
-        assert sum(m["n"] for i in times["sim"].values() for m in i.values()) == switches[1]
-    if "decode_by_model" not in recorded:  # recorded before the decode steps by model (session 18)
-        steps = got.pop("decode_by_model")
-        for iid, budget in got["time_budget"].items():
-            assert sum(b["steps"] for m in steps["sim"].get(iid, {}).values() for b in m.values()) == \
-                budget["sim"]["decode_steps"]
-    assert got == recorded
-    if session == "s15":  # the run's Plans and the simulator's, action by action (gpu_pool.py saves plan_summary)
-        live, sim = got["plans"]["live"], got["plans"]["sim"]
-        assert sum(live[i].get("Switch", {}).get("actions", 0) for i in live) == switches[0]
-        assert sum(sim[i].get("Switch", {}).get("actions", 0) for i in sim) == switches[1]
+    served = [r for r in live["requests"] if r["served"]]
+    assert got["ttft_s"]["pairs"] == len(served) > 0 and got["tpot_s"]["pairs"] == sum(bool(r["tpot_s"]) for r in served)
+    assert got["switches"][0] == live["switches_planned"] and got["plans"]["live"] == live["plan_summary"]
+    assert got["attainment"][0] == live["aggregate"]["slo_attainment"]
+    sim_switches = sum(m["n"] for i in got["switch_times"]["sim"].values() for m in i.values())
+    assert got["switches"][1] == sim_switches == sum(p.get("Switch", {}).get("actions", 0)
+                                                       for p in got["plans"]["sim"].values())
+    for iid, rounds in got["prefill_rounds"]["sim"].items():
+        assert sum(r["rounds"] for r in rounds.values()) == got["plans"]["sim"][iid]["Prefill"]["actions"]
+    for iid, budget in got["time_budget"].items():
+        steps = got["decode_by_model"]["sim"].get(iid, {})
+        assert sum(b["steps"] for m in steps.values() for b in m.values()) == budget["sim"]["decode_steps"]
 
 
 def test_cpu_sampling_finds_a_busy_child_process() -> None:
@@ -321,8 +304,8 @@ def test_the_simulators_switches_and_decode_steps_by_model_add_up_to_its_totals(
     from benchmarks.gpu_pool_sim import simulate_live_layout
 
     fleet = build_models(tmp_path / "models", FLEET, "h200")
-    trace = ROOT / "benchmarks" / "results" / "h200-pool-s18-processes-pd-r1.csv"
-    sim = simulate_live_layout(fleet, trace, ROOT / "benchmarks" / "results" / "h200-calibrated-live-mps-s17.json")
+    trace = DATA / "h200-pool-s18-processes-pd-r1.csv"
+    sim = simulate_live_layout(fleet, trace, DATA / "h200-calibrated-live-mps-s17.json")
     for iid, per in sim["per_instance"].items():
         times = sim["switch_times"][iid]
         assert sum(m["n"] for m in times.values()) == per["num_switches"] > 0

@@ -16,7 +16,8 @@ from sims.profiles import load_profile
 from sims.profiles.calibrated import link_sharing_of
 
 ROOT = Path(__file__).resolve().parents[1]
-BASE = ROOT / "benchmarks/results/h200-calibrated-live-mps-s17.json"
+DATA = ROOT / "tests" / "data"
+BASE = DATA / "h200-calibrated-live-mps-s17.json"
 ALONE = {"7b": [0.277, 0.278, 0.276], "3b": [0.112, 0.113, 0.112], "kv": [0.012, 0.012, 0.013]}
 
 

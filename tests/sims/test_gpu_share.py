@@ -21,6 +21,7 @@ from sims.profiles.calibrated import with_gpu_share
 from tests.factories import LinearCosts, make_instances, make_models, make_sim
 
 ROOT = Path(__file__).resolve().parents[2]
+DATA = ROOT / "tests" / "data"  # small real inputs (the H200 probe and profiles its terms were fitted to)
 S = 1.774  # the H200 probe's median
 PAIR = {"p": ("d",), "d": ("p",)}
 
@@ -95,7 +96,7 @@ def test_roofline_shares_gpus_only_where_placed_together_and_the_profile_measure
     specs = [InstanceSpec("p", 1, 1.0, "prefill"), InstanceSpec("d", 1, 1.0, "decode")]
     together = {"p": 0, "d": 0}
     assert RooflineCostModel.for_models(models, "h200").gpu_shares(specs, together) is None  # not measured
-    measured = load_profile(ROOT / "benchmarks/results/h200-calibrated.json")
+    measured = load_profile(DATA / "h200-calibrated.json")
     costs = RooflineCostModel.for_models(models, "h200", measured)
     assert costs.gpu_shares(specs) is None  # a GPU each
     gpus = costs.gpu_shares(specs, together)
@@ -104,16 +105,15 @@ def test_roofline_shares_gpus_only_where_placed_together_and_the_profile_measure
 
 
 def test_the_h200_term_is_the_probes_median_with_its_provenance() -> None:
-    probe = json.loads((ROOT / "benchmarks/results/h200-prefill-probe.json").read_text())
-    profile = load_profile(ROOT / "benchmarks/results/h200-calibrated.json")
-    assert profile.terms.gpu_share_slowdown == pytest.approx(1.774)
+    probe = json.loads((DATA / "h200-prefill-probe.json").read_text())
+    profile = load_profile(DATA / "h200-calibrated.json")
     entry = profile.provenance["gpu_share_slowdown"]
     assert entry.status == "measured" and entry.gpus == ("h200",) and "gpu_prefill_probe.py" in entry.source
     assert profile.status("gpu_share_slowdown", "h20") == "estimated"  # elsewhere an extrapolation
     assert load_profile("default").provenance["gpu_share_slowdown"].status == "estimated"
     refit = with_gpu_share(profile, probe, "here")  # the same series fit the same number
     assert refit.terms.gpu_share_slowdown == profile.terms.gpu_share_slowdown
-    assert refit.calibration is not None and refit.calibration.figures["gpu_share_ratio_p10"] < 1.774
+    assert refit.calibration is not None and refit.calibration.figures["gpu_share_ratio_p10"] < refit.terms.gpu_share_slowdown
 
 
 class _SharedGpuCosts(LinearCosts):
@@ -208,8 +208,8 @@ def test_a_decode_step_beside_a_prefill_slows_by_the_decode_term_and_the_prefill
 
 
 def test_the_mps_profile_fits_both_terms_from_the_h200_probe_and_the_simulator_uses_them() -> None:
-    probe = json.loads((ROOT / "benchmarks/results/h200-prefill-share-mps-s13.json").read_text())
-    profile = load_profile(ROOT / "benchmarks/results/h200-calibrated-live-mps-s13.json")
+    probe = json.loads((DATA / "h200-prefill-share-mps-s13.json").read_text())
+    profile = load_profile(DATA / "h200-calibrated-live-mps-s13.json")
     share = probe["decode_share"]
     ratios = sorted(ms / sorted(share["alone"][m])[1] for m, series in share["beside_prefill_process"].items()
                     for ms in series)
