@@ -4,6 +4,7 @@ Everything here is a pure function of its arguments and a numpy Generator,
 vectorised so that hours of a busy model (millions of requests) take seconds:
 - `poisson_arrivals`, `gamma_arrivals`: stationary renewal processes with a
   given rate (and CV of the inter-arrival time for Gamma);
+- `onoff_arrivals`: bursts - Poisson in "on" periods, silence in "off" ones;
 - `windowed_arrivals`: ServeGen's model of a client, a fitted Gamma or
   Weibull inter-arrival shape per window, rescaled to the window's rate;
 - `spread_counts`: per-bin counts (Azure Functions per minute) placed
@@ -154,6 +155,34 @@ def gamma_arrivals(rate_per_s: float, cv: float, duration_s: float, rng: np.rand
         reached = float(times[-1])
     arrivals = np.concatenate(chunks)
     return arrivals[arrivals < duration_s]
+
+
+def onoff_arrivals(rate_per_s: float, on_s: float, off_s: float, duration_s: float,
+                   rng: np.random.Generator) -> np.ndarray:
+    """Sorted arrivals of an on/off (two-state Markov-modulated) Poisson process on [0, duration_s).
+
+    Periods alternate: "on" ones of mean `on_s` seconds (exponential) with
+    Poisson arrivals at rate_per_s * (on_s + off_s) / on_s, and silent "off"
+    ones of mean `off_s`; the mean rate is `rate_per_s`. The first period is
+    on with probability on_s / (on_s + off_s) and, by memorylessness, already
+    at equilibrium. A model's bursts come in whole periods, so a pool sees a
+    model go quiet for seconds and return - what makes it switch.
+    """
+    _check_rate(rate_per_s, duration_s)
+    if not (np.isfinite(on_s) and on_s > 0 and np.isfinite(off_s) and off_s >= 0):
+        raise TraceError(f"on/off periods must be on_s > 0 and off_s >= 0 seconds, got {on_s}, {off_s}")
+    if rate_per_s == 0:
+        return np.empty(0)
+    peak = rate_per_s * (on_s + off_s) / on_s
+    on = bool(rng.random() < on_s / (on_s + off_s))
+    at, chunks = 0.0, []
+    while at < duration_s:
+        length = rng.exponential(on_s if on else off_s) if (on_s if on else off_s) > 0 else 0.0
+        end = min(at + length, duration_s)
+        if on and end > at:
+            chunks.append(at + rng.random(rng.poisson(peak * (end - at))) * (end - at))
+        at, on = end if length > 0 else at, not on
+    return np.sort(np.concatenate(chunks)) if chunks else np.empty(0)
 
 
 def windowed_arrivals(
