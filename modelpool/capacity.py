@@ -88,6 +88,8 @@ def capacity_command(
         calibration = load_profile(profile)
     except (FileNotFoundError, ValueError) as exc:
         _fail(f"--profile: {exc}")
+    for note in workload.notes:
+        console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
     goal = Goal(slo_target, slo_metric, window, max_instances)
     ctx = Context(fleet, workload, calibration, stop_below=slo_target if slo_metric == "per-request" else None)
     config = StudyConfig(chosen, gpus, goal, what_if_tpot or None)

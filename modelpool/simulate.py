@@ -68,8 +68,8 @@ def simulate_command(
         typer.echo(f"error: --profile: {exc}", err=True)
         raise typer.Exit(1) from None
     gpus, sized = pool_size(fleet, policy, gpus)
-    if sized:
-        console.print(f"note: {sized}")
+    for note in ([sized] if sized else []) + list(workload.notes):
+        console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
     log = plan_log.open("w") if plan_log else None
     started = time.perf_counter()
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed:.0f}/{task.total:.0f} s simulated"),

@@ -324,17 +324,26 @@ def read_mooncake(path: Path, model: str = "mooncake", skip_bad_rows: bool = Fal
                          cells.number("output_length", integer=True), cells, model)
 
 
-def read_generic(path: Path, skip_bad_rows: bool = False) -> Workload:
+def read_generic(path: Path, skip_bad_rows: bool = False, fleet_models: Sequence[str] | None = None) -> Workload:
     """The generic format (CSV with a header, or JSONL): timestamp_s, model, input_tokens, output_tokens.
 
     Timestamps are seconds, kept as written (not re-based); models are
-    numbered in order of first appearance.
+    numbered in order of first appearance. Given `fleet_models`, a file that
+    names any of them must name only them: a row with another name is a bad
+    row (file, line, name and the fleet's names), since a misspelt name would
+    otherwise have the whole file dealt onto the fleet and send every request
+    to the wrong model. A file naming none of them is left to be mapped (and
+    the mapping reported) by `sims.traces`.
     """
     reader = read_jsonl_rows if is_jsonl(path) else read_csv_rows
     rows = reader(path, GENERIC_COLUMNS, skip_bad_rows)
     cells = Cells(rows, skip_bad_rows)
     at = cells.number("timestamp_s")
     names = cells.text("model")
+    if fleet_models is not None and set(fleet_models) & set(names):
+        cells.flag("model", np.array([name not in fleet_models for name in names], dtype=bool),
+                   f"not a model of the fleet (known: {', '.join(fleet_models)}; or add ;map=fold to the trace spec "
+                   f"to deal the file's models onto the fleet by popularity)")
     inputs = cells.number("input_tokens", integer=True)
     outputs = cells.number("output_tokens", integer=True)
     keep, num_skipped = cells.finish()

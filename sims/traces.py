@@ -27,12 +27,17 @@ models, or model-0..N-1), `popularity=uniform|zipf:S` (how a single-model
 trace is split), `lengths=sharegpt|arxiv|azure-conv|azure-code|mooncake|
 fixed:IN:OUT|file:PATH` (for sources without token counts and synthetic
 ones), `max_requests` (guard for generated sources, default 10M), and
-`clients` / `by=model|client` (ServeGen), `functions=N` (Azure Functions).
+`clients` / `by=model|client` (ServeGen), `functions=N` (Azure Functions),
+`map=fold` (a generic file: deal its models onto the given ones even when
+some names match).
 
 Given models, a trace whose models are all among them is kept as it is; else
 a single-model trace is split at random among them (uniform or by
 `popularity`), and a multi-model trace has its models dealt round-robin by
-popularity onto them (`Workload.fold_models`).
+popularity onto them (`Workload.fold_models`). A generic file that names
+some of the given models but not all is refused row by row (file, line,
+name): a misspelt name would otherwise send every request to the wrong
+model. Each mapping is written to `Workload.notes`, which the commands print.
 """
 
 from __future__ import annotations
@@ -226,7 +231,7 @@ FORMAT_OPTIONS: dict[str, frozenset[str]] = {
     "azure-llm": frozenset(),
     "vidur": frozenset(),
     "mooncake": frozenset(),
-    "generic": frozenset(),
+    "generic": frozenset({"map"}),
     "alibaba-genai": frozenset({"lengths"}),
     "azure-functions": frozenset({"lengths", "functions", "max_requests"}),
     "servegen": frozenset({"clients", "by", "max_requests"}),
@@ -254,8 +259,16 @@ def _read_file(path: Path, context: _Context) -> Workload:
     elif fmt == "alibaba-genai":
         workload = read_alibaba_genai(path, context.lengths(), context.seed, skip)
     else:
-        workload = read_generic(path, skip)
+        workload = read_generic(path, skip, _strict_names(context))
     return _window(workload, context)
+
+
+def _strict_names(context: _Context) -> tuple[str, ...] | None:
+    """The fleet's names a generic file must keep to, or None under `map=fold` (deal its models onto the fleet)."""
+    choice = context.spec.options.get("map")
+    if choice not in (None, "fold"):
+        raise TraceError(f"trace spec {context.spec.text!r}: map={choice!r}: the one mapping is map=fold")
+    return context.models if choice is None else None
 
 
 def _window(workload: Workload, context: _Context) -> Workload:

@@ -208,8 +208,9 @@ class Workload:
         probabilities = _probabilities(names, weights)
         rng = np.random.default_rng([seed, 0x6D6170])  # own stream: independent of the trace's
         index = rng.choice(len(names), size=len(self), p=probabilities).astype(np.int32)
-        return replace(self, model_index=index, models=tuple(names),
-                       notes=self.notes + (f"requests mapped at random onto {len(names)} models",))
+        source = f"requests of {self.models[0]!r}" if len(self.models) == 1 else "requests"
+        note = f"{source} mapped at random onto {len(names)} models: {_listed(names)}"
+        return replace(self, model_index=index, models=tuple(names), notes=self.notes + (note,))
 
     def fold_models(self, names: Sequence[str]) -> Workload:
         """Map each of this workload's models onto one of `names`, keeping per-model arrival processes.
@@ -225,7 +226,9 @@ class Workload:
         rank = np.empty(len(self.models), dtype=np.int64)
         rank[np.argsort(-counts, kind="stable")] = np.arange(len(self.models))
         target = (rank % len(names)).astype(np.int32)
-        note = f"{len(self.models)} trace models dealt round-robin by popularity onto {len(names)} models"
+        pairs = [f"{self.models[k]} -> {names[target[k]]}" for k in np.argsort(-counts, kind="stable")]
+        note = (f"{len(self.models)} trace models dealt round-robin by popularity onto {len(names)} models: "
+                f"{_listed(pairs)}")
         return replace(self, model_index=target[self.model_index], models=tuple(names), notes=self.notes + (note,))
 
     def merge(self, others: Sequence[Workload]) -> Workload:
@@ -265,6 +268,12 @@ class Workload:
             for r in self.requests():
                 row = dict(zip(GENERIC_COLUMNS, (r.arrival_at, r.model, r.input_tokens, r.output_tokens)))
                 out.write(json.dumps(row) + "\n")
+
+
+def _listed(items: Sequence[str], limit: int = 8) -> str:
+    """Up to `limit` items, comma-separated, and how many more (a note stays one readable line)."""
+    shown = ", ".join(items[:limit])
+    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
 
 
 def _rate(count: int, duration_s: float) -> float:
