@@ -111,6 +111,9 @@ def capacity_command(
                          wall_s=time.perf_counter() - started)
     report = json.loads(paths[2].read_text())
     console.print(_summary(report))
+    for entry in report["policies"].values():
+        if entry["unmet_reason"]:
+            console.print(f"(unmet) {entry['unmet_reason']}", markup=False, highlight=False, soft_wrap=True)
     console.print(f"[bold]{report['headline']['sentence']}[/]")
     for line in report["tries"]:
         console.print(f"  try: {line}")

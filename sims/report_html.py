@@ -204,6 +204,8 @@ def to_html(report: Mapping[str, Any], images: Mapping[str, str]) -> str:
              f"({report['workload']['rate_rps']:g} req/s).</p>",
              _img(images, "headline", "GPUs each policy needs to meet the target, and what they cost a month."),
              "<h2>Policies</h2>", _policy_table(report),
+             *[f"<p class='unmet'>Target not met: {e(x['unmet_reason'])}.</p>" for x in report["policies"].values()
+               if x.get("unmet_reason")],
              "<p><small>Pool output tokens/s counts every token the pool produces per second; tokens/s per user is "
              "what one stream sees (1 / its mean TPOT). They differ by the number of concurrent streams.</small></p>",
              "<h2>SLO attainment vs GPUs</h2>",

@@ -36,6 +36,8 @@ def to_markdown(report: Mapping[str, Any]) -> str:
                      f"{e['p99_ttft_ms']:,.0f} | {e['p99_tpot_ms']:.1f} | {e['models_per_gpu']:.2f} | "
                      f"{e['gpu_busy_share']:.0%} | {e['switches_per_gpu_per_minute']:.1f} | {e['output_tokens_per_s']:,.0f} | "
                      f"{e['per_user_output_tokens_per_s']:.1f} | {layout} |")
+    unmet = [e["unmet_reason"] for e in report["policies"].values() if e.get("unmet_reason")]
+    lines += [""] + [f"- Target not met: {reason}." for reason in unmet]
     lines += ["", "Output tok/s (pool) is every token the pool produces per second; tok/s per user is the speed "
               "one stream sees (1 / its mean TPOT). They differ by the number of concurrent streams.", ""]
     types = report["gpu_types"]

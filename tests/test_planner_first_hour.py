@@ -57,3 +57,41 @@ def test_a_trace_of_other_models_is_mapped_and_the_mapping_printed(
     code, output = invoke("simulate", "--fleet", str(tiny_fleet), "--trace", f"{trace};map=fold")
     assert code == 0, output
     assert "small-a -> small-a, smal-b -> small-b" in output
+
+
+# ---- 3: "(unmet)" says who missed; savings against a failing baseline say so ------------------------------------
+
+
+def test_unmet_names_the_policy_and_the_models_that_missed(tmp_path: pathlib.Path) -> None:
+    fleet = tmp_path / "tight.yaml"  # small-c's 2 ms TPOT SLO cannot be met on an H20
+    fleet.write_text(TINY_FLEET.replace("rate_rps: 0.1}}", "rate_rps: 0.1}, slo: {ttft_s: 10, tpot_s: 0.002}}"))
+    out = tmp_path / "report"
+    code, output = invoke("capacity", "--fleet", str(fleet), "--duration", "60", "--workers", "0",
+                          "--what-if-tpot", "0", "--policies", "dedicated,token-level", "--out", str(out))
+    assert code == 0, output
+    assert ("(unmet) dedicated misses the 99.0% per-request target (each model must meet it on its own); "
+            "under it: small-c 0.00%") in output
+    assert "(unmet) token-level misses the 99.0% per-request target (each TP class must meet it over its requests); " \
+           "under it: small-c 0.00%" in output
+    assert "small-a" not in output.split("(unmet) dedicated")[1].split("\n")[0]  # only the model that missed
+    assert "Target not met: dedicated misses the 99.0% per-request target" in (out / "report.md").read_text()
+    assert "Target not met: dedicated misses" in (out / "report.html").read_text()
+
+
+def test_savings_against_a_baseline_that_missed_its_own_target_say_so() -> None:
+    from types import SimpleNamespace
+
+    from sims.capacity import Goal
+    from sims.report import _headline
+
+    result = SimpleNamespace(gpu="h20", config=SimpleNamespace(goal=Goal(0.99)))
+    missed = [{"model": "qwen3-32b-chat", "attainment": 0.97, "requests": 40}]
+    policies = {"dedicated": {"gpus": 23, "usd_per_month": 30_000.0, "met": False, "missed_models": missed},
+                "token-level": {"gpus": 17, "usd_per_month": 22_000.0, "met": True, "missed_models": []}}
+    headline = _headline(result, None, policies)
+    assert headline["sentence"].startswith("23 dedicated H20s -> 17 pooled (token-level), 26% fewer GPUs")
+    assert headline["baseline_met"] is False
+    assert ("but the dedicated baseline misses the target itself (qwen3-32b-chat under it), so this saving is "
+            "measured against a pool that falls short") in headline["sentence"]
+    policies["dedicated"]["met"] = True
+    assert "baseline" not in _headline(result, None, policies)["sentence"]
