@@ -88,6 +88,14 @@ def capacity_command(
         calibration = load_profile(profile)
     except (FileNotFoundError, ValueError) as exc:
         _fail(f"--profile: {exc}")
+    from modelpool.simulate import profile_device_check
+
+    try:
+        mismatches = [line for g in gpus if (line := profile_device_check(calibration, g, profile))]
+    except ValueError as exc:
+        _fail(str(exc))
+    for line in mismatches:
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
     for note in workload.notes:
         console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
     goal = Goal(slo_target, slo_metric, window, max_instances)

@@ -26,6 +26,8 @@ from scheduler.fleet import GB, GPUS, Arch, Fleet, GpuSpec, PoolSpec
 from sims.costmodel import RooflineCostModel
 from sims.profiles import TERM_NAMES, load_profile
 
+DEFAULT_FLEET = Path("models.yaml")
+
 
 def estimate_report(fleet: Fleet | None, model: str, gpu: str | None, tp: int | None, batch: int,
                     input_tokens: int, output_tokens: int, profile: str = "default") -> dict[str, Any]:
@@ -52,16 +54,22 @@ def estimate_report(fleet: Fleet | None, model: str, gpu: str | None, tp: int | 
     kv_bytes = max(0.0, usable_bytes - arch.weight_bytes)
     kv_tokens = math.floor(kv_bytes / kv_per_token)
     bases = calibration.bases(gpu_name)
-    return {
-        "model": model, "arch": arch_name, "gpu": gpu_name, "tp": tp, "profile": calibration.name,
-        "batch": batch, "input_tokens": input_tokens, "output_tokens": output_tokens,
+    fits = arch.weight_bytes < usable_bytes
+    latencies: dict[str, Any] = {
         "ttft_s": cost.prefill_s(model, input_tokens, 1), "prefill_s": prefill_s,
         "decode_step_s": cost.decode_step_s(model, batch, first_context),
         "decode_bound": cost.decode_bound(model, batch, first_context), "tpot_s": tpot_s,
         "e2e_s": prefill_s + (decode_s if output_tokens > 1 else 0.0),
         "tokens_per_s_per_user": 1.0 / tpot_s, "tokens_per_s": batch / tpot_s,
+    }
+    if not fits:  # a model that cannot be loaded has no latency: the roofline's figures would be fiction
+        latencies = dict.fromkeys(latencies)
+    return {
+        "model": model, "arch": arch_name, "gpu": gpu_name, "tp": tp, "profile": calibration.name,
+        "batch": batch, "input_tokens": input_tokens, "output_tokens": output_tokens, **latencies,
         "weight_bytes": arch.weight_bytes, "weight_bytes_per_gpu": arch.weight_bytes / tp,
-        "weights_fit": arch.weight_bytes < usable_bytes,
+        "weights_fit": fits, "usable_bytes_per_gpu": usable_bytes / tp,
+        "smallest_tp_that_fits": next((n for n in (1, 2, 4, 8) if arch.weight_bytes < usable_bytes / tp * n), None),
         "switch_s": cost.switch_s(model), "gpu_memory_utilization": utilisation,
         "kv_bytes_per_token": kv_per_token, "kv_capacity_bytes": kv_bytes, "kv_capacity_tokens": kv_tokens,
         "max_concurrent_requests": kv_tokens // (input_tokens + output_tokens),
@@ -100,6 +108,8 @@ def render_estimate(report: dict[str, Any], width: int = 88) -> str:
     basis = r["basis"]
     elsewhere = ", ".join(g.upper() for g in r["measured_elsewhere_on"]) or "another GPU"
     terms = lambda key: ", ".join(sorted(basis[key])) or "none"  # noqa: E731
+    if not r["weights_fit"]:
+        return _not_fitting(r, width)
     rows = [
         ("TTFT (one prompt, no queue)", ms(r["ttft_s"])),
         (f"prefill of the batch ({r['batch']} x {r['input_tokens']} tokens)", ms(r["prefill_s"])),
@@ -131,6 +141,32 @@ def render_estimate(report: dict[str, Any], width: int = 88) -> str:
     return buffer.getvalue()
 
 
+def not_fitting_line(r: dict[str, Any]) -> str:
+    """Why `r`'s model cannot run on its GPUs, and the TP size that would hold its weights."""
+    gb = r["weight_bytes"] / GB
+    usable = r["usable_bytes_per_gpu"] / GB
+    fix = (f"try --tp {r['smallest_tp_that_fits']}" if r["smallest_tp_that_fits"]
+           else "more than 8 GPUs' memory: it does not fit one node of these")
+    return (f"{r['model']} does not fit {r['tp']} x {r['gpu'].upper()}: {gb:,.1f} GB of weights against "
+            f"{usable * r['tp']:,.1f} GB usable ({usable:,.1f} GB per GPU at {r['gpu_memory_utilization']:.0%} of "
+            f"memory); no latency is predicted ({fix})")
+
+
+def _not_fitting(r: dict[str, Any], width: int) -> str:
+    gb = lambda b: f"{b / GB:,.2f} GB"  # noqa: E731
+    table = Table(title=f"{r['model']} on {r['tp']} x {r['gpu'].upper()}: does NOT fit")
+    table.add_column("quantity")
+    table.add_column("value")
+    table.add_row("weights (total / per GPU)", f"{gb(r['weight_bytes'])} / {gb(r['weight_bytes_per_gpu'])}")
+    table.add_row(f"usable per GPU ({r['gpu_memory_utilization']:.0%} of memory)", gb(r["usable_bytes_per_gpu"]))
+    table.add_row("smallest TP that holds the weights", str(r["smallest_tp_that_fits"] or "over 8"))
+    buffer = io.StringIO()
+    console = Console(file=buffer, width=width, color_system=None, force_terminal=False)
+    console.print(table)
+    console.print(not_fitting_line(r), soft_wrap=True)
+    return buffer.getvalue()
+
+
 def estimate_command(
     model: Annotated[str, typer.Option("--model", help="Fleet model name or catalogue arch (e.g. qwen2.5-7b).")],
     gpu: Annotated[str | None, typer.Option("--gpu", help="GPU type (e.g. h200); defaults to the fleet's pool GPU.")] = None,
@@ -140,15 +176,26 @@ def estimate_command(
     output_tokens: Annotated[int, typer.Option("--output", min=1, help="Output tokens per request.")] = 256,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
     profile: Annotated[str, typer.Option("--profile", help="Calibration profile: a shipped name or a JSON file.")] = "default",
-    fleet_path: Annotated[Path | None, typer.Option("--fleet", "-f", help="Fleet file (models.yaml) to take models and GPUs from.")] = None,
+    fleet_path: Annotated[Path, typer.Option("--fleet", "-f", help="Fleet file to take models and GPUs from "
+                                             "(models.yaml; without one here, --gpu and a catalogue arch).")] = DEFAULT_FLEET,
 ) -> None:
     """Predict latency, throughput and memory of one model on one GPU type (roofline cost model)."""
     from modelpool.config import FleetFileError, load_fleet
+    from modelpool.simulate import profile_device_check
 
     try:
-        fleet = load_fleet(fleet_path) if fleet_path else None
+        # like the other commands, models.yaml by default; a missing default is no error (catalogue archs need none)
+        fleet = None if fleet_path == DEFAULT_FLEET and not fleet_path.exists() else load_fleet(fleet_path)
+        if fleet is None and gpu is None:
+            raise ValueError(f"no --gpu and no fleet file to take it from ({fleet_path} not found here): "
+                             f"pass --gpu TYPE (e.g. h20, h100, h200) or --fleet FILE")
         report = estimate_report(fleet, model, gpu, tp, batch, input_tokens, output_tokens, profile)
+        mismatch = profile_device_check(load_profile(profile), report["gpu"], profile)
     except (FleetFileError, ValueError, FileNotFoundError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
+    if mismatch:
+        typer.echo(mismatch, err=True)
     typer.echo(json.dumps(report, indent=2) if as_json else render_estimate(report).rstrip())
+    if not report["weights_fit"]:
+        raise typer.Exit(1)

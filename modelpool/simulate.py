@@ -67,6 +67,13 @@ def simulate_command(
     except (FileNotFoundError, ValueError) as exc:
         typer.echo(f"error: --profile: {exc}", err=True)
         raise typer.Exit(1) from None
+    try:
+        mismatch = profile_device_check(calibration, fleet.pool.gpu, profile)
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    if mismatch:
+        console.print(mismatch, markup=False, highlight=False, soft_wrap=True)
     gpus, sized = pool_size(fleet, policy, gpus)
     for note in ([sized] if sized else []) + list(workload.notes):
         console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
@@ -169,6 +176,26 @@ def _summary_table(m: dict) -> Table:
     for name, value in rows:
         table.add_row(name, value)
     return table
+
+
+def profile_device_check(profile: Any, gpu: str, source: str) -> str | None:
+    """A warning when `profile` (loaded from `source`) was calibrated on another device than GPU type `gpu`;
+    ValueError when it was measured on a CPU and `gpu` is a catalogue GPU (a CPU's step times say nothing
+    of a GPU's: the simulation would report a pool that cannot serve anything). None when they agree or the
+    profile was not written by `modelpool calibrate` (its provenance line says what it is)."""
+    from scheduler.fleet import GPUS
+
+    run = profile.calibration
+    if run is None or run.gpu == gpu.lower():
+        return None
+    measured = f"{run.device} (calibrated as GPU type {run.gpu})"
+    if "cpu" in run.device.lower() and gpu.lower() in GPUS:
+        raise ValueError(f"--profile {source} was measured on {measured}, but the fleet runs on {gpu.upper()}: a "
+                         f"CPU's step times say nothing of a {gpu.upper()}'s. Use a profile measured on a "
+                         f"{gpu.upper()} (`modelpool calibrate --device cuda` there) or the shipped default, or "
+                         f"simulate a fleet whose pool.gpu is {run.gpu}")
+    return (f"warning: --profile {source} was measured on {measured}, not on {gpu.upper()}: its measured terms "
+            f"count on {gpu.upper()} only as estimates (efficiencies by datasheet ratios, times carried over)")
 
 
 def profile_line(summary: dict[str, Any]) -> str:

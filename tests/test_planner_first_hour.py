@@ -95,3 +95,71 @@ def test_savings_against_a_baseline_that_missed_its_own_target_say_so() -> None:
             "measured against a pool that falls short") in headline["sentence"]
     policies["dedicated"]["met"] = True
     assert "baseline" not in _headline(result, None, policies)["sentence"]
+
+
+# ---- 5: a profile measured on one device, simulated on another ------------------------------------------------
+
+
+def calibrated_profile(tmp_path: pathlib.Path, device: str, gpu: str) -> pathlib.Path:
+    """The shipped default profile as `modelpool calibrate` would have written it on `device` for GPU type `gpu`."""
+    import json
+    from importlib import resources
+
+    data = json.loads(resources.files("sims.profiles").joinpath("default.json").read_text())
+    data["name"] = f"{gpu}-mine"
+    data["calibration"] = {"command": f"modelpool calibrate --device {device}", "device": device, "gpu": gpu,
+                           "measured_at": "2026-12-01T00:00:00Z"}
+    path = tmp_path / f"{gpu}-mine.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_a_cpu_profile_on_a_gpu_fleet_is_refused_naming_both(tiny_fleet: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    cpu = calibrated_profile(tmp_path, "cpu", "cpu-box")
+    for command in (["simulate", "--fleet", str(tiny_fleet), "--duration", "10"],
+                    ["capacity", "--fleet", str(tiny_fleet), "--duration", "10", "--workers", "0",
+                     "--out", str(tmp_path / "r")],
+                    ["estimate", "--model", "small-a", "--fleet", str(tiny_fleet)]):
+        code, output = invoke(*command, "--profile", str(cpu))
+        assert code == 1, command
+        assert (f"--profile {cpu} was measured on cpu (calibrated as GPU type cpu-box), but the fleet runs on H20"
+                in " ".join(output.split())), command
+
+
+def test_a_profile_from_another_gpu_type_is_warned_about(tiny_fleet: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    h200 = calibrated_profile(tmp_path, "NVIDIA H200", "h200")
+    code, output = invoke("simulate", "--fleet", str(tiny_fleet), "--duration", "10", "--profile", str(h200))
+    assert code == 0, output
+    assert (f"warning: --profile {h200} was measured on NVIDIA H200 (calibrated as GPU type h200), not on H20"
+            in output)
+    code, output = invoke("simulate", "--fleet", str(tiny_fleet), "--duration", "10",
+                          "--profile", str(calibrated_profile(tmp_path, "NVIDIA H20", "h20")))
+    assert code == 0 and "warning" not in output  # measured where it runs: nothing to say
+
+
+# ---- 7: estimate reads models.yaml like the other commands; a model that does not fit gets no latency ----------
+
+
+def test_estimate_defaults_to_models_yaml_and_refuses_latencies_for_a_model_that_does_not_fit(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models.yaml").write_text(TINY_FLEET)
+    code, output = invoke("estimate", "--model", "small-a")  # the GPU comes from ./models.yaml (H20)
+    assert code == 0, output
+    assert "small-a (qwen2.5-1.5b) on 1 x H20" in output and "TPOT" in output
+    code, output = invoke("estimate", "--model", "qwen2.5-72b")  # a catalogue arch on the fleet's GPU
+    assert code == 1
+    assert "qwen2.5-72b does not fit 1 x H20: 145.4 GB of weights against 86.4 GB usable" in output
+    assert "no latency is predicted (try --tp 2)" in output and "TPOT" not in output
+    code, output = invoke("estimate", "--model", "qwen2.5-72b", "--json")
+    report = json.loads(output[output.index("{"):])
+    assert report["weights_fit"] is False and report["tpot_s"] is None and report["smallest_tp_that_fits"] == 2
+    code, output = invoke("estimate", "--model", "qwen2.5-72b", "--tp", "2")
+    assert code == 0 and "TPOT" in output
+    (tmp_path / "models.yaml").unlink()
+    code, output = invoke("estimate", "--model", "qwen2.5-7b")
+    assert code == 1 and "no --gpu and no fleet file to take it from (models.yaml not found here)" in output
+    code, output = invoke("estimate", "--model", "qwen2.5-7b", "--gpu", "h100")
+    assert code == 0 and "qwen2.5-7b on 1 x H100" in output
