@@ -146,9 +146,11 @@ class InstanceRunner:
         while self._actions:
             action = self._current = self._actions.popleft()
             if isinstance(action, Switch):
-                self._call("activate", action.model, action.evict)
+                keep = () if action.keep is None else (action.keep,)  # a planned resident set: the engine keeps it
+                self._call("activate", action.model, action.evict, *keep)
             elif isinstance(action, Prefetch):
-                self._issue(self.instance_id, "prefetch", (action.model,), {"fire_and_forget": True})
+                keep = () if action.keep is None else (action.keep,)
+                self._issue(self.instance_id, "prefetch", (action.model, *keep), {"fire_and_forget": True})
                 self._current = None
                 continue
             elif isinstance(action, Prefill):

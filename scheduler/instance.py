@@ -3,21 +3,24 @@ and what each action requires. Written once; the simulator's executor (sims.simu
 slots (pool.engines: sim, torch, vllm) and the parity harness's fake engine (tests/parity) all use it.
 
 Weights. An instance computes with its *resident* models: the active one (the last switched in) and any
-co-located beside it (`Switch(model, evict=False)`, as spatial does). Beside them one *spare* slot may hold
-one model that is not resident: the one a Prefetch copies in, or the one a Switch switched away from (kept
-as a free switch back). A Switch to
+co-located beside it (`Switch(model, evict=False)`, as spatial does). Beside them it may hold *cached* models
+that are not resident: ones a Prefetch copied in, or ones a Switch switched away from (a free switch back).
+A Switch to
 
 - a resident model only makes it the active one: nothing is copied, it costs nothing;
-- the spare model changes roles once the spare's copy is done: it costs what is left of that copy;
+- a cached model changes its role once its copy is done: it costs what is left of that copy;
 - any other model copies its weights in whole (the cost model's `switch_s`).
 
-With `evict` (the default) the resident set becomes that one model and the model switched away from moves
-to the spare slot; without, the model joins the resident set and the spare slot is left as it is (unless
-it held that model). A Prefetch of a model not resident and not the spare copies it into the spare slot
-(replacing what was there); otherwise it does nothing. Prefill and decode run only on resident models.
-Where sizes are known (`capacity_bytes` and `model_bytes`: an engine's model region), the resident models
-and the spare together must fit; the spare is dropped first, and a switch whose resident set cannot fit
-is refused.
+With `evict` (the default) the resident set becomes that one model and the model switched away from is cached;
+without, the model joins the resident set. A Prefetch of a model neither resident nor cached copies it in
+(cached); otherwise it does nothing. Prefill and decode run only on resident models.
+
+Which models stay cached is the plan's to say or the *one-spare* rule's. An action with `keep` (token-level's
+resident set) names every model besides the one it switches to or prefetches that stays on the device: the
+others are freed, and keeping a model the instance does not hold is refused. Without `keep` at most one model is
+cached, the latest (the spare slot). Where sizes are known (`capacity_bytes` and `model_bytes`: an engine's
+model region, or a policy's planned weight budget), the models held must fit: without `keep` the spare is
+dropped first; a switch or prefetch whose models cannot fit is refused.
 
 KV. A request's KV is on this instance's device or in host memory. Prefill places it on the device;
 decode needs it there; a SwapOut (`save_kv`) moves it to host memory, a SwapIn (`restore_kv`) back; a
@@ -39,76 +42,109 @@ from scheduler.errors import NoKvRoom, RefusedAction
 
 
 class ModelSlots:
-    """The models an instance holds: the resident set (the active model among them) and the spare slot."""
+    """The models an instance holds: the resident set (the active model among them) and the cached ones."""
 
     def __init__(self, capacity_bytes: float | None = None, model_bytes: Mapping[str, float] | None = None) -> None:
         self.active: str | None = None
         self.resident: set[str] = set()
-        self.spare: str | None = None  # not resident: prefetched, or switched away from ...
-        self.spare_ready_at = 0.0  # ... and when its copy is (or was) done
+        self.cached: dict[str, float] = {}  # not resident: model -> when its copy is (or was) done, oldest first
         self.capacity_bytes = capacity_bytes
         self.model_bytes = model_bytes
 
-    def held(self) -> list[str]:
-        """Every model whose weights are on the device (resident first, sorted; then the spare)."""
-        out = sorted(self.resident)
-        if self.spare is not None:
-            out.append(self.spare)
-        return out
+    @property
+    def spare(self) -> str | None:
+        """The latest cached model (the one-spare rule's spare slot), None when nothing is cached."""
+        return next(reversed(self.cached), None)
 
-    def switch(self, model: str, at: float, evict: bool = True) -> tuple[bool, float]:
+    def held(self) -> list[str]:
+        """Every model whose weights are on the device (resident first, sorted; then the cached, oldest first)."""
+        return sorted(self.resident) + list(self.cached)
+
+    def held_bytes(self) -> float:
+        sizes = self.model_bytes or {}
+        return sum(sizes.get(m, 0.0) for m in self.held())
+
+    def snapshot(self) -> tuple[str | None, set[str], dict[str, float]]:
+        """The state, for `restore` (an engine that fails a copy rolls the rule back)."""
+        return self.active, set(self.resident), dict(self.cached)
+
+    def restore(self, state: tuple[str | None, set[str], dict[str, float]]) -> None:
+        self.active, self.resident, self.cached = state[0], set(state[1]), dict(state[2])
+
+    def switch(self, model: str, at: float, evict: bool = True,
+               keep: Collection[str] | None = None) -> tuple[bool, float]:
         """Make `model` the active model at `at`; returns (copy, wait_s): whether its weights must be copied in
-        whole (the caller times the copy), else the seconds until its copy into the spare slot is done."""
+        whole (the caller times the copy), else the seconds until its cached copy is done. `keep`: the models
+        besides it that stay on the device (None: the one-spare rule)."""
         wait_s = 0.0
         copy = False
         if model in self.resident:
             pass
-        elif model == self.spare:
-            wait_s = max(0.0, self.spare_ready_at - at)
-            self.spare = None
+        elif model in self.cached:
+            wait_s = max(0.0, self.cached[model] - at)
         else:
             copy = True
-        old = self.active
-        if evict:
-            self._need_room([model], what=f"switch to {model!r}")
-            if old is not None and old != model:
-                self.spare, self.spare_ready_at = old, at
-            if self.spare is not None and not self._fits([model, self.spare]):
-                self.spare = None
-            self.resident = {model}
+        if keep is not None:
+            self._require_held(keep, f"switch to {model!r}")
+        old, resident = self.active, (self.resident | {model}) if not evict else {model}
+        cached = {m: ready for m, ready in self.cached.items() if m != model}
+        if keep is not None:
+            if evict:  # the models that stop being resident stay cached where `keep` says
+                for m in sorted(self.resident - {model}):
+                    cached[m] = at
+            cached = {m: ready for m, ready in cached.items() if m in keep}
+            self._need_room(sorted(resident) + list(cached), what=f"switch to {model!r} keeping {sorted(keep)}")
         else:
-            self._need_room(sorted(self.resident | {model}), what=f"co-locating {model!r}")
-            self.resident.add(model)
-            if self.spare is not None and not self._fits(self.held()):
-                self.spare = None
-        self.active = model
+            self._need_room(sorted(resident), what=f"switch to {model!r}" if evict else f"co-locating {model!r}")
+            if evict and old is not None and old != model:
+                cached = {old: at}  # the spare slot: the model switched away from
+            cached = dict(list(cached.items())[-1:])
+            if cached and not self._fits(sorted(resident) + list(cached)):
+                cached = {}
+        self.resident, self.cached, self.active = resident, cached, model
         return copy, wait_s
 
-    def prefetch(self, model: str, ready_at: float) -> bool:
-        """Copy `model` into the spare slot, done at `ready_at` (the caller may set `spare_ready_at` after);
-        False when there is nothing to copy (resident, or the spare already) or no room beside the resident."""
-        if model in self.resident or model == self.spare:
+    def prefetch(self, model: str, ready_at: float, keep: Collection[str] | None = None) -> bool:
+        """Copy `model` in beside the resident ones, done at `ready_at` (`set_ready` may move it); False when
+        there is nothing to copy (resident or cached already) or, without `keep`, no room beside the resident.
+        `keep` as in `switch` (a model to keep that is not held, or models that do not fit, are refused)."""
+        if keep is not None:
+            self._require_held(keep, f"prefetch of {model!r}")
+        if model in self.resident or model in self.cached:
+            if keep is not None:
+                self.cached = {m: r for m, r in self.cached.items() if m in keep or m == model}
             return False
-        if not self._fits(sorted(self.resident) + [model]):
+        if keep is not None:
+            cached = {m: r for m, r in self.cached.items() if m in keep}
+            self._need_room(sorted(self.resident) + list(cached) + [model],
+                            what=f"prefetch of {model!r} keeping {sorted(keep)}")
+        elif self._fits(sorted(self.resident) + [model]):
+            cached = {}
+        else:
             return False
-        self.spare, self.spare_ready_at = model, ready_at
+        cached[model] = ready_at
+        self.cached = cached
         return True
 
+    def set_ready(self, model: str, ready_at: float) -> None:
+        """When the cached `model`'s copy is done (the caller timed the copy after `prefetch`)."""
+        if model in self.cached:
+            self.cached[model] = ready_at
+
     def deactivate(self, model: str) -> None:
-        """`model` stops being resident; its weights stay, in the spare slot (a free switch back)."""
+        """`model` stops being resident; its weights stay, cached (a free switch back; the one-spare rule)."""
         if model not in self.resident:
             return
         self.resident.discard(model)
         if self.active == model:
             self.active = None
-        self.spare, self.spare_ready_at = model, 0.0
+        self.cached = {model: 0.0}
 
     def drop(self, model: str) -> None:
-        """Forget the spare copy of `model` (its next switch copies it in again); a resident one is refused."""
+        """Forget the cached copy of `model` (its next switch copies it in again); a resident one is refused."""
         if model in self.resident:
             raise RefusedAction(f"model {model!r} is resident; deactivate it first")
-        if self.spare == model:
-            self.spare = None
+        self.cached.pop(model, None)
 
     def require_resident(self, model: str, what: str) -> None:
         """Refuse `what` (a prefill or decode of `model`) unless `model` is resident."""
@@ -117,14 +153,19 @@ class ModelSlots:
                                 f"active: {self.active!r})")
 
     def clear(self) -> None:
-        self.active, self.spare = None, None
-        self.resident = set()
+        self.active = None
+        self.resident, self.cached = set(), {}
 
     # ---- sizes ----------------------------------------------------------------------------
+    def _require_held(self, keep: Collection[str], what: str) -> None:
+        missing = sorted(m for m in keep if m not in self.resident and m not in self.cached)
+        if missing:
+            raise RefusedAction(f"{what}: cannot keep {missing}: not on the device (held: {self.held()})")
+
     def _fits(self, models: Sequence[str]) -> bool:
         if self.capacity_bytes is None or self.model_bytes is None:
             return True
-        return sum(self.model_bytes.get(m, 0.0) for m in models) <= self.capacity_bytes
+        return sum(self.model_bytes.get(m, 0.0) for m in models) <= self.capacity_bytes * (1 + 1e-9)
 
     def _need_room(self, models: Sequence[str], what: str) -> None:
         if not self._fits(models):

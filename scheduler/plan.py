@@ -23,28 +23,35 @@ Ids = tuple[str, ...]
 @dataclass(frozen=True, slots=True, init=False)
 class Switch:
     """Make `model` the instance's active model: weights in, the previous ones
-    out (or kept beside it with `evict=False`, for co-location)."""
+    out (or kept beside it with `evict=False`, for co-location). `keep`: the
+    models besides it that stay on the device, cached (a resident set planned
+    by the policy); None: the instance model's one-spare rule (scheduler.instance)."""
 
     model: str
     reason: str
     evict: bool = True
+    keep: tuple[str, ...] | None = None
 
-    def __init__(self, model: str, reason: str, evict: bool = True) -> None:
+    def __init__(self, model: str, reason: str, evict: bool = True, keep: tuple[str, ...] | None = None) -> None:
         object.__setattr__(self, "model", model)
         object.__setattr__(self, "reason", reason)
         object.__setattr__(self, "evict", evict)
+        object.__setattr__(self, "keep", keep)
 
 
 @dataclass(frozen=True, slots=True, init=False)
 class Prefetch:
-    """Start copying `model`'s weights on a side stream; a later Switch finishes it."""
+    """Start copying `model`'s weights on a side stream; a later Switch finishes it. `keep` as in Switch:
+    the other cached models that stay (None: it replaces the spare)."""
 
     model: str
     reason: str
+    keep: tuple[str, ...] | None = None
 
-    def __init__(self, model: str, reason: str) -> None:
+    def __init__(self, model: str, reason: str, keep: tuple[str, ...] | None = None) -> None:
         object.__setattr__(self, "model", model)
         object.__setattr__(self, "reason", reason)
+        object.__setattr__(self, "keep", keep)
 
 
 @dataclass(frozen=True, slots=True, init=False)
@@ -149,13 +156,14 @@ class Plan:
 
 
 _OMITTED_WHEN_EMPTY = frozenset({"prefill_chunks"})  # fields added later: absent from JSON unless used
+_OMITTED_WHEN_NONE = frozenset({"keep"})
 
 
 def action_to_dict(action: Action) -> dict[str, object]:
     out: dict[str, object] = {"op": type(action).__name__}
     for f in fields(action):  # not __slots__: compiled (setup.py), the classes have none
         name, value = f.name, getattr(action, f.name)
-        if not value and name in _OMITTED_WHEN_EMPTY:
+        if (not value and name in _OMITTED_WHEN_EMPTY) or (value is None and name in _OMITTED_WHEN_NONE):
             continue
         out[name] = list(value) if isinstance(value, tuple) else value
     return out

@@ -28,13 +28,14 @@ from __future__ import annotations
 import gc
 import heapq
 import math
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import IO, Final
 
 from scheduler import (Action, Decode, Event, InstanceLost, KvMoved, Plan, Prefetch, Prefill, Request, Scheduler,
                        StepDone, Stop, SwapIn, SwapOut, Switch, SwitchDone)
 from scheduler.costs import CopyLinks, CostModel, GpuShares
+from scheduler.errors import RefusedAction
 from scheduler.instance import ModelSlots, kv_device_move_s, kv_fits, kv_held_bytes, kv_move_s, prefill_s
 from scheduler.policies.base import PolicyBase
 from sims.errors import InvariantViolation
@@ -164,8 +165,12 @@ class Simulator:
                  kv_bytes_per_token: dict[str, int], kv_capacity: dict[str, float] | None = None,
                  plan_log: IO[str] | None = None, faults: Iterable[tuple[float, str]] = (),
                  links: CopyLinks | None = None, gpus: GpuShares | None = None,
-                 staging: Collection[str] = ()) -> None:
+                 staging: Collection[str] = (), weight_capacity: Mapping[str, float] | None = None,
+                 weight_bytes: Mapping[str, float] | None = None) -> None:
         self.scheduler = scheduler
+        # per instance, the bytes its model weights may take (a policy's planned budget, PolicyBase.weight_budget),
+        # and each model's: a Switch or Prefetch whose models do not fit is an invariant violation
+        self.weight_capacity, self.weight_bytes = weight_capacity, weight_bytes
         # the same object when it is one of our policies: compiled, calls through this typed reference are native
         # (through the Protocol they are generic method calls, with their arguments boxed and parsed)
         self._policy: PolicyBase | None = scheduler if isinstance(scheduler, PolicyBase) else None
@@ -351,6 +356,8 @@ class Simulator:
         dev = self.devices.get(instance_id)
         if dev is None:
             dev = self.devices[instance_id] = _Device()
+            if self.weight_capacity is not None and instance_id in self.weight_capacity:
+                dev.slots = ModelSlots(self.weight_capacity[instance_id], self.weight_bytes)
         return dev
 
     # ---- the executor -----------------------------------------------------------------
@@ -382,7 +389,10 @@ class Simulator:
     def _switch(self, iid: str, dev: _Device, action: Switch, t: float) -> float:
         """The instance model's switch (scheduler.instance): a resident model costs nothing, the spare what is
         left of its copy, any other a whole copy (on the shared host link, when links are shared)."""
-        copy, took = dev.slots.switch(action.model, t, action.evict)
+        try:
+            copy, took = dev.slots.switch(action.model, t, action.evict, action.keep)
+        except RefusedAction as err:
+            raise InvariantViolation(f"{iid}: {err}") from None
         if copy:
             took = self.costs.switch_s(action.model)
             if self.links is not None:
@@ -394,8 +404,12 @@ class Simulator:
         return t + took
 
     def _prefetch(self, iid: str, dev: _Device, action: Prefetch, t: float) -> float:
-        if dev.slots.prefetch(action.model, t):  # else resident or in the spare slot already
-            dev.slots.spare_ready_at = self._copy_end(iid, True, t, self.costs.switch_s(action.model))
+        try:
+            copying = dev.slots.prefetch(action.model, t, action.keep)  # else resident or cached already
+        except RefusedAction as err:
+            raise InvariantViolation(f"{iid}: {err}") from None
+        if copying:
+            dev.slots.set_ready(action.model, self._copy_end(iid, True, t, self.costs.switch_s(action.model)))
         return t
 
     def _swap(self, iid: str, dev: _Device, action: SwapOut | SwapIn, t: float) -> float:

@@ -218,15 +218,16 @@ class Engine(Protocol):
 
     def tokenizer(self, model: str) -> Any: ...
 
-    def activate(self, model: str, evict: bool = True) -> float:
+    def activate(self, model: str, evict: bool = True, keep: tuple[str, ...] | None = None) -> float:
         """Make `model` the active model; return the seconds it took. With `evict` it becomes the only
         resident model (the one it replaces waits in the spare slot); without, it joins the resident ones
-        (co-location, within the device's model memory: EngineError when it does not fit). The rule is
+        (co-location, within the device's model memory: EngineError when it does not fit). `keep`: the models
+        that stay cached beside it (the plan's resident set; the others are freed). The rule is
         `scheduler.instance.ModelSlots`, the simulator's."""
         ...
 
-    def prefetch(self, model: str) -> None:
-        """Start copying `model`'s weights into the spare slot without blocking compute."""
+    def prefetch(self, model: str, keep: tuple[str, ...] | None = None) -> None:
+        """Start copying `model`'s weights in without blocking compute (`keep`: as in `activate`)."""
         ...
 
     def deactivate(self, model: str) -> None: ...

@@ -94,12 +94,12 @@ class SimEngine:
     def active(self) -> str | None:
         return self.slots.active
 
-    def activate(self, model: str, evict: bool = True) -> float:
+    def activate(self, model: str, evict: bool = True, keep: tuple[str, ...] | None = None) -> float:
         """Make `model` active (`evict=False`: resident beside the others); returns the (cost-model) seconds."""
         self._models.require(model)
-        if self.slots.active == model and (not evict or self.slots.resident == {model}):
+        if keep is None and self.slots.active == model and (not evict or self.slots.resident == {model}):
             return 0.0
-        copy, wait_s = self.slots.switch(model, time.monotonic(), evict)
+        copy, wait_s = self.slots.switch(model, time.monotonic(), evict, keep)
         if copy:
             seconds = self.costs.switch_s(model)
             self._sleep(seconds)
@@ -112,10 +112,10 @@ class SimEngine:
         self.switch_s += seconds
         return seconds
 
-    def prefetch(self, model: str) -> None:
+    def prefetch(self, model: str, keep: tuple[str, ...] | None = None) -> None:
         """The copy lands "in the background", `switch_s` (scaled) from now."""
         self._models.require(model)
-        if self.slots.prefetch(model, time.monotonic() + self.costs.switch_s(model) * self.time_scale):
+        if self.slots.prefetch(model, time.monotonic() + self.costs.switch_s(model) * self.time_scale, keep):
             self.num_weight_copies += 1
 
     def deactivate(self, model: str) -> None:

@@ -83,19 +83,19 @@ class ModelSlots:
         where = self.placed.get(model)
         return where is not None and event_done(where.ready)
 
-    def activate(self, image: ModelImage, evict: bool = True) -> float:
-        """Make `image` active (`evict=False`: resident beside the others); returns the seconds until its
-        weights are usable."""
+    def activate(self, image: ModelImage, evict: bool = True, keep: tuple[str, ...] | None = None) -> float:
+        """Make `image` active (`evict=False`: resident beside the others; `keep`: the cached models that stay);
+        returns the seconds until its weights are usable."""
         start = time.perf_counter()
-        self._apply(image, lambda: self.rule.switch(image.name, 0.0, evict))
+        self._apply(image, lambda: self.rule.switch(image.name, 0.0, evict, keep))
         event = self.placed[image.name].ready
         self.streams.compute_waits(event)
         wait_event(event)  # the caller is told when the weights are really there
         return time.perf_counter() - start
 
-    def prefetch(self, image: ModelImage) -> bool:
-        """Start copying `image` into the spare slot; False when there is nothing to copy."""
-        return bool(self._apply(image, lambda: self.rule.prefetch(image.name, 0.0)))
+    def prefetch(self, image: ModelImage, keep: tuple[str, ...] | None = None) -> bool:
+        """Start copying `image` in; False when there is nothing to copy."""
+        return bool(self._apply(image, lambda: self.rule.prefetch(image.name, 0.0, keep)))
 
     def deactivate(self, model: str) -> None:
         self.rule.deactivate(model)  # the weights stay where they are, as the spare
@@ -121,14 +121,14 @@ class ModelSlots:
                               f"{self.region_bytes // 2}; raise max_model_bytes")
         self.sizes[image.name] = float(image.nbytes)
         rule = self.rule
-        before = (rule.active, set(rule.resident), rule.spare, rule.spare_ready_at)
+        before = rule.snapshot()
         try:
             result = change()
             self._free_unheld()
             if image.name in rule.held() and image.name not in self.placed:
                 self._copy(image, self._offset(image.name, image.nbytes))
         except (RefusedAction, EngineError) as err:
-            rule.active, rule.resident, rule.spare, rule.spare_ready_at = before
+            rule.restore(before)
             raise EngineError(str(err)) from None
         return result
 

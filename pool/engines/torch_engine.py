@@ -230,22 +230,23 @@ class TorchEngine:
         return self._models.require(model).image.nbytes
 
     @_discards_ahead
-    def activate(self, model: str, evict: bool = True) -> float:
-        """Make `model` active (`evict=False`: resident beside those already resident); returns the seconds."""
+    def activate(self, model: str, evict: bool = True, keep: tuple[str, ...] | None = None) -> float:
+        """Make `model` active (`evict=False`: resident beside those already resident; `keep`: the models that
+        stay cached beside it, the plan's resident set); returns the seconds."""
         self.timings.other()
         image = self._models.require(model).image
         slots = self._ensure_buffer()
-        if slots.active_model == model and (not evict or slots.resident == {model}):
+        if keep is None and slots.active_model == model and (not evict or slots.resident == {model}):
             return 0.0
-        seconds = slots.activate(image, evict)
+        seconds = slots.activate(image, evict, keep)
         self.num_switches += 1
         self.switch_s += seconds
         return seconds
 
     @_discards_ahead
-    def prefetch(self, model: str) -> None:
+    def prefetch(self, model: str, keep: tuple[str, ...] | None = None) -> None:
         self.timings.other()
-        self._ensure_buffer().prefetch(self._models.require(model).image)
+        self._ensure_buffer().prefetch(self._models.require(model).image, keep)
 
     def weights_pinned(self, model: str) -> bool:
         return self._models.require(model).image.buffer.is_pinned()

@@ -253,11 +253,11 @@ class TpEngine:
         """Bytes of one rank's shard (what each GPU's link carries in a switch)."""
         return self.local.model_bytes(model)
 
-    def activate(self, model: str, evict: bool = True) -> float:
-        return max(self._all("activate", model, evict))
+    def activate(self, model: str, evict: bool = True, keep: tuple[str, ...] | None = None) -> float:
+        return max(self._all("activate", model, evict, keep))
 
-    def prefetch(self, model: str) -> None:
-        self._all("prefetch", model)
+    def prefetch(self, model: str, keep: tuple[str, ...] | None = None) -> None:
+        self._all("prefetch", model, keep)
 
     def weights_pinned(self, model: str) -> bool:
         return all(self._all("weights_pinned", model))

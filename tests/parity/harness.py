@@ -86,17 +86,18 @@ class ManualBackend:
 
     # ---- the engine calls, checked and timed by the instance model ---------------------
     def _activate(self, inst: FakeInstance, now: float, model: str, evict: bool = True,
-                  **_: Any) -> tuple[float, float]:
+                  keep: tuple[str, ...] | None = None, **_: Any) -> tuple[float, float]:
         inst.require_loaded(model)
-        copy, took = inst.slots.switch(model, now, evict)
+        copy, took = inst.slots.switch(model, now, evict, keep)
         if copy:
             took = self.costs.switch_s(model)
             inst.num_weight_copies += 1
         return now + took, took
 
-    def _prefetch(self, inst: FakeInstance, now: float, model: str, **_: Any) -> tuple[float, None]:
+    def _prefetch(self, inst: FakeInstance, now: float, model: str, keep: tuple[str, ...] | None = None,
+                  **_: Any) -> tuple[float, None]:
         inst.require_loaded(model)
-        if inst.slots.prefetch(model, now + self.costs.switch_s(model)):
+        if inst.slots.prefetch(model, now + self.costs.switch_s(model), keep):
             inst.num_weight_copies += 1
         return now, None
 
@@ -203,11 +204,11 @@ class FakeEngine:
     def models(self) -> list[str]:
         return sorted(self.state.models or ())
 
-    def activate(self, model: str, evict: bool = True) -> float:
-        return self._do("activate", model, evict)
+    def activate(self, model: str, evict: bool = True, keep: tuple[str, ...] | None = None) -> float:
+        return self._do("activate", model, evict, keep)
 
-    def prefetch(self, model: str) -> None:
-        self._do("prefetch", model)
+    def prefetch(self, model: str, keep: tuple[str, ...] | None = None) -> None:
+        self._do("prefetch", model, keep)
 
     def deactivate(self, model: str) -> None:
         self.state.slots.deactivate(model)

@@ -4,6 +4,8 @@ and the time of one KV move - the rules the simulator's executor, the engines an
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from scheduler.errors import RefusedAction
 from scheduler.instance import KvPlaces, ModelSlots, decode_turn_s, kv_move_s, prefill_s
@@ -63,3 +65,55 @@ def test_one_kv_move_pays_one_overhead_and_steps_add_up_over_models() -> None:
     assert prefill_s(costs, [("a", 10), ("b", 20), ("a", 30)]) == costs.prefill_s("a", 40, 2) + costs.prefill_s("b", 20)
     assert decode_turn_s(costs, [("a", 10), ("b", 20), ("a", 30)], 3) == (
         costs.decode_turn_s("a", 2, 40, 3) + costs.decode_turn_s("b", 1, 20, 3))
+
+
+def test_a_planned_resident_set_keeps_what_it_names_and_frees_the_rest() -> None:
+    slots = ModelSlots(capacity_bytes=10.0, model_bytes={"a": 3.0, "b": 3.0, "c": 3.0, "d": 5.0})
+    assert slots.switch("a", 0.0, keep=()) == (True, 0.0)
+    assert slots.prefetch("b", ready_at=4.0, keep=())  # "a" resident, "b" cached
+    assert slots.prefetch("c", ready_at=6.0, keep=("b",)) and slots.held() == ["a", "b", "c"]
+    assert slots.switch("b", 5.0, keep=("a", "c")) == (False, 0.0)  # its copy is done: free
+    assert slots.switch("c", 5.0, keep=("a", "b")) == (False, 1.0)  # 1 s of its copy left
+    assert slots.switch("a", 7.0, keep=("b", "c")) == (False, 0.0)  # cached since it was switched away from
+    with pytest.raises(RefusedAction, match="need 11 bytes"):
+        slots.switch("d", 8.0, keep=("b", "c"))  # d + b + c do not fit
+    assert slots.held() == ["a", "b", "c"]  # a refusal changes nothing
+    assert slots.switch("d", 8.0, keep=("b",)) == (True, 0.0) and slots.held() == ["d", "b"]
+    with pytest.raises(RefusedAction, match=r"cannot keep \['a'\]"):
+        slots.prefetch("c", 9.0, keep=("a",))  # "a" was freed: keeping it would be a copy nobody timed
+    assert not slots.prefetch("b", 9.0, keep=())  # cached already: nothing to copy, the others freed
+    assert slots.held() == ["d", "b"]
+
+
+def test_without_keep_one_spare_is_cached_as_before() -> None:
+    slots = ModelSlots(capacity_bytes=100.0, model_bytes={"a": 1.0, "b": 1.0, "c": 1.0})
+    slots.switch("a", 0.0, keep=())
+    slots.prefetch("b", 1.0, keep=())
+    slots.prefetch("c", 2.0, keep=("b",))
+    slots.switch("b", 3.0)  # the one-spare rule: "a" (switched away from) is the spare, "c" goes
+    assert slots.held() == ["b", "a"] and slots.spare == "a"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["switch", "prefetch", "switch-colocate"]), st.sampled_from("abcde"),
+                          st.lists(st.sampled_from("abcde"), max_size=4, unique=True), st.booleans()),
+                max_size=30))
+def test_held_weights_never_exceed_the_region_and_only_resident_models_compute(ops: list) -> None:
+    sizes = {"a": 2.0, "b": 3.0, "c": 4.0, "d": 5.0, "e": 6.0}
+    slots = ModelSlots(capacity_bytes=12.0, model_bytes=sizes)
+    for t, (op, model, keep, planned) in enumerate(ops):
+        before = slots.snapshot()
+        try:
+            if op == "prefetch":
+                slots.prefetch(model, float(t), tuple(keep) if planned else None)
+            else:
+                slots.switch(model, float(t), op == "switch", tuple(keep) if planned else None)
+        except RefusedAction:
+            assert slots.snapshot() == before  # a refused action changes nothing
+        assert slots.held_bytes() <= 12.0
+        assert slots.active is None or slots.active in slots.resident
+        assert not set(slots.cached) & slots.resident
+        for m in "abcde":
+            if m not in slots.resident:
+                with pytest.raises(RefusedAction):
+                    slots.require_resident(m, "decode")

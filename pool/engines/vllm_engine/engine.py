@@ -103,15 +103,15 @@ class VllmEngine:
     def active_model(self) -> str | None:
         return self.slots.active
 
-    def activate(self, model: str, evict: bool = True) -> float:
+    def activate(self, model: str, evict: bool = True, keep: tuple[str, ...] | None = None) -> float:
         """Make `model` a stepped engine (`evict=False`: beside those stepped already); with sleep mode, the
         engines no longer resident sleep and this one wakes. Returns seconds."""
         target = self._models.require(model)
-        if self.slots.active == model and (not evict or self.slots.resident == {model}):
+        if keep is None and self.slots.active == model and (not evict or self.slots.resident == {model}):
             return 0.0
         start = time.perf_counter()
         before = set(self.slots.resident)
-        self.slots.switch(model, 0.0, evict)
+        self.slots.switch(model, 0.0, evict, keep)
         if self.sleep_mode:
             for name in sorted(before - self.slots.resident):
                 self._models[name].sleep()
@@ -124,11 +124,11 @@ class VllmEngine:
         logger.debug("activate %s: %.4f s", model, seconds)
         return seconds
 
-    def prefetch(self, model: str) -> None:
+    def prefetch(self, model: str, keep: tuple[str, ...] | None = None) -> None:
         """Bookkeeping only (the spare slot of the instance model): vLLM's wake_up is synchronous, so with sleep
         mode `activate` still pays the whole copy; on CPU nothing moves either way."""
         self._models.require(model)
-        self.slots.prefetch(model, 0.0)
+        self.slots.prefetch(model, 0.0, keep)
 
     def deactivate(self, model: str) -> None:
         entry = self._models.require(model)
