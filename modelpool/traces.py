@@ -42,7 +42,6 @@ def fetch_file(file: TraceFile, dest: Path, mirror: str | None = None,
     if target.is_file() and target.stat().st_size == file.num_bytes and sha256_of(target) == file.sha256:
         advance(file.num_bytes)
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     part = target.with_name(target.name + ".part")
     offset = part.stat().st_size if part.is_file() else 0
     if offset > file.num_bytes:
@@ -60,12 +59,15 @@ def fetch_file(file: TraceFile, dest: Path, mirror: str | None = None,
                     raise FetchError(f"{file.path}: {url} answered range {response.headers.get('content-range')!r} "
                                      f"to a request from byte {offset}")
                 advance(offset)
+                target.parent.mkdir(parents=True, exist_ok=True)  # only once a server answers: no empty folders
                 with open(part, "r+b" if offset else "wb") as out:
                     out.seek(offset)
                     out.truncate()
                     for chunk in response.iter_bytes():  # as they arrive: a dropped link keeps what came
                         out.write(chunk)
                         advance(len(chunk))
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.ProxyError) as error:
+            raise FetchError(_unreachable(file, url, mirror, error)) from None
         except httpx.HTTPError as error:
             raise FetchError(f"{file.path}: {url}: {error} (run the fetch again to resume)") from None
     else:
@@ -77,6 +79,19 @@ def fetch_file(file: TraceFile, dest: Path, mirror: str | None = None,
                          f"expected {file.num_bytes} bytes with sha256 {file.sha256}; the download was removed")
     part.replace(target)
     return target
+
+
+def _unreachable(file: TraceFile, url: str, mirror: str | None, error: Exception) -> str:
+    """No server answered: offline, a firewall, or a wrong mirror. Say which ways around it there are."""
+    host = httpx.URL(url).host
+    if mirror:
+        where = (f"the mirror {mirror} (--mirror or ${MIRROR_ENV}) is unreachable: check its address, or unset it "
+                 f"to fetch from each file's GitHub source")
+    else:
+        where = (f"no network to {host}? Fetch from a server you can reach, laid out like a traces folder "
+                 f"(`--mirror URL` or ${MIRROR_ENV}), or copy the files by hand into a folder and point "
+                 f"${TRACES_ENV} at it")
+    return f"{file.path}: cannot reach {host} ({error}): {where}"
 
 
 def fetch(traces: Sequence[Trace], dest: Path, mirror: str | None = None, quiet: bool = False) -> list[Path]:

@@ -163,3 +163,28 @@ def test_estimate_defaults_to_models_yaml_and_refuses_latencies_for_a_model_that
     assert code == 1 and "no --gpu and no fleet file to take it from (models.yaml not found here)" in output
     code, output = invoke("estimate", "--model", "qwen2.5-7b", "--gpu", "h100")
     assert code == 0 and "qwen2.5-7b on 1 x H100" in output
+
+
+# ---- 8: traces fetch with no network -----------------------------------------------------------------------------
+
+
+def test_an_offline_fetch_names_the_ways_around_it_and_leaves_no_folder(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("MODELPOOL_TRACES_CACHE", str(cache))
+    monkeypatch.delenv("MODELPOOL_TRACES_MIRROR", raising=False)
+    for name in ("NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):  # offline: nothing answers
+        monkeypatch.setenv(name, "http://127.0.0.1:1")
+    code, output = invoke("traces", "fetch", "mooncake")
+    text = " ".join(output.split())
+    assert code == 1
+    assert "mooncake/conversation_trace.jsonl: cannot reach raw.githubusercontent.com" in text
+    assert "`--mirror URL` or $MODELPOOL_TRACES_MIRROR" in text and "point $MODELPOOL_TRACES at it" in text
+    assert "run the fetch again" not in text  # nothing to resume
+    assert not cache.exists()
+    code, output = invoke("traces", "fetch", "mooncake", "--mirror", "http://127.0.0.1:1")
+    assert code == 1 and "the mirror http://127.0.0.1:1 (--mirror or $MODELPOOL_TRACES_MIRROR) is unreachable" \
+        in " ".join(output.split())
+    assert not cache.exists()
