@@ -102,9 +102,13 @@ def simulate_command(
                "num_requests": len(workload), "wall_s": round(wall, 3), "compiled": compiled(),
                "profile": {**calibration.summary(fleet.pool.gpu), "source": profile},
                "notes": ([sized] if sized else []) + result.notes + list(workload.notes)}
+    metrics["workload"] = workload_text(trace, workload)
     console.print(_summary_table(metrics))
     console.print(f"{len(workload)} requests, {workload.duration_s:.0f} s of traffic simulated in {wall:.1f} s")
     console.print(profile_line(metrics["profile"]))
+    hint = shortfall_hint(metrics, fleet.pool.gpu)
+    if hint:
+        console.print(hint, markup=False, highlight=False, soft_wrap=True)
     if not metrics["compiled"] and wall > 60:
         console.print("the compiled build simulates ~6x faster (token-level): "
                       "MODELPOOL_MYPYC=1 pip install --no-build-isolation .  (needs mypy and a C compiler; README)")
@@ -155,11 +159,33 @@ def policy_options(policy: str, pairs: list[str]) -> dict[str, Any]:
     return options
 
 
+SHORTFALL = 0.9  # below this per-request attainment, a run says the pool falls short and what to run
+
+
+def shortfall_hint(m: dict[str, Any], gpu: str) -> str | None:
+    """What to run when most requests miss: the pool is too small (or cut wrongly) for the traffic, and
+    `modelpool capacity` is the command that sizes it."""
+    if m["slo_attainment"] >= SHORTFALL or not m["num_requests"]:
+        return None
+    return (f"note: only {m['slo_attainment']:.0%} of requests met their SLO (TTFT p50 {m['p50_ttft_ms'] / 1e3:,.1f} s): "
+            f"{m['num_gpus']} {gpu.upper()}s under {m['policy']} fall short of this traffic. `modelpool capacity` finds "
+            f"the fewest GPUs each policy needs to meet a target; then `modelpool simulate --gpus N` to look at one.")
+
+
+def workload_text(trace: str, workload: Any) -> str:
+    """The workload in words: the fleet's traffic hints are named as such, any other spec is given whole."""
+    if trace != "fleet":
+        return workload.source
+    return (f"each model's traffic hint (Poisson, {workload.rate_per_s:.2f} req/s in all), ShareGPT lengths, "
+            f"{workload.duration_s:g} s")
+
+
 def _summary_table(m: dict) -> Table:
-    table = Table(title=f"{m['policy']} on {m['num_gpus']} GPUs - {m['trace'][:60]}")
+    table = Table(title=f"{m['policy']} on {m['num_gpus']} GPUs")
     table.add_column("metric")
     table.add_column("value", justify="right")
     rows = [
+        ("workload", m["workload"]),
         ("completed / failed", f"{m['completed']} / {m['failed']}"),
         ("SLO attainment, per request (TTFT and mean TPOT)", f"{m['slo_attainment']:.2%}"),
         ("SLO attainment, Aegaeon (token deadlines)", f"{m['aegaeon_slo_attainment']:.2%}"),

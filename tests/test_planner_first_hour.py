@@ -26,6 +26,11 @@ def invoke(*args: str) -> tuple[int, str]:
     return res.exit_code, res.output
 
 
+def flat(output: str) -> str:
+    """The words of `output` in order, table borders and line wraps gone (rich wraps at 80 columns here)."""
+    return " ".join(output.replace("│", " ").split())
+
+
 # ---- 1: a model name the fleet does not know ------------------------------------------------------------------
 
 
@@ -188,3 +193,28 @@ def test_an_offline_fetch_names_the_ways_around_it_and_leaves_no_folder(
     assert code == 1 and "the mirror http://127.0.0.1:1 (--mirror or $MODELPOOL_TRACES_MIRROR) is unreachable" \
         in " ".join(output.split())
     assert not cache.exists()
+
+
+# ---- 6: simulate says when the pool falls short, and what to run; its title keeps the workload whole ------------
+
+
+def test_simulate_on_an_overloaded_pool_says_to_run_capacity(tiny_fleet: pathlib.Path) -> None:
+    spec = "poisson;rate=8;duration=30"
+    code, output = invoke("simulate", "--fleet", str(tiny_fleet), "--gpus", "2", "--trace", spec)
+    assert code == 0, output
+    text = " ".join(output.split())
+    assert "2 H20s under token-level fall short of this traffic. `modelpool capacity` finds the fewest GPUs" in text
+    assert spec in output  # the workload row gives the spec whole
+    code, output = invoke("simulate", "--fleet", str(tiny_fleet), "--duration", "60")
+    assert code == 0 and "fall short" not in output
+    assert "each model's traffic hint (Poisson, 0.63 req/s in all), ShareGPT lengths, 60 s" in flat(output)
+
+
+@pytest.mark.slow
+def test_simulate_with_no_arguments_explains_the_shipped_pools_shortfall() -> None:
+    code, output = invoke("simulate")  # models.yaml at the repository root, its traffic hints, 600 s
+    assert code == 0, output
+    text = flat(output)
+    assert "token-level on 16 GPUs" in output
+    assert "each model's traffic hint (Poisson, " in text and "ShareGPT lengths, 600 s" in text
+    assert "16 H20s under token-level fall short of this traffic. `modelpool capacity`" in text
