@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
-from pool.controller import InstanceDied
+from pool.errors import InstanceDied
 from pool.engines.base import Engine
 from pool.engines.device import GATE
 from pool.engines.timings import call_engine

@@ -22,7 +22,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import IO, Any, Protocol
 
-from pool.engines.base import OutOfKvMemory, TokenOut
+from pool.engines.base import TokenOut
+from pool.errors import CallTimedOut, InstanceDied, OutOfKvMemory, RequestFailed
 from pool.runner import InstanceRunner, Issue, LiveRequest
 from scheduler import (Cancelled, Clock, Event, InstanceAdded, InstanceLost, KvRefused, Plan, Request, Scheduler,
                        StepDone, Stop)
@@ -34,18 +35,6 @@ class Backend(Protocol):
     """Where engine calls go: `call` returns a handle whose result `Controller.complete` gets later."""
 
     def call(self, instance_id: str, method: str, args: tuple[Any, ...], meta: dict[str, Any]) -> int: ...
-
-
-class InstanceDied(RuntimeError):
-    """A backend's word that the process behind an instance is gone (a Ray actor died, was killed)."""
-
-
-class CallTimedOut(InstanceDied):
-    """An engine call got no answer within the controller's `call_timeout_s`: its instance counts as dead."""
-
-
-class RequestFailed(RuntimeError):
-    """The pool could not serve a request (the reason is the scheduler's or the engine's)."""
 
 
 @dataclass(frozen=True, slots=True)

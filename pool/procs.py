@@ -36,7 +36,7 @@ import numpy as np
 
 from pool.actor import EngineSpec
 from pool.backends import take_done
-from pool.controller import InstanceDied
+from pool.errors import InstanceDied
 from pool.engines.base import EngineError
 from pool.engines.timings import call_engine
 from pool.heap import freeze_heap

@@ -50,6 +50,7 @@ from pool.procs import ProcessBackend, start_workers
 from pool.clock import MonotonicClock
 from pool.controller import Controller
 from pool.engines.base import Engine, KvCapacity, SamplingParams, TokenOut
+from pool.errors import PoolBusy, PoolClosed, QueueFull
 from pool.restarts import Restarts
 from pool.runner import LiveRequest
 from pool.served import (ModelInfo, ServedModel, load_tokenizer, model_infos, plan_kv, served_model,
@@ -65,27 +66,6 @@ log = logging.getLogger("modelpool.pool")
 BACKENDS = ("ray", "processes", "threads", "inprocess")
 TICK_FALLBACK_S = 0.05  # schedule() at least this often with nothing new (call timeouts, time-based decisions)
 STATUS_INTERVAL_S = 0.01  # /pool/status is refreshed this often while the pool is busy
-
-
-class PoolClosed(RuntimeError):
-    """The pool is not running (not started, stopping, or its loop died)."""
-
-
-class PoolBusy(RuntimeError):
-    """The pool holds `max_requests` requests already; try again after `retry_after_s`."""
-
-    def __init__(self, message: str, retry_after_s: float) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-class QueueFull(RuntimeError):
-    """`model` has `max_queued_per_model` requests waiting for their first token already."""
-
-    def __init__(self, model: str, message: str, retry_after_s: float) -> None:
-        super().__init__(message)
-        self.model = model
-        self.retry_after_s = retry_after_s
 
 
 @dataclass(slots=True)

@@ -12,10 +12,13 @@ anything itself.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol, TypeVar
+
+from pool.errors import EngineError as EngineError  # an engine's refusals, defined below every pool module
+from pool.errors import OutOfKvMemory as OutOfKvMemory
 
 FinishReason = Literal["stop", "length"]
 T = TypeVar("T")
@@ -276,13 +279,42 @@ class Engine(Protocol):
     def stats(self) -> EngineStats: ...
 
 
-class EngineError(RuntimeError):
-    """A call the engine cannot carry out in its current state (a caller bug or a full device)."""
+# ---- the checks every engine makes, worded once --------------------------------------------------------------
+def check_unique(call: str, request_ids: Sequence[str]) -> None:
+    """Refuse a call that names one request twice (its KV would be read, moved or freed twice)."""
+    if len(set(request_ids)) != len(request_ids):
+        raise EngineError(f"duplicate request ids in {call}: {list(request_ids)}")
 
 
-class OutOfKvMemory(EngineError):
-    """Not enough free KV blocks for the call; nothing was changed. A refusal, not a failure: the pool sends
-    the requests on that instance back to the queue and keeps the instance (`pool.controller`)."""
+def check_new(call: str, request_ids: Sequence[str], held: Container[str]) -> None:
+    """Refuse admitting (prefill, import_kv) requests named twice or held by the engine already."""
+    check_unique(call, request_ids)
+    for request_id in request_ids:
+        if request_id in held:
+            raise EngineError(f"{call}: request {request_id!r} is already in the engine")
+
+
+def check_admissible(request: GenRequest) -> None:
+    """Refuse a request with nothing to start from (no prompt) or nothing left to produce."""
+    request_id, max_tokens = request.request_id, request.sampling.max_tokens
+    if not request.prompt_token_ids:
+        raise EngineError(f"request {request_id}: empty prompt")
+    if len(request.output_token_ids) >= max_tokens:
+        raise EngineError(f"request {request_id}: already has {len(request.output_token_ids)} of "
+                          f"max_tokens={max_tokens} tokens")
+
+
+def check_resident(what: str, model: str, resident: Collection[str], active: str | None) -> None:
+    """Refuse computing with a model whose weights are not on the device."""
+    if model not in resident:
+        raise EngineError(f"{what}: model {model!r} is not resident (resident: {sorted(resident)}, "
+                          f"active: {active!r})")
+
+
+def check_on_device(request_id: str, on_device: bool) -> None:
+    """Refuse a decode step of a request whose KV waits in host memory."""
+    if not on_device:
+        raise EngineError(f"request {request_id}: KV is in host memory; restore_kv first")
 
 
 class Table(dict[str, T]):

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pool.engines.base import (EngineError, EngineStats, FinishReason, GenRequest, KvCapacity, KvExport,
-                               OutOfKvMemory, Table, TokenOut)
-from scheduler import ModelSlots, RefusedAction, instance
+from pool.engines.base import (EngineStats, FinishReason, GenRequest, KvCapacity, KvExport, OutOfKvMemory, Table,
+                               TokenOut, check_admissible, check_new, check_on_device, check_resident, check_unique)
+from scheduler import ModelSlots, instance
 
 SIM_LABEL = "[sim]"
 PLACEHOLDER_WORDS = ("lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit")
@@ -125,9 +125,7 @@ class SimEngine:
     def prefill(self, requests: Sequence[GenRequest]) -> list[TokenOut]:
         if not requests:
             return []
-        ids = [r.request_id for r in requests]
-        if len(set(ids)) != len(ids):
-            raise EngineError(f"duplicate request ids in prefill: {ids}")
+        check_new("prefill", [r.request_id for r in requests], self._seqs)
         seqs = [self._admit(r) for r in requests]
         self._need_device_kv(sum(self._kv_of(s, extra=1) for s in seqs))
         self._sleep(instance.prefill_s(self.costs, [(s.request.model, s.num_tokens) for s in seqs]))
@@ -135,8 +133,7 @@ class SimEngine:
         return [self._emit(s) for s in seqs]
 
     def decode_step(self, request_ids: Sequence[str]) -> list[TokenOut]:
-        if len(set(request_ids)) != len(request_ids):
-            raise EngineError(f"duplicate request ids in decode_step: {list(request_ids)}")
+        check_unique("decode_step", request_ids)
         seqs = [self._runnable(rid) for rid in request_ids]
         if not seqs:
             return []
@@ -158,8 +155,7 @@ class SimEngine:
     def export_kv(self, request_ids: Sequence[str]) -> list[KvExport]:
         import numpy as np
 
-        if len(set(request_ids)) != len(request_ids):
-            raise EngineError(f"duplicate request ids in export_kv: {list(request_ids)}")
+        check_unique("export_kv", request_ids)
         seqs = [self._seqs.require(rid) for rid in request_ids]
         on_device = [(s.request.model, s.num_tokens) for s in seqs if s.on_device]
         if on_device:  # read off the device: a move to the host, as save_kv
@@ -177,9 +173,7 @@ class SimEngine:
         return out
 
     def import_kv(self, exports: Sequence[KvExport]) -> None:
-        ids = [e.request.request_id for e in exports]
-        if len(set(ids)) != len(ids) or any(rid in self._seqs for rid in ids):
-            raise EngineError(f"import_kv: duplicate or already admitted request ids in {ids}")
+        check_new("import_kv", [e.request.request_id for e in exports], self._seqs)
         for export in exports:
             self._models.require(export.request.model)
         for export in exports:
@@ -225,30 +219,20 @@ class SimEngine:
             raise OutOfKvMemory(f"sim engine: {used + more} bytes of device KV needed, {self.kv_bytes} exist")
 
     def _resident(self, model: str, what: str) -> None:
-        try:
-            self.slots.require_resident(model, what)
-        except RefusedAction as err:
-            raise EngineError(str(err)) from None
+        check_resident(what, model, self.slots.resident, self.slots.active)
 
     def _admit(self, request: GenRequest) -> _SimSeq:
-        rid = request.request_id
         self._models.require(request.model)
-        self._resident(request.model, f"request {rid}")
-        if rid in self._seqs:
-            raise EngineError(f"request {rid!r} is already in the engine")
-        if not request.prompt_token_ids:
-            raise EngineError(f"request {rid}: empty prompt")
+        self._resident(request.model, f"request {request.request_id}")
+        check_admissible(request)
         produced = len(request.output_token_ids)
-        if produced >= request.sampling.max_tokens:
-            raise EngineError(f"request {rid}: already has {produced} of max_tokens={request.sampling.max_tokens}")
         text = "".join(_word_text(k) for k in range(produced))
         return _SimSeq(request, len(request.prompt_token_ids), produced, text)
 
     def _runnable(self, request_id: str) -> _SimSeq:
         seq = self._seqs.require(request_id)
         self._resident(seq.request.model, f"request {request_id}")
-        if not seq.on_device:
-            raise EngineError(f"request {request_id}: KV is in host memory; restore_kv first")
+        check_on_device(request_id, seq.on_device)
         return seq
 
     def _move(self, request_ids: Sequence[str], *, to_device: bool) -> None:

@@ -26,7 +26,8 @@ import numpy as np
 import torch
 
 from pool.engines.base import (EngineError, EngineStats, GenRequest, KvCapacity, KvExport, OutOfKvMemory, StagedKv,
-                               Table, TokenOut)
+                               Table, TokenOut, check_admissible, check_new, check_on_device, check_resident,
+                               check_unique)
 from pool.engines.device import (DeviceBuffer, Streams, align_up, held_device_bytes, input_stage_grown, to_device,
                                  wait_event)
 from pool.engines.forward import Decoder, DecodeInputs, SharedTensors
@@ -271,11 +272,10 @@ class TorchEngine:
     def prefill(self, requests: Sequence[GenRequest]) -> list[TokenOut]:
         """Admit the requests (of resident models) and prefill each model's prompts; tokens in request order."""
         started = time.perf_counter()
+        check_new("prefill", [r.request_id for r in requests], self._seqs)
         seqs = [self._admit(r) for r in requests]
         if not seqs:
             return []
-        if len({s.request.request_id for s in seqs}) != len(seqs):
-            raise EngineError(f"duplicate request ids in prefill: {[r.request_id for r in requests]}")
         kv = self._kv_store()
         kv.grow([s.kv for s in seqs], [len(s.tokens) for s in seqs])
         self._seqs.update((s.request.request_id, s) for s in seqs)
@@ -303,11 +303,10 @@ class TorchEngine:
         key = self._batch_key(request_ids)
         if self._ahead is not None and self._ahead.key != key:
             self._discard_ahead()
+        check_unique("decode_step", request_ids)
         seqs = [self._runnable(rid) for rid in request_ids]
         if not seqs:
             return []
-        if len(set(request_ids)) != len(seqs):
-            raise EngineError(f"duplicate request ids in decode_step: {list(request_ids)}")
         kv, kvs = self._kv_store(), [s.kv for s in seqs]
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
@@ -512,8 +511,7 @@ class TorchEngine:
     def export_kv(self, request_ids: Sequence[str]) -> list[KvExport]:
         """Move requests out (see `KvExport`): KV read from host memory, or off the device (staged in device
         memory when the engine has a hand-off arena with room: `handoff_bytes`); then forget them."""
-        if len(set(request_ids)) != len(request_ids):
-            raise EngineError(f"duplicate request ids in export_kv: {list(request_ids)}")
+        check_unique("export_kv", request_ids)
         started = time.perf_counter()
         seqs = [self._seqs.require(rid) for rid in request_ids]
         exports = [self._export(seq) for seq in seqs]  # nothing changes until all are copied out
@@ -535,9 +533,7 @@ class TorchEngine:
         KV staged in device memory straight into device blocks, copied before this returns (the exporter may
         then free it: the caller releases the requests there)."""
         started, exports = time.perf_counter(), list(exports)
-        ids = [e.request.request_id for e in exports]
-        if len(set(ids)) != len(ids):
-            raise EngineError(f"duplicate request ids in import_kv: {ids}")
+        check_new("import_kv", [e.request.request_id for e in exports], self._seqs)
         seqs = [self._imported(e) for e in exports]  # all checked before any block is taken
         staged = [(s, e) for s, e in zip(seqs, exports) if e.staged]
         hosted = [(s, e) for s, e in zip(seqs, exports) if not e.staged]
@@ -708,8 +704,6 @@ class TorchEngine:
         if name not in self._models:
             raise EngineError(f"import_kv: request {rid!r} needs model {name!r}, which is not loaded in this engine "
                               f"(loaded: {sorted(self._models)})")
-        if rid in self._seqs:
-            raise EngineError(f"import_kv: request {rid!r} is already in the engine")
         model = self._models[name]
         shape = model.kv_shape
         output = tuple(request.output_token_ids)
@@ -738,17 +732,11 @@ class TorchEngine:
         model = self._models.require(request.model)
         rid, params = request.request_id, request.sampling
         self._resident(request.model, f"request {rid}")
-        if rid in self._seqs:
-            raise EngineError(f"request {rid!r} is already in the engine")
-        if not request.prompt_token_ids:
-            raise EngineError(f"request {rid}: empty prompt")
+        check_admissible(request)
         window = model.image.spec.sliding_window
         if window is not None and len(request.prompt_token_ids) + params.max_tokens > window:
             raise EngineError(f"request {rid}: {model.name!r} uses sliding-window attention ({window} tokens), "
                               "which this engine does not implement; keep prompt + max_tokens within it")
-        if len(request.output_token_ids) >= params.max_tokens:
-            raise EngineError(f"request {rid}: already has {len(request.output_token_ids)} of "
-                              f"max_tokens={params.max_tokens} tokens")
         return _Seq(request=request, model=model, tokens=[*request.prompt_token_ids, *request.output_token_ids],
                     num_prompt=len(request.prompt_token_ids),
                     seed=random_seed() if params.seed is None else params.seed,
@@ -757,15 +745,12 @@ class TorchEngine:
     def _runnable(self, request_id: str) -> _Seq:
         seq = self._seqs.require(request_id)
         self._resident(seq.model.name, f"request {request_id}")
-        if not seq.kv.on_device:
-            raise EngineError(f"request {request_id}: KV is in host memory; restore_kv first")
+        check_on_device(request_id, seq.kv.on_device)
         return seq
 
     def _resident(self, model: str, what: str) -> None:
         slots = self._ensure_buffer()
-        if model not in slots.resident:
-            raise EngineError(f"{what}: model {model!r} is not resident (resident: {sorted(slots.resident)}, "
-                              f"active: {slots.active_model!r})")
+        check_resident(what, model, slots.resident, slots.active_model)
 
     def _decoder(self, model: _Model) -> Decoder:
         """The forward pass of the resident `model`, bound to where its weights are."""

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pool.controller import InstanceDied
+from pool.errors import InstanceDied
 from pool.engines.base import EngineError, EngineStats, GenRequest, KvCapacity, KvExport, TokenOut
 from pool.engines.torch_engine import TorchEngine, TorchEngineConfig
 

@@ -27,7 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
-from pool.controller import RequestFailed
+from pool.errors import RequestFailed
 from pool.gateway.auth import AuthMiddleware, KeyChecker, Secret
 from pool.gateway.errors import (APIError, bad_request, install_error_handlers, model_not_found, queue_full,
                                  unavailable, validation_error)

@@ -19,7 +19,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from pool.controller import Controller
-from pool.engines.base import EngineError, EngineStats, GenRequest, OutOfKvMemory, SamplingParams, TokenOut
+from pool.engines.base import (EngineError, EngineStats, GenRequest, OutOfKvMemory, SamplingParams, TokenOut,
+                               check_admissible, check_new, check_unique)
 from pool.runner import LiveRequest
 from scheduler import ManualClock, Request
 from scheduler.errors import NoKvRoom, RefusedAction
@@ -74,6 +75,9 @@ class ManualBackend:
             self.refused.append(f"{instance_id} {method}: {err}")
             error = OutOfKvMemory if isinstance(err, NoKvRoom) else EngineError
             at, result = now, error(f"{instance_id} {method}: {err}")
+        except EngineError as err:  # the checks every engine makes (pool.engines.base)
+            self.refused.append(f"{instance_id} {method}: {err}")
+            at, result = now, err
         heapq.heappush(self._heap, (at, self._seq, result))
         return self._seq
 
@@ -103,13 +107,11 @@ class ManualBackend:
 
     def _prefill(self, inst: FakeInstance, now: float, requests: list[GenRequest],
                  **_: Any) -> tuple[float, list[TokenOut]]:
+        check_new("prefill", [r.request_id for r in requests], inst.kv.on_device)
         for req in requests:
             inst.require_loaded(req.model)
             inst.slots.require_resident(req.model, f"prefill of {req.request_id}")
-            if not req.prompt_token_ids or len(req.output_token_ids) >= req.sampling.max_tokens:
-                raise RefusedAction(f"request {req.request_id}: empty prompt or max_tokens already produced")
-        if len({r.request_id for r in requests}) != len(requests):
-            raise RefusedAction(f"duplicate request ids in prefill: {[r.request_id for r in requests]}")
+            check_admissible(req)
         for req in requests:
             inst.kv.place(req.request_id, self._kv_need(req.model, len(req.prompt_token_ids), req.sampling.max_tokens))
             self.model[req.request_id] = req.model
@@ -121,8 +123,7 @@ class ManualBackend:
 
     def _decode_step(self, inst: FakeInstance, now: float, ids: list[str], turn_step: int, max_steps: int,
                      **_: Any) -> tuple[float, list[TokenOut]]:
-        if len(set(ids)) != len(ids):
-            raise RefusedAction(f"duplicate request ids in decode_step: {ids}")
+        check_unique("decode_step", ids)
         for rid in ids:
             inst.kv.require_on_device(rid, "decode")
             inst.slots.require_resident(self.model[rid], f"decode of {rid}")
@@ -142,11 +143,13 @@ class ManualBackend:
         return now + self._move(ids), None
 
     def _export_kv(self, inst: FakeInstance, now: float, ids: list[str], **_: Any) -> tuple[float, list[str]]:
+        check_unique("export_kv", ids)
         on_device = [rid for rid in ids if inst.kv.require(rid)]  # read off the device: a move to the host
         inst.kv.release(ids)
         return now + (self._move(on_device) if on_device else 0.0), list(ids)
 
     def _import_kv(self, inst: FakeInstance, now: float, exports: list[str], **_: Any) -> tuple[float, None]:
+        check_new("import_kv", exports, inst.kv.on_device)
         for rid in exports:
             inst.require_loaded(self.model[rid])
         for rid in exports:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pool.controller import RequestFailed
+from pool.errors import RequestFailed
 from pool.engines.base import TokenOut
 from pool.service import LivePool, PoolClosed
 

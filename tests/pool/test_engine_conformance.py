@@ -275,6 +275,16 @@ def test_bad_calls_are_refused_with_what_and_where(case: Case) -> None:
         engine.save_kv(["ghost"])
     with pytest.raises(EngineError, match="unknown request"):
         engine.export_kv(["ghost"])
+    with pytest.raises(EngineError, match="duplicate"):
+        engine.export_kv(["twice", "twice"])
+    with pytest.raises(EngineError, match="empty prompt"):
+        engine.prefill([GenRequest("empty", "a", (), SamplingParams(max_tokens=4))])
+    with pytest.raises(EngineError, match="already has 2 of max_tokens=2"):
+        engine.prefill([GenRequest("done", "a", (11, 12), SamplingParams(max_tokens=2), (13, 14))])
+    exports = engine.export_kv(["twice"])
+    engine.import_kv(exports)
+    with pytest.raises(EngineError, match="already in the engine"):
+        engine.import_kv(exports)
 
 
 def test_stats_report_models_requests_and_kv(case: Case) -> None:

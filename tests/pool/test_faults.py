@@ -7,7 +7,8 @@ import pytest
 
 from pool.actor import make_engine
 from pool.backends import InProcessBackend
-from pool.controller import Controller, RequestFailed
+from pool.controller import Controller
+from pool.errors import RequestFailed
 from pool.engines.base import SamplingParams
 from pool.runner import LiveRequest
 from pool.service import LivePool, served_model, slot_instances

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from pool.backends import InProcessBackend
-from pool.controller import Controller, RequestFailed
+from pool.controller import Controller
+from pool.errors import RequestFailed
 from pool.engines.base import OutOfKvMemory, SamplingParams
 from pool.engines.sim_engine import SimEngine
 from pool.runner import LiveRequest

@@ -40,7 +40,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from pool.engines.base import EngineError, EngineStats, GenRequest, KvCapacity, KvExport, OutOfKvMemory, Table, TokenOut
+from pool.engines.base import (EngineError, EngineStats, GenRequest, KvCapacity, KvExport, OutOfKvMemory, Table,
+                               TokenOut, check_admissible, check_new, check_on_device, check_resident, check_unique)
 from pool.engines.sampling import OutputText, random_seed
 from pool.engines.vllm_engine.config import VllmEngineConfig
 from pool.engines.vllm_engine.core import ChildCore, VllmCore
@@ -148,8 +149,7 @@ class VllmEngine:
         if not requests:
             return []
         ids = [r.request_id for r in requests]
-        if len(set(ids)) != len(ids):
-            raise EngineError(f"duplicate request ids in prefill: {ids}")
+        check_new("prefill", ids, self._seqs)
         seqs = [self._admit(self._active(r.model, r.request_id), r) for r in requests]
         self._seqs.update(zip(ids, seqs))
         try:
@@ -161,13 +161,11 @@ class VllmEngine:
     def decode_step(self, request_ids: Sequence[str]) -> list[TokenOut]:
         if not request_ids:
             return []
-        if len(set(request_ids)) != len(request_ids):
-            raise EngineError(f"duplicate request ids in decode_step: {list(request_ids)}")
+        check_unique("decode_step", request_ids)
         seqs = [self._seqs.require(rid) for rid in request_ids]
         for seq in seqs:
             self._active(seq.request.model, seq.request.request_id)
-            if seq.request.request_id in self._on_host:
-                raise EngineError(f"request {seq.request.request_id}: KV is in host memory; restore_kv first")
+            check_on_device(seq.request.request_id, seq.request.request_id not in self._on_host)
         return self._run_all(seqs)
 
     # ---- KV: held, never moved ----------------------------------------------------------------
@@ -201,8 +199,7 @@ class VllmEngine:
         blocks, so the importing engine recomputes prompt + output. The torch engine refuses such exports."""
         import numpy as np
 
-        if len(set(request_ids)) != len(request_ids):
-            raise EngineError(f"duplicate request ids in export_kv: {list(request_ids)}")
+        check_unique("export_kv", request_ids)
         seqs = [self._seqs.require(rid) for rid in request_ids]
         exports = [KvExport(request=replace(s.request, output_token_ids=tuple(s.output)), seed=s.seed or 0,
                             num_tokens=0, kv=np.empty(0, np.uint8), kv_dtype="uint8", kv_shape=(0,),
@@ -217,8 +214,7 @@ class VllmEngine:
 
         KV that came with them (from a torch engine) is dropped and recomputed; the count is in stats."""
         ids = [e.request.request_id for e in exports]
-        if len(set(ids)) != len(ids):
-            raise EngineError(f"duplicate request ids in import_kv: {ids}")
+        check_new("import_kv", ids, self._seqs)
         seqs = []
         for export in exports:
             request = export.request
@@ -270,22 +266,14 @@ class VllmEngine:
     # ---- internals --------------------------------------------------------------------------------
     def _active(self, model: str, request_id: str) -> ModelEngine:
         entry = self._models.require(model)
-        if model not in self.slots.resident:
-            raise EngineError(f"request {request_id}: model {model!r} is not resident (resident: "
-                              f"{sorted(self.slots.resident)}, active: {self.active_model!r})")
+        check_resident(f"request {request_id}", model, self.slots.resident, self.active_model)
         return entry
 
     def _admit(self, entry: ModelEngine, request: GenRequest) -> Seq:
         rid, params = request.request_id, request.sampling
         if request.model != entry.name:
             raise EngineError(f"request {rid}: model {request.model!r} differs from the batch's {entry.name!r}")
-        if rid in self._seqs:
-            raise EngineError(f"request {rid!r} is already in the engine")
-        if not request.prompt_token_ids:
-            raise EngineError(f"request {rid}: empty prompt")
-        if len(request.output_token_ids) >= params.max_tokens:
-            raise EngineError(f"request {rid}: already has {len(request.output_token_ids)} of "
-                              f"max_tokens={params.max_tokens} tokens")
+        check_admissible(request)
         if len(request.prompt_token_ids) + params.max_tokens > entry.info.max_model_len:
             raise EngineError(f"request {rid}: prompt ({len(request.prompt_token_ids)}) + max_tokens "
                               f"({params.max_tokens}) exceeds max_model_len={entry.info.max_model_len}")
