@@ -124,6 +124,7 @@ def test_readme_simulate_command(line: str, workspace: tuple[Path, dict[str, str
             assert target.exists() and (target.is_file() or any(target.iterdir()))
 
 
+@pytest.mark.slow  # the whole shipped fleet, every policy, on a local Ray: ~2 min on 2 idle cores, 10 under load
 @pytest.mark.parametrize("line", CAPACITY, ids=ids(CAPACITY))
 def test_readme_capacity_command(line: str, workspace: tuple[Path, dict[str, str]]) -> None:
     out = run_readme_command(line, workspace)
