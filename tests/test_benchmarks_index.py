@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -44,3 +45,18 @@ def test_render_names_the_file_and_field_of_a_bad_result(tmp_path: Path) -> None
     (tmp_path / "x.json").write_text("{")
     with pytest.raises(ValueError, match=r"x\.json: not JSON \(line 1"):
         render.render(tmp_path)
+
+
+def test_raw_results_stay_out_of_git() -> None:
+    """Benchmark outputs go to benchmarks/out/ (ignored); the tracked tree stays small enough to ship (a GPU run
+    carries it, 64 MiB at most) and to clone in seconds."""
+    out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True)
+    if out.returncode:
+        pytest.skip(f"not a git checkout: {out.stderr.strip()}")
+    names = [n for n in out.stdout.split("\0") if n and (ROOT / n).is_file()]
+    assert not [n for n in names if n.startswith(("benchmarks/results/", "benchmarks/out/"))]
+    total = sum((ROOT / n).stat().st_size for n in names)
+    biggest = sorted(names, key=lambda n: (ROOT / n).stat().st_size)[-3:]
+    assert total < 5_000_000, f"{total:,} bytes tracked; the largest: {biggest}"
+    check = subprocess.run(["git", "check-ignore", "-q", "benchmarks/out/x.json"], cwd=ROOT)
+    assert check.returncode == 0, "benchmarks/out/ must be ignored"
