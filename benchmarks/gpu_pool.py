@@ -28,8 +28,6 @@ import json
 import os
 import random
 import shlex
-import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -46,6 +44,8 @@ from benchmarks.gpu_pool_calls import load as load_calls  # noqa: E402
 from benchmarks.gpu_pool_calls import plan_summary, prefill_rounds, write_run  # noqa: E402
 from benchmarks.gpu_pool_calls import call_gaps, load_kv, prefill_overlaps, run_kv_calls, switch_times, ttft_parts  # noqa: E402
 from benchmarks.gpu_pool_sim import quantiles  # noqa: E402
+from modelpool.replay import free_port, per_request, replay, stop_server, wait_ready, word_tokenizer  # noqa: E402,F401
+from modelpool.replay import start_server as serve_process  # noqa: E402
 from scheduler.fleet import catalogue_arch, hf_shape  # noqa: E402
 
 # Qwen2.5 shapes from the arch catalogue (scheduler/catalog.py), as Qwen2Config keys; "tiny" for CPU runs
@@ -83,19 +83,6 @@ def build_models(folder: Path, fleet: list[tuple[str, str]], gpu: str, num_gpus:
     return path
 
 
-def word_tokenizer(vocab_size: int):
-    """A tokenizer with one word per id of the model's vocab ("w0" ... "w151935"), so every token a random
-    model makes decodes to text and streams as its own chunk (a small BPE tokenizer would decode most ids of a
-    152k vocab to nothing: the gateway sends no chunk for those, and client-side TTFT/TPOT would be wrong)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", eos_token="w1")
-
-
 def make_trace(models: list[str], rate: float, duration_s: float, prompt: tuple[int, int], output: tuple[int, int],
                seed: int) -> list[dict[str, Any]]:
     rng = random.Random(seed)
@@ -116,52 +103,17 @@ def write_trace(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 # ---- the server ---------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(fleet: Path, backend: str, port: int, log_path: Path, extra: list[str],
                  prefix: list[str] = (), host_profile_s: float | None = None,
                  slow_call_ms: float | None = None) -> subprocess.Popen:
-    cmd = [*prefix, sys.executable, "-m", "modelpool.cli", "serve", "--fleet", str(fleet), "--backend", backend,
-           "--port", str(port), "--plan-log", str(log_path.with_suffix(".plans.jsonl")), *extra]
     calls = log_path.with_suffix(".calls")  # each instance's engine calls, timed (processes backend), at the end
     calls.mkdir(exist_ok=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_AUTH_MODE": "disabled", "MODELPOOL_CALL_LOG_DIR": str(calls)}
+    env = {"MODELPOOL_CALL_LOG_DIR": str(calls)}
     if host_profile_s:  # each engine process's host time, sampled, a report per window (pool.procs.HostProfile)
         env["MODELPOOL_HOST_PROFILE_S"] = str(host_profile_s)
     if slow_call_ms:  # the stacks of engine calls slower than this (pool.procs.SlowCalls)
         env["MODELPOOL_SLOW_CALL_MS"] = str(slow_call_ms)
-    return subprocess.Popen(cmd, stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                            start_new_session=True)
-
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> float:
-    import httpx
-
-    started = time.monotonic()
-    while time.monotonic() - started < timeout_s:
-        if proc.poll() is not None:
-            raise RuntimeError(f"modelpool serve exited with {proc.returncode} before it was ready")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return time.monotonic() - started
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"modelpool serve not ready within {timeout_s} s")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+    return serve_process(fleet, port, log_path, backend, extra, env, prefix)
 
 
 class GpuSampler:
@@ -230,69 +182,6 @@ def cpu_use(before: dict[str, float], after: dict[str, float], seconds: float) -
 
 
 # ---- the replay ---------------------------------------------------------------------------------------------
-async def replay(url: str, rows: list[dict[str, Any]], vocab: int, seed: int,
-                 timeout_s: float) -> tuple[list[dict], float]:
-    """Every row's request, streamed; each result's times in seconds from the replay's start, and that start on
-    this host's monotonic clock (the clock the engines' call logs use)."""
-    import httpx
-
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(10, vocab) for _ in range(r["input_tokens"])] for r in rows]
-    results: list[dict[str, Any]] = [{} for _ in rows]
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(timeout_s), limits=limits) as client:
-        t0 = time.monotonic()
-
-        async def one(k: int) -> None:
-            row = rows[k]
-            await asyncio.sleep(max(0.0, row["timestamp_s"] - (time.monotonic() - t0)))
-            out = results[k] = {"index": k, "model": row["model"], "input_tokens": row["input_tokens"],
-                                "max_tokens": row["output_tokens"], "arrival_s": row["timestamp_s"],
-                                "sent_s": time.monotonic() - t0, "token_s": [], "error": None, "usage": None}
-            body = {"model": row["model"], "prompt": prompts[k], "max_tokens": row["output_tokens"],
-                    "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-            try:
-                async with client.stream("POST", "/v1/completions", json=body) as response:
-                    if response.status_code != 200:
-                        out["error"] = f"HTTP {response.status_code}: {(await response.aread())[:300]!r}"
-                        return
-                    async for line in response.aiter_lines():
-                        if not line.startswith("data: ") or line == "data: [DONE]":
-                            continue
-                        now = time.monotonic() - t0
-                        event = json.loads(line[6:])
-                        if "error" in event:
-                            out["error"] = event["error"]
-                        elif event.get("usage"):
-                            out["usage"] = event["usage"]
-                        if event.get("choices"):
-                            out["token_s"].append(now)
-            except Exception as exc:  # a broken stream is a failed request, not a crashed benchmark
-                out["error"] = repr(exc)
-            out["end_s"] = time.monotonic() - t0
-
-        await asyncio.gather(*(one(k) for k in range(len(rows))))
-    return results, t0
-
-
-def per_request(results: list[dict]) -> list[dict[str, Any]]:
-    """TTFT, TPOT (mean of the tokens after the first) and ITL of every request that finished cleanly."""
-    out = []
-    for r in results:
-        served = r.get("error") is None and r.get("usage") and r["token_s"]
-        row = {"index": r["index"], "model": r["model"], "served": bool(served), "error": r.get("error")}
-        if served:
-            n = r["usage"]["completion_tokens"]
-            first, last = r["token_s"][0], r.get("end_s", r["token_s"][-1])
-            row.update(ttft_s=first - r["arrival_s"], sent_s=round(r["sent_s"], 6), first_s=round(first, 6),
-                       tokens=n, chunks=len(r["token_s"]),
-                       tpot_s=(r["token_s"][-1] - first) / (n - 1) if n > 1 else None,
-                       itl_s=[round(float(g), 6) for g in np.diff(r["token_s"])],  # to the us: half the file
-                       e2e_s=last - r["arrival_s"])
-        out.append(row)
-    return out
-
-
 def aggregate(rows: list[dict[str, Any]]) -> dict[str, Any]:
     served = [r for r in rows if r["served"]]
     tpots = [r["tpot_s"] for r in served if r.get("tpot_s") is not None]

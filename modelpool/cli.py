@@ -20,8 +20,44 @@ FLEET = typer.Option(Path("models.yaml"), "--fleet", "-f", help="Fleet file (mod
 
 
 @app.command()
-def validate(path: Path = typer.Argument(Path("models.yaml"), help="Fleet file to check.")) -> None:
-    """Check a fleet file; print every problem with file:line:column and field."""
+def validate(
+    target: str = typer.Argument("models.yaml", help="Fleet file to check, or a scenario to validate the "
+                                 "simulator on (sims.scenarios: eight-poisson, mixed-onoff, large-azure-conv, "
+                                 "small-azure-code, ...)."),
+    profile: str | None = typer.Option(None, "--profile", help="Scenario: the calibration profile to simulate and "
+                                       "serve with (`modelpool calibrate`; default: the cost model's own)."),
+    duration: float | None = typer.Option(None, "--duration", help="Scenario: seconds of arrivals per load "
+                                          "(default 60; 8 with --quick)."),
+    quick: bool = typer.Option(False, "--quick", help="Scenario: a short smoke run (light load only)."),
+    load: list[str] = typer.Option([], "--load", help="Scenario: light | knee (repeatable; default both)."),
+    rate: float | None = typer.Option(None, "--rate", help="Scenario: this total req/s instead of the loads' "
+                                      "fractions of the simulated knee."),
+    out_dir: Path = typer.Option(Path("out/validate"), "--out", help="Scenario: where the comparison JSON, the "
+                                 "models and the server log go."),
+    seed: int = typer.Option(0, "--seed", help="Scenario: the workload's seed."),
+) -> None:
+    """Check a fleet file (print every problem with file:line:column and field), or serve a scenario on this
+    machine, replay it through the gateway, simulate the same requests and print both side by side."""
+    from sims.scenarios import SCENARIOS
+
+    if target in SCENARIOS:
+        from modelpool.validate import format_report, validate_scenario
+        from sims.workload import TraceError
+
+        try:
+            report = validate_scenario(target, profile, duration, quick, load or (["light"] if quick else
+                                                                                   ["light", "knee"]),
+                                       rate, out_dir, seed)
+        except TraceError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(1) from None
+        typer.echo(format_report(report))
+        return
+    path = Path(target)
+    if not path.exists() and not target.endswith((".yaml", ".yml")):
+        typer.echo(f"error: {target!r} is neither a fleet file nor a scenario (scenarios: "
+                   f"{', '.join(SCENARIOS)})", err=True)
+        raise typer.Exit(2)
     try:
         fleet = load_fleet(path)
     except FleetFileError as exc:

@@ -1,0 +1,368 @@
+"""`modelpool validate SCENARIO`: the simulator against the live pool on a scenario no term was fitted to.
+
+1. builds the scenario's fleet as random-weight models of its real shapes (on a machine without a GPU: tiny
+   models of the same families) and a fleet file for them (`sims.scenarios`);
+2. picks the loads: the knee is the highest total rate at which the simulator, costed with the profile, still
+   meets the SLO for 90% of the scenario's requests; light and knee are fractions of it (`sims.scenarios.LOADS`);
+3. serves the fleet with `modelpool serve` on this machine (the layout serve gives one GPU: a prefill and a
+   decode instance; on CPU two slots) and replays each load's requests through the gateway as streaming
+   clients, recording every token's time;
+4. simulates the very same requests on the very same layout with the profile, nothing refitted;
+5. prints live and simulated side by side - SLO attainment, TTFT and TPOT p50/p90, switches - with the error
+   of each against the targets (attainment within 3 points, the rest within 15%), and writes the comparison
+   as JSON (default under ./out/validate, which git ignores).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sims.scenarios import KNEE_ATTAINMENT, LOADS, TINY_SHAPES, FleetSpec, Scenario
+from sims.workload import TraceError, Workload
+
+QUICK_DURATION_S = 8.0
+QUICK_MAX_INPUT, QUICK_MAX_OUTPUT = 512, 24  # --quick clips the lengths too: a smoke run in a minute on a CPU
+MAX_KNEE_RATE = 64.0  # req/s: above it the search stops (tiny models costed as a datacenter GPU never saturate)
+PROMPT_VOCAB = 2000  # prompt token ids are drawn below this (every model's vocabulary is larger)
+
+
+@dataclass(frozen=True, slots=True)
+class Targets:
+    """What the simulator must meet on every scenario (issue 34)."""
+
+    attainment_points: float = 3.0
+    latency_rel: float = 0.15
+    switches_rel: float = 0.15
+
+
+# ---- the fleet on disk -------------------------------------------------------------------------------------
+def model_config(spec: FleetSpec, arch_key: str, tiny: bool) -> Any:
+    """The Hugging Face config of one of `spec`'s models: the catalogue shape, or a tiny one of its family."""
+    from modelpool.replay import hf_config
+    from scheduler.fleet import catalogue_arch, hf_shape
+
+    family = spec.family(arch_key)
+    if tiny:
+        return hf_config(family, TINY_SHAPES[family], "float32")
+    arch = catalogue_arch(arch_key)
+    return hf_config(family, hf_shape(arch) | ({"head_dim": arch.head_dim} if arch.head_dim else {}), "bfloat16")
+
+
+def build_fleet(spec: FleetSpec, folder: Path, gpu: str, tiny: bool) -> Path:
+    """Random-weight model folders of `spec`'s shapes (tiny ones of the same families when `tiny`) and a fleet
+    file for them on one `gpu`; returns the fleet file."""
+    import yaml
+
+    from modelpool.replay import write_model
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizers: dict[int, Path] = {}  # vocabulary size -> the first folder holding its tokenizer
+    for seed, (name, arch_key) in enumerate(spec.models):
+        config = model_config(spec, arch_key, tiny)
+        write_model(folder / name, config, seed, tokenizers.get(config.vocab_size))
+        tokenizers.setdefault(config.vocab_size, folder / name)
+    data = spec.fleet_dict(gpu, archs={name: f"./{name}" for name in spec.names})
+    for entry in data["models"]:
+        entry["weights"] = entry["arch"]
+    path = folder / "fleet.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+# ---- one side's figures ------------------------------------------------------------------------------------
+Row = Mapping[str, Any]  # one request: served, ttft_s, tpot_s (None for one token)
+
+
+def attained(row: Row, ttft_slo_s: float, tpot_slo_s: float) -> bool:
+    """vLLM's goodput rule, as sims.metrics counts slo_attainment: TTFT and mean TPOT within their SLOs."""
+    return bool(row.get("served")) and row["ttft_s"] <= ttft_slo_s and (row.get("tpot_s") or 0.0) <= tpot_slo_s
+
+
+def side_figures(rows: Sequence[Row], num_requests: int, slo: Callable[[str], tuple[float, float]],
+                 switches: int) -> dict[str, Any]:
+    """Attainment over every request (failed ones miss), TTFT and TPOT p50/p90 over the served ones, switches."""
+    served = [r for r in rows if r.get("served")]
+    ttft = [r["ttft_s"] for r in served]
+    tpot = [r["tpot_s"] for r in served if r.get("tpot_s") is not None]
+
+    def pct(values: list[float], q: int) -> float | None:
+        return float(np.percentile(values, q)) if values else None
+
+    hits = sum(attained(r, *slo(r["model"])) for r in rows)
+    return {"requests": num_requests, "served": len(served),
+            "slo_attainment": hits / num_requests if num_requests else None,
+            "ttft_p50_s": pct(ttft, 50), "ttft_p90_s": pct(ttft, 90),
+            "tpot_p50_s": pct(tpot, 50), "tpot_p90_s": pct(tpot, 90), "switches": switches}
+
+
+def compare(live: Mapping[str, Any], sim: Mapping[str, Any], targets: Targets = Targets()) -> list[dict[str, Any]]:
+    """Each figure live and simulated, the simulator's error (points for attainment, relative for the rest) and
+    whether it is within its target."""
+    out = []
+    for key, unit in (("slo_attainment", "points"), ("ttft_p50_s", "rel"), ("ttft_p90_s", "rel"),
+                      ("tpot_p50_s", "rel"), ("tpot_p90_s", "rel"), ("switches", "rel")):
+        a, b = live.get(key), sim.get(key)
+        if a is None or b is None:
+            error, ok = None, a is None and b is None
+        elif unit == "points":
+            error = 100.0 * (b - a)
+            ok = abs(error) <= targets.attainment_points
+        else:
+            error = (b - a) / a if a else (0.0 if b == 0 else float("inf"))
+            limit = targets.switches_rel if key == "switches" else targets.latency_rel
+            ok = abs(error) <= limit
+        out.append({"figure": key, "live": a, "sim": b, "error": error, "unit": unit, "ok": ok})
+    return out
+
+
+# ---- the simulated side ------------------------------------------------------------------------------------
+@dataclass
+class SimLayout:
+    """The fleet, the live pool's instance layout and the costs the simulator times it with."""
+
+    fleet: Any
+    instances: list[Any]
+    gpu_of: dict[str, int]
+    costs: Any
+    profile: str
+
+
+def sim_layout(fleet_path: Path, num_gpus: int, profile: str | None) -> SimLayout:
+    """The layout `modelpool serve` builds for this fleet on `num_gpus` GPUs (CPU slots when 0), costed by
+    `profile` (default: the cost model's own)."""
+    from modelpool.config import load_fleet
+    from modelpool.serve import fleet_deployment
+    from sims.costmodel import RooflineCostModel
+    from sims.profiles import load_profile
+
+    fleet = load_fleet(fleet_path)
+    dep = fleet_deployment(fleet_path, "torch", num_gpus, None, "token-level", None)
+    gpu_of = {spec.instance_id: int(dep.devices.get(spec.instance_id, "cuda:0").partition(":")[2] or 0)
+              for spec in dep.instances}
+    costs = RooflineCostModel(fleet, profile=load_profile(profile) if profile else None, gpus_per_host_link=1)
+    return SimLayout(fleet, list(dep.instances), gpu_of, costs, profile or "default")
+
+
+def simulated(layout: SimLayout, workload: Workload) -> tuple[list[dict[str, Any]], int]:
+    """Each request's TTFT and TPOT as the simulator gives them (rows in workload order), and its switches."""
+    from sims.run import simulate
+    from sims.workload import request_id
+
+    result = simulate(layout.fleet, workload, "token-level", instances=layout.instances, gpu_of=layout.gpu_of,
+                      costs=layout.costs)
+    rows = []
+    names = workload.models
+    for k, index in enumerate(workload.model_index.tolist()):
+        record = result.records.get(request_id(k))
+        row: dict[str, Any] = {"index": k, "model": names[index], "served": False}
+        if record is not None and record.first_token_at is not None and not record.failed \
+                and record.finished_at is not None:
+            row.update(served=True, ttft_s=record.first_token_at - record.arrival_at,
+                       tpot_s=((record.finished_at - record.first_token_at) / (record.generated - 1)
+                               if record.generated > 1 else None))
+        rows.append(row)
+    return rows, int(result.metrics["num_switches"])
+
+
+def clip_lengths(workload: Workload, max_input: int, max_output: int) -> Workload:
+    """The workload with prompts and outputs cut to these lengths (--quick), said in its notes."""
+    from dataclasses import replace
+
+    return replace(workload, input_tokens=np.minimum(workload.input_tokens, max_input),
+                   output_tokens=np.minimum(workload.output_tokens, max_output),
+                   notes=workload.notes + (f"--quick: prompts cut to {max_input}, outputs to {max_output} tokens",))
+
+
+def slo_of(fleet: Any) -> Callable[[str], tuple[float, float]]:
+    slos = {m.name: fleet.slo(m) for m in fleet.models}
+    return lambda name: (slos[name].ttft_s, slos[name].tpot_s)
+
+
+def knee_rate(scenario: Scenario, layout: SimLayout, duration_s: float, seed: int,
+              traces_dir: Path | None = None, steps: int = 6) -> float:
+    """The highest total rate (req/s) at which the simulator meets the SLO for KNEE_ATTAINMENT of the scenario's
+    requests over `duration_s`: doubling from 1 req/s to bracket it, then bisecting in log space."""
+    slo = slo_of(layout.fleet)
+
+    def attainment(rate: float) -> float:
+        workload = scenario.workload(rate, duration_s, seed, traces_dir)
+        rows, switches = simulated(layout, workload)
+        return float(side_figures(rows, len(workload), slo, switches)["slo_attainment"] or 0.0)
+
+    low, high = 0.0, 1.0
+    while high <= MAX_KNEE_RATE:
+        try:
+            if attainment(high) < KNEE_ATTAINMENT:
+                break
+        except TraceError:  # the trace has no more requests for a higher rate over this window
+            return max(low, high / 2)
+        low, high = high, high * 2
+    else:
+        return low
+    if low == 0.0:
+        low = high / 64
+    for _ in range(steps):
+        middle = float(np.sqrt(low * high))
+        if attainment(middle) >= KNEE_ATTAINMENT:
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+# ---- the live side -----------------------------------------------------------------------------------------
+def live_runs(fleet_path: Path, workloads: Mapping[str, Workload], out_dir: Path, profile: str | None,
+              start_timeout_s: float, request_timeout_s: float, seed: int,
+              log: Callable[[str], None]) -> dict[str, dict[str, Any]]:
+    """One server for the fleet; each workload replayed on it in turn: per load its requests' rows, its
+    switches (the pool's count before and after) and the replay's wall time."""
+    import httpx
+
+    from modelpool.replay import free_port, per_request, replay, start_server, stop_server, wait_ready
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = out_dir / "serve.log"
+    extra = ["--profile", profile] if profile else []
+    proc = start_server(fleet_path, port, log_path, "processes", extra)
+    runs: dict[str, dict[str, Any]] = {}
+    previous = signal.signal(signal.SIGTERM, _exit_on_term)  # `timeout` and kill stop the server too
+    try:
+        ready_s = wait_ready(url, proc, start_timeout_s)
+        log(f"  served in {ready_s:.0f} s (log: {log_path})")
+        for load, workload in workloads.items():
+            rows = [{"timestamp_s": r.arrival_at, "model": r.model, "input_tokens": r.input_tokens,
+                     "output_tokens": r.output_tokens} for r in workload.requests()]
+            before = httpx.get(f"{url}/pool/status", timeout=30).json()
+            started = time.monotonic()
+            results, _ = asyncio.run(replay(url, rows, PROMPT_VOCAB, seed, request_timeout_s))
+            wall_s = time.monotonic() - started
+            after = httpx.get(f"{url}/pool/status", timeout=30).json()
+            runs[load] = {"rows": per_request(results), "wall_s": wall_s,
+                          "switches": int((after.get("switches") or 0) - (before.get("switches") or 0)),
+                          "restarts": after.get("restarts")}
+            log(f"  {load}: {len(rows)} requests replayed in {wall_s:.0f} s")
+            if proc.poll() is not None:
+                raise RuntimeError(f"modelpool serve exited with {proc.returncode} during the {load} run "
+                                   f"(log: {log_path})")
+    finally:
+        stop_server(proc)
+        signal.signal(signal.SIGTERM, previous)
+    return runs
+
+
+def _exit_on_term(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+# ---- the command -------------------------------------------------------------------------------------------
+def machine() -> tuple[int, str, str]:
+    """(GPUs, the catalogue GPU key to cost with, a description of the device) of this machine."""
+    try:
+        import torch
+
+        count = torch.cuda.device_count()
+    except ImportError:
+        count = 0
+    if count == 0:
+        return 0, "h200", "cpu (tiny shapes; costed as an h200 unless the profile describes this CPU)"
+    from modelpool.serve import gpu_key
+
+    return 1, gpu_key(None), str(torch.cuda.get_device_name(0))
+
+
+def commit() -> str:
+    if os.environ.get("MODELPOOL_COMMIT"):
+        return os.environ["MODELPOOL_COMMIT"]
+    try:
+        root = Path(__file__).resolve().parents[1]
+        return subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def validate_scenario(name: str, profile: str | None, duration_s: float | None, quick: bool,
+                      loads: Sequence[str], rate: float | None, out_dir: Path, seed: int = 0,
+                      traces_dir: Path | None = None, start_timeout_s: float = 600.0,
+                      request_timeout_s: float = 300.0, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Serve, replay, simulate and compare one scenario at each of `loads`; returns (and writes) the comparison."""
+    from sims.scenarios import scenario as find
+
+    spec = find(name)
+    unknown = [load for load in loads if load not in LOADS]
+    if unknown:
+        raise TraceError(f"unknown load {unknown[0]!r}; choose from {', '.join(LOADS)}")
+    duration_s = duration_s or (QUICK_DURATION_S if quick else 60.0)
+    num_gpus, gpu, device = machine()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log(f"{name}: {spec.describe()}\n  on {device}; profile {profile or 'default'}")
+    fleet_path = build_fleet(spec.fleet_spec(), out_dir / f"models-{spec.fleet}", gpu, tiny=num_gpus == 0)
+    layout = sim_layout(fleet_path, num_gpus, profile)
+    knee = None if rate is not None else knee_rate(spec, layout, duration_s, seed, traces_dir)
+    rates = {load: rate if rate is not None else LOADS[load] * float(knee or 0.0) for load in loads}
+    if knee is not None:
+        log(f"  knee (simulated, {KNEE_ATTAINMENT:.0%} attainment): {knee:.3g} req/s")
+    workloads = {load: spec.workload(rates[load], duration_s, seed, traces_dir) for load in loads}
+    if quick:
+        workloads = {load: clip_lengths(w, QUICK_MAX_INPUT, QUICK_MAX_OUTPUT) for load, w in workloads.items()}
+    live = live_runs(fleet_path, workloads, out_dir, profile, start_timeout_s, request_timeout_s, seed, log)
+    slo = slo_of(layout.fleet)
+    report: dict[str, Any] = {
+        "scenario": name, "description": spec.describe(), "device": device, "gpu": gpu, "commit": commit(),
+        "command": "modelpool validate " + shlex.join(sys.argv[2:]) if len(sys.argv) > 1 else "",
+        "profile": layout.profile, "duration_s": duration_s, "seed": seed, "knee_rps": knee,
+        "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "loads": {}}
+    for load, workload in workloads.items():
+        sim_rows, sim_switches = simulated(layout, workload)
+        live_side = side_figures(live[load]["rows"], len(workload), slo, live[load]["switches"])
+        sim_side = side_figures(sim_rows, len(workload), slo, sim_switches)
+        report["loads"][load] = {
+            "rate_rps": rates[load], "requests": len(workload), "notes": list(workload.notes),
+            "live": live_side, "sim": sim_side, "errors": compare(live_side, sim_side),
+            "live_wall_s": round(live[load]["wall_s"], 1), "live_restarts": live[load]["restarts"],
+            "requests_side_by_side": [
+                {"index": k, "model": a["model"], "live_ttft_s": a.get("ttft_s"), "sim_ttft_s": b.get("ttft_s"),
+                 "live_tpot_s": a.get("tpot_s"), "sim_tpot_s": b.get("tpot_s"), "error": a.get("error")}
+                for k, (a, b) in enumerate(zip(live[load]["rows"], sim_rows))]}
+    path = out_dir / f"{name}.json"
+    path.write_text(json.dumps(report, indent=1, default=str))
+    report["path"] = str(path)
+    return report
+
+
+def format_report(report: Mapping[str, Any]) -> str:
+    """Live and simulated side by side, per load, with each error against its target."""
+    lines = [f"{report['scenario']} on {report['device']} (commit {report['commit']}, profile {report['profile']})"]
+    for load, part in report["loads"].items():
+        lines.append(f"  {load}: {part['rate_rps']:.3g} req/s, {part['requests']} requests "
+                     f"({part['live']['served']} served live, {part['sim']['served']} simulated)")
+        lines.append(f"    {'figure':16s} {'live':>10s} {'sim':>10s} {'error':>9s}  target")
+        for row in part["errors"]:
+            scale, unit = (100.0, "%") if row["figure"] == "slo_attainment" else \
+                (1e3, "ms") if row["figure"].endswith("_s") else (1.0, "")
+            show = lambda v: "-" if v is None else f"{v * scale:.1f}{unit}"  # noqa: E731
+            if row["error"] is None:
+                error = "-"
+            elif row["unit"] == "points":
+                error = f"{row['error']:+.1f}pt"
+            else:
+                error = f"{row['error'] * 100:+.0f}%" if np.isfinite(row["error"]) else "inf"
+            target = "3 pt" if row["unit"] == "points" else "15%"
+            lines.append(f"    {row['figure']:16s} {show(row['live']):>10s} {show(row['sim']):>10s} {error:>9s}  "
+                         f"{target} {'ok' if row['ok'] else 'MISS'}")
+    lines.append(f"  written: {report.get('path', '-')}")
+    return "\n".join(lines)

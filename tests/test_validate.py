@@ -1,0 +1,135 @@
+"""`modelpool validate SCENARIO`: the comparison's arithmetic, the knee search, the fleets it builds, and the
+whole command on tiny CPU shapes (serve, replay through the gateway, simulate, side by side)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from modelpool.validate import (SimLayout, Targets, build_fleet, compare, knee_rate, model_config, side_figures,
+                               simulated, slo_of)
+from sims.costmodel import RooflineCostModel
+from sims.run import build_instances, simulate
+from sims.scenarios import FLEETS, KNEE_ATTAINMENT, SCENARIOS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def catalogue_layout(fleet_name: str, num_gpus: int) -> SimLayout:
+    fleet = FLEETS[fleet_name].fleet("h100", num_gpus)
+    return SimLayout(fleet, build_instances(fleet, "token-level", num_gpus), {}, RooflineCostModel(fleet), "default")
+
+
+def test_compare_gives_points_for_attainment_and_relative_errors_for_the_rest() -> None:
+    live = {"slo_attainment": 0.90, "ttft_p50_s": 0.2, "ttft_p90_s": 1.0, "tpot_p50_s": 0.02, "tpot_p90_s": None,
+            "switches": 10}
+    sim = {"slo_attainment": 0.95, "ttft_p50_s": 0.22, "ttft_p90_s": 0.5, "tpot_p50_s": 0.02, "tpot_p90_s": None,
+           "switches": 12}
+    rows = {r["figure"]: r for r in compare(live, sim, Targets())}
+    assert rows["slo_attainment"]["error"] == pytest.approx(5.0) and not rows["slo_attainment"]["ok"]
+    assert rows["ttft_p50_s"]["error"] == pytest.approx(0.1) and rows["ttft_p50_s"]["ok"]
+    assert rows["ttft_p90_s"]["error"] == pytest.approx(-0.5) and not rows["ttft_p90_s"]["ok"]
+    assert rows["tpot_p50_s"]["error"] == 0.0 and rows["tpot_p50_s"]["ok"]
+    assert rows["tpot_p90_s"]["error"] is None and rows["tpot_p90_s"]["ok"]  # neither side has one
+    assert rows["switches"]["error"] == pytest.approx(0.2) and not rows["switches"]["ok"]
+    zero = {r["figure"]: r for r in compare({**live, "switches": 0}, {**sim, "switches": 3})}
+    assert zero["switches"]["error"] == float("inf") and not zero["switches"]["ok"]
+
+
+def test_attainment_is_counted_as_the_simulator_counts_it() -> None:
+    """side_figures' rule over the simulated rows gives the simulator's own slo_attainment (one rule both sides)."""
+    layout = catalogue_layout("mixed", 2)
+    workload = SCENARIOS["mixed-onoff"].workload(6.0, 60.0, seed=2)
+    rows, switches = simulated(layout, workload)
+    result = simulate(layout.fleet, workload, "token-level", instances=layout.instances, costs=layout.costs)
+    figures = side_figures(rows, len(workload), slo_of(layout.fleet), switches)
+    assert figures["slo_attainment"] == pytest.approx(result.metrics["slo_attainment"])
+    assert switches == result.metrics["num_switches"] and figures["served"] == len(workload)
+    assert figures["ttft_p50_s"] <= figures["ttft_p90_s"]
+
+
+def test_a_failed_request_misses_and_the_quantiles_skip_it() -> None:
+    rows = [{"model": "m", "served": True, "ttft_s": 0.1, "tpot_s": 0.01},
+            {"model": "m", "served": True, "ttft_s": 3.0, "tpot_s": 0.01},
+            {"model": "m", "served": True, "ttft_s": 0.1, "tpot_s": None},
+            {"model": "m", "served": False, "error": "HTTP 503"}]
+    figures = side_figures(rows, 4, lambda name: (2.0, 0.05), switches=0)
+    assert figures["slo_attainment"] == 0.5 and figures["served"] == 3
+    assert figures["tpot_p50_s"] == pytest.approx(0.01)
+
+
+def test_the_knee_is_where_the_simulated_attainment_crosses_ninety_percent() -> None:
+    layout = catalogue_layout("large", 2)
+    scenario = SCENARIOS["large-poisson"]
+    knee = knee_rate(scenario, layout, 60.0, seed=1)
+
+    def attainment(rate: float) -> float:
+        workload = scenario.workload(rate, 60.0, seed=1)
+        rows, switches = simulated(layout, workload)
+        return side_figures(rows, len(workload), slo_of(layout.fleet), switches)["slo_attainment"]
+
+    assert 0.05 < knee < 64
+    assert attainment(knee) >= KNEE_ATTAINMENT > attainment(2 * knee)
+
+
+def test_fleets_are_built_as_their_families_in_tiny_and_real_shapes(tmp_path: Path) -> None:
+    from modelpool.config import load_fleet
+
+    spec = FLEETS["mixed"]
+    fleet = load_fleet(build_fleet(spec, tmp_path / "tiny", "h100", tiny=True))
+    assert [m.name for m in fleet.models] == list(spec.names)
+    for (name, arch), entry in zip(spec.models, fleet.models):
+        config = json.loads((tmp_path / "tiny" / name / "config.json").read_text())
+        assert config["model_type"] == spec.family(arch) == entry.arch.family
+        assert (tmp_path / "tiny" / name / "random_weights.json").is_file()
+        assert entry.arch.params < 5e6  # tiny
+    assert fleet.pool.default_slo.tpot_s == spec.tpot_slo_s
+    # the served tokenizer decodes every id of the vocabulary to a word (each token streams as its own chunk)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "tiny" / spec.names[-1])
+    assert tokenizer.decode([5, 2047]) == "w5 w2047"
+
+
+def test_real_shapes_are_the_catalogues_own() -> None:
+    """Every scenario fleet's served config has the catalogue's weights and KV per token (Qwen3-4B: 32 heads of
+    128, not 2560 / 32)."""
+    from scheduler.fleet import Arch, arch_from_hf_config
+
+    for spec in FLEETS.values():
+        fleet = spec.fleet("h100")
+        for name, arch in spec.models:
+            served = Arch.model_validate(arch_from_hf_config(model_config(spec, arch, tiny=False).to_dict()))
+            assert served.family == fleet.model(name).arch.family
+            assert served.weight_bytes == pytest.approx(fleet.model(name).arch.weight_bytes, rel=0.01)
+            assert served.kv_bytes_per_token == fleet.model(name).arch.kv_bytes_per_token
+
+
+def test_an_unknown_target_is_neither_a_fleet_file_nor_a_scenario() -> None:
+    res = subprocess.run([sys.executable, "-m", "modelpool.cli", "validate", "no-such-scenario"],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 2 and "neither a fleet file nor a scenario" in res.stderr and "eight-poisson" in res.stderr
+
+
+@pytest.mark.slow
+def test_validate_serves_replays_and_simulates_a_scenario_on_cpu(tmp_path: Path) -> None:
+    """The whole command on tiny shapes: every request served live and simulated, the figures side by side."""
+    out = tmp_path / "out"
+    res = subprocess.run([sys.executable, "-m", "modelpool.cli", "validate", "mixed-onoff", "--quick", "--rate", "1",
+                          "--duration", "4", "--out", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    report = json.loads((out / "mixed-onoff.json").read_text())
+    part = report["loads"]["light"]
+    assert part["requests"] >= 1
+    assert part["live"]["served"] == part["sim"]["served"] == part["requests"]
+    assert [r["figure"] for r in part["errors"]] == ["slo_attainment", "ttft_p50_s", "ttft_p90_s", "tpot_p50_s",
+                                                      "tpot_p90_s", "switches"]
+    sides = part["requests_side_by_side"]
+    assert len(sides) == part["requests"] and all(r["live_ttft_s"] > 0 and r["sim_ttft_s"] > 0 for r in sides)
+    assert any("--quick" in note for note in part["notes"])
+    assert "slo_attainment" in res.stdout and "mixed-onoff.json" in res.stdout
+    assert (out / "serve.log").is_file()
