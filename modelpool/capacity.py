@@ -15,7 +15,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import typer
 from rich.console import Console, Group
@@ -54,6 +54,8 @@ def capacity_command(
     max_instances: int = typer.Option(256, "--max-instances", min=1, help="Give up on a TP class beyond this many "
                                       "instances."),
     profile: str = typer.Option("default", "--profile", help="Calibration profile (shipped name or JSON path)."),
+    seeds: int = typer.Option(1, "--seeds", min=1, help="Search again with the seeds after --seed (generated "
+                              "workloads only) and report each policy's spread of GPUs; costs one search per seed."),
 ) -> None:
     """Find the fewest GPUs each policy needs to meet the SLO target; write the report (HTML, Markdown, JSON, CSV)."""
     started = time.perf_counter()
@@ -104,31 +106,53 @@ def capacity_command(
     console.print(f"[bold]modelpool capacity[/]: {len(fleet.models)} models, {len(workload)} requests over "
                   f"{workload.duration_s:g} s; target {slo_target:.1%} ({slo_metric}); "
                   f"{', '.join(chosen)} on {', '.join(g.upper() for g in gpus)}")
+    others = [seed + k for k in range(1, seeds)]
+    workloads = {}
+    for other in others:
+        workloads[other] = load_workload(spec, [m.name for m in fleet.models], seed=other)
+        if _same_rows(workloads[other], workload):
+            _fail(f"--seeds {seeds}: the workload {spec!r} is the same under every seed (a trace file): "
+                  "only generated workloads (fleet, poisson, gamma, zipf, ...) vary with it")
     try:
         result = run_study(ctx, config, address, workers)
+        repeats = {}
+        for other, again in workloads.items():  # the same search on other arrivals: how far the answer moves
+            console.print(f"seed {other}: searching again ({len(again)} requests)")
+            rerun = run_study(Context(fleet, again, calibration, stop_below=ctx.stop_below),
+                              StudyConfig(chosen, gpus[:1], goal, None), address, workers)
+            repeats[other] = {p: (a.gpus, a.met) for p in chosen if (a := rerun.answer(p)) is not None}
     except ValueError as exc:
         _fail(str(exc))
     given = {"--fleet": str(fleet_path), "--trace": trace, "--duration": f"{duration:g}", "--seed": str(seed),
              "--slo-target": f"{slo_target:g}", "--slo-metric": slo_metric, "--policies": policies,
-             "--gpu-types": gpu_types, "--what-if-tpot": f"{what_if_tpot:g}", "--profile": profile}
+             "--gpu-types": gpu_types, "--what-if-tpot": f"{what_if_tpot:g}", "--profile": profile,
+             "--seeds": str(seeds)}
     defaults = {"--fleet": "models.yaml", "--trace": "fleet", "--duration": "600", "--seed": "0", "--slo-target": "0.99",
                 "--slo-metric": "per-request", "--policies": POLICIES, "--gpu-types": "", "--what-if-tpot": "2",
-                "--profile": "default"}
+                "--profile": "default", "--seeds": "1"}
     command = " ".join(["modelpool capacity"] + [f"{k} {shlex.quote(v)}" for k, v in given.items() if v != defaults[k]])
     paths = write_report(result, ctx, out, fleet_path=str(fleet_path), trace=spec, seed=seed, command=command,
-                         wall_s=time.perf_counter() - started)
+                         wall_s=time.perf_counter() - started, repeats=repeats)
     report = json.loads(paths[2].read_text())
     console.print(_summary(report))
     for entry in report["policies"].values():
         if entry["unmet_reason"]:
             console.print(f"(unmet) {entry['unmet_reason']}", markup=False, highlight=False, soft_wrap=True)
     console.print(f"[bold]{report['headline']['sentence']}[/]")
+    console.print(report["stability"]["sentence"], markup=False, highlight=False, soft_wrap=True)
     for line in report["tries"]:
         console.print(f"  try: {line}")
     console.print(f"wrote {', '.join(str(p) for p in paths)} in {time.perf_counter() - started:.0f} s")
 
 
-def _fail(message: str) -> None:
+def _same_rows(a: Any, b: Any) -> bool:
+    import numpy as np
+
+    return len(a) == len(b) and all(np.array_equal(getattr(a, c), getattr(b, c))
+                                    for c in ("arrival_s", "model_index", "input_tokens", "output_tokens"))
+
+
+def _fail(message: str) -> NoReturn:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(1)
 

@@ -39,7 +39,9 @@ def usd_per_month(fleet: Fleet, gpu: str, gpus: int) -> float:
 
 
 def build_report(result: StudyResult, ctx: Context, *, fleet_path: str = "", trace: str = "", seed: int = 0,
-                 command: str = "", wall_s: float | None = None) -> dict[str, Any]:
+                 command: str = "", wall_s: float | None = None,
+                 repeats: Mapping[int, Mapping[str, tuple[int, bool]]] | None = None) -> dict[str, Any]:
+    """The report's dict; `repeats` holds the other seeds' answers (seed -> policy -> (GPUs, met)), `--seeds`."""
     fleet, gpu, goal = ctx.fleet, result.gpu, result.config.goal
     policies = {policy: _policy_entry(result, ctx, policy) for policy in result.pool_runs}
     dedicated = result.answer("dedicated")
@@ -67,6 +69,9 @@ def build_report(result: StudyResult, ctx: Context, *, fleet_path: str = "", tra
                    "wall_s": None if wall_s is None else round(wall_s, 2)},
         "notes": sorted({note for a in result.answers.values() for note in a.notes}),
     }
+    report["model_misses"] = {p: [r["model"] for r in report["per_model"] if p in r and r[p]["attainment"] < goal.target]
+                              for p in policies}
+    report["stability"] = stability(report, seed, repeats or {})
     report["tries"] = _tries(result, ctx, report)
     report["assumptions"] = _assumptions(result, ctx)
     report["profile"] = ctx.costs(gpu).profile.summary(gpu)
@@ -218,6 +223,8 @@ def _per_model(result: StudyResult, ctx: Context) -> list[dict[str, Any]]:
         k, n = index.get(m.name), counts.get(m.name, 0)
         row: dict[str, Any] = {
             "model": m.name, "arch": m.arch_name, "tp": m.tp, "requests": n, "rate_rps": round(n / duration, 4),
+            "few_requests": n < min_requests_to_judge(result.config.goal.target),
+            "ttft_slo_s": ctx.fleet.slo(m).ttft_s, "tpot_slo_ms": round(ctx.fleet.slo(m).tpot_s * 1e3, 3),
             "mean_prompt_tokens": round(prompt[k] / n, 1) if n and k is not None else 0.0,
             "mean_output_tokens": round(output[k] / n, 1) if n and k is not None else 0.0,
             "dedicated_instances": replicas.get(m.name), "dedicated_gpus": replicas[m.name] * m.tp if m.name in replicas else None,
@@ -230,6 +237,41 @@ def _per_model(result: StudyResult, ctx: Context) -> list[dict[str, Any]]:
                            "p99_ttft_ms": round(fig["p99_ttft_ms"], 1), "p99_tpot_ms": round(fig["p99_tpot_ms"], 2)}
         rows.append(row)
     return rows
+
+
+def min_requests_to_judge(target: float) -> int:
+    """The fewest requests of a model for one miss to leave it at or over `target`: with fewer, a single
+    unlucky request decides whether it passes, and the answer moves with the arrivals drawn."""
+    return max(1, math.ceil(1 / (1 - target) - 1e-9)) if target < 1 else 1_000_000
+
+
+def stability(report: Mapping[str, Any], seed: int, repeats: Mapping[int, Mapping[str, tuple[int, bool]]]) -> dict[str, Any]:
+    """How sure the answer is: the models with too few requests to judge, and (with `--seeds`) each policy's
+    GPUs under every seed and their spread."""
+    target, duration = report["slo_target"], report["workload"]["duration_s"]
+    need = min_requests_to_judge(target)
+    few = sorted(({"model": r["model"], "requests": r["requests"]} for r in report["per_model"] if r["requests"] < need),
+                 key=lambda r: (r["requests"], r["model"]))
+    seeds = [seed, *sorted(repeats)]
+    gpus = {p: [e["gpus"], *(repeats[s][p][0] for s in sorted(repeats))] for p, e in report["policies"].items()}
+    met = {p: [e["met"], *(repeats[s][p][1] for s in sorted(repeats))] for p, e in report["policies"].items()}
+    spread = {p: [min(g), max(g)] for p, g in gpus.items()}
+    parts = []
+    if few:
+        named = ", ".join(f"{r['model']} {r['requests']}" for r in few[:5]) + (f" and {len(few) - 5} more" if len(few) > 5 else "")
+        parts.append(f"{len(few)} of {len(report['per_model'])} models get fewer than {need} requests in {duration:g} s "
+                     f"({named}): at a {target:.1%} target one miss fails such a model, so its share of the answer "
+                     f"rests on a few arrivals")
+    if len(seeds) > 1:
+        ranges = ", ".join(f"{p} {lo}" + (f"-{hi}" if hi > lo else "") for p, (lo, hi) in spread.items())
+        moved = any(hi > lo for lo, hi in spread.values())
+        parts.append(f"GPUs across seeds {', '.join(map(str, seeds))}: {ranges}"
+                     + ("" if moved else " (the same under every seed)"))
+    else:
+        parts.append(f"the answer comes from one seed's arrivals: `--seeds 3` repeats the search with two more and "
+                     f"reports the spread{'; a longer --duration steadies it' if few else ''}")
+    return {"min_requests_to_judge": need, "few_requests": few, "seeds": seeds, "gpus_by_seed": gpus,
+            "met_by_seed": met, "spread": spread, "sentence": "Stability: " + "; ".join(parts) + "."}
 
 
 def _curves(result: StudyResult) -> list[dict[str, Any]]:

@@ -29,9 +29,12 @@ body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;mar
 color:#222;line-height:1.45;padding:0 1rem}
 h1{font-size:1.6rem;margin-bottom:.2rem}h2{font-size:1.2rem;margin-top:2rem;border-bottom:1px solid #ddd}
 .headline{font-size:1.25rem;background:#eef7ee;border-left:5px solid #2ca02c;padding:.8rem 1rem;margin:1rem 0}
-table{border-collapse:collapse;font-size:.85rem;margin:.5rem 0;width:100%}
-th,td{border:1px solid #ddd;padding:.25rem .45rem;text-align:right;vertical-align:top}
+.stability{background:#fff7e6;border-left:5px solid #b36b00;padding:.6rem 1rem;margin:1rem 0}
+.scroll{overflow-x:auto;max-width:100%}
+table{border-collapse:collapse;font-size:.8rem;margin:.5rem 0;width:100%}
+th,td{border:1px solid #ddd;padding:.25rem .4rem;text-align:right;vertical-align:top;overflow-wrap:anywhere}
 th{background:#f4f4f4}td.l,th.l{text-align:left}.unmet{color:#b00}
+td.miss{background:#fde2e2;color:#900;font-weight:600}td.few{color:#b36b00}
 .status-measured{color:#1a7f1a;font-weight:600}.status-estimated{color:#b36b00;font-weight:600}
 .status-input{color:#555}figure{margin:1rem 0}figure img{max-width:100%}figcaption{font-size:.85rem;color:#555}
 .grid{display:grid;grid-template-columns:1fr 1fr;gap:1rem}small{color:#666}
@@ -197,6 +200,8 @@ def to_html(report: Mapping[str, Any], images: Mapping[str, str]) -> str:
              f"<h1>Capacity report: {report['fleet']['num_models']} models on {e(gpu)}</h1>",
              f"<small>{e(report['generated_by'])}</small>",
              f"<div class='headline'>{e(report['headline']['sentence'])}.</div>",
+             f"<div class='stability' id='stability'>{e(report['stability']['sentence'])}</div>",
+             _seed_table(report),
              f"<p>{e(floor_line(report))}</p>",
              f"<p>Target: <b>{report['slo_target']:.1%}</b> SLO attainment under the <b>{e(report['slo_metric'])}</b> "
              f"metric: {e(report['slo_metric_definition'])}. Workload: {e(report['workload']['description'])}, "
@@ -208,6 +213,8 @@ def to_html(report: Mapping[str, Any], images: Mapping[str, str]) -> str:
                if x.get("unmet_reason")],
              "<p><small>Pool output tokens/s counts every token the pool produces per second; tokens/s per user is "
              "what one stream sees (1 / its mean TPOT). They differ by the number of concurrent streams.</small></p>",
+             "<h2 id='per-model'>Per model: SLO results at each policy's answer</h2>", _misses_line(report),
+             _model_table(report),
              "<h2>SLO attainment vs GPUs</h2>",
              _img(images, "attainment", "Every class layout the search simulated (the best split per GPU count); "
                   "stars mark the answers; hollow triangles are runs stopped once sure to miss (at most that value); "
@@ -220,7 +227,7 @@ def to_html(report: Mapping[str, Any], images: Mapping[str, str]) -> str:
         parts += ["<h2>GPU types</h2>", _gpu_table(report), _img(images, "gpu_types", "Monthly cost per GPU type.")]
     if report["tries"]:
         parts += ["<h2>Try</h2><ul>"] + [f"<li>{e(t)}</li>" for t in report["tries"]] + ["</ul>"]
-    parts += ["<h2>Per model</h2>", _model_table(report), "<h2>Assumptions</h2>", _assumption_table(report)]
+    parts += ["<h2>Assumptions</h2>", _assumption_table(report)]
     if report["notes"]:
         parts += ["<h2>Notes</h2><ul>"] + [f"<li>{e(n)}</li>" for n in report["notes"]] + ["</ul>"]
     s = report["search"]
@@ -274,18 +281,59 @@ def _gpu_table(report: Mapping[str, Any]) -> str:
     return _table(head, rows, left=(0,))
 
 
+def _misses_line(report: Mapping[str, Any]) -> str:
+    """Who misses the target on their own, policy by policy (the table below highlights the same cells)."""
+    target, total = report["slo_target"], len(report["per_model"])
+    lines = []
+    for policy, names in report["model_misses"].items():
+        if names:
+            shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+            lines.append(f"<li class='unmet'>{html.escape(policy)}: {len(names)} of {total} models under "
+                         f"{target:.1%} ({html.escape(shown)})</li>")
+        else:
+            lines.append(f"<li>{html.escape(policy)}: every model at or over {target:.1%}</li>")
+    return "<ul>" + "".join(lines) + "</ul>"
+
+
 def _model_table(report: Mapping[str, Any]) -> str:
-    pooled = [p for p in report["policies"] if p != "dedicated"]
-    head = ["model", "TP", "req/s", "prompt tok", "output tok", "dedicated GPUs", "dedicated p99 TTFT / TPOT ms"]
-    head += [f"{p} p99 TTFT / TPOT ms" for p in pooled]
+    """Every model's SLO result under every policy (attainment, p99 TTFT / TPOT against its SLO); misses
+    highlighted, models with too few requests to judge marked."""
+    policies = list(report["policies"])
+    need = report["stability"]["min_requests_to_judge"]
+    head = ["model", "TP", "requests", "req/s", "SLO TTFT s / TPOT ms", "dedicated GPUs"]
+    head += [f"{p}: attainment, p99 TTFT s / TPOT ms" for p in policies]
     rows = []
     for r in report["per_model"]:
-        row: list[Any] = [r["model"], r["tp"], f"{r['rate_rps']:.3f}", f"{r['mean_prompt_tokens']:.0f}",
-                          f"{r['mean_output_tokens']:.0f}", r["dedicated_gpus"] or "-"]
-        for p in ["dedicated"] + pooled:
+        few = r["requests"] < need
+        row: list[Any] = [r["model"], r["tp"],
+                          _Cell(f"{r['requests']}{' (few)' if few else ''}", "few" if few else ""),
+                          f"{r['rate_rps']:.3f}", f"{r['ttft_slo_s']:g} / {r['tpot_slo_ms']:g}", r["dedicated_gpus"] or "-"]
+        for p in policies:
             x = r.get(p)
-            row.append("-" if not x else f"{x['p99_ttft_ms']:,.0f} / {x['p99_tpot_ms']:.1f}")
+            if not x:
+                row.append("-")
+                continue
+            miss = x["attainment"] < report["slo_target"]
+            text = f"{x['attainment']:.2%}<br>{x['p99_ttft_ms'] / 1e3:,.2f} / {x['p99_tpot_ms']:,.1f}"
+            row.append(_Cell(text, "miss" if miss else "", raw=True))
         rows.append(row)
+    return _table(head, rows, left=(0,))
+
+
+def _seed_table(report: Mapping[str, Any]) -> str:
+    """GPUs per policy under each seed, when the search ran under several (`--seeds`)."""
+    st = report["stability"]
+    if len(st["seeds"]) < 2:
+        return ""
+    head = ["policy"] + [f"seed {s}" for s in st["seeds"]] + ["spread"]
+    rows = []
+    for policy, gpus in st["gpus_by_seed"].items():
+        cells: list[Any] = [policy]
+        cells += [_Cell(str(g) + ("" if ok else " (unmet)"), "" if ok else "miss")
+                  for g, ok in zip(gpus, st["met_by_seed"][policy])]
+        lo, hi = st["spread"][policy]
+        cells.append(f"{lo}" if lo == hi else f"{lo}-{hi}")
+        rows.append(cells)
     return _table(head, rows, left=(0,))
 
 
@@ -300,13 +348,27 @@ class _Raw(str):
     """A table cell that is HTML already."""
 
 
+class _Cell:
+    """A table cell with a CSS class (a miss, too few requests); `raw` when `text` is HTML already."""
+
+    def __init__(self, text: str, css: str = "", raw: bool = False) -> None:
+        self.html = text if raw else html.escape(text)
+        self.css = css
+
+
 def _table(head: list[str], rows: list[list[Any]], left: tuple[int, ...] = ()) -> str:
     def cell(tag: str, k: int, value: Any) -> str:
-        cls = " class='l'" if k in left else ""
-        text = value if isinstance(value, _Raw) else html.escape(str(value))
+        classes = ["l"] if k in left else []
+        if isinstance(value, _Cell):
+            classes += [value.css] if value.css else []
+            text = value.html
+        else:
+            text = value if isinstance(value, _Raw) else html.escape(str(value))
+        cls = f" class='{' '.join(classes)}'" if classes else ""
         return f"<{tag}{cls}>{text}</{tag}>"
-    out = ["<table><thead><tr>" + "".join(cell("th", k, h) for k, h in enumerate(head)) + "</tr></thead><tbody>"]
+    out = ["<div class='scroll'><table><thead><tr>" + "".join(cell("th", k, h) for k, h in enumerate(head))
+           + "</tr></thead><tbody>"]
     for row in rows:
         out.append("<tr>" + "".join(cell("td", k, v) for k, v in enumerate(row)) + "</tr>")
-    out.append("</tbody></table>")
+    out.append("</tbody></table></div>")
     return "".join(out)

@@ -19,6 +19,7 @@ def to_markdown(report: Mapping[str, Any]) -> str:
     gpu = report["gpu"].upper()
     lines = [f"# Capacity report: {report['fleet']['num_models']} models on {gpu}", "",
              f"**{report['headline']['sentence']}.**", "",
+             report["stability"]["sentence"], "", *_seed_lines(report),
              floor_line(report), "",
              f"Target: {report['slo_target']:.1%} SLO attainment, {report['slo_metric']} metric "
              f"({report['slo_metric_definition']}).", "",
@@ -58,14 +59,18 @@ def to_markdown(report: Mapping[str, Any]) -> str:
         lines.append("")
     if report["tries"]:
         lines += ["## Try", ""] + [f"- {line}" for line in report["tries"]] + [""]
-    pooled = [p for p in report["policies"] if p != "dedicated"]
-    lines += ["## Per model", "", "| model | TP | req/s | prompt tok | output tok | dedicated GPUs | " +
-              " | ".join(f"{p} p99 TTFT ms / TPOT ms" for p in pooled) + " |", "|---|---|---|---|---|---|" + "---|" * len(pooled)]
+    policies = list(report["policies"])
+    target = report["slo_target"]
+    lines += ["## Per model", "", f"Attainment and p99 TTFT ms / TPOT ms at each policy's answer; **MISS**: under "
+              f"{target:.1%}; (few): fewer than {report['stability']['min_requests_to_judge']} requests.", "",
+              "| model | TP | requests | req/s | SLO TTFT s / TPOT ms | dedicated GPUs | " + " | ".join(policies) + " |",
+              "|---|---|---|---|---|---|" + "---|" * len(policies)]
     for row in report["per_model"]:
-        cells = [f"{row[p]['p99_ttft_ms']:,.0f} / {row[p]['p99_tpot_ms']:.1f}" if p in row else "-" for p in pooled]
-        lines.append(f"| {row['model']} | {row['tp']} | {row['rate_rps']:.3f} | {row['mean_prompt_tokens']:.0f} | "
-                     f"{row['mean_output_tokens']:.0f} | {row['dedicated_gpus'] if row['dedicated_gpus'] else '-'} | "
-                     + " | ".join(cells) + " |")
+        cells = [f"{'**MISS** ' if row[p]['attainment'] < target else ''}{row[p]['attainment']:.2%}, "
+                 f"{row[p]['p99_ttft_ms']:,.0f} / {row[p]['p99_tpot_ms']:.1f}" if p in row else "-" for p in policies]
+        lines.append(f"| {row['model']} | {row['tp']} | {row['requests']}{' (few)' if row['few_requests'] else ''} | "
+                     f"{row['rate_rps']:.3f} | {row['ttft_slo_s']:g} / {row['tpot_slo_ms']:g} | "
+                     f"{row['dedicated_gpus'] if row['dedicated_gpus'] else '-'} | " + " | ".join(cells) + " |")
     lines += ["", "## Assumptions", "", "| what | value | status | source |", "|---|---|---|---|"]
     for a in report["assumptions"]:
         lines.append(f"| {a['what']} | {a['value']} | {a['status']} | {a['source']} |")
@@ -76,6 +81,19 @@ def to_markdown(report: Mapping[str, Any]) -> str:
               f"{s['search_wall_s']:g} s; final pool runs {s['pool_runs_wall_s']:g} s"
               + (f"; {s['wall_s']:g} s in all." if s.get("wall_s") else "."), ""]
     return "\n".join(lines)
+
+
+def _seed_lines(report: Mapping[str, Any]) -> list[str]:
+    st = report["stability"]
+    if len(st["seeds"]) < 2:
+        return []
+    lines = ["| policy | " + " | ".join(f"seed {s}" for s in st["seeds"]) + " | spread |",
+             "|---|" + "---|" * (len(st["seeds"]) + 1)]
+    for policy, gpus in st["gpus_by_seed"].items():
+        lo, hi = st["spread"][policy]
+        cells = [f"{g}{'' if ok else ' (unmet)'}" for g, ok in zip(gpus, st["met_by_seed"][policy])]
+        lines.append(f"| {policy} | " + " | ".join(cells) + f" | {lo if lo == hi else f'{lo}-{hi}'} |")
+    return lines + [""]
 
 
 def _layout_text(layout: Mapping[str, Any]) -> str:

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import html
 import pathlib
+import shutil
 
 import pytest
 from typer.testing import CliRunner
@@ -218,3 +220,98 @@ def test_simulate_with_no_arguments_explains_the_shipped_pools_shortfall() -> No
     assert "token-level on 16 GPUs" in output
     assert "each model's traffic hint (Poisson, " in text and "ShareGPT lengths, 600 s" in text
     assert "16 H20s under token-level fall short of this traffic. `modelpool capacity`" in text
+
+
+# ---- 2 and 4: the report says how sure it is and shows every model's SLO result, laid out for a laptop's browser ---
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+HEADLESS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage", "--hide-scrollbars",
+            "--window-size=1366,768"]
+# appended to a copy of the report (the report itself runs no script): what a reader's browser lays out
+PROBE = """<script>
+const doc = document.documentElement, wide = [];
+for (const box of document.querySelectorAll('.scroll')) {
+  if (box.scrollWidth > box.clientWidth + 1) wide.push(box.querySelector('th') ? box.querySelector('th').textContent : '?');
+}
+const perModel = document.querySelector('#per-model + ul + .scroll');
+const probe = document.createElement('pre');
+probe.id = 'probe';
+probe.textContent = JSON.stringify({scrollWidth: doc.scrollWidth, innerWidth: window.innerWidth, wideTables: wide,
+  stability: (document.getElementById('stability') || {}).textContent || null,
+  perModelRows: perModel.querySelectorAll('tbody tr').length,
+  misses: Array.from(perModel.querySelectorAll('td.miss')).map(td => td.parentElement.firstElementChild.textContent),
+  missColour: document.querySelector('td.miss') ? getComputedStyle(document.querySelector('td.miss')).backgroundColor : null});
+document.body.appendChild(probe);
+</script>"""
+
+
+@pytest.fixture(scope="module")
+def tight_report(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """`capacity --seeds 2` on the tiny fleet with one model's TPOT SLO out of reach: misses to show."""
+    folder = tmp_path_factory.mktemp("tight")
+    fleet = folder / "tight.yaml"
+    fleet.write_text(TINY_FLEET.replace("rate_rps: 0.1}}", "rate_rps: 0.1}, slo: {ttft_s: 10, tpot_s: 0.002}}"))
+    code, output = invoke("capacity", "--fleet", str(fleet), "--duration", "60", "--workers", "0", "--what-if-tpot",
+                          "0", "--seeds", "2", "--out", str(folder / "report"))
+    assert code == 0, output
+    assert "Stability: 3 of 3 models get fewer than 100 requests in 60 s" in flat(output)
+    assert "GPUs across seeds 0, 1: dedicated" in flat(output)
+    return folder / "report"
+
+
+def test_the_report_says_which_models_have_too_few_requests_and_the_spread_over_seeds(tight_report: pathlib.Path) -> None:
+    import json
+
+    report = json.loads((tight_report / "report.json").read_text())
+    st = report["stability"]
+    assert st["min_requests_to_judge"] == 100 and st["seeds"] == [0, 1]
+    assert {r["model"] for r in st["few_requests"]} == {"small-a", "small-b", "small-c"}
+    assert set(st["gpus_by_seed"]) == set(report["policies"]) and all(len(g) == 2 for g in st["gpus_by_seed"].values())
+    assert all(lo <= hi for lo, hi in st["spread"].values())
+    assert st["gpus_by_seed"]["dedicated"][0] == report["policies"]["dedicated"]["gpus"]
+    assert report["model_misses"]["token-level"] == ["small-c"]
+    markdown = (tight_report / "report.md").read_text()
+    assert st["sentence"] in markdown and "| policy | seed 0 | seed 1 | spread |" in markdown
+    assert "| small-c | 1 |" in markdown and "**MISS** 0.00%" in markdown
+    code, output = invoke("capacity", "--fleet", str(tight_report.parent / "tight.yaml"), "--trace",
+                          str(_generic_trace(tight_report.parent)), "--seeds", "2", "--workers", "0")
+    assert code == 1 and "is the same under every seed (a trace file)" in flat(output)
+
+
+def _generic_trace(folder: pathlib.Path) -> pathlib.Path:
+    path = folder / "rows.csv"
+    path.write_text(HEADER + "".join(f"{k},small-a,50,5\n" for k in range(5)))
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(CHROMIUM is None, reason="no headless Chromium here (scripts/setup.sh installs it under CI; "
+                                             "apt-get install chromium)")
+def test_the_report_in_a_laptop_browser_shows_every_models_slo_result_and_nothing_runs_off(
+        tight_report: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    import json
+    import subprocess
+
+    page = (tight_report / "report.html").read_text()
+    probed = tmp_path / "probed.html"
+    probed.write_text(page.replace("</body>", PROBE + "</body>"))
+    run = subprocess.run([CHROMIUM, *HEADLESS, f"--user-data-dir={tmp_path / 'profile-a'}", "--dump-dom",
+                          probed.as_uri()], capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr[-2000:]
+    dom = run.stdout
+    probe = json.loads(html.unescape(dom.split("<pre id=\"probe\">", 1)[1].split("</pre>", 1)[0]))
+    assert probe["innerWidth"] == 1366
+    assert probe["scrollWidth"] <= probe["innerWidth"], probe  # no sideways scrolling of the page
+    assert probe["wideTables"] == [], probe  # and no table wider than the page's column
+    assert probe["stability"].startswith("Stability: 3 of 3 models get fewer than 100 requests")
+    assert probe["perModelRows"] == 3
+    assert set(probe["misses"]) == {"small-c"} and len(probe["misses"]) == 4  # its cell under each policy
+    assert probe["missColour"] == "rgb(253, 226, 226)"
+    shot = tmp_path / "report.png"  # what a reader sees first: a real screenshot at the laptop's size
+    run = subprocess.run([CHROMIUM, *HEADLESS, f"--user-data-dir={tmp_path / 'profile-b'}", f"--screenshot={shot}",
+                          (tight_report / "report.html").as_uri()], capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr[-2000:]
+    data = shot.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n")
+    assert (int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")) == (1366, 768)
