@@ -7,8 +7,8 @@ host-to-device `copy_` on its own stream, as an engine's weight switch (pool.eng
 Cases, each `--repeats` times:
 
 - every size alone;
-- two sizes started together (the larger on copier 0): the pairs `modelpool calibrate` fits `link_sharing` and
-  `eff_pcie_shared` to (sims.profiles.calibrated: one kept its time alone: "fifo"; both slowed: "fair");
+- two sizes started together (the larger on copier 0): which rule the link followed (one kept its time alone:
+  "fifo"; both slowed: "fair") and the rate it moved while shared;
 - a small copy (a KV move's size) started `--small-after` seconds into the largest one: under "fifo" it waits
   for the large copy's end, under "fair" it takes about twice its time alone.
 
@@ -16,7 +16,8 @@ Cases, each `--repeats` times:
     python benchmarks/gpu_link_share.py --threads --out link-threads.json   # two threads of one process
     python benchmarks/gpu_link_share.py --tiny --out /tmp/l.json            # anywhere (CPU, small buffers)
 
-`modelpool calibrate --profile P --link-share link.json --out P2` takes the result into a profile.
+The simulator takes no term from it (sims.links: a shared link moves its bytes at eff_pcie, first come first
+served); this measures how far that rule is from the GPU's.
 """
 
 from __future__ import annotations
@@ -172,10 +173,29 @@ def measure(copiers: Any, names: Sequence[str], pairs: Sequence[tuple[str, str]]
     return {"alone": alone, "shared": shared, "small_beside": beside}
 
 
-def verdict(result: dict[str, Any]) -> str:
-    """In words: which rule the pairs followed (sims.profiles.calibrated's reading of them)."""
-    from sims.profiles.calibrated import link_sharing_of
+def link_sharing_of(alone: dict[str, float], runs: list[dict[str, Any]]) -> tuple[str, float] | None:
+    """How the link served two copies started together, and its rate then as a share of one copy's alone: 'fifo'
+    when one copy took its time alone (the other waited: rate (w1 + w2) / span), else 'fair' (processor sharing:
+    the last ends at 2 w2 / rate + w1 - w2). `alone`: each copy's seconds alone; `runs`: {archs, seconds,
+    span_s}. None when the copies did not overlap."""
+    rates: dict[str, list[float]] = {"fifo": [], "fair": []}
+    for run in runs:
+        works = [alone[a] for a in run["archs"]]
+        w1, w2 = max(works), min(works)
+        if run["span_s"] <= 1.02 * w1:
+            continue  # they did not overlap, or did not slow each other
+        if min(t / w for t, w in zip(run["seconds"], works)) < 1.1:  # one kept its time alone
+            rates["fifo"].append((w1 + w2) / run["span_s"])
+        else:
+            rates["fair"].append(2 * w2 / (run["span_s"] - (w1 - w2)))
+    if not rates["fifo"] and not rates["fair"]:
+        return None
+    sharing = "fifo" if len(rates["fifo"]) >= len(rates["fair"]) else "fair"
+    return sharing, statistics.median(rates[sharing])
 
+
+def verdict(result: dict[str, Any]) -> str:
+    """In words: which rule the pairs followed."""
     alone = {name: statistics.median(v) for name, v in result["alone"].items()}
     got = link_sharing_of(alone, result["shared"])
     if got is None:

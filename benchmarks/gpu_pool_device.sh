@@ -31,16 +31,13 @@ for stage in "$@"; do
       $([ "${MPS:-}" = 1 ] && echo under_mps) timeout ${TEST_S:-150} python3 -m pytest -q -p no:cacheprovider -k cuda ${PYTEST_ARGS:-} \
         ${TEST_FILES:-tests/pool/test_torch_engine.py tests/pool/test_kv_transfer.py tests/pool/test_fused_decode.py tests/pool/test_processes.py} 2>&1 | tail -30 ;;
     link)  # how the GPU's host link serves two instances' copies at once (benchmarks/gpu_link_share.py): engine
-      # processes under MPS (serve's default), time-sliced, and two threads of one process (calibrate's own pair);
-      # LINK_BASE=<profile>: that profile with the link read from the MPS run, $OUT/h200-link.json (PROFILE=link serves it)
+      # processes under MPS (serve's default), time-sliced, and two threads of one process
       under_mps timeout ${PROBE_S:-200} python3 benchmarks/gpu_link_share.py --out "$OUT/link_share_mps.json" 2>&1 | tail -6
       timeout ${PROBE_S:-200} python3 benchmarks/gpu_link_share.py --out "$OUT/link_share.json" 2>&1 | tail -1
       timeout ${PROBE_S:-200} python3 benchmarks/gpu_link_share.py --threads --out "$OUT/link_share_threads.json" 2>&1 | tail -1
-      [ -n "${LINK_BASE:-}" ] && python3 -m modelpool.cli calibrate --profile "$LINK_BASE" --link-share "$OUT/link_share_mps.json" \
-        --out "$OUT/h200-link.json" 2>&1 | tail -3 ;;
+      ;;
     pool)
-      [ "${PROFILE:-}" = calibrated ] && PROFILE="$OUT/h200-calibrated.json"  # the calibrate stage's, run before
-      [ "${PROFILE:-}" = link ] && { PROFILE="$OUT/h200-link.json"; [ -f "$PROFILE" ] || PROFILE=${LINK_BASE:-}; }  # the link stage's
+      [ "${PROFILE:-}" = calibrated ] && PROFILE="$OUT/measured.json"  # the calibrate stage's, run before
       timeout ${POOL_S:-450} python3 benchmarks/gpu_pool.py --out /tmp/gp-pool $(for b in ${BACKENDS:-processes threads}; do echo --backend $b; done) \
         --layout pd $(for r in ${RATES:-1 10}; do echo --rate $r; done) --duration 30 --request-timeout 60 ${STANDALONE:---no-standalone} --no-sim ${HOST_PROFILE_S:+--host-profile-s $HOST_PROFILE_S} ${SLOW_CALL_MS:+--slow-call-ms $SLOW_CALL_MS} \
         ${PROFILE:+--serve-arg=--profile --serve-arg=$PROFILE} $(case ${MPS:-} in 1) echo --serve-arg=--mps;; 0) echo --serve-arg=--no-mps;; esac) 2>&1 | grep -v '^   {' ; pack pool ;;
@@ -52,12 +49,12 @@ for stage in "$@"; do
         --rate ${RATE:-8} --duration "$DUR" ${GPUS_ARG:-} 2>&1 | grep -v '^   {' ; pack heavy ;;
     probe)  # prefill alone, beside a decoding process, beside a process that only copies weights, beside a thread
       timeout ${PROBE_S:-300} python3 benchmarks/gpu_prefill_probe.py --out "$OUT/prefill_probe.json" 2>&1 | tail -12 ;;
-    share)  # what gpu_share_slowdown is fitted to (sims.profiles.calibrated.with_gpu_share): prefill alone, beside a decoder
+    share)  # prefill alone, beside a decoding process (how instances on one GPU slow each other)
       timeout ${PROBE_S:-200} python3 benchmarks/gpu_prefill_probe.py --share --out "$OUT/prefill_share.json" 2>&1 | tail -4 ;;
     mps)  # the share stage under CUDA MPS (a private control daemon, quit after): do the two processes still time-slice?
       under_mps timeout ${PROBE_S:-200} python3 benchmarks/gpu_prefill_probe.py --share --out "$OUT/prefill_share_mps.json" \
         2>&1 | tail -4 ;;
-    decode)  # decode steps alone and beside a prefilling process, time-sliced: gpu_share_decode_slowdown (--no-mps)
+    decode)  # decode steps alone and beside a prefilling process, time-sliced (--no-mps)
       timeout ${PROBE_S:-200} python3 benchmarks/gpu_prefill_probe.py --decode-share --out "$OUT/decode_share.json" \
         2>&1 | tail -4 ;;
     mpsdecode)  # the same under MPS, the prefilling process limited to each of SM_PCTS percent of the SMs in turn
@@ -71,13 +68,10 @@ for stage in "$@"; do
         $(for m in ${SWAP_MB:-}; do echo --swap-mb $m; done) 2>&1 | tail -40 ;;
     tp)  # two GPUs (issue 21): the torch engine at TP1 and TP2, NCCL
       timeout ${TP_S:-550} python3 benchmarks/gpu_tp.py --out "$OUT/h200x2-tp.json" ${TP_ARGS:-} 2>&1 | tail -40 ;;
-    calibrate)  # on the pool stage's fleet (built here when no stage built one); GPU_SHARE=<probe --share JSON> adds
-      # gpu_share_slowdown; then `PROFILE=calibrated` has the pool stage serve with the profile written here
-      CAL_FLEET=${CAL_FLEET:-/tmp/gp-pool/models/fleet.yaml}
-      [ -f "$CAL_FLEET" ] || python3 -c "import sys; from pathlib import Path; from benchmarks.gpu_pool import FLEET, \
-build_models; build_models(Path(sys.argv[1]).parent, FLEET, 'h200')" "$CAL_FLEET"
-      timeout ${CAL_S:-200} python3 -m modelpool.cli calibrate --fleet "$CAL_FLEET" --device cuda \
-        --out "$OUT/h200-calibrated.json" ${GPU_SHARE:+--gpu-share $GPU_SHARE} ${CAL_ARGS:-} 2>&1 | tail -30 ;;
+    calibrate)  # `modelpool calibrate` on this GPU (CAL_ARGS=--quick for a smoke run); `PROFILE=calibrated` has the
+      # pool stage serve with the measurements file written here
+      timeout ${CAL_S:-400} python3 -m modelpool.cli calibrate --device cuda --out "$OUT/measured.json" ${CAL_ARGS:-} \
+        2>&1 | tail -40 ;;
   esac
 done
 for f in /tmp/gp-*/serve-*.log; do [ -f "$f" ] && { echo "== $f"; grep -iE "error|Traceback|lost|restart" "$f" | head -5; }; done

@@ -56,6 +56,9 @@ def capacity_command(
     profile: str = typer.Option("default", "--profile", help="Calibration profile (shipped name or JSON path)."),
     seeds: int = typer.Option(1, "--seeds", min=1, help="Search again with the seeds after --seed (generated "
                               "workloads only) and report each policy's spread of GPUs; costs one search per seed."),
+    sensitivity: bool = typer.Option(True, "--sensitivity/--no-sensitivity", help="Search the first GPU type again "
+                                     "with eff_mem, the host link and the per-step overhead 20% worse (the report's "
+                                     "sensitivity line; about doubles the search)."),
 ) -> None:
     """Find the fewest GPUs each policy needs to meet the SLO target; write the report (HTML, Markdown, JSON, CSV)."""
     started = time.perf_counter()
@@ -123,6 +126,7 @@ def capacity_command(
             repeats[other] = {p: (a.gpus, a.met) for p in chosen if (a := rerun.answer(p)) is not None}
     except ValueError as exc:
         _fail(str(exc))
+    worse = _sensitivity(ctx, config, result, address, workers) if sensitivity else None
     given = {"--fleet": str(fleet_path), "--trace": trace, "--duration": f"{duration:g}", "--seed": str(seed),
              "--slo-target": f"{slo_target:g}", "--slo-metric": slo_metric, "--policies": policies,
              "--gpu-types": gpu_types, "--what-if-tpot": f"{what_if_tpot:g}", "--profile": profile,
@@ -132,7 +136,7 @@ def capacity_command(
                 "--profile": "default", "--seeds": "1"}
     command = " ".join(["modelpool capacity"] + [f"{k} {shlex.quote(v)}" for k, v in given.items() if v != defaults[k]])
     paths = write_report(result, ctx, out, fleet_path=str(fleet_path), trace=spec, seed=seed, command=command,
-                         wall_s=time.perf_counter() - started, repeats=repeats)
+                         wall_s=time.perf_counter() - started, repeats=repeats, sensitivity=worse)
     report = json.loads(paths[2].read_text())
     console.print(_summary(report))
     for entry in report["policies"].values():
@@ -140,9 +144,30 @@ def capacity_command(
             console.print(f"(unmet) {entry['unmet_reason']}", markup=False, highlight=False, soft_wrap=True)
     console.print(f"[bold]{report['headline']['sentence']}[/]")
     console.print(report["stability"]["sentence"], markup=False, highlight=False, soft_wrap=True)
+    if report.get("sensitivity"):
+        console.print(f"  {report['sensitivity']['line']}", markup=False, highlight=False, soft_wrap=True)
     for line in report["tries"]:
         console.print(f"  try: {line}")
     console.print(f"wrote {', '.join(str(p) for p in paths)} in {time.perf_counter() - started:.0f} s")
+
+
+def _sensitivity(ctx: Any, config: Any, result: Any, address: str | None, workers: int | None) -> dict[str, Any]:
+    """The first GPU type searched again with its least certain terms 20% worse (sims.sensitivity)."""
+    from dataclasses import replace
+
+    from sims.capacity_eval import Context
+    from sims.sensitivity import sensitivity_entry, worse_profile
+
+    gpu = result.gpu
+    worse_ctx = Context(ctx.fleet, ctx.workload, worse_profile(ctx.costs(gpu).profile, gpu),
+                        policy_options=ctx.policy_options, stop_below=ctx.stop_below)
+    console.print("sensitivity: searching again with eff_mem, the host link and the per-step overhead 20% worse")
+    worse = run_study(worse_ctx, replace(config, gpus=(gpu,), what_if_tpot=None), address, workers)
+
+    def answers(study: Any) -> dict[str, tuple[int, bool]]:
+        return {p: (a.gpus, a.met) for p in config.policies if (a := study.answer(p)) is not None}
+
+    return sensitivity_entry(answers(result), answers(worse), gpu)
 
 
 def _same_rows(a: Any, b: Any) -> bool:

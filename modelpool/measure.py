@@ -1,17 +1,12 @@
-"""Measure what the cost model needs on this machine, with the torch engine and random weights of real shapes.
+"""Microbenchmarks of the cost model's engine terms: the torch engine on random weights of several shapes.
 
-No files and no downloads: each shape's weights are random numbers in a
-`HostWeightCache` image (as benchmarks/gpu_engine.py builds them), so any
-architecture of a fleet file can be measured on any device that holds it.
-`Calibration.run()` measures, in order: graph capture (if the engine captures
-ahead of serving), then per shape weight switches, prefill by length and
-batch, decode steps by batch and context (CUDA graphs as the engine replays
-them on CUDA, and one eager step), KV moves out and back (alone, and at the
-largest point again beside the other engine's switch of the largest model);
-then copies of two engines on the one device at the same time (two threads);
-then the per-step host overhead of the live pool (`modelpool.measure_live`).
-Every result is a plain JSON-ready dict; `sims.profiles.calibrated` fits the
-profile from it.
+No files and no downloads: each shape's weights are random numbers in a `HostWeightCache` image, so any
+architecture the engine runs can be measured on any device that holds it. `Calibration.run()` measures, in
+order: graph capture (if the engine captures ahead of serving), then per shape weight switches (pinned host
+to device copies), prefill by length and prompts, decode steps by batch and context (CUDA graphs as the
+engine replays them on CUDA, and one eager step), KV moves out and back. `device_peaks` times the device's own
+rates (a large GEMM, a large copy, a host copy) for a device the GPU catalogue does not describe (a CPU).
+The result is `sims.profiles.measurements.Points`; `sims.profiles.measurements.build` fits the terms.
 
 Imports torch, transformers and pool.engines only (no Ray, no vLLM).
 """
@@ -19,10 +14,9 @@ Imports torch, transformers and pool.engines only (no Ray, no vLLM).
 from __future__ import annotations
 
 import statistics
-import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,23 +44,85 @@ class MeasurePlan:
     switch_repeats: int
     kv_batches: tuple[int, ...]
     kv_contexts: tuple[int, ...]
-    shared_repeats: int
-    live: dict[str, int] = field(default_factory=dict)  # see modelpool.measure_live.LIVE_KEYS
 
 
 def plan_for(cuda: bool, quick: bool) -> MeasurePlan:
-    """The default grid: on CUDA sized for ~3 shapes of 1.5B-7B in under 3 minutes on an H200 (--quick ~1)."""
+    """The default grid: on CUDA sized for the six shapes of SHAPES in a few minutes on an H100/H200."""
     if cuda and not quick:
-        return MeasurePlan((128, 512, 2048), (1, 4), (1, 8, 32, 64), (256, 1024, 4096), 20, 4, 3, (1, 8), (512, 2048), 2,
-                           {"prefill_probes": 6, "prompt": 512, "batch": 4, "decode_prompt": 256, "tokens": 128})
+        return MeasurePlan((128, 512, 2048), (1, 4), (1, 8, 32), (256, 2048), 12, 3, 3, (1, 8), (512, 2048))
     if cuda:
-        return MeasurePlan((256, 2048), (1, 4), (1, 16), (512, 2048), 10, 2, 2, (1, 8), (512, 2048), 1,
-                           {"prefill_probes": 3, "prompt": 512, "batch": 4, "decode_prompt": 256, "tokens": 48})
+        return MeasurePlan((256, 2048), (1, 4), (1, 16), (512, 2048), 8, 2, 2, (1, 8), (512, 2048))
     if quick:
-        return MeasurePlan((16, 64), (1, 2), (1, 4), (32, 96), 4, 1, 2, (1, 4), (24, 48), 1,
-                           {"prefill_probes": 2, "prompt": 32, "batch": 2, "decode_prompt": 16, "tokens": 8})
-    return MeasurePlan((32, 128, 512), (1, 4), (1, 4, 16), (64, 256, 1024), 10, 3, 3, (1, 4), (64, 256), 2,
-                       {"prefill_probes": 4, "prompt": 128, "batch": 4, "decode_prompt": 64, "tokens": 32})
+        return MeasurePlan((16, 64), (1, 2), (1, 4), (32, 96), 4, 1, 2, (1, 4), (24, 48))
+    return MeasurePlan((32, 128, 512), (1, 4), (1, 4, 16), (64, 256, 1024), 10, 3, 3, (1, 4), (64, 256))
+
+
+def _tiny(family: str, layers: int, hidden: int, heads: int, kv_heads: int, inter: int, vocab: int,
+          head_dim: int | None = None) -> Arch:
+    return Arch(family=family, num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads,
+                head_dim=head_dim, intermediate_size=inter, vocab_size=vocab, qkv_bias=family == "qwen2",
+                max_context=4096)
+
+
+def shapes_for(cuda: bool, quick: bool) -> dict[str, Arch]:
+    """The shapes microbenchmarked: six (five with --quick) across qwen2, qwen3 and llama that vary layers,
+    width, heads, KV heads and vocabulary apart. On CUDA real models' shapes (random weights), 0.5B-7B; on a
+    CPU tiny ones (the same variety, at sizes a CPU times in seconds)."""
+    from scheduler.fleet import ARCHS
+
+    if cuda:
+        keys = ("qwen2.5-0.5b", "llama-3.2-1b", "qwen3-1.7b", "qwen2.5-3b", "qwen3-4b", "qwen2.5-7b")
+        keys = keys[:5] if quick else keys
+        return {key: Arch.model_validate({**ARCHS[key], "total_params": None}) for key in keys}
+    scale = 1 if quick else 2
+    shapes = {
+        "tiny-qwen2-a": _tiny("qwen2", 2, 64 * scale, 4, 2, 128 * scale, 512),
+        "tiny-llama-a": _tiny("llama", 6, 64 * scale, 2, 1, 192 * scale, 768),
+        "tiny-qwen3-a": _tiny("qwen3", 3, 96 * scale, 6, 2, 192 * scale, 1024, head_dim=16 * scale),
+        "tiny-llama-b": _tiny("llama", 2, 128 * scale, 8, 8, 256 * scale, 2048),
+        "tiny-qwen2-b": _tiny("qwen2", 4, 128 * scale, 4, 1, 256 * scale, 1536),
+        "tiny-qwen3-b": _tiny("qwen3", 5, 64 * scale, 4, 4, 128 * scale, 640, head_dim=16 * scale),
+    }
+    return dict(list(shapes.items())[:5]) if quick else shapes
+
+
+def device_peaks(device: str, dtype: Any = None, quick: bool = False) -> dict[str, float]:
+    """The device's own rates, for a device the GPU catalogue does not describe: dense matmul FLOP/s (the
+    median of a few large GEMMs in `dtype`), memory bandwidth (bytes read and written by a large copy, per
+    second) and the host-to-device copy rate (a plain host copy on a CPU); the memory size in GB."""
+    dev = torch.device(device)
+    dtype = dtype or torch.bfloat16
+    n = 512 if quick or dev.type == "cpu" else 8192
+    a, b = torch.randn(n, n, device=dev).to(dtype), torch.randn(n, n, device=dev).to(dtype)
+    size = (32 if quick else 128) * MiB if dev.type == "cpu" else GiB
+    src = torch.empty(size, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    host = torch.empty(size, dtype=torch.uint8, pin_memory=dev.type == "cuda")
+    dst.copy_(src)
+    a @ b
+
+    def timed(fn: Callable[[], object], repeats: int = 5) -> float:
+        times = []
+        for _ in range(repeats):
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            started = time.perf_counter()
+            fn()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            times.append(time.perf_counter() - started)
+        return statistics.median(times)
+
+    flops = 2.0 * n ** 3 / timed(lambda: a @ b)
+    memory = 2.0 * size / timed(lambda: dst.copy_(src))
+    h2d = size / timed(lambda: dst.copy_(host, non_blocking=False))
+    if dev.type == "cuda":
+        total = torch.cuda.get_device_properties(dev).total_memory
+    else:
+        import os
+
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {"tflops": flops / 1e12, "memory_tb_s": memory / 1e12, "h2d_gb_s": h2d / 1e9, "memory_gb": total / 1e9}
 
 
 def hf_config(arch: Arch) -> Any:
@@ -106,26 +162,25 @@ class Calibration:
         self.cache = HostWeightCache(pin=self.cuda)
         self.images: dict[str, ModelImage] = {}
         self.engine: TorchEngine | None = None
-        self.other: TorchEngine | None = None  # a second engine on the same device: copies at the same time
         self.result: dict[str, Any] = {"device": torch.cuda.get_device_name(self.device) if self.cuda else "cpu",
                                        "software": {"torch": torch.__version__, "cuda": torch.version.cuda or ""},
-                                       "prefill": [], "decode": [], "swap": [], "kv_move": [], "kv_shared": [],
-                                       "shared": [], "shapes": {}, "figures": {}}
+                                       "prefill": [], "decode": [], "swap": [], "kv_move": [], "figures": {}}
         self._ids = 0
 
     @property
     def num_steps(self) -> int:
         """Progress units `run` reports (one per call of its `progress`)."""
-        return 3 + 5 * len(self.archs)
+        return 1 + 5 * len(self.archs)
 
     def run(self, progress: Progress = lambda _: None) -> dict[str, Any]:
+        """Every point of the plan; the result's prefill/decode/swap/kv_move lists are
+        sims.profiles.measurements.Points fields."""
         torch.manual_seed(self.seed)
         for name, arch in self.archs.items():
             self.images[name] = self.cache.add_random(name, hf_config(arch), self.dtype, seed=self.seed,
                                                       device=self.device)
-            self.result["shapes"][name] = {"weight_bytes": self.images[name].nbytes, "num_layers": arch.num_layers}
             progress(f"built {name}")
-        self.engine, self.other = self._engine(self._kv_bytes()), self._engine((64 if self.cuda else 1) * MiB)
+        self.engine = self._engine(self._kv_bytes())
         self._warm_up(progress)
         for name in self.archs:
             self._switch(name)
@@ -139,20 +194,13 @@ class Calibration:
         extra = self.engine.stats().extra  # a graph miss ran eagerly: the "graph" steps were not all graphs
         self.result["figures"].update({key: extra[key] for key in ("graph_captures", "graph_misses", "graph_replays")
                                        if isinstance(extra.get(key), (int, float))})
-        self._shared()
-        progress("copies of two engines at once")
-        from modelpool.measure_live import measure_live
-
-        smallest = min(self.archs, key=lambda n: self.images[n].nbytes)
-        self.result["live"] = measure_live(self.engine, smallest, self.archs[smallest], self.plan.live, self._kv_bytes())
-        progress("live pool host overhead")
         return self.result
 
     # ---- engines ---------------------------------------------------------------------------------
     def _engine(self, kv_bytes: int) -> TorchEngine:
         cuda = self.cuda
         moved = max(self.plan.kv_batches) * max(self.plan.kv_contexts) * max(a.kv_bytes_per_token for a in self.archs.values())
-        batches = sorted({1, *self.plan.decode_batches, *_bucket_up(self.plan.live.get("batch", 1))})
+        batches = sorted({1, *self.plan.decode_batches})
         engine = TorchEngine(TorchEngineConfig(
             device=str(self.device), block_size=16, kv_bytes=kv_bytes, device_slab_bytes=(64 if cuda else 1) * MiB,
             host_slab_bytes=GiB if cuda else 4 * MiB, max_host_kv_bytes=max(4 * moved, 64 * MiB),
@@ -169,9 +217,7 @@ class Calibration:
         plan = self.plan
         tokens = max(max(plan.decode_batches) * (max(plan.decode_contexts) + 64),
                      max(plan.prefill_batches) * (max(plan.prefill_lengths) + 16),
-                     max(plan.kv_batches) * (max(plan.kv_contexts) + 16),
-                     plan.live.get("batch", 1) * (plan.live.get("decode_prompt", 0) + plan.live.get("tokens", 0))
-                     + plan.live.get("prompt", 0) + 64)
+                     max(plan.kv_batches) * (max(plan.kv_contexts) + 16))
         need = int(1.25 * tokens * max(a.kv_bytes_per_token for a in self.archs.values()))
         slab = (64 if self.cuda else 1) * MiB
         return (need // slab + 2 * len(self.archs) + 2) * slab
@@ -202,18 +248,17 @@ class Calibration:
             engine.deactivate(name)
             engine.drop_resident(name)
             times.append(self._timed(lambda: engine.activate(name)))
-        self.result["swap"].append({"arch": name, "bytes": self.images[name].nbytes, "seconds": _median(times),
-                                    "all_s": _round(times)})
+        self.result["swap"].append({"shape": name, "bytes": self.images[name].nbytes, "seconds": _median(times)})
 
     def _prefill(self, name: str) -> None:
         engine = self.engine
         assert engine is not None
         for length in self.plan.prefill_lengths:
             for batch in self.plan.prefill_batches:
-                first = self._time_prefill(name, length, batch)  # a fresh shape: allocator growth, GEMM heuristics
+                self._time_prefill(name, length, batch)  # a fresh shape: allocator growth, GEMM heuristics
                 times = [self._time_prefill(name, length, batch) for _ in range(self.plan.repeats)]
-                self.result["prefill"].append({"arch": name, "tokens": length, "batch": batch,
-                                               "seconds": _median(times), "first_s": round(first, 6)})
+                self.result["prefill"].append({"shape": name, "tokens": length, "batch": batch,
+                                               "seconds": _median(times)})
 
     def _time_prefill(self, name: str, length: int, batch: int) -> float:
         engine = self.engine
@@ -238,14 +283,14 @@ class Calibration:
                 requests = self._requests(name, batch, prompt)
                 ids = [r.request_id for r in requests]
                 self._admit(requests)
-                first = self._timed(lambda: engine.decode_step(ids))
+                self._timed(lambda: engine.decode_step(ids))
                 times = [self._timed(lambda: engine.decode_step(ids)) for _ in range(steps)]
                 engine.release(ids)
             finally:
                 engine.use_cuda_graphs = graphs
             step = _median(times)
-            self.result["decode"].append({"arch": name, "batch": batch, "context": prompt + 2 + steps // 2,
-                                          "graphs": use_graphs, "seconds": step, "first_step_s": round(first, 6)})
+            self.result["decode"].append({"shape": name, "batch": batch, "context": prompt + 2 + steps // 2,
+                                          "graphs": use_graphs, "seconds": step})
 
     def _kv_move(self, name: str) -> None:
         engine = self.engine
@@ -261,55 +306,9 @@ class Calibration:
             for _ in range(self.plan.repeats):
                 save.append(self._timed(lambda: engine.save_kv(ids)))
                 restore.append(self._timed(lambda: engine.restore_kv(ids)))
-            self.result["kv_move"].append({"arch": name, "batch": batch, "context": context, "bytes": nbytes,
-                                           "save_s": _median(save),
-                                           "restore_s": _median(restore)})
-            if (batch, context) == (max(self.plan.kv_batches), max(self.plan.kv_contexts)):
-                self._kv_beside_copy(name, ids, batch, context, nbytes)
+            self.result["kv_move"].append({"shape": name, "batch": batch, "context": context, "bytes": nbytes,
+                                           "save_s": _median(save), "restore_s": _median(restore)})
             engine.release(ids)
-
-    def _kv_beside_copy(self, name: str, ids: list[str], batch: int, context: int, nbytes: int) -> None:
-        """Save and restore the KV of `ids` while the other engine switches in the largest model at the same
-        moment, from two threads (a KV move beside another instance's switch on one GPU): each move's time, the
-        switch's, and the span of both (medians). Each move waits for its own stream only, not for the switch."""
-        engine, other = self.engine, self.other
-        assert engine is not None and other is not None
-        copied = max(self.images, key=lambda n: self.images[n].nbytes)
-        other.activate(copied)  # its device buffer is allocated now, not inside a timed copy
-        row: dict[str, Any] = {"arch": name, "batch": batch, "context": context, "bytes": nbytes, "copied": copied,
-                               "copy_bytes": self.images[copied].nbytes}
-        for way, move, stream in (("save", engine.save_kv, engine.streams.swap_out),
-                                  ("restore", engine.restore_kv, engine.streams.swap_in)):
-            runs = []
-            for _ in range(self.plan.shared_repeats):
-                other.deactivate(copied)
-                other.drop_resident(copied)
-                self._sync()
-                runs.append(_together([lambda: _on_stream(move, ids, stream), lambda: other.activate(copied)]))
-            row |= {f"{way}_s": _median([kv for (kv, _), _ in runs]),
-                    f"{way}_copy_s": _median([copy for _, (copy, _) in runs]),
-                    f"{way}_span_s": _median([max(end for _, end in r) - min(end - t for t, end in r) for r in runs])}
-        self.result["kv_shared"].append(row)
-
-    # ---- two engines at once -------------------------------------------------------------------------
-    def _shared(self) -> None:
-        """Each engine switches in a model at the same moment, from its own thread (as two instances on one
-        GPU do): each copy's time and the span of both, against each alone."""
-        engine, other = self.engine, self.other
-        assert engine is not None and other is not None
-        names = sorted(self.archs, key=lambda n: self.images[n].nbytes)
-        first, second = names[-1], names[-2] if len(names) > 1 else names[-1]
-        other.activate(second)  # its device buffer is allocated now, not inside a timed copy
-        for _ in range(self.plan.shared_repeats):
-            for e, n in ((engine, first), (other, second)):
-                e.deactivate(n)
-                e.drop_resident(n)
-            self._sync()
-            times = _together([lambda: engine.activate(first), lambda: other.activate(second)])
-            self.result["shared"].append({"archs": [first, second], "bytes": [self.images[first].nbytes,
-                                                                              self.images[second].nbytes],
-                                          "seconds": _round([t for t, _ in times]),
-                                          "span_s": round(max(end for _, end in times) - min(end - t for t, end in times), 6)})
 
     # ---- helpers ---------------------------------------------------------------------------------
     def _admit(self, requests: list[GenRequest], max_tokens: int = 16384) -> None:
@@ -342,42 +341,7 @@ class Calibration:
         return time.perf_counter() - started
 
 
-def _together(calls: Sequence[Callable[[], object]]) -> list[tuple[float, float]]:
-    """Run `calls` in threads released at once; each one's (seconds, end time). The engines' calls wait
-    for their own copies (activate returns when the weights are there), not for each other's."""
-    barrier = threading.Barrier(len(calls))
-    out: list[tuple[float, float]] = [(0.0, 0.0)] * len(calls)
-
-    def one(k: int) -> None:
-        barrier.wait()
-        started = time.perf_counter()
-        calls[k]()
-        end = time.perf_counter()
-        out[k] = (end - started, end)
-
-    threads = [threading.Thread(target=one, args=(k,)) for k in range(len(calls))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return out
-
-
-def _on_stream(move: Callable[[list[str]], None], ids: list[str], stream: Any) -> None:
-    """`move(ids)` (save_kv or restore_kv: they queue their copies on `stream`, None on CPU), waited for."""
-    move(ids)
-    if stream is not None:
-        stream.synchronize()
-
-
-def _bucket_up(batch: int) -> tuple[int, ...]:
-    """The power of two at or above `batch` (the graph bucket a live batch pads to)."""
-    return (1 << (batch - 1).bit_length(),)
-
-
 def _median(values: Sequence[float]) -> float:
     return round(statistics.median(values), 7)
 
 
-def _round(values: Sequence[float]) -> list[float]:
-    return [round(v, 7) for v in values]

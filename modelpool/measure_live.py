@@ -1,17 +1,14 @@
-"""What the live pool adds to each step: a short load through `pool.service.LivePool` (threads backend).
+"""The live pool's own host costs, measured on an idle pool whose engine takes no time (no GPU needed).
 
-The pool runs one mixed instance on the calibration's own engine (random
-weights, `request-level` policy), and its sinks time every token as a client
-of the pool would get it. Against the same engine's calls, timed inside the
-backend's worker thread:
+One mixed instance of `pool.service.LivePool` (threads backend, `request-level` policy) runs a
+`pool.engines.sim_engine.SimEngine` at time scale 0: every engine call returns at once, so what a request
+waits for is the pool itself. Each engine call is timed where the backend makes it; each token where its
+request's stream gets it. Measured (`sims.profiles.measurements.HostPoints`):
 
-- prefill probes: single requests, one after another, each to its first token
-  (submit to sink), with the engine's prefill call alone;
-- a decode load: `batch` requests at once, `tokens` tokens each; the median
-  gap between a request's tokens at the sink, with the engine's decode_step.
-
-`sims.profiles.calibrated` charges the difference between what the sink saw
-and what the fitted engine terms predict as prefill_host_s and decode_host_s.
+- admission: one request at a time, submit to its prefill call's start (`admit_s`), and that call's return
+  to the token at the stream (`deliver_s`);
+- per decode batch size, the median time between consecutive decode calls of that batch: the pool's time
+  per engine call and per token it delivers (fitted as host_call_s + host_token_s x batch).
 """
 
 from __future__ import annotations
@@ -23,26 +20,28 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from pool.engines.base import GenRequest, SamplingParams, TokenOut
+from pool.engines.sim_engine import SimEngine
 from pool.served import ServedModel
 from pool.service import LivePool
 from scheduler import InstanceSpec, ModelProfile
 from scheduler.fleet import Arch
 from sims.costmodel import RooflineCostModel
+from sims.profiles.measurements import HostPoints
 
-LIVE_KEYS = ("prefill_probes", "prompt", "batch", "decode_prompt", "tokens")
-WAIT_S = 300.0
+WAIT_S = 120.0
+MODEL = "host-probe"
+_ARCH = Arch(family="llama", num_layers=1, hidden_size=64, num_heads=1, num_kv_heads=1, intermediate_size=64,
+             vocab_size=256, max_context=4096)
 
 
 class _TimedEngine:
-    """The engine, with the wall time of each prefill and decode_step call recorded (in the worker thread)."""
+    """The engine, with the start and end of each prefill and decode_step call recorded (in the worker thread)."""
 
     def __init__(self, engine: Any) -> None:
         self._engine = engine
-        self.prefills: list[tuple[int, float]] = []  # (requests, seconds)
-        self.decodes: list[tuple[int, float]] = []  # (batch, seconds)
+        self.prefills: list[tuple[float, float]] = []  # (start, end)
+        self.decodes: list[tuple[int, float]] = []  # (batch, start)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
@@ -50,29 +49,27 @@ class _TimedEngine:
     def prefill(self, requests: Sequence[GenRequest]) -> Any:
         started = time.perf_counter()
         out = self._engine.prefill(requests)
-        self.prefills.append((len(requests), time.perf_counter() - started))
+        self.prefills.append((started, time.perf_counter()))
         return out
 
     def decode_step(self, request_ids: Sequence[str]) -> Any:
-        started = time.perf_counter()
-        out = self._engine.decode_step(request_ids)
-        self.decodes.append((len(request_ids), time.perf_counter() - started))
-        return out
+        self.decodes.append((len(request_ids), time.perf_counter()))
+        return self._engine.decode_step(request_ids)
 
 
 class _GivenEnginePool(LivePool):
-    """A LivePool whose one instance runs an engine built here (random weights; no model folders)."""
+    """A LivePool whose one instance runs the engine built here."""
 
     def __init__(self, engine: Any, *args: Any, **kwargs: Any) -> None:
         self._given = engine
         super().__init__(*args, **kwargs)
 
-    def _new_engine(self, *_: Any) -> Any:  # (instance id, in newer pools)
+    def _new_engine(self, *_: Any) -> Any:
         return self._given
 
 
 class _Client:
-    """The sink side of requests: every token's arrival time, and a flag when each request ends."""
+    """The stream side of requests: every token's arrival time, and a flag when each request ends."""
 
     def __init__(self) -> None:
         self.times: dict[str, list[float]] = {}
@@ -96,45 +93,48 @@ class _Client:
         deadline = time.perf_counter() + WAIT_S
         for rid in request_ids:
             if not self.ended[rid].wait(max(0.0, deadline - time.perf_counter())):
-                raise RuntimeError(f"calibration load: request {rid} did not finish within {WAIT_S:g} s")
+                raise RuntimeError(f"idle-pool probe: request {rid} did not finish within {WAIT_S:g} s")
         if self.errors:
-            raise RuntimeError(f"calibration load: the pool failed a request: {self.errors[0]!r}")
+            raise RuntimeError(f"idle-pool probe: the pool failed a request: {self.errors[0]!r}")
 
 
-def measure_live(engine: Any, name: str, arch: Arch, plan: dict[str, int], kv_bytes: int) -> dict[str, Any]:
-    """Prefill probes and a decode load of model `name` through a live pool on `engine`."""
-    plan = {key: int(plan[key]) for key in LIVE_KEYS}
-    timed = _TimedEngine(engine)
-    profile = ModelProfile(name, 1, arch.weight_bytes, arch.kv_bytes_per_token, arch.max_context, 60.0, 1.0)
-    costs = RooflineCostModel.for_models({name: (arch, 1)}, "h200")  # the policy's predictions only
-    instance = InstanceSpec("calibrate0", 1, 0.9 * kv_bytes + arch.weight_bytes, "mixed")
-    pool = _GivenEnginePool(timed, [ServedModel(name, Path("random-weights") / name, profile)], [instance],
+def measure_host(probes: int = 20, batches: Sequence[int] = (1, 4, 16), tokens: int = 32) -> HostPoints:
+    """The idle pool's host costs: `probes` single requests for admission and delivery, then per batch size
+    `tokens` decode steps."""
+    costs = RooflineCostModel.for_models({MODEL: (_ARCH, 1)}, "h200")  # paces nothing: the engine's scale is 0
+    engine = _TimedEngine(SimEngine(costs, kv_bytes=1 << 30, time_scale=0.0,
+                                    kv_bytes_per_token={MODEL: _ARCH.kv_bytes_per_token}))
+    profile = ModelProfile(MODEL, 1, _ARCH.weight_bytes, _ARCH.kv_bytes_per_token, _ARCH.max_context, 60.0, 1.0)
+    instance = InstanceSpec("host0", 1, float(1 << 31), "mixed")
+    engine.load(MODEL, None)
+    pool = _GivenEnginePool(engine, [ServedModel(MODEL, Path("zero-time") / MODEL, profile)], [instance],
                             "request-level", costs, backend="threads")
     client, counter = _Client(), [0]
-    gen = torch.Generator().manual_seed(1)
 
-    def submit(prompt: int, max_tokens: int) -> str:
+    def submit(max_tokens: int) -> str:
         counter[0] += 1
-        rid = f"live{counter[0]}"
-        tokens = torch.randint(0, arch.vocab_size, (prompt,), generator=gen).tolist()
-        pool.submit(rid, name, tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=True), client.sink(rid))
+        rid = f"host{counter[0]}"
+        pool.submit(rid, MODEL, list(range(16)), SamplingParams(max_tokens=max_tokens, ignore_eos=True), client.sink(rid))
         return rid
 
+    admit, deliver = [], []
+    by_batch: dict[int, float] = {}
     with pool:
-        client.wait([submit(plan["decode_prompt"], plan["tokens"]) for _ in range(plan["batch"])])  # warm-up
-        probes = []
-        for _ in range(plan["prefill_probes"]):
+        client.wait([submit(4)])  # warm-up: the model's first switch, the threads' first calls
+        for _ in range(probes):
+            calls = len(engine.prefills)
             submitted = time.perf_counter()
-            rid = submit(plan["prompt"], 1)
+            rid = submit(1)
             client.wait([rid])
-            probes.append({"tokens": plan["prompt"], "ttft_s": round(client.times[rid][0] - submitted, 6),
-                           "engine_s": round(timed.prefills[-1][1], 6)})
-        first_decode = len(timed.decodes)
-        ids = [submit(plan["decode_prompt"], plan["tokens"]) for _ in range(plan["batch"])]
-        client.wait(ids)
-    gaps = [later - earlier for rid in ids for earlier, later in zip(client.times[rid][1:], client.times[rid][2:])]
-    steps = [seconds for batch, seconds in timed.decodes[first_decode:] if batch == plan["batch"]]
-    return {"arch": name, "policy": "request-level", "backend": "threads", "prefill": probes,
-            "decode": {"batch": plan["batch"], "context": plan["decode_prompt"] + plan["tokens"] // 2,
-                       "gap_s": round(statistics.median(gaps), 7) if gaps else None,
-                       "engine_s": round(statistics.median(steps), 7) if steps else None, "num_gaps": len(gaps)}}
+            started, ended = engine.prefills[calls]
+            admit.append(started - submitted)
+            deliver.append(client.times[rid][0] - ended)
+        for batch in batches:
+            first = len(engine.decodes)
+            client.wait([submit(tokens) for _ in range(batch)])
+            starts = [at for size, at in engine.decodes[first:] if size == batch]
+            gaps = [b - a for a, b in zip(starts, starts[1:])]
+            if gaps:
+                by_batch[batch] = round(statistics.median(gaps), 7)
+    return HostPoints(step_s_by_batch=by_batch, admit_s=[round(x, 7) for x in admit],
+                      deliver_s=[round(x, 7) for x in deliver])

@@ -128,19 +128,9 @@ class CostModel:
         its requests' kv_move_s: the engine issues a move's copies together. None here."""
         return 0.0
 
-    def kv_handoff_overhead_s(self, model: str) -> float:
-        """Time one move of a hand-off staged in device memory (the export into the prefill instance's arena, or
-        the import from it) takes on top of its requests' kv_device_copy_s. Here a move's kv_move_overhead_s."""
-        return self.kv_move_overhead_s(model)
-
-    def kv_handoff_request_s(self, model: str) -> float:
-        """Time each request of a staged hand-off's move adds on top of its kv_device_copy_s (the engine's work
-        per request: its blocks, its rows' indices). None here."""
-        return 0.0
-
-    def prefill_host_s(self, model: str) -> float:
-        """The part of every prefill_s of `model` that is host time after the GPU's (the live pool's), not
-        device work: it does not share a GPU with other instances. None here."""
+    def prefill_host_s(self, model: str, num_requests: int = 1) -> float:
+        """The part of a prefill_s of `model` over `num_requests` prompts that is host time after the GPU's (the
+        live pool's), not device work: it does not share a GPU with other instances. None here."""
         return 0.0
 
     def request_admit_s(self) -> float:

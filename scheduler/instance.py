@@ -273,12 +273,10 @@ def staging_instances(roles: Mapping[str, str], gpus: Mapping[str, Collection[Ha
 
 def kv_device_move_s(costs: CostModel, moves: Sequence[tuple[str, int]]) -> float:
     """One KV move of (model, tokens) pairs within the device (a staged hand-off's gather, or its scatter into
-    the importer's blocks): each request's `kv_device_copy_s` and `kv_handoff_request_s`, plus the one overhead
-    of such a move."""
+    the importer's blocks): each request's `kv_device_copy_s`, plus the one overhead of a KV move."""
     if not moves:
         return 0.0
-    return (sum(costs.kv_device_copy_s(model, tokens) + costs.kv_handoff_request_s(model) for model, tokens in moves)
-            + costs.kv_handoff_overhead_s(moves[0][0]))
+    return sum(costs.kv_device_copy_s(model, tokens) for model, tokens in moves) + costs.kv_move_overhead_s(moves[0][0])
 
 
 def prefill_s(costs: CostModel, prompts: Sequence[tuple[str, int]]) -> float:

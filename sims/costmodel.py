@@ -24,16 +24,17 @@ plus overheads. A scheduler.costs.CostModel. Assumptions:
   PCIe link, all in parallel. Norms, rotary, sampling, activation traffic are
   left to the fitted fixed terms: decode_fixed_s a step, decode_layer_s a layer
   of it, decode_request_s a request of its batch.
-- The live pool's host time (controller tick, backend hop, token delivery) adds
-  decode_host_s (+ decode_host_request_s per request of the batch) to every
-  decode step and prefill_host_s to every prefill, after the GPU time and the
-  launch floor: the host waits for each step's tokens.
-- Host links: with pool.gpus_per_host_link >= 1, `host_links` gives the
-  simulator the links its instances copy over (sims.links), where overlapping
-  copies split the bandwidth; else every copy runs at the full link rate.
-- Shared GPUs: where the placement puts several instances on one GPU and the
-  profile gives gpu_share_slowdown, `gpu_shares` gives the simulator their
-  time-slicing (sims.gpu_share); else every instance has its GPUs to itself.
+- The live pool's host time (measured on an idle pool with a zero-time
+  engine) adds host_call_s (+ host_token_s per request: each delivers a token)
+  to every engine call, after the GPU time and the launch floor: the host
+  waits for each step's tokens.
+- Shared budgets, no fitted contention: with pool.gpus_per_host_link >= 1,
+  `host_links` gives the simulator the links its instances copy over
+  (sims.links): a link moves its bytes at the one rate eff_pcie measured,
+  copies served in the order they start (a DMA engine's queue); else every
+  copy runs at the full link rate. Where the placement puts several
+  instances on one GPU, `gpu_shares` splits its time among those busy
+  (sims.gpu_share at slowdown SHARED_GPU_SLOWDOWN: k busy each get 1/k).
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ from sims.links import HostLinks, link_spans
 from sims.profiles import CalibrationProfile, ProfileTerms, load_profile
 
 Bound = Literal["memory", "compute", "launch"]
+# Instances on one GPU share its budget: while k are busy each runs at 2 / (k * this) = 1/k of its rate alone
+# (a rule, not a fitted term: the GPU's FLOPs and bytes are split without gain or loss).
+SHARED_GPU_SLOWDOWN = 2.0
 Line = tuple[float, float]  # (a, b): the value at step s is a + b * s
 TurnLines = tuple[Line, Line, Line]  # a decode turn's memory, compute and (flat) floor lines
 
@@ -83,9 +87,9 @@ class ModelConstants:
     allreduce_s_per_token: float
     prefill_overhead_s: float
     prefill_request_s: float  # per prompt
-    prefill_host_s: float  # the live pool's host time per prefill (a fresh shape's cost included), after the GPU time
+    host_call_s: float  # the live pool's host time per engine call, after the GPU time
+    host_token_s: float  # and per token it delivers (a prefill's prompts, a decode step's requests)
     prefill_padded: bool  # the GEMMs run at scheduler.costs.padded_prefill_tokens rows
-    prefill_scale: float  # the live pool's prefill over the engine terms' (prefill_live_scale)
     decode_fixed_s: float  # with the per-layer term and the live pool's host time per step
     decode_request_s: float  # GPU and the live pool's host time per request of a step's batch
     prefill_floor_s: float  # host launch floor (0 with CUDA graphs)
@@ -94,8 +98,6 @@ class ModelConstants:
     h2d_s_per_byte: float
     kv_s_per_byte: float  # KV moves (at eff_kv_move)
     kv_move_fixed_s: float  # per move (kv_move_overhead_s)
-    kv_handoff_fixed_s: float  # per staged hand-off move (kv_handoff_overhead_s)
-    kv_handoff_request_s: float  # per request of such a move
     kv_copy_s_per_byte: float  # KV copied within the device: read and written at eff_mem of HBM
 
 
@@ -126,19 +128,17 @@ def model_constants(arch: Arch, tp: int, gpu: GpuSpec, terms: ProfileTerms) -> M
         allreduce_s_per_token=2 * layers * allreduce_bytes / (gpu.nvlink_gb_s * 1e9 * terms.eff_nvlink),
         prefill_overhead_s=terms.prefill_fixed_s + layers * terms.prefill_layer_s,
         prefill_request_s=terms.prefill_request_s,
-        prefill_host_s=terms.prefill_host_s + terms.prefill_fresh_s,
+        host_call_s=terms.host_call_s,
+        host_token_s=terms.host_token_s,
         prefill_padded=terms.prefill_padded,
-        prefill_scale=terms.prefill_live_scale,
-        decode_fixed_s=terms.decode_fixed_s + layers * terms.decode_layer_s + terms.decode_host_s,
-        decode_request_s=terms.decode_request_s + terms.decode_host_request_s,
+        decode_fixed_s=terms.decode_fixed_s + layers * terms.decode_layer_s + terms.host_call_s,
+        decode_request_s=terms.decode_request_s + terms.host_token_s,
         prefill_floor_s=0.0 if terms.prefill_cuda_graphs else layers * terms.launch_s_per_layer,
         decode_floor_s=0.0 if terms.decode_cuda_graphs else layers * terms.launch_s_per_layer,
         switch_s=arch.weight_bytes / tp / (gpu.h2d_gb_s * 1e9 * terms.eff_pcie) + terms.switch_fixed_s,
         h2d_s_per_byte=1.0 / (gpu.h2d_gb_s * 1e9 * terms.eff_pcie),
         kv_s_per_byte=1.0 / (gpu.h2d_gb_s * 1e9 * (terms.eff_kv_move or terms.eff_pcie)),
         kv_move_fixed_s=terms.kv_move_fixed_s,
-        kv_handoff_fixed_s=terms.kv_move_fixed_s if terms.kv_handoff_fixed_s is None else terms.kv_handoff_fixed_s,
-        kv_handoff_request_s=terms.kv_handoff_request_s,
         kv_copy_s_per_byte=2.0 / (hbm * terms.eff_mem),
     )
 
@@ -169,18 +169,18 @@ class RooflineCostModel(CostModel):
         """`fleet`'s models on `gpu` (a GPU type of the fleet or the catalogue; the pool's by default), or, from
         `for_models`, models by name -> (arch, tp) on `gpu`, a catalogue key or a spec named `gpu_name`.
         `gpus_per_host_link` as the pool setting (None: the fleet's pool setting; 0 without a fleet)."""
+        self.profile = profile or _default_profile()
         if isinstance(fleet, Fleet):
             models = {entry.name: (entry.arch, entry.tp) for entry in fleet.models}
             gpu = gpu or fleet.pool.gpu
-            spec = gpu if isinstance(gpu, GpuSpec) else fleet.gpu(gpu)
+            spec = gpu if isinstance(gpu, GpuSpec) else device_spec(gpu, self.profile, fleet.gpus)
             if gpus_per_host_link is None:
                 gpus_per_host_link = fleet.pool.gpus_per_host_link
         elif gpu is None:
             raise TypeError("a cost model without a fleet needs a GPU")
         else:
             models = dict(fleet)
-            spec = gpu if isinstance(gpu, GpuSpec) else GPUS[gpu.lower()]
-        self.profile = profile or _default_profile()
+            spec = gpu if isinstance(gpu, GpuSpec) else device_spec(gpu, self.profile)
         self.gpu_name, self.gpu = (gpu if isinstance(gpu, str) else gpu_name).lower(), spec
         self.terms = self.profile.terms_for(self.gpu_name)
         self._models = {name: model_constants(arch, tp, spec, self.terms) for name, (arch, tp) in models.items()}
@@ -211,7 +211,7 @@ class RooflineCostModel(CostModel):
         memory = c.stream_static_s + experts * c.stream_expert_s + run * c.kv_write_s_per_token
         gpu = (max(compute, memory) + c.allreduce_fixed_s + run * c.allreduce_s_per_token + c.prefill_overhead_s
                + requests * c.prefill_request_s)
-        return max(gpu, c.prefill_floor_s) * c.prefill_scale + c.prefill_host_s
+        return max(gpu, c.prefill_floor_s) + c.host_call_s + requests * c.host_token_s
 
     def decode_step_s(self, model: str, batch_size: int, context_tokens: int) -> float:
         if batch_size <= 0:
@@ -239,21 +239,16 @@ class RooflineCostModel(CostModel):
     def kv_move_overhead_s(self, model: str) -> float:
         return self._models[model].kv_move_fixed_s
 
-    def kv_handoff_overhead_s(self, model: str) -> float:
-        return self._models[model].kv_handoff_fixed_s
-
-    def kv_handoff_request_s(self, model: str) -> float:
-        return self._models[model].kv_handoff_request_s
-
     def host_links(self, instances: Sequence[InstanceSpec], gpu_of: Mapping[str, int] | None = None) -> CopyLinks | None:
-        """The instances' host links (sims.links) when the pool shares them (gpus_per_host_link >= 1), else None."""
+        """The instances' host links (sims.links) when the pool shares them (gpus_per_host_link >= 1), else None:
+        a link's bytes at its one measured rate, copies in the order they start."""
         if self.gpus_per_host_link < 1:
             return None
-        shared = (self.terms.eff_pcie_shared or self.terms.eff_pcie) / self.terms.eff_pcie
-        return HostLinks(link_spans(instances, self.gpus_per_host_link, gpu_of), shared, self.terms.link_sharing)
+        return HostLinks(link_spans(instances, self.gpus_per_host_link, gpu_of))
 
-    def prefill_host_s(self, model: str) -> float:
-        return self._models[model].prefill_host_s
+    def prefill_host_s(self, model: str, num_requests: int = 1) -> float:
+        c = self._models[model]
+        return c.host_call_s + num_requests * c.host_token_s
 
     def request_admit_s(self) -> float:
         return self.terms.request_admit_s
@@ -262,13 +257,9 @@ class RooflineCostModel(CostModel):
         return self.terms.token_deliver_s
 
     def gpu_shares(self, instances: Sequence[InstanceSpec], gpu_of: Mapping[str, int] | None = None) -> GpuShares | None:
-        """The instances' time-slicing (sims.gpu_share) where some share a GPU and the profile measured how
-        much that slows them (gpu_share_slowdown), else None."""
-        slowdown = self.terms.gpu_share_slowdown
-        peers = gpu_peers(instances, gpu_of) if slowdown is not None else {}
-        if not peers or slowdown is None:
-            return None
-        return GpuTimeSharing(peers, slowdown, self.terms.gpu_share_decode_slowdown)
+        """The instances' time-slicing (sims.gpu_share) where some share a GPU, else None."""
+        peers = gpu_peers(instances, gpu_of)
+        return GpuTimeSharing(peers, SHARED_GPU_SLOWDOWN) if peers else None
 
     # ---- turns: many steps at once ---------------------------------------------------------------
     def decode_turn_s(self, model: str, batch_size: int, context_tokens: int, num_steps: int) -> float:
@@ -349,6 +340,23 @@ class RooflineCostModel(CostModel):
         lines = ((shape.mem_a + shape.mem_b * context_tokens, shape.mem_b * batch_size),
                  (shape.flop_a + shape.flop_b * context_tokens, shape.flop_b * batch_size), (shape.floor_s, 0.0))
         return lines, shape.fixed_s
+
+
+def device_spec(gpu: str, profile: CalibrationProfile, gpus: Mapping[str, GpuSpec] | None = None) -> GpuSpec:
+    """The figures of GPU type `gpu` the profile's efficiencies apply to: the device's own, measured, where the
+    profile was calibrated on a device the catalogue does not describe (a CPU) and `gpu` is that device; else the
+    fleet's `gpus` entry, else the catalogue's."""
+    key = gpu.lower()
+    run = profile.calibration
+    if profile.device_spec is not None and run is not None and run.gpu == key:
+        return profile.device_spec
+    if gpus and key in gpus:
+        return gpus[key]
+    if key not in GPUS:
+        measured = f" (profile {profile.name} was measured on {run.gpu})" if run is not None else ""
+        raise KeyError(f"unknown GPU {gpu!r}: not in the GPU catalogue ({', '.join(sorted(GPUS))}) nor the fleet's "
+                       f"gpus{measured}")
+    return GPUS[key]
 
 
 @functools.cache

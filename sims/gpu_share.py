@@ -6,14 +6,12 @@ are busy, each progresses at share(k) of its rate alone,
 
     share(1) = 1,  share(k) = 2 / (k * slowdown)  (k >= 2),
 
-`slowdown` the profile's `gpu_share_slowdown`: how much longer one instance's work takes beside one other
-busy instance (fitted to the H200 probe, benchmarks/gpu_prefill_probe.py). Below 2 the pair together gets
-more done than one alone (each fills the other's gaps); at 2 the GPU is split without gain or loss.
-The sharing is not even: a prefill's large GEMMs take the SMs from a decode step beside them far more than a
-decode step slows a prefill (on the H200 under MPS a prefill ran 1.11x its time alone beside a decoding
-process, a decode step 3-4x beside a prefilling one). So decode work beside a peer's prefill (or mixed
-iteration) slows by the profile's `gpu_share_decode_slowdown` instead, where it has one; every other pairing
-by `slowdown`. Each booking carries its kind ("prefill": prefills and mixed iterations; "decode": turns).
+`slowdown` how much longer one instance's work takes beside one other busy instance. Below 2 the pair
+together gets more done than one alone (each fills the other's gaps); at 2 the GPU is split without gain or
+loss, the rule the cost model uses (sims.costmodel.SHARED_GPU_SLOWDOWN: the GPU's budget shared, no fitted
+term). Decode work beside a peer's prefill (or mixed iteration) may slow by a `decode_slowdown` of its own
+(a prefill's large GEMMs take the SMs from a decode step beside them more than the other way round); the
+cost model leaves it at `slowdown`. Each booking carries its kind ("prefill": prefills and mixed iterations; "decode": turns).
 
 The executor books each step's device work here (`work_end_at`) when it starts it, and a step's end is
 fixed then (its completion is already scheduled). So a step is charged for the sharing its peers will impose

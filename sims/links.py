@@ -4,8 +4,9 @@ A weight switch, a prefetch and a KV move each copy bytes between pinned host
 memory and a GPU. Instances on one GPU copy over that GPU's link, and GPUs
 behind one PCIe switch share its uplink (`pool.gpus_per_host_link`). Each link
 direction (host to device, device to host: PCIe is full duplex) serves its
-copies in one of two ways (the profile's `link_sharing`, which `modelpool
-calibrate` measures). A copy's work is its time alone.
+copies in one of two ways; the cost model uses "fifo" at the one rate the
+profile's eff_pcie measured (no fitted sharing term). A copy's work is its
+time alone.
 
 - "fifo": one copy at a time, in the order they start, as the H200's copy
   engine ran two engines' switches (the copy started second waited for the
@@ -19,9 +20,9 @@ calibrate` measures). A copy's work is its time alone.
   state keeps the earlier copy's bytes, so later copies pay for them. Two
   equal copies started together end at d and 2d/rate (both 2d/rate ideally).
 
-rate(1) = 1; with copies overlapping, the link moves `shared_rate`
-(eff_pcie_shared / eff_pcie) of one copy's rate (a "fifo" copy that had to wait
-moves at it). A tensor-parallel instance copies one shard per GPU in parallel;
+rate(1) = 1; with copies overlapping, the link moves `shared_rate` of one
+copy's rate (1 in the cost model: the link's bytes are a budget that sharing
+neither grows nor shrinks). A tensor-parallel instance copies one shard per GPU in parallel;
 its shards on one link are one copy of that many times the work (`link_spans`).
 """
 

@@ -40,8 +40,10 @@ def usd_per_month(fleet: Fleet, gpu: str, gpus: int) -> float:
 
 def build_report(result: StudyResult, ctx: Context, *, fleet_path: str = "", trace: str = "", seed: int = 0,
                  command: str = "", wall_s: float | None = None,
-                 repeats: Mapping[int, Mapping[str, tuple[int, bool]]] | None = None) -> dict[str, Any]:
-    """The report's dict; `repeats` holds the other seeds' answers (seed -> policy -> (GPUs, met)), `--seeds`."""
+                 repeats: Mapping[int, Mapping[str, tuple[int, bool]]] | None = None,
+                 sensitivity: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The report's dict; `repeats` holds the other seeds' answers (seed -> policy -> (GPUs, met)), `--seeds`;
+    `sensitivity` the answers with the least certain terms worse (sims.sensitivity)."""
     fleet, gpu, goal = ctx.fleet, result.gpu, result.config.goal
     policies = {policy: _policy_entry(result, ctx, policy) for policy in result.pool_runs}
     dedicated = result.answer("dedicated")
@@ -73,6 +75,7 @@ def build_report(result: StudyResult, ctx: Context, *, fleet_path: str = "", tra
                               for p in policies}
     report["stability"] = stability(report, seed, repeats or {})
     report["tries"] = _tries(result, ctx, report)
+    report["sensitivity"] = dict(sensitivity) if sensitivity else None  # sims.sensitivity
     report["assumptions"] = _assumptions(result, ctx)
     report["profile"] = ctx.costs(gpu).profile.summary(gpu)
     return report
@@ -477,26 +480,20 @@ def _assumptions(result: StudyResult, ctx: Context) -> list[dict[str, str]]:
 
 
 def _host_links(gpus_per_link: int, terms: ProfileTerms) -> dict[str, str]:
-    """How the simulation shares host links: the fleet's pool setting, served as the profile's link_sharing says."""
+    """How the simulation shares host links: the fleet's pool setting; a shared link moves bytes at eff_pcie."""
     if not gpus_per_link:
         return {"what": "host links", "status": "input", "source": "the fleet file (pool.gpus_per_host_link)",
                 "value": "not shared (pool.gpus_per_host_link 0): every copy at the full link rate"}
-    how = ("one at a time in the order they start (link_sharing fifo: the later copy waits)"
-           if terms.link_sharing == "fifo" else "together (link_sharing fair: each of n copies at 1/n of the rate)")
-    rate = (terms.eff_pcie_shared or terms.eff_pcie) / terms.eff_pcie
     return {"what": "host links", "status": "input",
-            "value": f"{gpus_per_link} GPU(s) per PCIe link: weight and KV copies that overlap on a link are served "
-                     f"{how}, the link moving {rate:.3g} of one copy's rate while shared (sims/links.py)",
-            "source": "the fleet file (pool.gpus_per_host_link); link_sharing and eff_pcie_shared from the profile"}
+            "value": f"{gpus_per_link} GPU(s) per PCIe link: weight and KV copies that overlap on a link share its "
+                     f"bytes at the one rate eff_pcie ({terms.eff_pcie:g}) measured, served in the order they start "
+                     f"(sims/links.py)",
+            "source": "the fleet file (pool.gpus_per_host_link); the link's rate from the profile"}
 
 
 def _gpu_sharing(terms: ProfileTerms) -> dict[str, str]:
-    """GPU time-sharing: the capacity layouts give every instance GPUs of its own, so the profile's term is idle."""
-    term = ("the profile's gpu_share_slowdown " + f"{terms.gpu_share_slowdown:g}" if terms.gpu_share_slowdown
-            else "gpu_share_slowdown, which this profile does not set,")
-    if terms.gpu_share_slowdown and terms.gpu_share_decode_slowdown:
-        term += f" (a decode step beside a prefill: gpu_share_decode_slowdown {terms.gpu_share_decode_slowdown:g})"
+    """GPU time-sharing: the capacity layouts give every instance GPUs of its own, so the sharing rule is idle."""
     return {"what": "GPU time-sharing", "status": "estimated",
-            "value": f"none: every instance of the layouts searched has its GPUs to itself; {term} applies only where "
-                     f"instances share a GPU (the live pool's one-GPU layout, benchmarks/gpu_pool_sim.py)",
+            "value": "none: every instance of the layouts searched has its GPUs to itself; where instances share a "
+                     "GPU (the live pool's one-GPU layout) its time is split among those busy (k busy: 1/k each)",
             "source": "sims/capacity_eval.py (layouts) and sims/gpu_share.py"}

@@ -227,6 +227,7 @@ def to_html(report: Mapping[str, Any], images: Mapping[str, str]) -> str:
         parts += ["<h2>GPU types</h2>", _gpu_table(report), _img(images, "gpu_types", "Monthly cost per GPU type.")]
     if report["tries"]:
         parts += ["<h2>Try</h2><ul>"] + [f"<li>{e(t)}</li>" for t in report["tries"]] + ["</ul>"]
+    parts += _sensitivity(report)
     parts += ["<h2>Assumptions</h2>", _assumption_table(report)]
     if report["notes"]:
         parts += ["<h2>Notes</h2><ul>"] + [f"<li>{e(n)}</li>" for n in report["notes"]] + ["</ul>"]
@@ -372,3 +373,16 @@ def _table(head: list[str], rows: list[list[Any]], left: tuple[int, ...] = ()) -
         out.append("<tr>" + "".join(cell("td", k, v) for k, v in enumerate(row)) + "</tr>")
     out.append("</tbody></table></div>")
     return "".join(out)
+
+
+def _sensitivity(report: dict[str, Any]) -> list[str]:
+    """The answer if the least certain terms are worse (sims.sensitivity), as a section; none if not searched."""
+    entry = report.get("sensitivity")
+    if not entry:
+        return []
+    rows = "".join(f"<tr><td>{html.escape(policy)}</td><td>{v['gpus']}{'' if v['met'] else ' (unmet)'}</td>"
+                   f"<td>{v['worse_gpus']}{'' if v['worse_met'] else ' (unmet)'}</td></tr>"
+                   for policy, v in entry["policies"].items())
+    return ["<h2>Sensitivity</h2>", f"<p>{html.escape(entry['line'])}</p>",
+            f"<table><tr><th>policy</th><th>GPUs</th><th>GPUs, {entry['worse_by']:.0%} worse</th></tr>{rows}</table>",
+            f"<p>Terms made worse: {html.escape(', '.join(entry['terms']))} (rates lower, overheads higher).</p>"]

@@ -59,6 +59,7 @@ def to_markdown(report: Mapping[str, Any]) -> str:
         lines.append("")
     if report["tries"]:
         lines += ["## Try", ""] + [f"- {line}" for line in report["tries"]] + [""]
+    lines += _sensitivity(report)
     policies = list(report["policies"])
     target = report["slo_target"]
     lines += ["## Per model", "", f"Attainment and p99 TTFT ms / TPOT ms at each policy's answer; **MISS**: under "
@@ -148,3 +149,16 @@ def summary_rows(report: Mapping[str, Any]) -> list[tuple[str, ...]]:
         out.append((policy + ("" if e["met"] else " (unmet)"), str(e["gpus"]), saving, f"${e['usd_per_month']:,.0f}",
                     f"{e['attainment']:.2%}", f"{e['p99_ttft_ms']:,.0f}", f"{e['p99_tpot_ms']:.1f}"))
     return out
+
+
+def _sensitivity(report: dict[str, Any]) -> list[str]:
+    """The answer if the least certain terms are worse (sims.sensitivity), as a section; none if not searched."""
+    entry = report.get("sensitivity")
+    if not entry:
+        return []
+    lines = ["## Sensitivity", "", entry["line"], "",
+             f"| policy | GPUs | GPUs, {entry['worse_by']:.0%} worse |", "|---|---|---|"]
+    for policy, e in entry["policies"].items():
+        lines.append(f"| {policy} | {e['gpus']}{'' if e['met'] else ' (unmet)'} | "
+                     f"{e['worse_gpus']}{'' if e['worse_met'] else ' (unmet)'} |")
+    return lines + ["", f"Terms made worse: {', '.join(entry['terms'])} (rates lower, overheads higher).", ""]

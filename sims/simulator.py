@@ -467,7 +467,7 @@ class Simulator:
         move_s = kv_move_s(self.costs, moves)
         self._check_kv(iid, dev)
         if self.gpus is not None:  # the host's part after the GPU's does not share it
-            host_s = sum(self.costs.prefill_host_s(model) for model in _by_model(records))
+            host_s = sum(self.costs.prefill_host_s(model, len(group)) for model, group in _by_model(records).items())
             took = self.gpus.work_end_at(iid, t, took - host_s, self.now, "prefill") - t + host_s
         if move_s and self.links is not None:
             move_s = self.links.copy_end_at(iid, False, t + took, move_s, self.now) - (t + took)

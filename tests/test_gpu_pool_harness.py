@@ -305,7 +305,7 @@ def test_the_simulators_switches_and_decode_steps_by_model_add_up_to_its_totals(
 
     fleet = build_models(tmp_path / "models", FLEET, "h200")
     trace = DATA / "h200-pool-s18-processes-pd-r1.csv"
-    sim = simulate_live_layout(fleet, trace, DATA / "h200-calibrated-live-mps-s17.json")
+    sim = simulate_live_layout(fleet, trace, "default")
     for iid, per in sim["per_instance"].items():
         times = sim["switch_times"][iid]
         assert sum(m["n"] for m in times.values()) == per["num_switches"] > 0

@@ -18,6 +18,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from scheduler.fleet import GpuSpec
+
 Fraction = Annotated[float, Field(gt=0, le=1)]
 Seconds = Annotated[float, Field(ge=0)]
 Status = Literal["measured", "estimated"]
@@ -46,20 +48,10 @@ class ProfileTerms(_Frozen):
     prefill_cuda_graphs: bool = Field(description="Prefill steps replay CUDA graphs, so the host launch floor does not apply.")
     switch_fixed_s: Seconds = Field(description="Per switch overhead on top of copying the weight shard (allocation, bookkeeping).")
     allreduce_latency_s: Seconds = Field(description="Latency of one small tensor-parallel all-reduce over NVLink.")
-    # What the live pool pays beyond the engine's microbenchmarks (`modelpool calibrate` measures them). The
-    # defaults charge nothing more, so a profile without them reads as before (their provenance: DEFAULTED).
+    # Engine overheads fitted on microbenchmark points of several shapes (`modelpool calibrate`); a profile
+    # without them charges nothing more (their provenance: DEFAULTED).
     prefill_request_s: Seconds = Field(default=0.0, description="Per prompt overhead of a prefill step (the engine "
                                                                 "runs attention and sampling prompt by prompt).")
-    prefill_host_s: Seconds = Field(default=0.0, description="Host time the live pool adds to each prefill step "
-                                                             "beyond the engine's own (controller tick, backend hop, "
-                                                             "token delivery, contention for the interpreter).")
-    prefill_fresh_s: Seconds = Field(default=0.0, description="What a prefill costs on top at a shape (total "
-                                     "tokens, prompts) the engine has not run before - the live pool's case for "
-                                     "nearly every prompt: the first run of a shape over its repeats (allocator, "
-                                     "GEMM heuristics); added to every prefill, with prefill_host_s.")
-    prefill_live_scale: float = Field(default=1.0, gt=0.0, description="The engine's prefill in the live pool over "
-                                      "what the engine terms predict (the engine's part, launch floor included; the host terms come on top, a "
-                                      "neighbour's slowdown by gpu_share_slowdown): fitted to a live run's prefills.")
     prefill_padded: bool = Field(default=False, description="The engine pads each prefill's tokens to "
                                  "scheduler.costs.padded_prefill_tokens (the torch engine on CUDA): its matrix work "
                                  "and K/V writes are charged for the padded count, attention for the prompts' own.")
@@ -70,65 +62,29 @@ class ProfileTerms(_Frozen):
                                       "batch on top of its KV reads (logits and sampling over the vocabulary, each "
                                       "sequence's attention setup): fitted where batch and context per request vary "
                                       "apart.")
-    decode_host_s: Seconds = Field(default=0.0, description="Host time the live pool adds to each decode step beyond "
-                                                            "the engine's own: the first token to the next at the "
-                                                            "sink, less the engine's decode step.")
-    decode_host_request_s: Seconds = Field(default=0.0, description="Host time the live pool adds to a decode step "
-                                                                    "for each request in its batch (its token out of "
-                                                                    "the engine, through the backend and the "
-                                                                    "controller), on top of decode_host_s.")
-    request_admit_s: Seconds = Field(default=0.0, description="Time from a request reaching the endpoint to the "
-                                     "engine call it starts on an idle instance (the gateway, the pool's loop and the "
-                                     "backend's hop): the simulator hands each request to the scheduler that long "
-                                     "after its arrival.")
-    token_deliver_s: Seconds = Field(default=0.0, description="Time from an engine call returning a token to the "
-                                     "client having it (the backend, the pool's loop, the gateway's stream): the "
-                                     "simulator counts each token that long after its step.")
     eff_kv_move: Fraction | None = Field(default=None, description="Achieved share of nominal host link bandwidth "
                                                                    "when KV moves between host and device memory "
                                                                    "(paged block copies); None: eff_pcie.")
     kv_move_fixed_s: Seconds = Field(default=0.0, description="Per move overhead of moving KV (one SwapOut or SwapIn "
-                                                              "of several requests, a prefill's KV to host memory).")
-    kv_handoff_fixed_s: Seconds | None = Field(default=None, description="Per move overhead of a prefill-to-decode "
-                                                "hand-off staged in device memory (pool.engines.handoff): the prefill "
-                                                "instance's export into its arena and the decode instance's import from "
-                                                "it, each one such move, syncs included, as the live pool's kv_timings "
-                                                "record them; None: kv_move_fixed_s.")
-    kv_handoff_request_s: Seconds = Field(default=0.0, description="What each request of such a move adds on top of "
-                                          "its copy (the engine's work per request: its blocks, its rows' indices).")
-    eff_pcie_shared: Fraction | None = Field(default=None, description="Achieved share of nominal host link bandwidth, "
-                                                                       "all copies together, while two or more copies "
-                                                                       "overlap on one link (pool.gpus_per_host_link); "
-                                                                       "None: eff_pcie (the link splits without loss).")
-    link_sharing: Literal["fifo", "fair"] = Field(default="fifo", description="How copies that overlap on one host "
-                                                  "link share it: 'fifo', one at a time in the order they start (the "
-                                                  "later one waits), or 'fair', each of n copies at 1/n of the rate.")
-    gpu_share_slowdown: float | None = Field(default=None, ge=1.0, description="How many times longer a step's "
-                                             "device work takes while another instance on the same GPU (its own "
-                                             "process: CUDA time-slices them, less so under MPS, serve --mps) has "
-                                             "device work in flight; k "
-                                             "instances busy together each run at 2 / (k * this) of their rate "
-                                             "alone (processor sharing, sims.gpu_share). None: instances placed on "
-                                             "one GPU each run as if they had it to themselves.")
-    gpu_share_decode_slowdown: float | None = Field(default=None, ge=1.0, description="How many times longer a "
-                                                    "decode step's device work takes while another instance on the "
-                                                    "same GPU prefills (its GEMMs take the SMs: 3-4x under MPS on the "
-                                                    "H200, where a prefill beside a decoder took 1.1x); None: "
-                                                    "gpu_share_slowdown, as every other pairing.")
+                                                              "of several requests, a prefill's KV hand-off).")
+    # The pool's own host costs, measured on an idle pool whose engine takes no time (`modelpool calibrate`).
+    host_call_s: Seconds = Field(default=0.0, description="Host time the live pool adds to each engine call (a "
+                                 "prefill or a decode step): the controller's tick, the backend's hop, the runner; "
+                                 "charged after the call's device time (the host waits for each step's tokens).")
+    host_token_s: Seconds = Field(default=0.0, description="Host time the live pool adds to an engine call per "
+                                  "token it delivers (per request of a decode step's batch): the token out of the "
+                                  "engine, through the backend and the controller to the request's stream.")
+    request_admit_s: Seconds = Field(default=0.0, description="Time from a request reaching the pool to the engine "
+                                     "call it starts on an idle instance: the simulator hands each request to the "
+                                     "scheduler that long after its arrival.")
+    token_deliver_s: Seconds = Field(default=0.0, description="Time from an engine call returning a token to the "
+                                     "request's stream having it: the simulator counts each token that long after "
+                                     "its step.")
 
 
 TERM_NAMES: tuple[str, ...] = tuple(ProfileTerms.model_fields)
 _DEFAULT_WHY = {
-    "link_sharing": "the order the H200's copy engine served two engines' switches in: the later copy waited (a 3B "
-                    "switch 0.11 s alone, 0.39 s behind a 7B one; modelpool calibrate and the live pool, issue 17)",
-    "gpu_share_slowdown": "means instances on one GPU do not slow each other (as before GPU sharing was modelled)",
-    "gpu_share_decode_slowdown": "means a decode step beside a prefill slows as any other work does "
-                                 "(gpu_share_slowdown)",
     "prefill_padded": "charges each prefill for its own tokens (an engine that does not pad them)",
-    "kv_handoff_request_s": "charges a staged hand-off's move its one overhead whatever its requests",
-    "prefill_live_scale": "charges a prefill in the live pool what the engine's own measurements predict",
-    "kv_handoff_fixed_s": "takes kv_move_fixed_s (a staged hand-off's move costs what any KV move does on top of its "
-                          "copies)",
 }
 DEFAULTED: dict[str, str] = {  # terms a profile may leave out, and the provenance they then get
     name: f"not measured for this profile: the default ({field.default}) "
@@ -158,9 +114,6 @@ class CalibrationRun(_Frozen):
     wall_s: float = Field(default=0.0, ge=0, description="Seconds the calibration took.")
     figures: dict[str, float] = Field(default_factory=dict, description="Figures measured alongside that are not "
                                                                         "cost-model terms (graph capture time ...).")
-    measurements: dict[str, Any] = Field(default_factory=dict, description="The raw measurements the terms were "
-                                                                           "fitted to (sims.profiles.calibrated refits "
-                                                                           "them).")
 
 
 class CalibrationProfile(_Frozen):
@@ -175,6 +128,9 @@ class CalibrationProfile(_Frozen):
         description="For every term, and for every override as '<gpu>.<term>', where the number comes from.")
     calibration: CalibrationRun | None = Field(
         default=None, description="How the profile was measured, when `modelpool calibrate` wrote it.")
+    device_spec: GpuSpec | None = Field(
+        default=None, description="The figures of the device measured that its efficiencies are shares of, where the "
+                                  "GPU catalogue has none (a CPU: its peak rates as calibrate measured them).")
 
     @model_validator(mode="before")
     @classmethod
@@ -252,24 +208,39 @@ class CalibrationProfile(_Frozen):
         return groups
 
 
-SHIPPED = ("default", "h200-cudagraph", "h200-eager")
+def shipped() -> tuple[str, ...]:
+    """The profiles shipped as package data, by name: the datasheet-carried `default` and the measurements
+    files `modelpool calibrate` wrote on the devices it was run on (`<device>-measured`)."""
+    names = (entry.name.removesuffix(".json") for entry in resources.files(__name__).iterdir()
+             if entry.name.endswith(".json"))
+    return tuple(sorted(names, key=lambda name: (name != "default", name)))
 
 
 def load_profile(name_or_path: str | Path) -> CalibrationProfile:
-    """A shipped profile by name (see SHIPPED) or a JSON file by path."""
+    """A shipped profile by name (see `shipped`) or a JSON file by path: a measurements file `modelpool calibrate`
+    writes (sims.profiles.measurements), or a profile."""
     text = str(name_or_path)
-    if text in SHIPPED:
+    if text in shipped():
         return _shipped(text)
     path = Path(text)
     if not path.is_file():
-        raise FileNotFoundError(f"no calibration profile {text!r}: not a shipped profile ({', '.join(SHIPPED)}) nor a file")
+        raise FileNotFoundError(f"no calibration profile {text!r}: not a shipped profile ({', '.join(shipped())}) "
+                                f"nor a file")
     try:
-        return CalibrationProfile.model_validate_json(path.read_text())
-    except ValueError as exc:  # pydantic's ValidationError: bad JSON, a missing or out-of-range term
+        return _from_json(json.loads(path.read_text()), path.stem)
+    except ValueError as exc:  # bad JSON, or pydantic's ValidationError: a missing or out-of-range term
         raise ValueError(f"calibration profile {path}: not a valid profile: {exc}") from None
 
 
 @functools.cache
 def _shipped(name: str) -> CalibrationProfile:
-    data = resources.files(__name__).joinpath(f"{name}.json").read_text()
-    return CalibrationProfile.model_validate(json.loads(data))
+    return _from_json(json.loads(resources.files(__name__).joinpath(f"{name}.json").read_text()), name)
+
+
+def _from_json(data: Any, name: str) -> CalibrationProfile:
+    """A profile from parsed JSON: a measurements file (it names its schema) or a profile."""
+    if isinstance(data, dict) and "schema" in data:
+        from sims.profiles.measurements import Measurements
+
+        return Measurements.model_validate(data).profile(name)
+    return CalibrationProfile.model_validate(data)

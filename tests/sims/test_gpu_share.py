@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 import math
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -14,14 +13,10 @@ import pytest
 from scheduler import InstanceSpec, Request
 from scheduler.costs import GpuShares
 from scheduler.fleet import ARCHS, Arch
-from sims.costmodel import RooflineCostModel
+from sims.costmodel import SHARED_GPU_SLOWDOWN, RooflineCostModel
 from sims.gpu_share import GpuTimeSharing, gpu_peers, share
-from sims.profiles import load_profile
-from sims.profiles.calibrated import with_gpu_share
 from tests.factories import LinearCosts, make_instances, make_models, make_sim
 
-ROOT = Path(__file__).resolve().parents[2]
-DATA = ROOT / "tests" / "data"  # small real inputs (the H200 probe and profiles its terms were fitted to)
 S = 1.774  # the H200 probe's median
 PAIR = {"p": ("d",), "d": ("p",)}
 
@@ -91,29 +86,17 @@ def test_peers_are_the_instances_placed_on_a_common_gpu() -> None:
     assert gpu_peers(tp, {"t": 0, "u": 1}) == {"p": ("t",), "t": ("p", "u"), "u": ("t",)}  # t spans GPUs 0 and 1
 
 
-def test_roofline_shares_gpus_only_where_placed_together_and_the_profile_measured_it() -> None:
+def test_roofline_shares_gpus_only_where_instances_are_placed_together() -> None:
+    """No fitted contention: instances on one GPU split its time (SHARED_GPU_SLOWDOWN, each of k busy at 1/k)."""
     models = {"m": (Arch.model_validate(ARCHS["qwen2.5-7b"]), 1)}
     specs = [InstanceSpec("p", 1, 1.0, "prefill"), InstanceSpec("d", 1, 1.0, "decode")]
-    together = {"p": 0, "d": 0}
-    assert RooflineCostModel.for_models(models, "h200").gpu_shares(specs, together) is None  # not measured
-    measured = load_profile(DATA / "h200-calibrated.json")
-    costs = RooflineCostModel.for_models(models, "h200", measured)
+    costs = RooflineCostModel.for_models(models, "h200")
     assert costs.gpu_shares(specs) is None  # a GPU each
-    gpus = costs.gpu_shares(specs, together)
-    assert isinstance(gpus, GpuTimeSharing) and gpus.slowdown == measured.terms.gpu_share_slowdown
-    assert costs.prefill_host_s("m") == measured.terms.prefill_host_s
-
-
-def test_the_h200_term_is_the_probes_median_with_its_provenance() -> None:
-    probe = json.loads((DATA / "h200-prefill-probe.json").read_text())
-    profile = load_profile(DATA / "h200-calibrated.json")
-    entry = profile.provenance["gpu_share_slowdown"]
-    assert entry.status == "measured" and entry.gpus == ("h200",) and "gpu_prefill_probe.py" in entry.source
-    assert profile.status("gpu_share_slowdown", "h20") == "estimated"  # elsewhere an extrapolation
-    assert load_profile("default").provenance["gpu_share_slowdown"].status == "estimated"
-    refit = with_gpu_share(profile, probe, "here")  # the same series fit the same number
-    assert refit.terms.gpu_share_slowdown == profile.terms.gpu_share_slowdown
-    assert refit.calibration is not None and refit.calibration.figures["gpu_share_ratio_p10"] < refit.terms.gpu_share_slowdown
+    gpus = costs.gpu_shares(specs, {"p": 0, "d": 0})
+    assert isinstance(gpus, GpuTimeSharing) and gpus.slowdown == SHARED_GPU_SLOWDOWN
+    assert share(2, SHARED_GPU_SLOWDOWN) == 0.5 and share(3, SHARED_GPU_SLOWDOWN) == pytest.approx(1 / 3)
+    gpus.work_end_at("p", 0.0, 1.0, 0.0, "prefill")  # two busy together: each at half its rate
+    assert gpus.work_end_at("d", 0.0, 0.2, 0.0, "decode") == pytest.approx(0.4)
 
 
 class _SharedGpuCosts(LinearCosts):
@@ -205,26 +188,6 @@ def test_a_decode_step_beside_a_prefill_slows_by_the_decode_term_and_the_prefill
     assert later.work_end_at("d", 10.0, 1.0, 10.0, "decode") == pytest.approx(11.0 + 0.11 * (1 - 1 / 3.0))
     with pytest.raises(ValueError, match="decode_slowdown"):
         GpuTimeSharing(PAIR, 1.1, 0.5)
-
-
-def test_the_mps_profile_fits_both_terms_from_the_h200_probe_and_the_simulator_uses_them() -> None:
-    probe = json.loads((DATA / "h200-prefill-share-mps-s13.json").read_text())
-    profile = load_profile(DATA / "h200-calibrated-live-mps-s13.json")
-    share = probe["decode_share"]
-    ratios = sorted(ms / sorted(share["alone"][m])[1] for m, series in share["beside_prefill_process"].items()
-                    for ms in series)
-    assert profile.terms.gpu_share_decode_slowdown == pytest.approx((ratios[2] + ratios[3]) / 2, rel=1e-3)
-    assert profile.terms.gpu_share_decode_slowdown > 2.5 * profile.terms.gpu_share_slowdown  # MPS: uneven
-    entry = profile.provenance["gpu_share_decode_slowdown"]
-    assert entry.status == "measured" and "under MPS" in entry.source and "prefilled back to back" in entry.source
-    assert "under MPS" in profile.provenance["gpu_share_slowdown"].source
-    refit = with_gpu_share(profile, probe, "here")  # the same series fit the same numbers
-    assert refit.terms.gpu_share_decode_slowdown == profile.terms.gpu_share_decode_slowdown
-    models = {"m": (Arch.model_validate(ARCHS["qwen2.5-7b"]), 1)}
-    specs = [InstanceSpec("p", 1, 1.0, "prefill"), InstanceSpec("d", 1, 1.0, "decode")]
-    gpus = RooflineCostModel.for_models(models, "h200", profile).gpu_shares(specs, {"p": 0, "d": 0})
-    assert isinstance(gpus, GpuTimeSharing) and gpus.decode_slowdown == profile.terms.gpu_share_decode_slowdown
-    assert load_profile("default").terms.gpu_share_decode_slowdown is None
 
 
 class _UnevenGpuCosts(LinearCosts):

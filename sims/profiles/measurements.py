@@ -1,0 +1,303 @@
+"""The measurements file: what `modelpool calibrate` measured on one device, and the terms fitted to it.
+
+One versioned JSON format (`SCHEMA`), written only by `modelpool calibrate` and read only by shipped code
+(`sims.profiles.load_profile` turns it into the cost model's profile). Its fields:
+
+- `schema`: "modelpool.measurements/1"; `device` (torch's name for it, or "cpu"), `gpu` (the GPU type the
+  terms count for: a catalogue key, or "cpu"), `measured_at` (ISO 8601, UTC), `command`, `software`, `quick`,
+  `wall_s`;
+- `spec`: the device figures the efficiencies are shares of (the catalogue's datasheet for a known GPU; on a
+  CPU its peak rates as calibrate measured them: a large GEMM, a large copy);
+- `shapes`: the model shapes microbenchmarked (random weights), by name, as `scheduler.fleet.Arch` fields;
+- `points`: every timed point - prefill (shape, tokens per prompt, prompts), decode steps (shape, batch,
+  context per request, CUDA graphs or not), weight copies (shape, bytes), KV moves (shape, requests, bytes,
+  out and back), and the idle pool's host costs (a zero-time engine: per engine call by batch, admission,
+  delivery);
+- `terms`: per cost-model term its value, unit, how it was measured, the points behind it and, for the
+  engine terms, the leave-one-shape-out error: each shape's points predicted by the terms fitted without
+  that shape (the median and the largest |predicted / measured - 1| over those points). A term nothing
+  here measures (the NVLink ones on one GPU) says "assumed" and why.
+
+`build` fits the terms (sims.profiles.fitting) and the held-out errors; no torch here.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from scheduler.fleet import GPUS, Arch, GpuSpec
+from sims.profiles import CalibrationProfile, CalibrationRun, ProfileTerms, Provenance
+from sims.profiles.fitting import Anchor, fit, predict, sig
+
+SCHEMA = "modelpool.measurements/1"
+Unit = Literal["fraction", "s", "setting"]
+ENGINE_FAMILIES = ("prefill", "decode", "swap", "kv_move")
+# Terms no single-device microbenchmark measures: what they are taken as, and why.
+ASSUMED: dict[str, tuple[float, str]] = {
+    "eff_nvlink": (0.5, "assumed: ring all-reduce bus bandwidth about half the NVLink figure (needs two GPUs to "
+                        "measure; calibrate times one device)"),
+    "allreduce_latency_s": (1e-5, "assumed: ~10 us per small all-reduce over NVLink (needs two GPUs to measure)"),
+}
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class PrefillPoint(_Frozen):
+    """One prefill: `batch` prompts of `tokens` tokens each, median of its repeats."""
+
+    shape: str
+    tokens: int = Field(gt=0)
+    batch: int = Field(gt=0)
+    seconds: float = Field(gt=0)
+
+
+class DecodePoint(_Frozen):
+    """One decode step of `batch` requests holding `context` tokens each, median of its steps."""
+
+    shape: str
+    batch: int = Field(gt=0)
+    context: int = Field(gt=0)
+    graphs: bool = Field(description="The step replayed a CUDA graph (else it launched its kernels eagerly).")
+    seconds: float = Field(gt=0)
+
+
+class CopyPoint(_Frozen):
+    """One whole-model weight copy from pinned host memory onto the device (a switch)."""
+
+    shape: str
+    bytes: float = Field(gt=0)
+    seconds: float = Field(gt=0)
+
+
+class KvMovePoint(_Frozen):
+    """KV of `batch` requests of `context` tokens moved to host memory (`save_s`) and back (`restore_s`)."""
+
+    shape: str
+    batch: int = Field(gt=0)
+    context: int = Field(gt=0)
+    bytes: float = Field(gt=0)
+    save_s: float = Field(gt=0)
+    restore_s: float = Field(gt=0)
+
+
+class HostPoints(_Frozen):
+    """The live pool's own time on an idle pool whose engine takes none (pool.engines.sim_engine at time scale 0):
+    per decode batch size the median time between its engine calls; per request the time from submit to its first
+    engine call (`admit_s`) and from that call's return to the token at the request's stream (`deliver_s`)."""
+
+    step_s_by_batch: dict[int, float] = Field(default_factory=dict)
+    admit_s: list[float] = Field(default_factory=list)
+    deliver_s: list[float] = Field(default_factory=list)
+
+
+class Points(_Frozen):
+    prefill: list[PrefillPoint] = Field(default_factory=list)
+    decode: list[DecodePoint] = Field(default_factory=list)
+    swap: list[CopyPoint] = Field(default_factory=list)
+    kv_move: list[KvMovePoint] = Field(default_factory=list)
+    host: HostPoints = Field(default_factory=HostPoints)
+
+
+class Term(_Frozen):
+    """One cost-model term as measured (or assumed)."""
+
+    value: float | bool
+    unit: Unit
+    how: str = Field(min_length=1, description="What measures it (or why it is assumed).")
+    basis: Literal["measured", "assumed"] = "measured"
+    points: int = Field(default=0, ge=0, description="The points it was fitted to.")
+    loo_error: float | None = Field(default=None, description="Median |error| of held-out shapes' points.")
+    loo_max_error: float | None = Field(default=None, description="Largest |error| of held-out shapes' points.")
+
+
+class Measurements(_Frozen):
+    """A measurements file (see the module docstring)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+    schema_: Literal["modelpool.measurements/1"] = Field(alias="schema", description="The format and its version.")
+    device: str = Field(min_length=1)
+    gpu: str = Field(min_length=1, description="The GPU type the terms count for (a catalogue key, or 'cpu').")
+    measured_at: str = Field(min_length=1)
+    command: str = Field(min_length=1)
+    software: dict[str, str] = Field(default_factory=dict)
+    quick: bool = False
+    wall_s: float = Field(default=0.0, ge=0)
+    spec: GpuSpec
+    shapes: dict[str, Arch]
+    points: Points
+    terms: dict[str, Term]
+    figures: dict[str, float] = Field(default_factory=dict, description="Figures measured alongside that are not "
+                                                                        "terms (graph capture time, peak rates).")
+
+    def profile(self, name: str = "") -> CalibrationProfile:
+        """The cost model's profile: every term's value, with where it comes from."""
+        where = f"modelpool calibrate on {self.device}, {self.measured_at[:10]}" + (", --quick" if self.quick else "")
+        provenance = {}
+        for term, entry in self.terms.items():
+            if entry.basis == "assumed":
+                provenance[term] = Provenance(status="estimated", source=entry.how)
+                continue
+            held_out = ("" if entry.loo_error is None else f"; leave-one-shape-out error median {entry.loo_error:.1%}, "
+                        f"max {entry.loo_max_error or 0.0:.1%}")
+            provenance[term] = Provenance(status="measured", gpus=(self.gpu,),
+                                          source=f"{entry.how} ({entry.points} points{held_out}; {where})")
+        run = CalibrationRun(command=self.command, device=self.device, gpu=self.gpu, measured_at=self.measured_at,
+                             software=self.software, quick=self.quick, shapes=tuple(self.shapes), wall_s=self.wall_s,
+                             figures=self.figures)
+        return CalibrationProfile(
+            name=name or f"{self.gpu}-measured", terms=ProfileTerms.model_validate(
+                {term: entry.value for term, entry in self.terms.items()}),
+            provenance=provenance, calibration=run, device_spec=None if self.gpu in GPUS else self.spec,
+            description=f"Measured by `{self.command}` on {self.device} ({self.measured_at[:10]}).")
+
+    def anchors(self, shapes: Sequence[str] | None = None) -> list[Anchor]:
+        return anchors_of(self.points, shapes)
+
+
+def anchors_of(points: Points, shapes: Sequence[str] | None = None) -> list[Anchor]:
+    """The engine points (of `shapes`, all by default) as fitting anchors; a KV move counts out and back."""
+    keep = set(shapes) if shapes is not None else None
+
+    def wanted(shape: str) -> bool:
+        return keep is None or shape in keep
+
+    out = [Anchor("prefill", p.shape, p.seconds, p.batch, p.tokens) for p in points.prefill if wanted(p.shape)]
+    out += [Anchor("decode", d.shape, d.seconds, d.batch, d.context, cuda_graphs=d.graphs)
+            for d in points.decode if wanted(d.shape)]
+    out += [Anchor("swap", s.shape, s.seconds, swap_bytes=s.bytes) for s in points.swap if wanted(s.shape)]
+    for k in points.kv_move:
+        if wanted(k.shape):
+            out += [Anchor("kv_move", k.shape, seconds, k.batch, swap_bytes=k.bytes) for seconds in (k.save_s, k.restore_s)]
+    return out
+
+
+_HOW = {
+    "eff_compute": "prefill of every shape at several lengths and prompt counts: the FLOPs line's slope",
+    "prefill_fixed_s": "prefill: the FLOPs line's intercept",
+    "prefill_layer_s": "prefill: per layer, across shapes of different depths",
+    "prefill_request_s": "prefill: per prompt, at 1 and several prompts",
+    "eff_mem": "decode steps of every shape by batch and context: the weight bytes' slope",
+    "eff_kv": "decode steps: the KV bytes read's slope (contexts varied)",
+    "decode_fixed_s": "decode steps: the intercept",
+    "decode_layer_s": "decode steps: per layer, across shapes of different depths",
+    "decode_request_s": "decode steps: per request of the batch (batches varied at fixed context per request)",
+    "launch_s_per_layer": "eager decode steps (no CUDA graphs): what they take beyond the graph steps, per layer",
+    "decode_cuda_graphs": "the engine's setting on this device (CUDA graphs on CUDA)",
+    "prefill_cuda_graphs": "the engine's setting (prefill runs eagerly)",
+    "prefill_padded": "the engine's setting on this device (it pads prefill tokens on CUDA)",
+    "eff_pcie": "whole-model weight copies from pinned host memory of every shape: bytes over time",
+    "switch_fixed_s": "weight copies: the intercept",
+    "eff_kv_move": "KV moves to host memory and back, by requests and context: bytes over time",
+    "kv_move_fixed_s": "KV moves: the intercept (per move)",
+    "host_call_s": "an idle live pool on a zero-time engine: time between engine calls, intercept over batch size",
+    "host_token_s": "an idle live pool on a zero-time engine: time between engine calls, slope per request",
+    "request_admit_s": "an idle live pool on a zero-time engine: submit to the first engine call (median)",
+    "token_deliver_s": "an idle live pool on a zero-time engine: the call's return to the token at the stream "
+                       "(median)",
+}
+_FAMILY = {"eff_compute": "prefill", "prefill_fixed_s": "prefill", "prefill_layer_s": "prefill",
+           "prefill_request_s": "prefill", "eff_mem": "decode", "eff_kv": "decode", "decode_fixed_s": "decode",
+           "decode_layer_s": "decode", "decode_request_s": "decode", "launch_s_per_layer": "decode",
+           "eff_pcie": "swap", "switch_fixed_s": "swap", "eff_kv_move": "kv_move", "kv_move_fixed_s": "kv_move"}
+
+
+def fit_engine(points: Points, shapes: Mapping[str, Arch], spec: GpuSpec) -> dict[str, float | bool]:
+    """The engine terms fitted to every point of `shapes` (sims.profiles.fitting)."""
+    return dict(fit(anchors_of(points, list(shapes)), spec, shapes.__getitem__).terms)
+
+
+def leave_one_shape_out(points: Points, shapes: Mapping[str, Arch], spec: GpuSpec, gpu: str,
+                        base: Mapping[str, float | bool]) -> dict[str, list[float]]:
+    """Per family (prefill, decode, swap, kv_move), the |error| of every point of each shape predicted by the
+    terms fitted to the other shapes' points alone (`base`: the terms the fit does not set). Empty with fewer
+    than three shapes (two points of a line say nothing held out)."""
+    errors: dict[str, list[float]] = {family: [] for family in ENGINE_FAMILIES}
+    if len(shapes) < 3:
+        return errors
+    for held in shapes:
+        rest = {name: arch for name, arch in shapes.items() if name != held}
+        terms = {**base, **fit_engine(points, rest, spec)}
+        profile = CalibrationProfile(name="held-out", terms=ProfileTerms.model_validate(terms),
+                                     provenance={t: Provenance(status="estimated", source="held out")
+                                                 for t in ProfileTerms.model_fields})
+        anchors = anchors_of(points, [held])
+        for anchor, check in zip(anchors, predict(profile, anchors, spec, gpu, shapes.__getitem__)):
+            errors[anchor.kind].append(abs(check.error))
+    return errors
+
+
+def host_terms(host: HostPoints) -> dict[str, tuple[float, int]]:
+    """The pool's host terms (value, points) from the idle pool's points: a + b x batch through the step times."""
+    out: dict[str, tuple[float, int]] = {}
+    steps = sorted(host.step_s_by_batch.items())
+    if len(steps) >= 2:
+        batches, seconds = [float(b) for b, _ in steps], [s for _, s in steps]
+        mean_b, mean_s = statistics.fmean(batches), statistics.fmean(seconds)
+        slope = sum((b - mean_b) * (s - mean_s) for b, s in zip(batches, seconds)) / sum((b - mean_b) ** 2 for b in batches)
+        slope = max(0.0, slope)
+        out["host_token_s"] = (sig(slope), len(steps))
+        out["host_call_s"] = (sig(max(0.0, mean_s - slope * mean_b)), len(steps))
+    elif steps:
+        out["host_call_s"] = (sig(steps[0][1]), 1)
+    if host.admit_s:
+        out["request_admit_s"] = (sig(statistics.median(host.admit_s)), len(host.admit_s))
+    if host.deliver_s:
+        out["token_deliver_s"] = (sig(statistics.median(host.deliver_s)), len(host.deliver_s))
+    return out
+
+
+def build(points: Points, shapes: Mapping[str, Arch], spec: GpuSpec, *, device: str, gpu: str, measured_at: str,
+          command: str, settings: Mapping[str, bool], software: Mapping[str, str] | None = None, quick: bool = False,
+          wall_s: float = 0.0, figures: Mapping[str, float] | None = None) -> Measurements:
+    """The measurements file of `points`: every term fitted, with its held-out error. `settings`: the engine's
+    settings on this device (decode_cuda_graphs, prefill_padded)."""
+    fitted = fit_engine(points, shapes, spec)
+    base: dict[str, float | bool] = {term: value for term, (value, _) in ASSUMED.items()}
+    base |= {"prefill_cuda_graphs": False, **settings}
+    for term in ProfileTerms.model_fields:  # a term the points could not determine: the model's neutral value
+        if term not in fitted and term not in base and ProfileTerms.model_fields[term].is_required():
+            base[term] = 1.0 if term.startswith("eff_") else 0.0
+    errors = leave_one_shape_out(points, shapes, spec, gpu, base)
+    counts = {"prefill": len(points.prefill), "decode": len(points.decode), "swap": len(points.swap),
+              "kv_move": 2 * len(points.kv_move)}
+    terms: dict[str, Term] = {}
+    for term, value in {**base, **fitted}.items():
+        if term in ASSUMED and term not in fitted:
+            terms[term] = Term(value=value, unit=_unit(term), how=ASSUMED[term][1], basis="assumed")
+            continue
+        family = _FAMILY.get(term)
+        held = errors.get(family or "", [])
+        terms[term] = Term(value=value, unit=_unit(term), how=_HOW.get(term, "the engine's setting"),
+                           points=counts.get(family or "", 0),
+                           loo_error=round(statistics.median(held), 4) if held else None,
+                           loo_max_error=round(max(held), 4) if held else None)
+    for term, (value, count) in host_terms(points.host).items():
+        terms[term] = Term(value=value, unit="s", how=_HOW[term], points=count)
+    return Measurements.model_validate({
+        "schema": SCHEMA, "device": device, "gpu": gpu, "measured_at": measured_at, "command": command,
+        "software": dict(software or {}), "quick": quick, "wall_s": round(wall_s, 1), "spec": spec,
+        "shapes": dict(shapes), "points": points, "terms": terms, "figures": dict(figures or {})})
+
+
+def held_out_errors(measurements: Measurements) -> dict[str, tuple[float, float]]:
+    """Per engine family, (median, max) leave-one-shape-out |error|, as recorded on its terms."""
+    out: dict[str, tuple[float, float]] = {}
+    for term, family in _FAMILY.items():
+        entry = measurements.terms.get(term)
+        if entry is not None and entry.loo_error is not None and family not in out:
+            out[family] = (entry.loo_error, entry.loo_max_error or 0.0)
+    return out
+
+
+def _unit(term: str) -> Unit:
+    field = ProfileTerms.model_fields[term]
+    if field.annotation is bool:
+        return "setting"
+    return "fraction" if term.startswith("eff_") else "s"

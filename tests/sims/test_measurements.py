@@ -1,0 +1,118 @@
+"""The measurements file (sims.profiles.measurements): the fit recovers known terms from synthetic points, the
+leave-one-shape-out error says how well a shape it never saw is predicted, and the file loads as a profile whose
+every term says where it comes from."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from scheduler.fleet import ARCHS, GPUS, Arch
+from sims.costmodel import RooflineCostModel
+from sims.profiles import load_profile
+from sims.profiles.measurements import (SCHEMA, CopyPoint, DecodePoint, HostPoints, KvMovePoint, Points,
+                                        PrefillPoint, build, held_out_errors, host_terms)
+
+SHAPES = {key: Arch.model_validate({**ARCHS[key], "total_params": None})
+          for key in ("qwen2.5-0.5b", "llama-3.2-1b", "qwen3-1.7b", "qwen2.5-3b", "qwen3-4b")}
+TRUTH = {"eff_compute": 0.62, "eff_mem": 0.78, "eff_kv": 0.55, "eff_pcie": 0.85, "prefill_fixed_s": 2e-3,
+         "prefill_layer_s": 4e-5, "decode_fixed_s": 3e-4, "decode_layer_s": 6e-6, "switch_fixed_s": 5e-3,
+         "eff_kv_move": 0.6, "kv_move_fixed_s": 2e-4}
+
+
+def _truth_costs() -> RooflineCostModel:
+    base = load_profile("default")
+    terms = base.terms.model_copy(update={**TRUTH, "launch_s_per_layer": 0.0})  # no launch floor under the prefills
+    profile = base.model_copy(update={"terms": terms, "gpu_overrides": {}})
+    return RooflineCostModel.for_models({name: (arch, 1) for name, arch in SHAPES.items()}, "h200", profile)
+
+
+def _points(costs: RooflineCostModel, noise: float = 0.0) -> Points:
+    """What a device that is exactly the truth profile would measure (times `1 + noise` for odd shapes)."""
+    def jitter(index: int, seconds: float) -> float:
+        return seconds * (1 + noise if index % 2 else 1.0)
+
+    prefill, decode, swap, kv = [], [], [], []
+    for index, name in enumerate(SHAPES):
+        c = costs.constants(name)
+        for tokens in (128, 512, 2048):
+            prefill.append(PrefillPoint(shape=name, tokens=tokens, batch=1,
+                                        seconds=jitter(index, costs.prefill_s(name, tokens, 1))))
+        for batch in (1, 8, 32):
+            for context in (256, 2048):
+                decode.append(DecodePoint(shape=name, batch=batch, context=context, graphs=True,
+                                          seconds=jitter(index, costs.decode_step_s(name, batch, batch * context))))
+        swap.append(CopyPoint(shape=name, bytes=c.weight_bytes, seconds=jitter(index, costs.switch_s(name))))
+        for batch, context in ((1, 512), (8, 2048)):
+            nbytes = batch * context * c.kv_bytes_per_token_gpu
+            seconds = jitter(index, nbytes * c.kv_s_per_byte + c.kv_move_fixed_s)
+            kv.append(KvMovePoint(shape=name, batch=batch, context=context, bytes=nbytes, save_s=seconds,
+                                  restore_s=seconds))
+    host = HostPoints(step_s_by_batch={1: 1e-4 + 2e-6, 4: 1e-4 + 8e-6, 16: 1e-4 + 32e-6},
+                      admit_s=[3e-4, 5e-4, 4e-4], deliver_s=[2e-5, 1e-5, 3e-5])
+    return Points(prefill=prefill, decode=decode, swap=swap, kv_move=kv, host=host)
+
+
+def _build(points: Points):
+    return build(points, SHAPES, GPUS["h200"], device="NVIDIA H200", gpu="h200", measured_at="2026-12-06T04:00:00+00:00",
+                 command="modelpool calibrate --device cuda --out m.json", settings={"prefill_padded": False})
+
+
+def test_the_fit_recovers_the_terms_that_made_the_points_and_predicts_held_out_shapes_exactly() -> None:
+    measured = _build(_points(_truth_costs()))
+    for term, value in TRUTH.items():
+        assert measured.terms[term].value == pytest.approx(value, rel=2e-3), term
+        assert measured.terms[term].basis == "measured" and measured.terms[term].points > 0
+    errors = held_out_errors(measured)
+    assert set(errors) == {"prefill", "decode", "swap", "kv_move"}
+    assert all(worst < 2e-3 for _, worst in errors.values())  # a shape it never saw, predicted
+    assert measured.terms["eff_nvlink"].basis == "assumed" and "two GPUs" in measured.terms["eff_nvlink"].how
+    assert measured.terms["host_token_s"].value == pytest.approx(2e-6) and measured.terms["host_call_s"].value == \
+        pytest.approx(1e-4)
+    assert measured.terms["request_admit_s"].value == 4e-4 and measured.terms["token_deliver_s"].value == 2e-5
+
+
+def test_the_held_out_error_shows_a_shape_that_departs_from_the_others() -> None:
+    exact = held_out_errors(_build(_points(_truth_costs())))
+    off = held_out_errors(_build(_points(_truth_costs(), noise=0.2)))  # every other shape 20% slower
+    assert off["decode"][1] > 0.08 > exact["decode"][1]
+    assert off["swap"][0] > exact["swap"][0]
+
+
+def test_host_terms_are_the_line_through_the_idle_pools_step_times() -> None:
+    terms = host_terms(HostPoints(step_s_by_batch={1: 0.0011, 2: 0.0012, 8: 0.0018}))
+    assert terms["host_call_s"][0] == pytest.approx(1e-3) and terms["host_token_s"][0] == pytest.approx(1e-4)
+    assert "request_admit_s" not in terms  # nothing measured, nothing claimed
+    flat = host_terms(HostPoints(step_s_by_batch={1: 0.002, 4: 0.0019}))
+    assert flat["host_token_s"][0] == 0.0  # never negative
+
+
+def test_the_file_loads_as_a_profile_with_every_terms_provenance(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "h200-mine.json"
+    path.write_text(_build(_points(_truth_costs())).model_dump_json(by_alias=True))
+    data = json.loads(path.read_text())
+    assert data["schema"] == SCHEMA and data["terms"]["eff_mem"]["unit"] == "fraction"
+    profile = load_profile(path)
+    assert profile.name == "h200-mine" and profile.calibration is not None and profile.calibration.gpu == "h200"
+    assert profile.terms.eff_mem == pytest.approx(0.78, rel=2e-3)
+    assert profile.basis("eff_mem", "h200") == "measured" and profile.basis("eff_mem", "h20") == "datasheet ratio"
+    assert profile.basis("decode_fixed_s", "h20") == "carried over" and profile.basis("eff_nvlink", "h200") == "assumed"
+    assert "leave-one-shape-out error" in profile.provenance["eff_mem"].source
+    assert profile.device_spec is None  # a catalogue GPU: its datasheet figures
+    data["schema"] = "modelpool.measurements/0"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"(?s)h200-mine.json: not a valid profile.*schema.*modelpool.measurements/1"):
+        load_profile(path)
+
+
+def test_a_device_the_catalogue_lacks_carries_its_measured_figures() -> None:
+    spec = GPUS["h200"].model_copy(update={"hbm_tb_s": 0.05, "bf16_tflops": 1.0, "source": "measured"})
+    measured = build(_points(_truth_costs()), SHAPES, spec, device="cpu", gpu="cpu", measured_at="2026-12-06",
+                     command="modelpool calibrate --device cpu", settings={})
+    profile = measured.profile()
+    assert profile.device_spec == spec and profile.name == "cpu-measured"
+    costs = RooflineCostModel.for_models({"m": (SHAPES["qwen2.5-0.5b"], 1)}, "cpu", profile)
+    assert costs.gpu == spec  # no GPU entry to write by hand
+    with pytest.raises(KeyError, match="measured on cpu"):
+        RooflineCostModel.for_models({"m": (SHAPES["qwen2.5-0.5b"], 1)}, "tpu", profile)
