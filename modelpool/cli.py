@@ -35,6 +35,12 @@ def validate(
     out_dir: Path = typer.Option(Path("out/validate"), "--out", help="Scenario: where the comparison JSON, the "
                                  "models and the server log go."),
     seed: int = typer.Option(0, "--seed", help="Scenario: the workload's seed."),
+    knee: float | None = typer.Option(None, "--knee", help="Scenario: the knee rate (req/s) the loads are "
+                                      "fractions of, instead of searching it with the simulator."),
+    max_output: int | None = typer.Option(None, "--max-output", help="Scenario: clip outputs to this many "
+                                          "tokens (default: the scenario's own limit)."),
+    request_timeout: float = typer.Option(300.0, "--request-timeout", help="Scenario: seconds a replayed "
+                                          "request may take before it counts as failed."),
 ) -> None:
     """Check a fleet file (print every problem with file:line:column and field), or serve a scenario on this
     machine, replay it through the gateway, simulate the same requests and print both side by side."""
@@ -47,7 +53,8 @@ def validate(
         try:
             report = validate_scenario(target, profile, duration, quick, load or (["light"] if quick else
                                                                                    ["light", "knee"]),
-                                       rate, out_dir, seed)
+                                       rate, out_dir, seed, request_timeout_s=request_timeout, knee=knee,
+                                       max_output=max_output)
         except TraceError as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(1) from None

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import shlex
@@ -270,18 +271,19 @@ def _exit_on_term(signum: int, frame: Any) -> None:
 
 # ---- the command -------------------------------------------------------------------------------------------
 def machine() -> tuple[int, str, str]:
-    """(GPUs, the catalogue GPU key to cost with, a description of the device) of this machine."""
+    """(GPUs, the catalogue GPU key to cost with, a description of the device) of this machine. The GPU's name
+    comes from nvidia-smi: this process must not open a CUDA context beside the pool's MPS daemon."""
     try:
-        import torch
-
-        count = torch.cuda.device_count()
-    except ImportError:
-        count = 0
-    if count == 0:
+        listed = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                                text=True, timeout=30).stdout.split("\n")
+    except (OSError, subprocess.SubprocessError):
+        listed = []
+    names = [name.strip() for name in listed if name.strip()]
+    if not names:
         return 0, "h200", "cpu (tiny shapes; costed as an h200 unless the profile describes this CPU)"
     from modelpool.serve import gpu_key
 
-    return 1, gpu_key(None), str(torch.cuda.get_device_name(0))
+    return 1, gpu_key(None, lambda: names[0]), names[0]
 
 
 def commit() -> str:
@@ -298,11 +300,16 @@ def commit() -> str:
 def validate_scenario(name: str, profile: str | None, duration_s: float | None, quick: bool,
                       loads: Sequence[str], rate: float | None, out_dir: Path, seed: int = 0,
                       traces_dir: Path | None = None, start_timeout_s: float = 600.0,
-                      request_timeout_s: float = 300.0, log: Callable[[str], None] = print) -> dict[str, Any]:
+                      request_timeout_s: float = 300.0, log: Callable[[str], None] = print,
+                      knee: float | None = None, max_output: int | None = None) -> dict[str, Any]:
     """Serve, replay, simulate and compare one scenario at each of `loads`; returns (and writes) the comparison."""
+    from dataclasses import replace
+
     from sims.scenarios import scenario as find
 
     spec = find(name)
+    if max_output is not None:
+        spec = replace(spec, max_output_tokens=max_output)
     unknown = [load for load in loads if load not in LOADS]
     if unknown:
         raise TraceError(f"unknown load {unknown[0]!r}; choose from {', '.join(LOADS)}")
@@ -312,20 +319,26 @@ def validate_scenario(name: str, profile: str | None, duration_s: float | None, 
     log(f"{name}: {spec.describe()}\n  on {device}; profile {profile or 'default'}")
     fleet_path = build_fleet(spec.fleet_spec(), out_dir / f"models-{spec.fleet}", gpu, tiny=num_gpus == 0)
     layout = sim_layout(fleet_path, num_gpus, profile)
-    knee = None if rate is not None else knee_rate(spec, layout, duration_s, seed, traces_dir)
-    rates = {load: rate if rate is not None else LOADS[load] * float(knee or 0.0) for load in loads}
-    if knee is not None:
+    if rate is None and knee is None:
+        knee = knee_rate(spec, layout, duration_s, seed, traces_dir)
         log(f"  knee (simulated, {KNEE_ATTAINMENT:.0%} attainment): {knee:.3g} req/s")
+    rates = {load: rate if rate is not None else LOADS[load] * float(knee or 0.0) for load in loads}
     workloads = {load: spec.workload(rates[load], duration_s, seed, traces_dir) for load in loads}
     if quick:
         workloads = {load: clip_lengths(w, QUICK_MAX_INPUT, QUICK_MAX_OUTPUT) for load, w in workloads.items()}
+    gc.collect()
+    gc.freeze()  # the imports (torch, transformers) out of every later collection, the one at exit too
     live = live_runs(fleet_path, workloads, out_dir, profile, start_timeout_s, request_timeout_s, seed, log)
     slo = slo_of(layout.fleet)
     report: dict[str, Any] = {
         "scenario": name, "description": spec.describe(), "device": device, "gpu": gpu, "commit": commit(),
         "command": "modelpool validate " + shlex.join(sys.argv[2:]) if len(sys.argv) > 1 else "",
         "profile": layout.profile, "duration_s": duration_s, "seed": seed, "knee_rps": knee,
-        "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "loads": {}}
+        "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "max_output_tokens": spec.max_output_tokens,
+        "quick": quick, "tiny": num_gpus == 0,
+        "layout": {"instances": [[i.instance_id, i.tp, i.memory_bytes, i.role] for i in layout.instances],
+                   "gpu_of": layout.gpu_of},
+        "loads": {}}
     for load, workload in workloads.items():
         sim_rows, sim_switches = simulated(layout, workload)
         live_side = side_figures(live[load]["rows"], len(workload), slo, live[load]["switches"])
@@ -334,6 +347,7 @@ def validate_scenario(name: str, profile: str | None, duration_s: float | None, 
             "rate_rps": rates[load], "requests": len(workload), "notes": list(workload.notes),
             "live": live_side, "sim": sim_side, "errors": compare(live_side, sim_side),
             "live_wall_s": round(live[load]["wall_s"], 1), "live_restarts": live[load]["restarts"],
+            "live_rows": [{k: v for k, v in row.items() if k != "itl_s"} for row in live[load]["rows"]],
             "requests_side_by_side": [
                 {"index": k, "model": a["model"], "live_ttft_s": a.get("ttft_s"), "sim_ttft_s": b.get("ttft_s"),
                  "live_tpot_s": a.get("tpot_s"), "sim_tpot_s": b.get("tpot_s"), "error": a.get("error")}
