@@ -10,7 +10,7 @@ to back, as a Decode turn does. The figures are the engine's own step timings (`
 /pool/status reports in the live pool): period (call to call), forward (CUDA events on a GPU, the host
 clock on CPU), host = period - forward, and in-engine = time inside `decode_step`. A second pass times the
 parts of the engine's host work: building the step's inputs (`decode_inputs`) and emitting tokens
-(`_emit`: token lists, detokenising, stop checks).
+(`Stepper.emit`: token lists, detokenising, stop checks).
 
 On CPU every op runs synchronously, so async decode cannot hide anything there: its "on" rows show that
 the step launched ahead costs the host no more than the plain path. On a GPU the host work of one step
@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from gpu_pool import word_tokenizer  # noqa: E402
 
-from pool.engines import torch_engine  # noqa: E402
+from pool.engines import step  # noqa: E402
 from pool.engines.base import GenRequest, SamplingParams  # noqa: E402
 from pool.engines.torch_engine import TorchEngine, TorchEngineConfig  # noqa: E402
 from pool.engines.weights import HostWeightCache  # noqa: E402
@@ -84,11 +84,11 @@ def run(engine: TorchEngine, batch: int, steps: int, tag: str, outside_s: float 
 
 
 class PartTimer:
-    """Host seconds spent in `decode_inputs` and `TorchEngine._emit` (wrapped while it is installed)."""
+    """Host seconds spent in `decode_inputs` and `Stepper.emit` (wrapped while it is installed)."""
 
     def __init__(self) -> None:
         self.inputs_s = self.emit_s = 0.0
-        self._inputs, self._emit = torch_engine.decode_inputs, TorchEngine._emit
+        self._inputs, self._emit = step.decode_inputs, step.Stepper.emit
 
     def __enter__(self) -> PartTimer:
         def inputs(*args, **kwargs):
@@ -105,11 +105,11 @@ class PartTimer:
             finally:
                 self.emit_s += time.perf_counter() - started
 
-        torch_engine.decode_inputs, TorchEngine._emit = inputs, emit
+        step.decode_inputs, step.Stepper.emit = inputs, emit
         return self
 
     def __exit__(self, *exc: object) -> None:
-        torch_engine.decode_inputs, TorchEngine._emit = self._inputs, self._emit
+        step.decode_inputs, step.Stepper.emit = self._inputs, self._emit
 
 
 def measure(device: str, batches: list[int], steps: int, shape: dict[str, int], outside_s: float) -> list[dict]:

@@ -142,7 +142,7 @@ def bench_model(engine: TorchEngine, model: str, args, vocab: int, bw: dict[str,
         for graphs, fused in modes:
             engine.use_cuda_graphs, engine.fused = graphs, fused
             row = {"batch": batch, "ctx": args.ctx, "graphs": graphs,
-                   "fused": engine._decoder(engine._models.require(model)).fused,
+                   "fused": engine.residency.decoder(engine.residency.models.require(model)).fused,
                    "step_ms": decode_ms(engine, ids, args.steps)}
             if batch == min(args.batches) and not graphs:
                 out["kernels_per_step"] = kernels_per_step(engine, ids)
@@ -151,7 +151,7 @@ def bench_model(engine: TorchEngine, model: str, args, vocab: int, bw: dict[str,
                     out["kernels_per_step_unfused"] = kernels_per_step(engine, ids)
                     engine.fused = fused
             if graphs:  # the forward alone: replay the graph just used (engine internals, benchmark only)
-                graph = next(reversed(engine._graphs._graphs.values())).graph
+                graph = next(reversed(engine.graphs.graphs._graphs.values())).graph
                 row["replay_ms"] = timed(lambda: [graph.replay() for _ in range(args.steps)], engine.device) \
                     / args.steps * 1e3
             rows.append(row)

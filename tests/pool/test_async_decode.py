@@ -162,7 +162,7 @@ def test_async_decode_gives_the_same_results_through_any_calls(seed, device, dem
     assert fast["decode_steps_ahead"] > fast["decode_steps_discarded"] > 0
     assert twins.plain.stats().extra["decode_steps_ahead"] == 0
     # nothing left but the scratch block per KV shape that padded graph rows and padded prefills write to
-    scratch = sum(shape.block_bytes for shape in twins.plain._kv._scratch)
+    scratch = sum(shape.block_bytes for shape in twins.plain.residency.kv._scratch)
     assert twins.fast.stats().kv_device_used_bytes == twins.plain.stats().kv_device_used_bytes == scratch
 
 

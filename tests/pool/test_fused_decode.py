@@ -40,7 +40,7 @@ def test_fused_decode_matches_torch_and_ignores_nan_tails(device, dtype, block_s
     requests = [GenRequest(f"r{i}", model, torch.randint(0, 500, (n,), generator=gen).tolist(),
                            SamplingParams(max_tokens=8, ignore_eos=True)) for i, n in enumerate([5, 17, 40])]
     engine.prefill(requests)
-    store, seqs = engine._kv_store(), [engine._seqs[r.request_id] for r in requests]
+    store, seqs = engine.residency.kv_store(), [engine.seqs[r.request_id] for r in requests]
     kvs = [s.kv for s in seqs]
     store.grow(kvs, [len(s.tokens) for s in seqs])
     for seq in seqs:  # NaN in every unused tail slot (what bytes of another shape can read as)
@@ -50,9 +50,9 @@ def test_fused_decode_matches_torch_and_ignores_nan_tails(device, dtype, block_s
     max_blocks = max(len(kv.blocks) for kv in kvs) + 2  # padded columns, as under CUDA graphs
     inputs = decode_inputs([s.tokens[-1] for s in seqs], kvs, [len(s.tokens) - 1 for s in seqs],
                            engine.device, 4, max_blocks, store.scratch(seqs[0].kv.shape))
-    ref = engine._decoder(seqs[0].model)
-    where = engine._slots.placement(seqs[0].model.name)
-    views = seqs[0].model.image.views(engine._slots.region[where.offset:])
+    ref = engine.residency.decoder(seqs[0].model)
+    where = engine.residency.slots.placement(seqs[0].model.name)
+    views = seqs[0].model.image.views(engine.residency.slots.region[where.offset:])
     got = Decoder(ref.spec, views, ref.kv, fused=True).decode(inputs)[:3]
     assert not torch.isnan(got).any()
     ref.kv.nan_to_num_(0.0)  # the torch path reads the tails (weight 0): clean them for the reference
@@ -78,11 +78,11 @@ def test_fused_prefill_matches_torch_logits_and_kv(device, dtype, model, demo_mo
     requests = [GenRequest(f"r{i}", model, torch.randint(0, 500, (n,), generator=gen).tolist(),
                            SamplingParams(max_tokens=8, ignore_eos=True)) for i, n in enumerate([5, 17, 40])]
     engine.prefill(requests)  # admits them: KV blocks assigned
-    seqs = [engine._seqs[r.request_id] for r in requests]
+    seqs = [engine.seqs[r.request_id] for r in requests]
     inputs = prefill_inputs([r.prompt_token_ids for r in requests], [s.kv for s in seqs], engine.device)
-    ref = engine._decoder(seqs[0].model)
-    where = engine._slots.placement(seqs[0].model.name)
-    views = seqs[0].model.image.views(engine._slots.region[where.offset:])
+    ref = engine.residency.decoder(seqs[0].model)
+    where = engine.residency.slots.placement(seqs[0].model.name)
+    views = seqs[0].model.image.views(engine.residency.slots.region[where.offset:])
     ref.kv.zero_()
     got = Decoder(ref.spec, views, ref.kv, fused=True).prefill(inputs)
     kv_got = ref.kv.clone()

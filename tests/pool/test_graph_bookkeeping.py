@@ -238,11 +238,11 @@ def test_backends_time_every_engine_call_by_method(tiny_engine) -> None:
 
 def test_a_weight_copy_lands_byte_for_byte(tiny_engine) -> None:
     """A model's image goes to its place in the region as it is, and nothing past it is written."""
-    image = tiny_engine._models["tiny"].image
-    tiny_engine._slots.region.zero_()
-    tiny_engine._slots._copy(image, 512)
-    assert torch.equal(tiny_engine._slots.region[512 : 512 + image.nbytes], image.buffer)
-    assert not tiny_engine._slots.region[:512].any() and not tiny_engine._slots.region[512 + image.nbytes :].any()
+    image = tiny_engine.residency.models["tiny"].image
+    tiny_engine.residency.slots.region.zero_()
+    tiny_engine.residency.slots._copy(image, 512)
+    assert torch.equal(tiny_engine.residency.slots.region[512 : 512 + image.nbytes], image.buffer)
+    assert not tiny_engine.residency.slots.region[:512].any() and not tiny_engine.residency.slots.region[512 + image.nbytes :].any()
 
 
 def test_step_timings_time_the_collectors_pauses(tmp_path) -> None:

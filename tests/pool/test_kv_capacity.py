@@ -89,7 +89,7 @@ def test_torch_engine_report_is_exact_for_smollm2_and_true_beside_the_tiny_model
     report = alone.kv_capacity()
     assert report.block_tokens == {"smollm2-135m": 16}
     per_token = 2 * 30 * 3 * 64 * 4
-    slab = alone._kv.device.slab_bytes  # type: ignore[union-attr]
+    slab = alone.residency.kv.device.slab_bytes  # type: ignore[union-attr]
     assert slab % (16 * per_token) == 0  # no slab loses a tail; the region loses less than a slab
     assert report.tokens["smollm2-135m"] == 8 * MiB // slab * slab // per_token > (8 * MiB - slab) // per_token
     alone.activate("smollm2-135m")
@@ -109,7 +109,7 @@ def test_torch_engine_report_is_exact_for_smollm2_and_true_beside_the_tiny_model
     for name, path in demo_models.items():
         mixed.load(name, path)
     both = mixed.kv_capacity()
-    slab = mixed._kv.device.slab_bytes  # type: ignore[union-attr]
+    slab = mixed.residency.kv.device.slab_bytes  # type: ignore[union-attr]
     slabs = 8 * MiB // slab - (3 - 1)  # three block shapes: two slabs kept for part-filled ones
     assert both.tokens["smollm2-135m"] == slabs * slab // per_token
     assert both.tokens["tiny-llama"] == both.tokens["tiny-qwen2"] == slabs * slab // (2 * 2 * 2 * 64 * 4)

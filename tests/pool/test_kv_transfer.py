@@ -307,9 +307,9 @@ def test_cuda_requests_move_between_engines_mid_swap(graphs, demo_models):
     for engine, block_size in zip(engines, (16, 8)):
         # nothing held but the block that padded graph rows and padded prefill tokens (CUDA pads prefills) write
         # to, once anything wrote there (with graphs: warm_up; eager: a padded prefill, on engines[0] only)
-        scratch = BLOCK_BYTES * block_size // 16 * len(engine._kv_store()._scratch)
+        scratch = BLOCK_BYTES * block_size // 16 * len(engine.residency.kv_store()._scratch)
         if graphs:
-            assert len(engine._kv_store()._scratch) == 1  # warm_up's captures wrote there
+            assert len(engine.residency.kv_store()._scratch) == 1  # warm_up's captures wrote there
         assert kv_used(engine) == (scratch, 0, 0)
 
 

@@ -183,8 +183,8 @@ def test_warm_prefill_leaves_no_request_and_changes_no_token(demo_models):
     engine = make_engine(demo_models, warm_prefill_tokens=96)
     engine.warm_up()
     stats = engine.stats()
-    shapes = {m.kv_shape for m in engine._models.values()}
-    assert set(engine._kv_store()._scratch) == shapes  # a scratch block per shape, as the decode graphs' padded rows use
+    shapes = {m.kv_shape for m in engine.residency.models.values()}
+    assert set(engine.residency.kv_store()._scratch) == shapes  # a scratch block per shape, as the decode graphs' padded rows use
     assert stats.num_requests == 0 and stats.kv_device_used_bytes == sum(shape.block_bytes for shape in shapes)
     assert {rid: ids_of(o) for m in TINY for rid, o in run(engine, requests[m]).items()} == want
     with pytest.raises(ValueError, match="warm_prefill_tokens"):
@@ -209,14 +209,14 @@ def test_padded_prefill_changes_no_token_and_warms_every_bucket(demo_models, mon
 
     monkeypatch.setattr(torch_engine, "prefill_inputs", spy)
     engine.warm_up()
-    shapes = {(m.image.spec, m.image.dtype) for m in engine._models.values()}
+    shapes = {(m.image.spec, m.image.dtype) for m in engine.residency.models.values()}
     assert sorted(seen) == sorted(prefill_token_buckets(150) * len(shapes))  # 16, 32, ..., 160 per shape
     seen.clear()
     assert {rid: ids_of(o) for m in TINY for rid, o in run(engine, requests[m]).items()} == want
     prompts = {m: sum(len(r.prompt_token_ids) for r in reqs) for m, reqs in requests.items()}
     assert sorted(seen) == sorted(padded_prefill_tokens(n) for n in prompts.values())  # a prefill per model
     assert any(padded_prefill_tokens(n) > n for n in prompts.values())  # some padded
-    stats, scratch = engine.stats(), engine._kv_store()._scratch
+    stats, scratch = engine.stats(), engine.residency.kv_store()._scratch
     assert stats.num_requests == 0 and stats.kv_device_used_bytes == sum(shape.block_bytes for shape in scratch)
 
 
