@@ -32,7 +32,8 @@ h1{font-size:1.6rem;margin-bottom:.2rem}h2{font-size:1.2rem;margin-top:2rem;bord
 .stability{background:#fff7e6;border-left:5px solid #b36b00;padding:.6rem 1rem;margin:1rem 0}
 .scroll{overflow-x:auto;max-width:100%}
 table{border-collapse:collapse;font-size:.8rem;margin:.5rem 0;width:100%}
-th,td{border:1px solid #ddd;padding:.25rem .4rem;text-align:right;vertical-align:top;overflow-wrap:anywhere}
+th,td{border:1px solid #ddd;padding:.25rem .4rem;text-align:right;vertical-align:top}
+td{white-space:nowrap}td.l{white-space:normal;overflow-wrap:break-word}.anywhere td.l{overflow-wrap:anywhere}
 th{background:#f4f4f4}td.l,th.l{text-align:left}.unmet{color:#b00}
 td.miss{background:#fde2e2;color:#900;font-weight:600}td.few{color:#b36b00}
 .status-measured{color:#1a7f1a;font-weight:600}.status-estimated{color:#b36b00;font-weight:600}
@@ -342,7 +343,7 @@ def _assumption_table(report: Mapping[str, Any]) -> str:
     rows = [[a["what"], a["value"],
              _Raw(f"<span class='status-{html.escape(a['status'])}'>{html.escape(a['status'])}</span>"), a["source"]]
             for a in report["assumptions"]]
-    return _table(["what", "value", "status", "source"], rows, left=(0, 1, 2, 3))
+    return _table(["what", "value", "status", "source"], rows, left=(0, 1, 2, 3), anywhere=True)
 
 
 class _Raw(str):
@@ -357,7 +358,9 @@ class _Cell:
         self.css = css
 
 
-def _table(head: list[str], rows: list[list[Any]], left: tuple[int, ...] = ()) -> str:
+def _table(head: list[str], rows: list[list[Any]], left: tuple[int, ...] = (), anywhere: bool = False) -> str:
+    """A table in a box of the page's width; `anywhere` lets long unbroken text (paths, term lists) wrap at any
+    character rather than widen the table."""
     def cell(tag: str, k: int, value: Any) -> str:
         classes = ["l"] if k in left else []
         if isinstance(value, _Cell):
@@ -367,7 +370,7 @@ def _table(head: list[str], rows: list[list[Any]], left: tuple[int, ...] = ()) -
             text = value if isinstance(value, _Raw) else html.escape(str(value))
         cls = f" class='{' '.join(classes)}'" if classes else ""
         return f"<{tag}{cls}>{text}</{tag}>"
-    out = ["<div class='scroll'><table><thead><tr>" + "".join(cell("th", k, h) for k, h in enumerate(head))
+    out = [f"<div class='scroll{' anywhere' if anywhere else ''}'><table><thead><tr>" + "".join(cell("th", k, h) for k, h in enumerate(head))
            + "</tr></thead><tbody>"]
     for row in rows:
         out.append("<tr>" + "".join(cell("td", k, v) for k, v in enumerate(row)) + "</tr>")
