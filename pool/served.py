@@ -63,7 +63,9 @@ def plan_kv(instances: Sequence[InstanceSpec], profiles: Mapping[str, ModelProfi
     instance (`InstanceSpec.kv_bytes`). The budget is the least any model's
     report allows, `tokens * kv_bytes_per_token`, so every mix of requests the
     scheduler admits is one the engine promised to hold (`KvCapacity`); the
-    block is the largest any instance reports for the model.
+    block is the largest any instance reports for the model. The host KV
+    budget (`host_kv_bytes`, for what swapped-out requests hold) is counted
+    the same way from the report's `host_tokens`.
     """
     planned = []
     for spec in instances:
@@ -75,7 +77,9 @@ def plan_kv(instances: Sequence[InstanceSpec], profiles: Mapping[str, ModelProfi
             raise ValueError(f"instance {spec.instance_id!r}: its engine reports no KV for {missing} "
                              f"(it has {sorted(report.tokens)})")
         budget = min(report.tokens[name] * max(1, p.kv_bytes_per_token) for name, p in profiles.items())
-        planned.append(dataclasses.replace(spec, kv_bytes=float(budget)))
+        host = None if report.host_tokens is None else float(min(
+            report.host_tokens.get(name, 0) * max(1, p.kv_bytes_per_token) for name, p in profiles.items()))
+        planned.append(dataclasses.replace(spec, kv_bytes=float(budget), host_kv_bytes=host))
     blocks = {name: max(reports[s.instance_id].block_tokens[name] for s in instances) for name in profiles}
     return planned, {name: dataclasses.replace(p, kv_block_tokens=blocks[name]) for name, p in profiles.items()}
 

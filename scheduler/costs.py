@@ -64,6 +64,9 @@ class InstanceSpec:
     # device KV bytes of an engine that keeps its KV in a region of its own, as the engine reports it (the live
     # pool: `pool.served.plan_kv`); None: the memory the resident weights leave (a simulated GPU)
     kv_bytes: float | None = None
+    # host KV bytes its engine holds for requests swapped out of the device (the live pool: `plan_kv`, from the
+    # engine's report); None: host memory does not bound it (a simulated node's host KV is large)
+    host_kv_bytes: float | None = None
 
 
 def kv_capacity(spec: InstanceSpec, weight_bytes: float) -> float:

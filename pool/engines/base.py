@@ -175,6 +175,9 @@ class KvCapacity:
 
     tokens: Mapping[str, int]
     block_tokens: Mapping[str, int]
+    # tokens of each model the host KV store holds for swapped-out requests (after slab rounding); None: an
+    # engine that keeps no host KV (vLLM resumes held requests by recompute) or does not bound it (sim)
+    host_tokens: Mapping[str, int] | None = None
 
     def __post_init__(self) -> None:
         if set(self.tokens) != set(self.block_tokens):

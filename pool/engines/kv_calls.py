@@ -192,7 +192,8 @@ class KvCalls:
     # ---- what the device holds -------------------------------------------------------------------------------------
     def capacity(self, scratch_blocks: int) -> KvCapacity:
         """Tokens of each loaded model the device KV holds, after block and slab rounding and `scratch_blocks`
-        kept back per shape (makes the device buffer when it is not made yet: once every model is loaded)."""
+        kept back per shape, and the host KV store holds (makes the device buffer when it is not made yet: once
+        every model is loaded)."""
         device, models = self.residency.kv_store().device, self.residency.models
         key = (tuple(models), scratch_blocks)
         if self._kv_report is None or self._kv_report[0] != key:
@@ -200,7 +201,9 @@ class KvCalls:
             self._kv_report = key, KvCapacity(
                 tokens={m.name: device.usable_blocks(m.kv_shape, shapes, scratch_blocks) * m.kv_shape.block_size
                         for m in models.values()},
-                block_tokens={m.name: m.kv_shape.block_size for m in models.values()})
+                block_tokens={m.name: m.kv_shape.block_size for m in models.values()},
+                host_tokens={m.name: self.host_kv.usable_blocks(m.kv_shape, shapes) * m.kv_shape.block_size
+                             for m in models.values()})
         return self._kv_report[1]
 
     def figures(self) -> dict[str, int]:

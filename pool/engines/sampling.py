@@ -8,6 +8,7 @@ the same tokens it would have drawn, whatever batch it lands in.
 `OutputText` detokenises incrementally (the prefix/read-offset method of
 HF's TextStreamer and vLLM) and holds back any tail that could still grow
 into a stop string, so a streamed delta never contains part of one.
+Stop strings are matched by `stops.StopStrings`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 
 from pool.engines.base import FinishReason, SamplingParams
+from pool.engines.stops import StopStrings
 
 _SEED_STRIDE = 1_000_003
 
@@ -70,7 +72,7 @@ class OutputText:
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._rust = backend.decode if backend is not None and not getattr(
             tokenizer, "clean_up_tokenization_spaces", False) else None
-        self.stop = tuple(stop)
+        self.stop = StopStrings(stop)
         self.ids: list[int] = []
         self.text = ""
         self.emitted = 0
@@ -104,29 +106,18 @@ class OutputText:
         return False
 
     def _find_stop(self, old_len: int) -> bool:
-        for stop in self.stop:
-            at = self.text.find(stop, max(0, old_len - len(stop) + 1))
-            if at != -1 and (self.stopped_at is None or at < self.stopped_at):
-                self.stopped_at = at
+        if self.stopped_at is None and self.stop.longest:
+            self.stopped_at = self.stop.find(self.text, old_len)
         return self.stopped_at is not None
 
     def take_delta(self, finished: bool) -> str:
         """Text not yet streamed; unless finished, minus a tail that may begin a stop string."""
         end = len(self.text) if self.stopped_at is None else self.stopped_at
         if not finished:
-            end -= self._held_back(end)
+            end -= self.stop.held_back(self.text, end)
         delta = self.text[self.emitted : max(end, self.emitted)]
         self.emitted = max(end, self.emitted)
         return delta
-
-    def _held_back(self, end: int) -> int:
-        longest = 0
-        for stop in self.stop:
-            for n in range(min(len(stop) - 1, end), longest, -1):
-                if self.text.endswith(stop[:n], 0, end):
-                    longest = n
-                    break
-        return longest
 
 
 def finish_reason(token_id: int, num_output: int, params: SamplingParams, eos_ids: frozenset[int],

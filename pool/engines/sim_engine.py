@@ -18,12 +18,13 @@ import json
 import time
 import zlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pool.engines.base import (EngineStats, FinishReason, GenRequest, KvCapacity, KvExport, OutOfKvMemory, Table,
                                TokenOut, check_admissible, check_new, check_on_device, check_resident, check_unique)
+from pool.engines.stops import StopStrings
 from scheduler import ModelSlots, instance
 
 SIM_LABEL = "[sim]"
@@ -46,6 +47,7 @@ class _SimSeq:
     num_output: int
     text: str
     on_device: bool = True
+    stops: StopStrings = field(default_factory=lambda: StopStrings(()))
 
     @property
     def num_tokens(self) -> int:
@@ -179,7 +181,8 @@ class SimEngine:
         for export in exports:
             req = export.request
             num_output = len(req.output_token_ids)
-            seq = _SimSeq(req, len(req.prompt_token_ids), num_output, export.text, on_device=False)
+            seq = _SimSeq(req, len(req.prompt_token_ids), num_output, export.text, on_device=False,
+                          stops=StopStrings(req.sampling.stop))
             self._sleep(self.costs.kv_move_s(req.model, export.num_tokens))  # the host-to-host hop
             self._seqs[req.request_id] = seq
 
@@ -227,7 +230,7 @@ class SimEngine:
         check_admissible(request)
         produced = len(request.output_token_ids)
         text = "".join(_word_text(k) for k in range(produced))
-        return _SimSeq(request, len(request.prompt_token_ids), produced, text)
+        return _SimSeq(request, len(request.prompt_token_ids), produced, text, stops=StopStrings(request.sampling.stop))
 
     def _runnable(self, request_id: str) -> _SimSeq:
         seq = self._seqs.require(request_id)
@@ -256,9 +259,9 @@ class SimEngine:
         seq.text += _word_text(index)
         params = seq.request.sampling
         reason: FinishReason | None = None
-        hits = [at for at in (seq.text.find(stop) for stop in params.stop) if at != -1]
-        if hits:
-            seq.text, reason = seq.text[: min(hits)], "stop"
+        at = seq.stops.find(seq.text, before) if seq.stops.longest else None
+        if at is not None:
+            seq.text, reason = seq.text[:at], "stop"
         if reason is None and seq.num_output >= params.max_tokens:
             reason = "length"
         out = TokenOut(seq.request.request_id, _word_id(index), seq.text[before:], reason is not None, reason)

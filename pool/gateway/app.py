@@ -32,7 +32,8 @@ from pool.gateway.auth import AuthMiddleware, KeyChecker, Secret
 from pool.gateway.errors import (APIError, bad_request, install_error_handlers, model_not_found, queue_full,
                                  unavailable, validation_error)
 from pool.gateway.metrics import GatewayMetrics, RequestTimer
-from pool.gateway.prompts import Prepared, prepare
+from pool.gateway.bounded import run_bounded
+from pool.gateway.prompts import Prepared, RequestLimits, check, max_prompt_chars, prepare
 from pool.gateway.schemas import ChatCompletionRequest, CompletionRequest, Kind, ResponseShape, model_card
 from pool.gateway.streaming import DONE, ClientGone, Disconnect, Hopper, SlowClient, SSEResponse, TokenQueue, sse
 from pool.service import LivePool, PoolBusy, PoolClosed, QueueFull
@@ -56,6 +57,9 @@ class GatewaySettings:
     unavailable_retry_after_s: float = 5.0  # Retry-After when the pool is down
     owned_by: str = "modelpool"  # /v1/models owned_by
     fingerprint: str | None = None  # system_fingerprint on every response (e.g. 'modelpool-sim')
+    limits: RequestLimits = RequestLimits()  # stop strings, messages, request chat templates, template time
+    body_timeout_s: float = 10.0  # a body not read whole by then gets 408 (a client holding half-sent bodies)
+    max_connections: int = 2048  # open connections (and requests) uvicorn takes before answering 503
 
 
 class Gateway:
@@ -63,9 +67,13 @@ class Gateway:
         self.pool = pool
         self.settings = settings
         self.keys = KeyChecker(settings.api_keys, settings.admin_keys)
-        for name in pool.models:  # load now: the first request must not wait for a tokenizer
-            pool.tokenizer(name)
+        # load now: the first request must not wait for a tokenizer
+        infos = {info.name: info for info in pool.model_infos()}
+        self._max_chars = {name: max_prompt_chars(pool.tokenizer(name), infos[name].max_model_len if name in infos
+                                                  else pool.models[name].profile.max_context)
+                           for name in pool.models}
         self.metrics = GatewayMetrics(pool, pool.models)
+        self.metrics.drain.default_s = pool.retry_after_s  # until a drain rate is measured
         self.created = int(time.time())
         self._ids = itertools.count(1)
         self._id_prefix = uuid.uuid4().hex[:12]  # unique per gateway; a counter after it (uuid4 costs a syscall)
@@ -119,13 +127,8 @@ class Gateway:
         if info is None:
             raise model_not_found(body.model, list(infos))
         model = info.name
-        tokenizer = self.pool.tokenizer(model)
-        limit = self.settings.default_chat_max_tokens
         try:
-            if getattr(request.state, "body_size", 0) > BIG_BODY_BYTES:
-                prepared = await asyncio.to_thread(prepare, body, info, tokenizer, limit)
-            else:
-                prepared = prepare(body, info, tokenizer, limit)
+            prepared = await self._prepare(request, body, info)
         except APIError as exc:
             self.metrics.error(model, exc.status)
             raise
@@ -154,12 +157,31 @@ class Gateway:
         finally:
             await watch.close()
 
+    async def _prepare(self, request: Request, body: CompletionRequest | ChatCompletionRequest, info: Any) -> Prepared:
+        """The request checked, rendered and tokenised: chats and big bodies off the event loop, time-bounded."""
+        tokenizer = self.pool.tokenizer(info.name)
+        limits, max_tokens = self.settings.limits, self.settings.default_chat_max_tokens
+        check(body, limits, self._max_chars.get(info.name), info.vocab_size or len(tokenizer))
+        if not isinstance(body, ChatCompletionRequest) and getattr(request.state, "body_size", 0) <= BIG_BODY_BYTES:
+            return prepare(body, info, tokenizer, max_tokens, limits)  # a short text: sub-millisecond
+        where = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+        try:
+            return await run_bounded(lambda: prepare(body, info, tokenizer, max_tokens, limits),
+                                     limits.template_timeout_s)
+        except TimeoutError:
+            raise bad_request(f"{where}: rendering and tokenising the prompt took longer than "
+                              f"{limits.template_timeout_s:g} s; refused", where, "prompt_timeout") from None
+
     async def _read(self, request: Request, schema: type[CompletionRequest] | type[ChatCompletionRequest]
                     ) -> CompletionRequest | ChatCompletionRequest:
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > self.settings.max_body_bytes:
             raise APIError(413, f"request body of {size} bytes exceeds the limit of {self.settings.max_body_bytes}")
-        raw = await request.body()
+        try:
+            raw = await asyncio.wait_for(request.body(), self.settings.body_timeout_s)
+        except TimeoutError:
+            raise APIError(408, f"the request body was not received within {self.settings.body_timeout_s:g} s",
+                           code="body_timeout") from None
         request.state.body_size = len(raw)
         if len(raw) > self.settings.max_body_bytes:
             raise APIError(413, f"request body of {len(raw)} bytes exceeds the limit of {self.settings.max_body_bytes}")
@@ -183,15 +205,17 @@ class Gateway:
                 self.metrics.error(model, 429)
                 raise APIError(429, f"{queued + running} requests of {model!r} are in the pool already, its share "
                                "limit", type="rate_limit_error", code="model_share_full",
-                               retry_after_s=self.pool.retry_after_s)
+                               retry_after_s=self.metrics.drain.model_retry_after_s(model, queued + running))
         try:
             self.pool.submit(request_id, model, prepared.prompt_ids, prepared.sampling, sink)
         except QueueFull as exc:
             self.metrics.error(model, 429)
-            raise queue_full(str(exc), exc.retry_after_s) from None
+            queued = self.pool.load().get(model, (0, 0))[0]
+            raise queue_full(str(exc), self.metrics.drain.queue_retry_after_s(model, queued)) from None
         except PoolBusy as exc:
             self.metrics.error(model, 503)
-            raise unavailable(str(exc), exc.retry_after_s, code="pool_full") from None
+            ahead = sum(q + r for q, r in self.pool.load().values())
+            raise unavailable(str(exc), self.metrics.drain.pool_retry_after_s(ahead), code="pool_full") from None
         except PoolClosed as exc:
             self.metrics.error(model, 503)
             raise unavailable(str(exc), self.settings.unavailable_retry_after_s) from None

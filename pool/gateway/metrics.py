@@ -17,6 +17,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from pool.gateway.drain import DrainRate
+
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
@@ -41,6 +43,7 @@ class GatewayMetrics:
                                registry=reg)
         self.errors = Counter("modelpool_request_errors", "Requests answered with an error, by HTTP status.",
                               ["model_name", "status"], registry=reg)
+        self.drain = DrainRate()  # for Retry-After
         self._children: dict[str, tuple[Any, ...]] = {}
         for name in model_names:
             self._labels(name)
@@ -79,6 +82,8 @@ class RequestTimer:
         now = time.perf_counter()
         ttft, itl = self.children[0], self.children[1]
         (ttft if self.num_tokens == 0 else itl).observe(now - self.last_at)
+        if self.num_tokens == 0:
+            self.metrics.drain.started(self.model)
         self.last_at = now
         self.num_tokens += 1
 
@@ -87,6 +92,7 @@ class RequestTimer:
         self.children[3].inc(self.prompt_tokens)
         self.children[4].inc(self.num_tokens)
         self.metrics.success.labels(model_name=self.model, finished_reason=reason or "abort").inc()
+        self.metrics.drain.ended(self.model)
 
 
 class PoolCollector:

@@ -3,8 +3,11 @@
 Bodies accept unknown fields (clients send many); the ones the engine
 understands beyond OpenAI's set - `top_k`, `ignore_eos`,
 `repetition_penalty`, `stop_token_ids`, `seed` - are declared here so they
-reach `SamplingParams`, as in vLLM. Responses are plain dicts built here:
-one place knows the wire format.
+reach `SamplingParams`, as in vLLM. Types are strict, except where vLLM's
+lax parsing is what clients rely on: a numeric string for a token count
+(`"max_tokens": "10"`) is taken as vLLM takes it. `seed` is a signed 64-bit
+integer, as vLLM's. Responses are plain dicts built here: one place knows the
+wire format.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 class _Body(BaseModel):
@@ -27,11 +32,11 @@ class _Generation(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str = Field(description="A served model id (GET /v1/models).")
-    max_tokens: int | None = Field(default=None, ge=1, description="Most tokens to generate.")
+    max_tokens: int | None = Field(default=None, ge=1, strict=False, description="Most tokens to generate.")
     temperature: float | None = Field(default=None, ge=0, le=2, description="0 = greedy; default 1.")
     top_p: float | None = Field(default=None, gt=0, le=1, description="Nucleus mass kept; default 1.")
     top_k: int | None = Field(default=None, ge=-1, description="Keep the k likeliest tokens; 0 or -1 = off.")
-    seed: int | None = Field(default=None, description="Same seed, same tokens.")
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX, description="Same seed, same tokens.")
     stop: str | list[str] | None = Field(default=None, description="Stop strings (not returned).")
     stop_token_ids: list[int] | None = Field(default=None, description="Token ids that end the output.")
     ignore_eos: bool | None = Field(default=False, description="Keep going past the end-of-sequence token.")
@@ -67,13 +72,16 @@ class ChatMessage(_Body):
 
 class ChatCompletionRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1, description="Preferred over max_tokens.")
+    max_completion_tokens: int | None = Field(default=None, ge=1, strict=False,
+                                              description="Preferred over max_tokens.")
     logprobs: bool | None = Field(default=False, description="Not supported.")
     top_logprobs: int | None = Field(default=None, description="Not supported.")
     tools: list[Any] | None = Field(default=None, description="Not supported.")
     response_format: dict[str, Any] | None = Field(default=None, description="Only {'type': 'text'}.")
     add_generation_prompt: bool | None = Field(default=True, description="Chat template option.")
     chat_template_kwargs: dict[str, Any] | None = Field(default=None, description="Extra chat template variables.")
+    chat_template: str | None = Field(default=None, description="A chat template to use instead of the model's; "
+                                      "refused unless the server trusts request templates.")
 
 
 # ---- responses ----------------------------------------------------------------------------------

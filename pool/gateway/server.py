@@ -29,9 +29,13 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def uvicorn_config(app: Any, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning") -> uvicorn.Config:
+    """uvicorn's settings for the gateway `app`: its connection cap (`GatewaySettings.max_connections`: past it
+    uvicorn answers 503 at once, so half-sent bodies cannot pile up without bound) among them."""
+    gateway = getattr(getattr(app, "state", None), "gateway", None)
+    cap = gateway.settings.max_connections if gateway is not None else None
     # no access log: it would be noise at token rates; keys are never in it either way
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, lifespan="off",
-                          timeout_keep_alive=30, timeout_graceful_shutdown=5)
+                          timeout_keep_alive=30, timeout_graceful_shutdown=5, limit_concurrency=cap)
 
 
 class GatewayServer(uvicorn.Server):

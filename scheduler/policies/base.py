@@ -40,6 +40,7 @@ from scheduler.plan import (Action, Cancelled, Decode, Event, InstanceAdded, Ins
                             Prefill, Stop, StepDone, SwapIn, SwapOut, Switch, SwitchDone)
 from scheduler.request import (CANCELLED, FAILED, FINISHED, PREFILLING, QUEUED, RUNNING, SWAPPED, TERMINAL, Request,
                                RequestStatus, transition)
+from scheduler.policies.kv_tiers import tiers_admit
 from scheduler.view import InstanceView, RequestView, SchedulerView
 
 S = RequestStatus
@@ -401,7 +402,8 @@ class PolicyBase:
             need_tokens = req.context_tokens
             if batch and tokens + need_tokens > self.max_prefill_tokens:
                 break
-            if self.kv_need_bytes(req) > inst.kv_free_bytes:
+            need = self.kv_need_bytes(req)
+            if need > inst.kv_free_bytes or not tiers_admit(self, inst, need):
                 break
             queue.popleft()
             self.reserve(inst, req)

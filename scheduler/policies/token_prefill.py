@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Final
 
 from scheduler.plan import Action, Decode, Prefill, Switch
 from scheduler.policies.base import InstanceState
+from scheduler.policies.kv_tiers import host_takes, tiers_admit
 from scheduler.request import RUNNING, Request
 
 if TYPE_CHECKING:
@@ -152,6 +153,8 @@ class PrefillSide:
             head_need = policy.kv_need_bytes(policy.requests[head.ids[0]])
             if head_need > inst.kv_free_bytes:
                 out = policy.decode.evictees(inst, set(), head_need - inst.kv_free_bytes)
+                if not (tiers_admit(policy, inst, head_need) and host_takes(policy, inst, out)):
+                    return acts  # device and host are full: the prompts wait while the admitted requests run
                 acts.append(policy.swap_out(out, "make room to prefill"))
         acts += policy.use_model(inst, head.model, f"head group is {head.model}")
         batch = policy.take_prefill_batch(inst, _ListQueue(head.ids))  # type: ignore[arg-type]

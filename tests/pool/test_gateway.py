@@ -128,7 +128,7 @@ def test_engine_fields_pass_through(client):
 
 BAD_REQUESTS = [  # (path, body, param)
     ("/v1/completions", {"model": "tiny-llama", "prompt": "x", "max_tokens": 0}, "max_tokens"),
-    ("/v1/completions", {"model": "tiny-llama", "prompt": "x", "max_tokens": "5"}, "max_tokens"),
+    ("/v1/completions", {"model": "tiny-llama", "prompt": "x", "max_tokens": "five"}, "max_tokens"),
     ("/v1/completions", {"model": "tiny-llama", "prompt": "x", "temperature": "hot"}, "temperature"),
     ("/v1/completions", {"model": "tiny-llama", "prompt": "x", "max_tokens": 100_000}, "max_tokens"),
     ("/v1/completions", {"model": "tiny-llama", "prompt": "sea " * 3000}, "prompt"),

@@ -103,6 +103,12 @@ def watch(url: str, thread: threading.Thread, stop: threading.Event, enough: Cal
     return dict(peak)
 
 
+def retry_afters_are_whole_seconds(seen: Flood, num_refused: int) -> bool:
+    """Every refusal carried a Retry-After of 1 to 60 whole seconds (from the measured drain: test_drain_rate)."""
+    values = seen.retry_after
+    return sum(values.values()) == num_refused and all(v.isdigit() and 1 <= int(v) <= 60 for v in values)
+
+
 def body(model: str, max_tokens: int = 8) -> dict[str, object]:
     return {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "ignore_eos": True}
 
@@ -140,7 +146,7 @@ def test_a_flood_on_one_model_gets_429_with_retry_after_and_its_queue_stays_at_t
     assert set(seen.statuses) == {200, 429}, seen
     assert seen.statuses[429] >= 100 and seen.statuses[200] >= 20, seen
     assert seen.codes == {"model_queue_full": seen.statuses[429]}
-    assert seen.retry_after == {"2": seen.statuses[429]}  # every refusal says when to come back
+    assert retry_afters_are_whole_seconds(seen, seen.statuses[429])  # every refusal says when to come back
     assert seen.short_answers == 0
     assert peak["queued:alpha"] <= MAX_QUEUED and peak["requests_in_pool"] <= 16, peak
     assert rejected(url, "alpha", "queue_full") >= seen.statuses[429]
@@ -156,7 +162,7 @@ def test_a_flood_on_every_model_gets_503_when_the_pool_is_full(small_pool):
     peak = watch(url, thread, stop, lambda: seen.statuses[503] >= 100 and seen.statuses[200] >= 20)
     assert set(seen.statuses) <= {200, 429, 503} and seen.statuses[503] >= 100 and seen.statuses[200] >= 20, seen
     assert seen.codes["pool_full"] == seen.statuses[503] and seen.codes["model_queue_full"] == seen.statuses[429]
-    assert seen.retry_after == {"2": seen.statuses[429] + seen.statuses[503]}
+    assert retry_afters_are_whole_seconds(seen, seen.statuses[429] + seen.statuses[503])
     assert seen.short_answers == 0
     assert peak["requests_in_pool"] <= SMALL_MAX_REQUESTS and peak["streams"] == 0, peak
     ok, left, _ = wait_empty(url, 10.0)
@@ -250,6 +256,39 @@ def test_a_flood_on_one_model_leaves_another_models_ttft_within_its_slo(served):
           f"{time.monotonic() - flooded_at:.1f} s")
 
 
+@pytest.mark.slow
+def test_retry_after_is_the_time_the_queue_takes_to_drain():
+    """A 429's Retry-After is the measured time for the queue ahead to drain, not a fixed figure (1 s was sent
+    while the queue took 22 s): a slow model with 16 queued, flooded, must say several seconds."""
+    slow = LinearCosts(step_s=0.004, prefill_per_token_s=0.02, switch_s=0.02)  # ~0.4 s per 20-token prompt
+    pool = sim_pool(sim_models(["alpha"]), num_instances=1, costs=slow, max_queued_per_model=16,
+                    retry_after_s=RETRY_AFTER_S).start()
+    try:
+        with BackgroundServer(create_app(pool)) as server:
+            stop = threading.Event()
+            thread, seen = flood(server.url, [body("alpha", 1)], concurrency=32, stop=stop)  # answered at prefill
+            started = time.monotonic()
+            time.sleep(3.0)
+            served_before = seen.statuses[200]
+            time.sleep(7.0)
+            seen.retry_after.clear()  # what it says once the drain is measured
+            time.sleep(5.0)
+            rate = (seen.statuses[200] - served_before) / 12.0  # answers per second (prefills come in bursts)
+            values = [int(v) for v, n in seen.retry_after.items() for _ in range(n) if v.isdigit()]
+            stop.set()
+            thread.join()
+            ok, left, _ = wait_empty(server.url, 30.0)
+            assert ok, left
+    finally:
+        pool.stop()
+    drain_s = 16 / rate
+    assert drain_s >= 4.0, (rate, time.monotonic() - started)  # slow enough that a fixed 2 s is wrong
+    assert values and "missing" not in seen.retry_after, seen
+    median = sorted(values)[len(values) // 2]
+    assert drain_s / 2.5 <= median <= drain_s * 2.5, (median, drain_s, rate)
+    print(f"queue of 16 draining at {rate:.1f} req/s ({drain_s:.1f} s): Retry-After median {median} s")
+
+
 @pytest.fixture(scope="module")
 def shared() -> Iterator[tuple[str, str]]:
     """One pool (16 requests at most) behind two gateways: without and with an 8-request share per model."""
@@ -293,7 +332,7 @@ def test_a_share_cap_keeps_room_for_other_models_under_a_flood(shared):
     beta, seen, peaks = beta_while_alpha_floods(url)
     assert beta == {200: 10}, (beta, seen, peaks)
     assert peaks["in_pool:alpha"] <= 8 and seen.codes["model_share_full"] > 0 and 503 not in seen.statuses, seen
-    assert seen.retry_after == {"2": seen.statuses[429]}
+    assert retry_afters_are_whole_seconds(seen, seen.statuses[429])
     assert rejected(url, "alpha", "share_full") >= seen.codes["model_share_full"]
     ok, left, _ = wait_empty(url, 10.0)
     assert ok, left

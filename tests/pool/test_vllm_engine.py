@@ -292,6 +292,36 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(engine):
     assert again[0] == again[1] and len(again[0]) == 10
 
 
+def test_sampled_prompts_that_fill_a_step_do_not_crash_the_engine(demo_models):
+    """Three seeded, sampled prompts of ~200 tokens and a 256-token step: vLLM chunked the third prompt, drew a
+    token for the chunk, threw it away and rewound the request's generator, which a CPU generator refuses
+    (`RuntimeError('CPU Generator does not use offset')`, issue 37: both instances of the demo lost)."""
+    engine = VllmEngine(VllmEngineConfig(dtype="float32", max_model_len=256, kv_cache_bytes=16 << 20, block_size=32,
+                                         max_num_batched_tokens=256))
+    try:
+        engine.load("tiny-llama", demo_models["tiny-llama"])
+        prompt = prompt_ids(engine, "tiny-llama", [" ".join(["sea"] * 200)])[0][:200]
+        params = SamplingParams(temperature=1.0, seed=5, max_tokens=8, ignore_eos=True)
+        outs = run(engine, [GenRequest(f"long{i}", "tiny-llama", prompt, params) for i in range(3)])
+        assert [len(outs[f"long{i}"]) for i in range(3)] == [8, 8, 8]
+        assert ids_of(outs["long0"]) == ids_of(outs["long1"]) == ids_of(outs["long2"])  # same seed, same draw
+    finally:
+        engine.close()
+
+
+def test_the_demo_gives_each_model_under_vllm_at_least_the_torch_engines_context(demo_models, monkeypatch):
+    from modelpool.serve import demo_deployment
+
+    monkeypatch.setenv("MODELPOOL_CACHE", str(Path(demo_models["tiny-llama"]).parent))
+    torch_dep, vllm_dep = demo_deployment("torch", 0, None, None), demo_deployment("vllm", 0, None, None)
+    kv = int(torch_dep.engine.options["kv_bytes"])
+    torch_context = {m.name: min(m.profile.max_context, kv // max(1, m.profile.kv_bytes_per_token))
+                     for m in torch_dep.models}  # at most what the torch engine serves (its blocks round down)
+    assert vllm_dep.models
+    for m in vllm_dep.models:
+        assert m.profile.max_context >= torch_context[m.name], (m.name, m.profile.max_context, torch_context)
+
+
 # ---- protocol misuse --------------------------------------------------------------------------------
 def test_engine_refuses_calls_out_of_order(engine):
     engine.activate("tiny-qwen2")

@@ -20,6 +20,7 @@ class VllmEngineConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when vLLM's platform is CUDA, else cpu
     dtype: str = "auto"  # vLLM dtype: 'auto' (the checkpoint's), 'bfloat16', 'float32', ...
     max_model_len: int = 2048  # prompt + output tokens of one request
+    max_model_lens: dict[str, int] = field(default_factory=dict)  # per model name, where it differs from the above
     kv_cache_bytes: int = 64 * MiB  # KV cache of EACH engine (vLLM kv_cache_memory_bytes): never profiled
     # CUDA: vLLM refuses to start unless this share of the device is free. With kv_cache_bytes set
     # it sizes nothing from it; engines start one at a time and the others sleep, so it only has to
@@ -40,6 +41,7 @@ class VllmEngineConfig:
         checks = [
             (self.device in ("auto", "cpu", "cuda"), "device", self.device),
             (self.max_model_len >= 16, "max_model_len", self.max_model_len),
+            (all(n >= 16 for n in self.max_model_lens.values()), "max_model_lens", self.max_model_lens),
             (self.kv_cache_bytes >= MiB, "kv_cache_bytes", self.kv_cache_bytes),
             (0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", self.gpu_memory_utilization),
             (self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs),
@@ -58,17 +60,24 @@ class VllmEngineConfig:
 
         return "cuda" if current_platform.is_cuda() else "cpu"
 
-    def vllm_args(self, model_path: str, device: str) -> dict[str, Any]:
-        """The `vllm.EngineArgs` of one model's engine."""
+    def vllm_args(self, model_path: str, device: str, model: str | None = None) -> dict[str, Any]:
+        """The `vllm.EngineArgs` of one model's engine (`model`: its name, for `max_model_lens`)."""
         sleep = self.sleep_mode if self.sleep_mode is not None else device == "cuda"
+        length = self.max_model_lens.get(model, self.max_model_len) if model is not None else self.max_model_len
         args: dict[str, Any] = dict(
-            model=model_path, dtype=self.dtype, max_model_len=self.max_model_len,
+            model=model_path, dtype=self.dtype, max_model_len=length,
             kv_cache_memory_bytes=self.kv_cache_bytes, gpu_memory_utilization=self.gpu_memory_utilization,
             max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens or max(self.max_model_len, 2048),
+            max_num_batched_tokens=self.max_num_batched_tokens or max(length, 2048),
             enable_prefix_caching=True, enforce_eager=self.enforce_eager, enable_sleep_mode=sleep,
             seed=self.seed, disable_log_stats=True, distributed_executor_backend="uni",
         )
+        if device == "cpu":
+            # A prompt cut into chunks is sampled at each chunk and the token thrown away, and vLLM rewinds a
+            # seeded request's generator for it (`set_offset`), which a CPU generator refuses: every sampled
+            # request whose prompt was chunked (two 1024-token prompts fill a 2048-token step) crashed its
+            # engine with "CPU Generator does not use offset". Unchunked, a prompt waits for a step with room.
+            args["enable_chunked_prefill"] = False
         if self.block_size is not None:
             args["block_size"] = self.block_size
         args.update(self.engine_args)

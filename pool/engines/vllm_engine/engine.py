@@ -81,7 +81,7 @@ class VllmEngine:
         from transformers import AutoTokenizer
 
         path = Path(path)
-        args = self.config.vllm_args(str(path), self.device)
+        args = self.config.vllm_args(str(path), self.device, model)
         core: VllmCore | ChildCore = ChildCore(args, name=f"vllm-{model}") if self.isolate else VllmCore(args)
         tokenizer = AutoTokenizer.from_pretrained(path)
         entry = ModelEngine(model, path, core, tokenizer, _eos_ids(path, tokenizer), self.counters)

@@ -1,0 +1,58 @@
+"""Admission against both KV tiers: what an instance's device and host memory hold together.
+
+A request admitted to an instance keeps KV there until it ends: on the
+device, or in host memory once swapped out to make room. The device budget
+alone bounded prefills, so a mixed instance admitted new prompts by moving
+running requests out to host memory until the engine's host KV store was
+full; the engine then refused the next swap-out, every request there was
+re-queued, and the same admissions filled it again (the demo at 1024-token
+prompts and concurrency 64 finished 0 of 60 requests in 25 minutes). Where an
+instance's host KV is bounded (`InstanceSpec.host_kv_bytes`), a request is
+admitted only while the KV of every request homed there - reserved on the
+device, or swapped out - plus its own fits the larger of the two tiers: then
+host memory holds whatever a swap moves out, even mid-turn, when a batch's KV
+goes out before the next batch's comes in (a device's worth out at most, with
+everything else already there). A swap-out to make room for a prompt also
+happens only when host memory takes it; otherwise the prompt waits in its
+queue while the requests admitted run on (back-pressure, never a cycle).
+Counted with each request's whole reservation (prompt plus `max_tokens`), as
+the device's budget is.
+
+Unbounded host memory (None, the simulator's default) changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from scheduler.request import RUNNING, SWAPPED
+
+if TYPE_CHECKING:
+    from scheduler.policies.base import InstanceState, PolicyBase
+
+
+def host_kv_used(policy: PolicyBase, inst: InstanceState) -> float:
+    """KV bytes of the requests swapped out of `inst` or on their way out (planned, not reported yet: still
+    RUNNING, no longer on the device); their KV is in its engine's host memory."""
+    iid, on_device = inst.instance_id, inst.on_device
+    return sum(policy.kv_need_bytes(r) for r in policy.requests.values()
+               if r.instance_id == iid and (r.status is SWAPPED or r.status is RUNNING)
+               and r.request_id not in on_device)
+
+
+def tiers_admit(policy: PolicyBase, inst: InstanceState, need_bytes: float) -> bool:
+    """Whether one more request of `need_bytes` keeps every request homed on `inst` within its larger KV tier."""
+    host = inst.spec.host_kv_bytes
+    if host is None:
+        return True
+    return inst.kv_used_bytes + host_kv_used(policy, inst) + need_bytes <= max(inst.kv_capacity_bytes, host)
+
+
+def host_takes(policy: PolicyBase, inst: InstanceState, request_ids: Iterable[str]) -> bool:
+    """Whether `inst`'s host memory takes these device-resident requests' KV on top of what it holds."""
+    host = inst.spec.host_kv_bytes
+    if host is None:
+        return True
+    moving = sum(policy.requests[rid].kv_reserved_bytes for rid in request_ids)
+    return host_kv_used(policy, inst) + moving <= host
