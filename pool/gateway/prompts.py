@@ -161,15 +161,21 @@ def chat_prompt_ids(body: ChatCompletionRequest, tokenizer: Any, limits: Request
             entry["name"] = message.name
         messages.append(entry)
     kwargs = dict(body.chat_template_kwargs or {})
-    template = body.chat_template or kwargs.pop("chat_template", None)  # refused by check() unless trusted
-    if template is None and getattr(tokenizer, "chat_template", None) is None:
+    requested = body.chat_template or kwargs.pop("chat_template", None)  # refused by check() unless trusted
+    kwargs.pop("chat_template", None)
+    own = getattr(tokenizer, "chat_template", None)
+    if requested is None and own is None:
         raise bad_request(f"model {body.model!r} has no chat template; use /v1/completions", "messages")
     try:
-        source = tokenizer.get_chat_template(template)
+        source = requested if requested is not None else own
+        if not isinstance(source, str):  # named templates: the tokenizer's default one
+            source = tokenizer.get_chat_template(None)
         variables = template_variables(source)
-        text = tokenizer.apply_chat_template(
-            messages, chat_template=source, add_generation_prompt=body.add_generation_prompt is not False,
-            tokenize=False, **{k: v for k, v in kwargs.items() if k in variables})
+        extra = {k: v for k, v in kwargs.items() if k in variables}
+        if requested is not None:
+            extra["chat_template"] = requested
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt is not False,
+                                             tokenize=False, **extra)
     except Exception as exc:  # jinja raises for roles or shapes a template rejects
         raise bad_request(f"messages: the chat template rejected them: {exc}", "messages") from None
     return encode(tokenizer, text, add_special_tokens=False)
