@@ -33,6 +33,10 @@ class ModelProfile:
     tpot_slo_s: float
     rate_rps: float = 0.0  # traffic hint, 0 when unknown
     kv_block_tokens: int = 1  # KV is held in blocks of this many tokens: a request takes whole blocks
+    # planned load hints (0 when unknown): token-level sizes its KV/weights split from them (token_weights)
+    mean_prompt_tokens: float = 0.0
+    mean_output_tokens: float = 0.0
+    load_rps: float = 0.0  # the workload's own rate where known (a replay); else rate_rps plans
 
 
 def kv_need_tokens(model: ModelProfile, num_tokens: int) -> int:
@@ -67,6 +71,8 @@ class InstanceSpec:
     # host KV bytes its engine holds for requests swapped out of the device (the live pool: `plan_kv`, from the
     # engine's report); None: host memory does not bound it (a simulated node's host KV is large)
     host_kv_bytes: float | None = None
+    # device bytes for model weights in such an engine, as it reports them; None: its memory less its KV
+    weight_bytes: float | None = None
 
 
 def kv_capacity(spec: InstanceSpec, weight_bytes: float) -> float:

@@ -25,7 +25,7 @@ from scheduler.fleet import GB, Fleet, ModelEntry, Slo, fleet_problems
 from sims.costmodel import RooflineCostModel
 from sims.metrics import summarize
 from sims.profiles import CalibrationProfile
-from sims.run import requests_from
+from sims.run import requests_from, weight_limits, with_load_hints
 from sims.simulator import RequestRecord, Simulator
 from sims.workload import Workload
 
@@ -221,7 +221,7 @@ def _sure_misses(records: Mapping[str, RequestRecord], slo: Mapping[str, tuple[f
 def _simulate(ctx: Context, fleet: Fleet, workload: Workload, policy: str, layouts: list[Layout],
               stop_below: float | None = None) -> _Run:
     costs = ctx.costs(fleet.pool.gpu)
-    profiles = model_profiles(fleet)
+    profiles = with_load_hints(model_profiles(fleet), workload)
     instances = [spec for layout in layouts for spec in build_instances(fleet, layout)]
     options = dict(ctx.policy_options.get(policy, {}))
     replicas = {name: n for layout in layouts for name, n in layout.replicas}
@@ -229,7 +229,8 @@ def _simulate(ctx: Context, fleet: Fleet, workload: Workload, policy: str, layou
         options["replicas"] = replicas
     scheduler = make_scheduler(policy, profiles, instances, costs, max_batch_size=fleet.pool.max_batch_size,
                                max_prefill_tokens=fleet.pool.max_prefill_tokens, **options)
-    sim = Simulator(scheduler, costs, requests_from(workload, fleet, [0]),
+    budgets, sizes = weight_limits(scheduler, profiles)
+    sim = Simulator(scheduler, costs, requests_from(workload, fleet, [0]), weight_capacity=budgets, weight_bytes=sizes,
                     kv_bytes_per_token={name: p.kv_bytes_per_token for name, p in profiles.items()},
                     links=costs.host_links(instances))
     if stop_below is None:

@@ -7,13 +7,14 @@ scheduler (to predict step times) and the executor (to time them).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.machinery
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from scheduler import InstanceSpec, Request, make_instances, make_scheduler, model_profiles
+from scheduler import InstanceSpec, ModelProfile, Request, make_instances, make_scheduler, model_profiles
 from scheduler.fleet import Fleet
 from scheduler.instance import staging_instances
 from sims.costmodel import RooflineCostModel
@@ -93,6 +94,32 @@ def build_instances(fleet: Fleet, policy: str, num_gpus: int | None = None,
                           gpus_by_tp=gpus_by_tp, per_model=policy == "dedicated")
 
 
+def with_load_hints(profiles: Mapping[str, ModelProfile], workload: Workload) -> dict[str, ModelProfile]:
+    """The profiles with the workload's own load per model (rate, mean prompt and output tokens): what a policy
+    that plans its memory from the expected load (token-level) plans with when the workload is known."""
+    duration = max(workload.duration_s, 1e-9)
+    out = dict(profiles)
+    index = workload.model_index
+    for k, name in enumerate(workload.models):
+        if name not in out:
+            continue
+        mine = index == k
+        count = int(mine.sum())
+        if count:
+            out[name] = dataclasses.replace(out[name], load_rps=count / duration,
+                                            mean_prompt_tokens=float(workload.input_tokens[mine].mean()),
+                                            mean_output_tokens=float(workload.output_tokens[mine].mean()))
+    return out
+
+
+def weight_limits(scheduler: object, profiles: Mapping[str, ModelProfile]) -> tuple[dict[str, float] | None,
+                                                                                   dict[str, float]]:
+    """Per instance, the weight budget the policy planned (None when it plans none), and each model's bytes:
+    the simulator refuses a Switch or Prefetch whose held weights exceed it."""
+    budgets = getattr(scheduler, "weight_budgets", None)
+    return (dict(budgets) if budgets else None), {name: p.weight_bytes for name, p in profiles.items()}
+
+
 def requests_from(workload: Workload, fleet: Fleet, counter: list[int]) -> Iterator[Request]:
     """Trace rows as scheduler requests; prompts that overflow a model's context are truncated (counted)."""
     context = {m.name: m.arch.max_context for m in fleet.models}
@@ -120,7 +147,7 @@ def simulate(fleet: Fleet, workload: Workload, policy: str, *, num_gpus: int | N
     sims.gpu_share). `plan_costs`: what the scheduler plans with where it is not what the steps cost (`costs`) -
     a live pool that served with one profile, replayed with one fitted to it since (default: `costs`)."""
     costs = costs or RooflineCostModel(fleet)
-    profiles = model_profiles(fleet)
+    profiles = with_load_hints(model_profiles(fleet), workload)
     instances = instances or build_instances(fleet, policy, num_gpus, prefill_fraction, gpus_by_tp)
     # like the live pool, the scheduler forgets requests once they end (same plans; the records keep what happened):
     # its request table stays the size of what is in flight, not of the whole trace
@@ -128,7 +155,9 @@ def simulate(fleet: Fleet, workload: Workload, policy: str, *, num_gpus: int | N
     scheduler = make_scheduler(policy, profiles, instances, plan_costs or costs, max_batch_size=fleet.pool.max_batch_size,
                                max_prefill_tokens=fleet.pool.max_prefill_tokens, **options)
     truncated = [0]
-    sim = Simulator(scheduler, costs, requests_from(workload, fleet, truncated),
+    budgets, sizes = weight_limits(scheduler, profiles)
+    sim = Simulator(scheduler, costs, requests_from(workload, fleet, truncated), weight_capacity=budgets,
+                    weight_bytes=sizes,
                     kv_bytes_per_token={name: p.kv_bytes_per_token for name, p in profiles.items()}, plan_log=plan_log,
                     links=costs.host_links(instances, gpu_of), gpus=costs.gpu_shares(instances, gpu_of),
                     staging=staging_instances({s.instance_id: s.role for s in instances}, gpus_of(instances, gpu_of)))

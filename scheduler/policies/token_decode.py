@@ -227,13 +227,19 @@ class DecodeSide:
         for batch in batches:
             if batch.model not in seen:
                 seen.append(batch.model)
-                switch_s += costs.switch_s(batch.model)
+        held = policy.weights[inst.instance_id]
+        stays = sum(held.sizes[m] for m in seen) <= held.budget_bytes  # the round's models all stay resident
+        for model in seen:
+            switch_s += policy.switch_cost_s(inst.instance_id, model) if stays else costs.switch_s(model)
         move_s = 0.0
         if kv_bytes > inst.kv_capacity_bytes:  # each batch's KV goes out and comes back once a round
             for batch, context in zip(batches, contexts):
                 move_s += 2 * costs.kv_move_s(batch.model, context)
+        floor = math.ceil(policy.min_turn_tpot * tpot / step_s[0])
+        if switch_s + move_s == 0:  # every model stays resident, every KV on the device: turns cost nothing, so
+            return max(1, floor)    # they are as short as the floor allows (a long one only delays the others)
         quota = first_decode_quota(step_s, tpot, switch_s + move_s, policy.max_quota_s)
-        return max(1, int(quota / step_s[0]), math.ceil(policy.min_turn_tpot * tpot / step_s[0]))
+        return max(1, int(quota / step_s[0]), floor)
 
     def _run_turn(self, inst: InstanceState, state: DecodeState, turn: Turn, why: str,
                   switch_why: str = "") -> list[Action]:
@@ -290,7 +296,8 @@ class DecodeSide:
             if inst.lost:
                 continue
             iid = inst.instance_id
-            load = self._load_after(self.states[iid], model, estimate, fresh)
+            load = self._load_after(self.states[iid], model, estimate,
+                                    fresh if model not in policy.weights[iid] else (fresh[0], 0.0))
             if best_id is None or load < best_load or (load == best_load and iid < best_id):
                 best_load, best_id = load, iid
         if best_id is None:

@@ -62,11 +62,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
-from scheduler.costs import CostModel, InstanceSpec, ModelProfile, kv_capacity
+from scheduler.costs import CostModel, InstanceSpec, ModelProfile
 from scheduler.plan import Action, Event, KvMoved, Prefetch, StepDone, Stop, SwapOut, Switch
 from scheduler.policies.base import InstanceState, PolicyBase
 from scheduler.policies.token_decode import DecodeSide
 from scheduler.policies.token_prefill import PrefillSide
+from scheduler.policies.token_weights import MemoryPlan, ResidentSet, plan_memory
 from scheduler.request import RUNNING, SWAPPED, Request
 
 
@@ -99,6 +100,7 @@ class TokenLevelPolicy(PolicyBase):
         # turn to stop; a SwitchDone or KvMoved that leaves its instance busy enables nothing else, except a
         # hand-off's KvMoved placing requests on a decode instance, which DecodeSide.join marks as news
         self.skip_quiet_schedules = True
+        self._plan_memory()
         self.prefill = PrefillSide(self)
         self.decode = DecodeSide(self)
         self._rank = {iid: k for k, iid in enumerate(self.instances)}
@@ -109,10 +111,49 @@ class TokenLevelPolicy(PolicyBase):
                 raise ValueError(f"token-level needs prefill and decode instances of TP{model.tp} for {model.name}; "
                                  f"roles present: {sorted(roles) or 'none'}")
 
-    def _kv_capacity(self, spec: InstanceSpec) -> float:
-        # the device buffer holds KV | current model | prefetched model
-        biggest = max((m.weight_bytes for m in self.models.values() if m.tp == spec.tp), default=0.0)
-        return kv_capacity(spec, 2 * biggest)
+    def _plan_memory(self) -> None:
+        """Each instance's KV/weights split (token_weights.plan_memory) and its resident set."""
+        sizes = {name: m.weight_bytes for name, m in self.models.items()}
+        self.memory_plans: dict[str, MemoryPlan] = {}
+        self.weights: dict[str, ResidentSet] = {}
+        for iid, inst in self.instances.items():
+            spec = inst.spec
+            members = [m for m in self.models.values() if m.tp == spec.tp]
+            num_decode = sum(1 for i in self.instances.values()
+                             if i.spec.tp == spec.tp and i.spec.role in ("decode", "mixed"))
+            plan = plan_memory(spec, members, num_decode, self.max_prefill_tokens)
+            self.memory_plans[iid] = plan
+            inst.kv_capacity_bytes = plan.kv_bytes
+            self.weights[iid] = ResidentSet(plan.weight_bytes, sizes)
+        self.weight_budgets = {iid: plan.weight_bytes for iid, plan in self.memory_plans.items()}
+        self._worth: dict[str, float] = {}  # worth's answers
+        self._use_count = 0  # recency of the resident sets' models (ties in eviction go least recently used)
+        self.switch_planned_s: dict[str, float] = {}  # instance -> predicted copy time of the Switch just planned
+
+    def worth(self, model: str) -> float:
+        """What evicting `model` is expected to cost per second: its rate times its switch time."""
+        worth = self._worth.get(model)
+        if worth is None:
+            profile = self.models[model]
+            worth = self._worth[model] = (profile.load_rps or profile.rate_rps) * self.costs.switch_s(model)
+        return worth
+
+    def switch_cost_s(self, instance_id: str, model: str) -> float:
+        """A switch to `model` on the instance: free when its weights are held there, else a whole copy."""
+        return 0.0 if model in self.weights[instance_id] else self.costs.switch_s(model)
+
+    def _needed(self, inst: InstanceState, model: str) -> set[str]:
+        """Models the instance needs soon besides `model`: its queued groups' and its decode members'."""
+        iid = inst.instance_id
+        out = {model}
+        if inst.active is not None:
+            out.add(inst.active)
+        for group in self.prefill.groups.get(iid, ())[:4]:
+            out.add(group.model)
+        state = self.decode.states.get(iid)
+        if state is not None:
+            out.update(state.mix)
+        return out
 
     # ---- planning --------------------------------------------------------------
     def _plan(self, now: float) -> dict[str, list[Action]]:
@@ -182,16 +223,26 @@ class TokenLevelPolicy(PolicyBase):
         """Make `model` current: a Switch unless it already is (free when it was prefetched in time)."""
         if inst.active == model:
             return []
-        hit = " (prefetched)" if inst.prefetched == model else ""
+        held = self.weights[inst.instance_id]
+        hit = " (prefetched)" if inst.prefetched == model else " (resident)" if model in held else ""
+        self.switch_planned_s[inst.instance_id] = self.switch_cost_s(inst.instance_id, model)
+        self._use_count += 1
+        keep = held.add(model, self._use_count, self._needed(inst, model), self.worth)
         inst.active = model
-        return [Switch(model, reason=why + hit)]
+        return [Switch(model, reason=why + hit, keep=keep)]
 
     def prefetch(self, inst: InstanceState, model: str | None, why: str) -> list[Action]:
         """Copy the next model into the spare slot while the planned compute runs (placed before it)."""
-        if model is None or model == inst.active or inst.prefetched == model:
+        held = self.weights[inst.instance_id]
+        if model is None or model == inst.active or inst.prefetched == model or model in held:
             return []
+        needed = self._needed(inst, model)
+        if inst.active in held.would_evict(model, needed, self.worth):
+            return []  # no room beside the model in use: the switch copies it when its turn comes
+        self._use_count += 1
+        keep = held.add(model, self._use_count, needed, self.worth)
         inst.prefetched = model
-        return [Prefetch(model, reason=why)]
+        return [Prefetch(model, reason=why, keep=keep)]
 
     def swap_out(self, ids: list[str], why: str) -> SwapOut:
         for rid in ids:
@@ -238,7 +289,12 @@ class TokenLevelPolicy(PolicyBase):
         self.decode.forget(request, iid)
         self.prefill.forget(request, iid)
 
+    def _add_instance(self, instance_id: str) -> None:
+        super()._add_instance(instance_id)
+        self.weights[instance_id].clear()  # a restarted engine holds nothing the plan can count on
+
     def _lose(self, inst: InstanceState, why: str, now: float) -> None:
         super()._lose(inst, why, now)
+        self.weights[inst.instance_id].clear()
         self.prefill.lose(inst.instance_id)
         self.decode.lose(inst.instance_id)

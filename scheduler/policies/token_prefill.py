@@ -113,7 +113,7 @@ class PrefillSide:
                         break
                 tail_at = inst_ends[-1] if inst_ends else max(now, self.busy_until.get(iid, now))
                 free = tail_model == model or (not groups and inst.prefetched == model)
-                switch_s = 0.0 if free else policy.costs.switch_s(model)
+                switch_s = 0.0 if free else policy.switch_cost_s(iid, model)
                 done_at, group = tail_at + (1.0 + policy.switch_aversion) * switch_s + own_s, None
             if best_id is None or done_at < best_at:
                 best_at, best_id, best_group = done_at, iid, group
@@ -127,7 +127,7 @@ class PrefillSide:
         for group in self.groups[inst.instance_id]:
             if group.ids:
                 if group.model != model:
-                    t += max(0.0, costs.switch_s(group.model) - previous_s)
+                    t += max(0.0, self.policy.switch_cost_s(inst.instance_id, group.model) - previous_s)
                     model = group.model
                 tokens = sum(requests[rid].context_tokens for rid in group.ids)
                 previous_s = costs.prefill_s(group.model, tokens, len(group.ids))
@@ -209,15 +209,15 @@ class PrefillSide:
 
     def planned(self, inst: InstanceState, acts: list[Action], now: float) -> None:
         """Note when the planned work should end (dispatch predicts queues from it)."""
-        self.busy_until[inst.instance_id] = now + self._predict_s(acts)
+        self.busy_until[inst.instance_id] = now + self._predict_s(inst, acts)
 
-    def _predict_s(self, acts: list[Action]) -> float:
+    def _predict_s(self, inst: InstanceState, acts: list[Action]) -> float:
         """Predicted time the planned actions keep an instance busy (prefetches overlap)."""
         costs, requests = self.policy.costs, self.policy.requests
         took = 0.0
         for act in acts:
             if isinstance(act, Switch):
-                took += costs.switch_s(act.model)
+                took += self.policy.switch_planned_s.get(inst.instance_id, costs.switch_s(act.model))
             elif isinstance(act, Prefill):
                 for rid in act.request_ids:
                     req = requests[rid]

@@ -169,14 +169,16 @@ def test_token_level_decode_turns_go_to_the_batch_due_first() -> None:
     assert acts[1].request_ids == ("a",) and acts[1].max_steps < 496 and "quota" in acts[1].reason
     sched.on_event(StepDone("i1", "decode", ("a",), acts[1].max_steps), 2.0)
     acts = sched.schedule(2.0).actions["i1"]
-    # b's turn; a's KV stays on the device (both fit), m1's switch was prefetched, m0 is prefetched back
-    assert [type(a) for a in acts] == [Switch, SwapIn, Prefetch, Decode]
+    # b's turn; a's KV stays on the device (both fit), m1's switch was prefetched, m0 stays resident beside it
+    assert [type(a) for a in acts] == [Switch, SwapIn, Decode]
     assert acts[0].model == "m1" and "prefetched" in acts[0].reason and acts[1].request_ids == ("b",)
-    assert acts[2].model == "m0" and "a" in sched.instances["i1"].on_device
+    assert acts[0].keep == ("m0",) and "a" in sched.instances["i1"].on_device
     sched.on_event(SwitchDone("i1", "m1"), 2.3)
     sched.on_event(KvMoved("i1", ("b",), "device"), 2.3)
-    sched.on_event(StepDone("i1", "decode", ("b",), acts[3].max_steps), 3.0)
-    assert ops(sched.schedule(3.0), "i1") == ["Switch", "Prefetch", "Decode"]  # back to m0: its KV never left
+    sched.on_event(StepDone("i1", "decode", ("b",), acts[2].max_steps), 3.0)
+    acts = sched.schedule(3.0).actions["i1"]
+    assert [type(a) for a in acts] == [Switch, Decode]  # back to m0: its KV never left, its weights neither
+    assert "resident" in acts[0].reason and acts[0].keep == ("m1",)
 
 
 def _first_quota_turn(min_turn_tpot: float):

@@ -241,7 +241,7 @@ def test_token_level_planning_only_touched_instances_plans_exactly_what_a_full_s
         models = make_models(4)
         log = io.StringIO()
         sim, sched = make_sim("token-level", models, make_instances(len(roles), roles=roles),
-                              make_workload(400, list(models), seed=3), plan_log=log, faults=[(40.0, "i1")])
+                              make_workload(500, list(models), seed=3), plan_log=log, faults=[(40.0, "i1")])
         sched.full_scan = full_scan
         sim.run()
         return log.getvalue()
