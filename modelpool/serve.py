@@ -158,6 +158,7 @@ def fleet_deployment(fleet_path: Path, engine: str, num_gpus: int, num_instances
     from modelpool.config import load_fleet
     from pool.engines.graphs import batch_sizes_up_to
     from scheduler import make_instances, model_profiles
+    from scheduler.costs import with_controls
     from sims.costmodel import RooflineCostModel
 
     fleet = load_fleet(fleet_path)
@@ -181,6 +182,7 @@ def fleet_deployment(fleet_path: Path, engine: str, num_gpus: int, num_instances
                                  param_hint="--fleet")
     models = [served_model(e.name, base / str(e.weights), ttft_s=fleet.slo(e).ttft_s, tpot_s=fleet.slo(e).tpot_s,
                            tp=e.tp, dtype=None if num_gpus else "float32") for e in fleet.models]
+    models = [dataclasses.replace(m, profile=with_controls(m.profile, profiles[m.name])) for m in models]
     count, devices, share = gpu_layout(num_gpus, num_instances, policy) if num_gpus else (num_instances or 2, {}, 1.0)
     roles = _roles(count, policy, fleet.pool.prefill_fraction) if num_gpus else None
     # prefill instances that share their GPU with every decode instance hand off through device memory

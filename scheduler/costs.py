@@ -10,6 +10,7 @@ model makes one of each per simulation).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -37,6 +38,11 @@ class ModelProfile:
     mean_prompt_tokens: float = 0.0
     mean_output_tokens: float = 0.0
     load_rps: float = 0.0  # the workload's own rate where known (a replay); else rate_rps plans
+    # operator controls (the fleet file's pin, preload, idle_ttl_s, priority; token-level honours them)
+    pinned: bool = False
+    preload: bool = False
+    idle_ttl_s: float | None = None
+    priority: int = 0  # 1 high, 0 normal, -1 low
 
 
 def kv_need_tokens(model: ModelProfile, num_tokens: int) -> int:
@@ -170,6 +176,16 @@ class CostModel:
         return None
 
 
+PRIORITY = {"high": 1, "normal": 0, "low": -1}
+
+
+def with_controls(profile: ModelProfile, controls: ModelProfile) -> ModelProfile:
+    """`profile` with the operator controls of `controls` (a live pool's profile from its weights folder, given
+    the fleet file's pin, preload, idle TTL and priority)."""
+    return dataclasses.replace(profile, pinned=controls.pinned, preload=controls.preload,
+                               idle_ttl_s=controls.idle_ttl_s, priority=controls.priority)
+
+
 def model_profiles(fleet: Fleet) -> dict[str, ModelProfile]:
     """The scheduler's view of every model in the fleet."""
     out: dict[str, ModelProfile] = {}
@@ -180,6 +196,8 @@ def model_profiles(fleet: Fleet) -> dict[str, ModelProfile]:
             kv_bytes_per_token=entry.arch.kv_bytes_per_token, max_context=entry.arch.max_context,
             ttft_slo_s=slo.ttft_s, tpot_slo_s=slo.tpot_s,
             rate_rps=entry.traffic.rate_rps if entry.traffic else 0.0,
+            pinned=entry.pin, preload=entry.preload, idle_ttl_s=entry.idle_ttl_s,
+            priority=PRIORITY[entry.priority],
         )
     return out
 

@@ -148,6 +148,24 @@ class ModelEntry(_Frozen):
     slo: Slo | None = Field(default=None, description="SLOs; the pool's default_slo when absent.")
     weights: str | None = Field(default=None, description="Local folder with safetensors weights for the live pool.")
     traffic: Traffic | None = Field(default=None, description="Traffic hint for the simulator.")
+    pin: bool = Field(default=False, description="token-level: keep this model's weights resident on every "
+                      "instance of its TP class from the start, never evicted (its switches cost nothing).")
+    preload: bool = Field(default=False, description="token-level: copy this model's weights onto every instance of "
+                          "its TP class at start (where they fit); evicted like any other later.")
+    idle_ttl_s: PosFloat | None = Field(default=None, description="token-level: once no request for this model has "
+                                        "arrived for this many seconds, it is not kept resident (freed at an "
+                                        "instance's next weight change, not prefetched).")
+    priority: Literal["high", "normal", "low"] = Field(
+        default="normal", description="Scheduling class: a high-priority model's requests go ahead of normal ones "
+                                      "that arrived up to half a TTFT SLO before them (low: behind), in prefill "
+                                      "dispatch and decode turns (token-level), within the SLOs.")
+
+    @model_validator(mode="after")
+    def _check_controls(self) -> ModelEntry:
+        if self.pin and self.idle_ttl_s is not None:
+            raise ValueError(f"model {self.name!r}: pin and idle_ttl_s ({self.idle_ttl_s}) contradict each other: "
+                             "a pinned model is never freed")
+        return self
 
     @field_validator("arch", mode="before")
     @classmethod

@@ -77,7 +77,9 @@ def make_sim(policy: str, models: dict[str, ModelProfile], instances: list[Insta
     sched = make_scheduler(policy, models, instances, costs, **options)
     capacity = {iid: inst.kv_capacity_bytes for iid, inst in sched.instances.items()}  # type: ignore[attr-defined]
     sim = Simulator(sched, costs, requests, kv_bytes_per_token={n: m.kv_bytes_per_token for n, m in models.items()},
-                    kv_capacity=capacity, plan_log=plan_log, faults=faults)
+                    kv_capacity=capacity, plan_log=plan_log, faults=faults,
+                    weight_capacity=getattr(sched, "weight_budgets", None),  # token-level's planned weight budgets
+                    weight_bytes={n: m.weight_bytes for n, m in models.items()})
     return sim, sched
 
 

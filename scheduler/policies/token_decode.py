@@ -127,7 +127,7 @@ class DecodeSide:
         if not batches:
             return []
         if len(batches) > 1:
-            batches = sorted(batches, key=self.due_at)  # stable: ties keep FCFS order
+            batches = sorted(batches, key=self._turn_order)  # stable: ties keep FCFS order
         first = batches[0]
         batch = Batch(first.model, list(first.ids), first.kv_bytes)
         fixed = self.policy.fixed_turn_steps
@@ -194,6 +194,12 @@ class DecodeSide:
             batch.kv_bytes += need
         state.packed = batches
         return batches
+
+    def _turn_order(self, batch: Batch) -> float:
+        """Turn order: due first; a high-priority model's batch as if due one TPOT period earlier (low: later)."""
+        profile = self.policy.models[batch.model]
+        due = self.due_at(batch)
+        return due - profile.priority * profile.tpot_slo_s if profile.priority else due
 
     def due_at(self, batch: Batch) -> float:
         """When the batch's most pressed member owes its next token: first token + tokens so far * TPOT SLO."""

@@ -116,6 +116,7 @@ class TokenLevelPolicy(PolicyBase):
         sizes = {name: m.weight_bytes for name, m in self.models.items()}
         self.memory_plans: dict[str, MemoryPlan] = {}
         self.weights: dict[str, ResidentSet] = {}
+        self._warm: dict[str, list[str]] = {}  # instance -> pinned and preloaded models to copy in at start
         for iid, inst in self.instances.items():
             spec = inst.spec
             members = [m for m in self.models.values() if m.tp == spec.tp]
@@ -124,7 +125,18 @@ class TokenLevelPolicy(PolicyBase):
             plan = plan_memory(spec, members, num_decode, self.max_prefill_tokens)
             self.memory_plans[iid] = plan
             inst.kv_capacity_bytes = plan.kv_bytes
-            self.weights[iid] = ResidentSet(plan.weight_bytes, sizes)
+            pinned = sorted(m.name for m in members if m.pinned)
+            others = max((m.weight_bytes for m in members if not m.pinned), default=0.0)
+            if pinned and sum(sizes[m] for m in pinned) + others > plan.weight_bytes:
+                raise ValueError(f"pinned models {pinned} ({sum(sizes[m] for m in pinned) / 1e9:.1f} GB) leave no room "
+                                 f"beside them for the largest other TP{spec.tp} model ({others / 1e9:.1f} GB) in "
+                                 f"instance {iid}'s {plan.weight_bytes / 1e9:.1f} GB of weights; pin fewer models")
+            self.weights[iid] = ResidentSet(plan.weight_bytes, sizes, pinned)
+            preload = sorted((m for m in members if m.preload and not m.pinned), key=lambda m: (-m.rate_rps, m.name))
+            if pinned or preload:
+                self._warm[iid] = pinned + [m.name for m in preload]
+        self.last_request_at: dict[str, float] = {}  # model -> its latest arrival (idle TTLs count from it)
+        self._now = 0.0  # the time of the plan being made
         self.weight_budgets = {iid: plan.weight_bytes for iid, plan in self.memory_plans.items()}
         self._worth: dict[str, float] = {}  # worth's answers
         self._use_count = 0  # recency of the resident sets' models (ties in eviction go least recently used)
@@ -156,7 +168,12 @@ class TokenLevelPolicy(PolicyBase):
         return out
 
     # ---- planning --------------------------------------------------------------
+    def submit(self, request: Request, now: float) -> None:
+        self.last_request_at[request.model] = now
+        super().submit(request, now)
+
     def _plan(self, now: float) -> dict[str, list[Action]]:
+        self._now = now
         if self._queued_news:
             self._queued_news = False
             self.prefill.dispatch(now)
@@ -172,12 +189,14 @@ class TokenLevelPolicy(PolicyBase):
                     self._touched.add(iid)
                 continue
             role = inst.spec.role
+            warm = self._warm_up(inst) if iid in self._warm else []
             if role == "prefill":
                 acts = self.prefill.step(inst)
             elif role == "decode":
                 acts = self.decode.step(inst)
             else:
                 acts = self._mixed_step(inst, now)
+            acts = warm + acts
             if acts:
                 out[iid] = acts
                 self._touched.add(iid)  # a plan may go on from the state it leaves
@@ -227,7 +246,7 @@ class TokenLevelPolicy(PolicyBase):
         hit = " (prefetched)" if inst.prefetched == model else " (resident)" if model in held else ""
         self.switch_planned_s[inst.instance_id] = self.switch_cost_s(inst.instance_id, model)
         self._use_count += 1
-        keep = held.add(model, self._use_count, self._needed(inst, model), self.worth)
+        keep = held.add(model, self._use_count, self._needed(inst, model), self.worth, self._expired(held))
         inst.active = model
         return [Switch(model, reason=why + hit, keep=keep)]
 
@@ -240,9 +259,37 @@ class TokenLevelPolicy(PolicyBase):
         if inst.active in held.would_evict(model, needed, self.worth):
             return []  # no room beside the model in use: the switch copies it when its turn comes
         self._use_count += 1
-        keep = held.add(model, self._use_count, needed, self.worth)
+        keep = held.add(model, self._use_count, needed, self.worth, self._expired(held))
         inst.prefetched = model
         return [Prefetch(model, reason=why, keep=keep)]
+
+    def _warm_up(self, inst: InstanceState) -> list[Action]:
+        """At start (or a restart): copy in the pinned models, then the preloaded ones that fit beside them."""
+        held, acts = self.weights[inst.instance_id], []
+        for model in self._warm.pop(inst.instance_id):
+            if model in held or held.would_evict(model, held.held, self.worth):
+                continue  # a preload that would push out what is there already waits for its requests
+            self._use_count += 1
+            keep = held.add(model, self._use_count, (), self.worth)
+            what = "pinned" if self.models[model].pinned else "preload"
+            acts.append(Prefetch(model, reason=f"{what} {model}", keep=keep))
+        return acts
+
+    def _expired(self, held: ResidentSet) -> list[str]:
+        """Held models whose idle TTL has run out (no request for that long): freed at the next weight change."""
+        out = []
+        for model in held.held:
+            ttl = self.models[model].idle_ttl_s
+            if ttl is not None and self._now - self.last_request_at.get(model, 0.0) > ttl:
+                out.append(model)
+        return out
+
+    def head_order(self, model: str) -> tuple[float, str]:
+        """Dispatch order of a model's queue head: its arrival, a high-priority model's half a TTFT SLO earlier
+        (a low one's later)."""
+        arrival, _ = self.head_arrival(model)
+        profile = self.models[model]
+        return (arrival - profile.priority * profile.ttft_slo_s / 2 if profile.priority else arrival), model
 
     def swap_out(self, ids: list[str], why: str) -> SwapOut:
         for rid in ids:
@@ -291,7 +338,10 @@ class TokenLevelPolicy(PolicyBase):
 
     def _add_instance(self, instance_id: str) -> None:
         super()._add_instance(instance_id)
-        self.weights[instance_id].clear()  # a restarted engine holds nothing the plan can count on
+        held = self.weights[instance_id]
+        held.clear()  # a restarted engine holds nothing the plan can count on
+        if held.pinned:
+            self._warm[instance_id] = sorted(held.pinned)
 
     def _lose(self, inst: InstanceState, why: str, now: float) -> None:
         super()._lose(inst, why, now)

@@ -59,7 +59,7 @@ class PrefillSide:
         stuck: list[str] = []
         ends: dict[str, list[float]] = {}  # per prefill instance, predicted end of each queued group
         while waiting:
-            model = waiting[0] if len(waiting) == 1 else min(waiting, key=policy.head_arrival)
+            model = waiting[0] if len(waiting) == 1 else min(waiting, key=policy.head_order)
             queue = queues[model]
             req = policy.requests[queue[0]]
             choice = self._pick_instance(req, now, ends)
@@ -73,7 +73,7 @@ class PrefillSide:
                 waiting.remove(model)
             if group is None:
                 group = Group(model)
-                self.groups[inst_id].append(group)
+                self._insert(self.groups[inst_id], group)
             group.ids.append(req.request_id)
             req.instance_id = inst_id
             policy.touch(inst_id)
@@ -81,6 +81,17 @@ class PrefillSide:
             if policy.instances[inst_id].spec.role == "mixed":  # let the turn boundary weigh the prompt
                 policy.decode.preempt(inst_id)
         policy.queued_models = {m: None for m in stuck}  # every other queue is empty now
+
+    def _insert(self, groups: list[Group], group: Group) -> None:
+        """A new group goes at the tail, a high-priority model's ahead of the groups of lower priority (behind
+        the head group, which may be prefilling)."""
+        models = self.policy.models
+        rank = models[group.model].priority
+        for k in range(1, len(groups)):
+            if models[groups[k].model].priority < rank:
+                groups.insert(k, group)
+                return
+        groups.append(group)
 
     def _pick_instance(self, req: Request, now: float,
                        ends: dict[str, list[float]]) -> tuple[str, Group | None] | None:

@@ -112,12 +112,17 @@ class ResidentSet:
     def used_bytes(self) -> float:
         return sum(self.sizes[m] for m in self.held)
 
-    def add(self, model: str, now: float, protect: Collection[str], worth: Callable[[str], float]) -> tuple[str, ...]:
+    def add(self, model: str, now: float, protect: Collection[str], worth: Callable[[str], float],
+            expired: Collection[str] = ()) -> tuple[str, ...]:
         """Hold `model` (used at `now`), evicting the models least worth keeping until it fits; returns the
         other models held after (the action's `keep`). `protect`: models needed soon, evicted only when
         nothing else frees room (the active model's successor is then copied again); pinned models are
-        evicted only when the model alone cannot fit beside them."""
+        evicted only when the model alone cannot fit beside them. `expired` models (idle past their TTL) go
+        whether or not room is needed, unless protected."""
         self.held.pop(model, None)
+        for gone in expired:
+            if gone not in protect and gone not in self.pinned:
+                self.held.pop(gone, None)
         room = self.budget_bytes - self.sizes[model]
         order = sorted(self.held, key=lambda m: (m in self.pinned, m in protect, worth(m), self.held[m], m))
         used = sum(self.sizes[m] for m in self.held)

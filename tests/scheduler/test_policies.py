@@ -176,8 +176,12 @@ def test_token_level_decode_turns_go_to_the_batch_due_first() -> None:
     sched.on_event(SwitchDone("i1", "m1"), 2.3)
     sched.on_event(KvMoved("i1", ("b",), "device"), 2.3)
     sched.on_event(StepDone("i1", "decode", ("b",), acts[2].max_steps), 3.0)
-    acts = sched.schedule(3.0).actions["i1"]
-    assert [type(a) for a in acts] == [Switch, Decode]  # back to m0: its KV never left, its weights neither
+    acts, now = sched.schedule(3.0).actions["i1"], 3.0
+    while [type(a) for a in acts] == [Decode] and acts[0].request_ids == ("b",):  # b's turns until a is due first
+        now += 0.5
+        sched.on_event(StepDone("i1", "decode", ("b",), acts[0].max_steps), now)
+        acts = sched.schedule(now).actions["i1"]
+    assert [type(a) for a in acts] == [Switch, Decode] and acts[1].request_ids == ("a",)  # back to m0: its KV never left, its weights neither
     assert "resident" in acts[0].reason and acts[0].keep == ("m1",)
 
 
