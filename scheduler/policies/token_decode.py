@@ -48,12 +48,18 @@ PREEMPT: Final = "preempt"
 
 
 class Batch:
-    """Members of one model that decode together."""
+    """Members of one model that decode together; a *joint* batch (`others`) holds several resident models'
+    members, each decode step advancing them all (their step times add up, as spatial's do)."""
 
-    def __init__(self, model: str, ids: list[str] | None = None, kv_bytes: float = 0.0) -> None:
+    def __init__(self, model: str, ids: list[str] | None = None, kv_bytes: float = 0.0,
+                 others: tuple[str, ...] = ()) -> None:
         self.model = model
         self.ids: list[str] = [] if ids is None else ids
         self.kv_bytes = kv_bytes
+        self.others = others  # a joint batch's other models, each resident beside `model`
+
+    def has(self, model: str) -> bool:
+        return model == self.model or model in self.others
 
 
 class Turn:
@@ -131,6 +137,12 @@ class DecodeSide:
         first = batches[0]
         batch = Batch(first.model, list(first.ids), first.kv_bytes)
         fixed = self.policy.fixed_turn_steps
+        joint = self._joint(inst, batches) if fixed is None and len(batches) > 1 and self.policy.joint_turns else None
+        if joint is not None:
+            state.turn = turn = Turn(joint, OPEN_ENDED, self.policy.decode_steps(tuple(joint.ids)))
+            state.next_model = None
+            return self._run_turn(inst, state, turn, f"joint turn of {len(batches)} resident models' batches",
+                                  f"{joint.model}'s batch is due first")
         if fixed is not None:
             kind, steps = FIXED, fixed
         elif len(batches) == 1:
@@ -142,6 +154,34 @@ class DecodeSide:
         label = "open-ended" if kind == OPEN_ENDED else f"quota {steps} steps"
         return self._run_turn(inst, state, turn, f"{batch.model} turn ({label}), due first of {len(batches)}",
                               f"{batch.model}'s batch is due first")
+
+    def _joint(self, inst: InstanceState, batches: list[Batch]) -> Batch | None:
+        """One batch of every member when their models all stay resident, their KV fits the device together and
+        a step of them all still keeps the strictest TPOT SLO: no switch, no KV move and no turn to wait for
+        (spatial's step, within token-level's resident set). None otherwise."""
+        policy = self.policy
+        held = policy.weights[inst.instance_id]
+        models: list[str] = []
+        for batch in batches:
+            if batch.model not in models:
+                models.append(batch.model)
+        if sum(held.sizes[m] for m in set(models) | inst.resident) > held.budget_bytes:
+            return None
+        kv = sum(b.kv_bytes for b in batches)
+        size = sum(len(b.ids) for b in batches)
+        if kv > inst.kv_capacity_bytes or size > policy.max_batch_size:
+            return None
+        requests, costs = policy.requests, policy.costs
+        step_s, tpot = 0.0, _INF
+        for batch in batches:
+            context = sum(requests[rid].context_tokens for rid in batch.ids)
+            step_s += costs.decode_step_s(batch.model, len(batch.ids), context)
+            tpot = min(tpot, policy.models[batch.model].tpot_slo_s)
+        if step_s > tpot / 2:  # room for its prompts' prefills too (the pace is the step's)
+            return None
+        ids = [rid for batch in batches for rid in batch.ids]
+        ids.sort(key=policy._fcfs_key)
+        return Batch(batches[0].model, ids, kv, tuple(m for m in models if m != batches[0].model))
 
     def should_stop(self, inst: InstanceState) -> str:
         """Why the Decode in flight on `inst` should stop at the next token ("" when it should not)."""
@@ -203,11 +243,14 @@ class DecodeSide:
 
     def due_at(self, batch: Batch) -> float:
         """When the batch's most pressed member owes its next token: first token + tokens so far * TPOT SLO."""
-        tpot = self.policy.models[batch.model].tpot_slo_s
+        models = self.policy.models
+        tpot = models[batch.model].tpot_slo_s
         requests, first_token_at = self.policy.requests, self.first_token_at
         due = _INF
         for rid in batch.ids:
-            at = first_token_at.get(rid, 0.0) + requests[rid].num_output_tokens * tpot
+            req = requests[rid]
+            pace = tpot if not batch.others else models[req.model].tpot_slo_s
+            at = first_token_at.get(rid, 0.0) + req.num_output_tokens * pace
             if at < due:
                 due = at
         return due
@@ -263,6 +306,8 @@ class DecodeSide:
             out = self.evictees(inst, set(batch.ids), need - inst.kv_free_bytes)
             acts.append(policy.swap_out(out, f"make room for {batch.model}'s batch"))
         acts += policy.use_model(inst, batch.model, switch_why or f"{batch.model}'s turn")
+        for other in batch.others:  # a joint batch: its other models resident beside the active one
+            acts += policy.co_locate(inst, other, f"{other} decodes in the joint turn")
         for req in swap_in:
             policy.reserve(inst, req)
         if swap_in:
@@ -351,7 +396,7 @@ class DecodeSide:
         if turn is None or policy.fixed_turn_steps is not None:
             return
         batch, need = turn.batch, policy.kv_need_bytes(req)
-        if batch.model == req.model and batch.kv_bytes + need <= inst.kv_capacity_bytes \
+        if batch.has(req.model) and batch.kv_bytes + need <= inst.kv_capacity_bytes \
                 and len(batch.ids) < policy.max_batch_size and not turn.over:
             batch.ids.append(req.request_id)
             batch.kv_bytes += need

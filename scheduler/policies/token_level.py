@@ -80,7 +80,7 @@ class TokenLevelPolicy(PolicyBase):
     def __init__(self, models: Mapping[str, ModelProfile], instances: Sequence[InstanceSpec], costs: CostModel, *,
                  max_group_size: int = 8, max_quota_s: float = 2.0, round_target_s: float = 0.5,
                  switch_aversion: float = 1.0, first_tokens: int = 8, min_turn_tpot: float = 1.0,
-                 fixed_turn_steps: int | None = None,
+                 fixed_turn_steps: int | None = None, joint_turns: bool = True,
                  # PolicyBase's keywords spelled out, not **kwargs: mypyc miscompiles **kwargs beside int defaults
                  max_batch_size: int = 256, max_prefill_tokens: int = 8192,
                  chunked_prefill_tokens: int | None = None, keep_ended: bool = True) -> None:
@@ -95,6 +95,7 @@ class TokenLevelPolicy(PolicyBase):
         self.first_tokens = first_tokens
         self.min_turn_tpot = min_turn_tpot
         self.fixed_turn_steps = fixed_turn_steps  # test knob: every turn exactly this many steps
+        self.joint_turns = joint_turns  # decode every resident model's members together when they fit (token_decode)
         self.full_scan = False  # test knob: plan every instance, not only touched ones (the plans must be identical)
         # _plan reads `now` only for idle instances and, on a busy one, plans a Stop only after news that asks a
         # turn to stop; a SwitchDone or KvMoved that leaves its instance busy enables nothing else, except a
@@ -247,8 +248,22 @@ class TokenLevelPolicy(PolicyBase):
         self.switch_planned_s[inst.instance_id] = self.switch_cost_s(inst.instance_id, model)
         self._use_count += 1
         keep = held.add(model, self._use_count, self._needed(inst, model), self.worth, self._expired(held))
+        assert keep is not None  # the budget holds the class's largest model: nothing is hard here
         inst.active = model
+        inst.resident = {model}
         return [Switch(model, reason=why + hit, keep=keep)]
+
+    def co_locate(self, inst: InstanceState, model: str, why: str) -> list[Action]:
+        """Make a held `model` resident beside the active one (a joint decode turn); nothing when it is."""
+        if model in inst.resident:
+            return []
+        held = self.weights[inst.instance_id]
+        self._use_count += 1
+        keep = held.add(model, self._use_count, self._needed(inst, model), self.worth, hard=inst.resident)
+        assert keep is not None  # _joint checked that the joint models fit together
+        inst.resident.add(model)
+        inst.active = model
+        return [Switch(model, reason=why, evict=False, keep=keep)]
 
     def prefetch(self, inst: InstanceState, model: str | None, why: str) -> list[Action]:
         """Copy the next model into the spare slot while the planned compute runs (placed before it)."""
@@ -256,10 +271,11 @@ class TokenLevelPolicy(PolicyBase):
         if model is None or model == inst.active or inst.prefetched == model or model in held:
             return []
         needed = self._needed(inst, model)
-        if inst.active in held.would_evict(model, needed, self.worth):
-            return []  # no room beside the model in use: the switch copies it when its turn comes
+        hard = inst.resident | ({inst.active} if inst.active is not None else set())
+        keep = held.add(model, self._use_count + 1, needed, self.worth, self._expired(held), hard=hard)
+        if keep is None:
+            return []  # no room beside the models in use: the switch copies it when its turn comes
         self._use_count += 1
-        keep = held.add(model, self._use_count, needed, self.worth, self._expired(held))
         inst.prefetched = model
         return [Prefetch(model, reason=why, keep=keep)]
 
@@ -267,10 +283,11 @@ class TokenLevelPolicy(PolicyBase):
         """At start (or a restart): copy in the pinned models, then the preloaded ones that fit beside them."""
         held, acts = self.weights[inst.instance_id], []
         for model in self._warm.pop(inst.instance_id):
-            if model in held or held.would_evict(model, held.held, self.worth):
+            if model in held or held.would_evict(model, held.held, self.worth, hard=held.held) is None:
                 continue  # a preload that would push out what is there already waits for its requests
             self._use_count += 1
-            keep = held.add(model, self._use_count, (), self.worth)
+            keep = held.add(model, self._use_count, (), self.worth, hard=list(held.held))
+            assert keep is not None
             what = "pinned" if self.models[model].pinned else "preload"
             acts.append(Prefetch(model, reason=f"{what} {model}", keep=keep))
         return acts

@@ -113,18 +113,23 @@ class ResidentSet:
         return sum(self.sizes[m] for m in self.held)
 
     def add(self, model: str, now: float, protect: Collection[str], worth: Callable[[str], float],
-            expired: Collection[str] = ()) -> tuple[str, ...]:
+            expired: Collection[str] = (), hard: Collection[str] = ()) -> tuple[str, ...] | None:
         """Hold `model` (used at `now`), evicting the models least worth keeping until it fits; returns the
         other models held after (the action's `keep`). `protect`: models needed soon, evicted only when
         nothing else frees room (the active model's successor is then copied again); pinned models are
-        evicted only when the model alone cannot fit beside them. `expired` models (idle past their TTL) go
-        whether or not room is needed, unless protected."""
+        evicted only when the model alone cannot fit beside them; `hard` ones (resident: computing) never.
+        `expired` models (idle past their TTL) go whether or not room is needed, unless protected. None, and
+        nothing changes, when `model` cannot fit beside the `hard` ones."""
+        if self.sizes[model] + sum(self.sizes[m] for m in hard if m != model and m in self.held) \
+                > self.budget_bytes * (1 + 1e-9):
+            return None
         self.held.pop(model, None)
         for gone in expired:
-            if gone not in protect and gone not in self.pinned:
+            if gone not in protect and gone not in self.pinned and gone not in hard:
                 self.held.pop(gone, None)
         room = self.budget_bytes - self.sizes[model]
-        order = sorted(self.held, key=lambda m: (m in self.pinned, m in protect, worth(m), self.held[m], m))
+        order = sorted((m for m in self.held if m not in hard),
+                       key=lambda m: (m in self.pinned, m in protect, worth(m), self.held[m], m))
         used = sum(self.sizes[m] for m in self.held)
         for victim in order:
             if used <= room * (1 + 1e-9):
@@ -135,14 +140,16 @@ class ResidentSet:
         self.held[model] = now
         return keep
 
-    def would_evict(self, model: str, protect: Collection[str], worth: Callable[[str], float]) -> list[str]:
-        """The models `add` would evict to hold `model` (none when it is held or fits beside the others)."""
+    def would_evict(self, model: str, protect: Collection[str], worth: Callable[[str], float],
+                    hard: Collection[str] = ()) -> list[str] | None:
+        """The models `add` would evict to hold `model` (none when it is held or fits beside the others);
+        None when it cannot fit beside the `hard` ones."""
         if model in self.held:
             return []
         trial = ResidentSet(self.budget_bytes, self.sizes, self.pinned)
         trial.held = dict(self.held)
-        kept = trial.add(model, 0.0, protect, worth)
-        return [m for m in self.held if m not in kept]
+        kept = trial.add(model, 0.0, protect, worth, hard=hard)
+        return None if kept is None else [m for m in self.held if m not in kept]
 
     def clear(self) -> None:
         self.held.clear()

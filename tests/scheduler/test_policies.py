@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from scheduler import (Decode, InstanceAdded, InstanceLost, KvMoved, Prefetch, Prefill, StepDone, Stop, SwapIn, SwapOut, Switch, SwitchDone,
                        decode_quotas, make_scheduler)
+from scheduler.fleet import GB
 from tests.factories import LinearCosts, make_instances, make_models, make_request
 
 
@@ -145,7 +148,7 @@ def test_token_level_keeps_prompts_queued_while_no_prefill_instance_lives() -> N
 
 
 def test_token_level_decode_turns_go_to_the_batch_due_first() -> None:
-    sched = _token_level(first_tokens=1)
+    sched = _token_level(first_tokens=1, joint_turns=False)  # quota turns (a joint turn would decode both at once)
     for rid, model in (("a", "m0"), ("b", "m1")):
         sched.submit(make_request(rid, model, 0.0, max_output_tokens=500), 0.0)
     plan = sched.schedule(0.0)
@@ -186,11 +189,13 @@ def test_token_level_decode_turns_go_to_the_batch_due_first() -> None:
 
 
 def _first_quota_turn(min_turn_tpot: float):
-    """Two one-request batches of small models (switches of 5 ms) on one decode instance: the first quota turn."""
+    """Two one-request batches of small models (switches of 5 ms) on one decode instance whose weight region holds
+    one of them (so each turn switches): the first quota turn."""
     models = make_models(2)
     costs = LinearCosts(switch_s=0.005)
-    sched = make_scheduler("token-level", models, make_instances(2, roles=["prefill", "decode"]), costs,
-                           first_tokens=1, min_turn_tpot=min_turn_tpot)
+    one_model = [dataclasses.replace(spec, kv_bytes=40 * GB, weight_bytes=models["m0"].weight_bytes)
+                 for spec in make_instances(2, roles=["prefill", "decode"])]
+    sched = make_scheduler("token-level", models, one_model, costs, first_tokens=1, min_turn_tpot=min_turn_tpot)
     for rid, model in (("a", "m0"), ("b", "m1")):
         sched.submit(make_request(rid, model, 0.0, max_output_tokens=500), 0.0)
     sched.schedule(0.0)

@@ -67,13 +67,13 @@ def test_a_switch_back_to_a_resident_model_is_free_and_small_models_all_stay() -
     sim, sched = run_sim("token-level", models, make_instances(2, roles=("prefill", "decode")),
                          make_workload(120, list(models), rate=2.0, seed=5), plan_log=log)
     assert all(r.finished_at is not None for r in sim.records.values())
-    copies = {iid: dev.num_switches for iid, dev in sim.devices.items()}
     switches = [a for line in log.getvalue().splitlines() for acts in json.loads(line)["actions"].values()
                 for a in acts if a["op"] == "Switch"]
-    assert len(switches) > 20  # the models take turns ...
-    fresh = [a for a in switches if "resident" not in a["reason"] and "prefetched" not in a["reason"]]
-    assert len(fresh) <= 4 * 2, copies  # ... but each is copied in once per instance: it stays resident
-    assert all(sim.devices[i].slots.held_bytes() <= sched.weight_budgets[i] for i in sim.devices)
+    assert len(switches) > 8  # the models take turns (or join a joint decode turn) ...
+    for dev in sim.devices.values():  # ... but each is copied in once per instance: later switches wait for no copy
+        for waits in dev.switch_s_by_model.values():
+            assert all(wait < 0.5 for wait in waits[1:]), dev.switch_s_by_model
+    assert all(sim.devices[i].slots.held_bytes() <= sched.weight_budgets[i] * (1 + 1e-9) for i in sim.devices)
 
 
 @settings(max_examples=12, deadline=None)
@@ -89,7 +89,7 @@ def test_several_resident_models_never_overflow_memory_and_every_request_ends_on
                          make_workload(60, list(models), rate=3.0, seed=seed, max_prompt=1500, max_output=80))
     for iid, plan in sched.memory_plans.items():
         assert plan.kv_bytes + plan.weight_bytes == pytest.approx(80 * GB)
-        assert sim.devices[iid].slots.held_bytes() <= plan.weight_bytes if iid in sim.devices else True
+        assert sim.devices[iid].slots.held_bytes() <= plan.weight_bytes * (1 + 1e-9) if iid in sim.devices else True
     ended = [r for r in sim.records.values() if r.finished_at is not None or r.failed]
     assert len(ended) == len(sim.records) == 60
     assert all(r.generated == r.output_tokens for r in sim.records.values() if not r.failed)
@@ -168,3 +168,39 @@ def test_the_fleet_file_carries_the_controls_and_rejects_a_pinned_model_with_a_t
     path.write_text("models:\n  - {name: a, arch: qwen2.5-7b, pin: true, idle_ttl_s: 60}\n")
     with pytest.raises(FleetFileError, match=r"fleet.yaml:2:\d+: models\[0\].*pin and idle_ttl_s"):
         load_fleet(path)
+
+
+def test_resident_models_whose_members_fit_together_decode_in_one_joint_turn() -> None:
+    """Two models' requests on one decode instance, both resident and their KV on the device: one Decode of all
+    of them (the second model co-located, no quota turns); with joint turns off they take turns."""
+    from scheduler import Decode, KvMoved
+
+    def decode_after_handoff(joint: bool) -> list:
+        models = _controls()
+        sched = make_scheduler("token-level", models, make_instances(2, roles=("prefill", "decode")), LinearCosts(),
+                               first_tokens=1, joint_turns=joint)
+        for k, model in enumerate(("m0", "m1")):
+            sched.submit(make_request(f"r{k}", model, 0.0, max_output_tokens=200), 0.0)
+        now = 0.0
+        for k, model in enumerate(("m0", "m1")):  # each prefill hands its KV to the decode instance
+            plan = sched.schedule(now).actions
+            if "i1" in plan:
+                for act in plan["i1"]:
+                    if isinstance(act, Switch):
+                        sched.on_event(SwitchDone("i1", act.model), now)
+                    elif type(act).__name__ == "SwapIn":
+                        sched.on_event(KvMoved("i1", act.request_ids, "device"), now)
+            sched.on_event(SwitchDone("i0", model), now + 0.5)
+            sched.on_event(StepDone("i0", "prefill", (f"r{k}",), 1), now + 0.6)
+            now += 1.0
+        sched.instances["i1"].inflight.clear()  # the first turn's Decode ends (stopped for the newcomer)
+        sched.instances["i1"].inflight_changed()
+        sched.touch("i1")
+        return list(sched.schedule(now).actions["i1"])
+
+    acts = decode_after_handoff(True)
+    decode = [a for a in acts if isinstance(a, Decode)][0]
+    assert set(decode.request_ids) == {"r0", "r1"} and "joint" in decode.reason
+    assert any(isinstance(a, Switch) and not a.evict for a in acts)  # the other model co-located
+    acts = decode_after_handoff(False)
+    assert len([a for a in acts if isinstance(a, Decode)][0].request_ids) == 1
