@@ -8,6 +8,7 @@ to `--out`: report.html (self-contained), report.md, report.json and CSVs.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shlex
@@ -203,6 +204,10 @@ def run_study(ctx: Any, config: Any, address: str | None, workers: int | None) -
             bar.update(task, total=stats.submitted, completed=stats.evaluated,
                        description=f"searching ({done} class answers)")
 
+        if workers is None and address is None and not ray_installed():
+            console.print("Ray is not installed: every simulation runs in this process (pip install "
+                          "'modelpool[ray]' spreads them over this machine's cores or a cluster)")
+            workers = 0
         if workers == 0:
             evaluator = InlineEvaluator(lambda point: evaluate(ctx, point))
             result = study(ctx, config, evaluator, lambda jobs: [run_pool(ctx, *job) for job in jobs], progress)
@@ -216,6 +221,13 @@ def run_study(ctx: Any, config: Any, address: str | None, workers: int | None) -
     return result
 
 
+def ray_installed() -> bool:
+    try:
+        return importlib.util.find_spec("ray") is not None
+    except ImportError:  # a broken install, or a test's import blocker
+        return False
+
+
 class RayWorkers:
     """An Evaluator over Ray tasks; the context goes to the object store once."""
 
@@ -225,6 +237,9 @@ class RayWorkers:
         self.nodes: Counter[str] = Counter()  # Ray node id -> simulations it ran
 
     def __enter__(self) -> RayWorkers:
+        if not ray_installed():
+            raise ValueError("--workers/--address run the simulations on Ray, which is not installed: "
+                             "pip install 'modelpool[ray]', or --workers 0 to run them in this process")
         import ray
 
         from sims.capacity_eval import evaluate, run_pool

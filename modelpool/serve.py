@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -26,7 +27,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
 
@@ -35,8 +36,15 @@ from pool.engines.base import SamplingParams
 from pool.mps import PIPE_ENV, MpsDaemon, MpsError
 from pool.placement import PlacementTimeout
 from pool.served import ServedModel, served_model, slot_instances
-from pool.service import BACKENDS, LivePool
 from scheduler import CostModel, InstanceSpec, ModelProfile, staging_instances
+
+if TYPE_CHECKING:  # pool.service needs torch: imported where serve starts (`modelpool simulate` runs without it)
+    from pool.service import LivePool
+
+SERVE_EXTRA = "pip install 'modelpool[serve]'"
+# what the live pool imports that the simulator does not (the `serve` extra; ray is optional: --backend processes)
+SERVE_PACKAGES = frozenset({"torch", "fastapi", "starlette", "uvicorn", "transformers", "tokenizers", "safetensors",
+                            "prometheus_client"})
 
 MiB, GiB = 1 << 20, 1 << 30
 CPU_SLOT_KV_BYTES = 128 * MiB
@@ -339,10 +347,27 @@ def _cuda_device_name() -> str:
     return str(torch.cuda.get_device_name(0))
 
 
-def _has_ray() -> bool:
-    import importlib.util
+def missing_serve_extra(exc: ModuleNotFoundError) -> NoReturn:
+    """Exit naming every package of the `serve` extra that is not installed and how to install them; an import
+    that fails for another reason (a module of our own missing) is re-raised as it is."""
+    root = (exc.name or "").partition(".")[0]
+    if root not in SERVE_PACKAGES:
+        raise exc
+    missing = sorted({root, *(name for name in SERVE_PACKAGES if not _installed(name))})
+    typer.echo(f"error: modelpool serve needs {', '.join(missing)}, not installed here: {SERVE_EXTRA} (on a "
+               "machine without a GPU install torch's CPU wheel first, or take 'modelpool[serve,cpu]')", err=True)
+    raise typer.Exit(1) from None
 
-    return importlib.util.find_spec("ray") is not None
+
+def _installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:  # a broken install, or a test's import blocker
+        return False
+
+
+def _has_ray() -> bool:
+    return _installed("ray")
 
 
 def count_gpus(backend: str, address: str | None) -> int:
@@ -537,11 +562,16 @@ def serve_command(
 ) -> None:
     """Serve the pool behind one OpenAI-compatible endpoint (default: the demo fleet on this machine)."""
     from modelpool.config import FleetFileError
-    from pool.gateway import GatewaySettings, create_app
-    from pool.gateway.auth import ADMIN_KEY_ENV, API_KEY_ENV, read_keys
-    from pool.gateway.prompts import RequestLimits
-    from pool.gateway.server import GatewayServer, uvicorn_config
-    from pool.heap import freeze_heap
+
+    try:
+        from pool.gateway import GatewaySettings, create_app
+        from pool.gateway.auth import ADMIN_KEY_ENV, API_KEY_ENV, read_keys
+        from pool.gateway.prompts import RequestLimits
+        from pool.gateway.server import GatewayServer, uvicorn_config
+        from pool.heap import freeze_heap
+        from pool.service import BACKENDS, LivePool
+    except ModuleNotFoundError as exc:
+        missing_serve_extra(exc)
 
     if engine not in ("torch", "vllm", "sim"):
         raise typer.BadParameter(f"unknown engine {engine!r}; choose torch, vllm or sim", param_hint="--engine")
@@ -555,6 +585,9 @@ def serve_command(
     backend = backend or ("threads" if engine == "sim" else "ray" if _has_ray() else "processes")
     if backend not in BACKENDS:
         raise typer.BadParameter(f"unknown backend {backend!r}; choose {', '.join(BACKENDS)}", param_hint="--backend")
+    if backend == "ray" and not _has_ray():
+        raise typer.BadParameter(f"Ray is not installed: {SERVE_EXTRA}, or serve without it: --backend processes",
+                                 param_hint="--backend")
     daemon = start_mps(backend, engine) if mps else None  # before anything here or in an engine touches CUDA
     if backend == "ray":
         ray_init(address, instances or 2)

