@@ -457,7 +457,7 @@ def start_mps(backend: str, engine: str) -> MpsDaemon:
 
 def auto_mps(dep: Deployment) -> tuple[MpsDaemon | None, list[str]]:
     """serve's default (neither --mps nor --no-mps): a private MPS daemon where engine processes share a GPU, so
-    they run side by side (a prefill 1.07x its time alone beside a decoder, 1.80x time-sliced: BENCHMARKS.md);
+    they run side by side (a prefill 1.07x its time alone beside a decoder, 1.80x time-sliced: pool.mps);
     where none can be started, or a CUDA client cannot run under it, the instances are time-sliced and the notes
     say why. Set before the engine processes start, which inherit its environment (this process has used no CUDA
     context yet)."""

@@ -2,7 +2,8 @@
 
 Two processes on one GPU get its time in slices: CUDA switches between their contexts, so a prefill beside a
 decoding process ran 1.80x its time alone on the H200. Under MPS (NVIDIA's Multi-Process Service) their
-kernels share the GPU at once, as one process's streams do: 1.07x (BENCHMARKS.md, session 12). vLLM's docs
+kernels share the GPU at once, as one process's streams do: 1.07x (a 7B prefill 28.9 ms alone, 30.9 ms beside
+the decoder: the share probe on the H200, in the benchmark diary, git show 1476354:BENCHMARKS.md). vLLM's docs
 suggest MPS for several engines on one GPU too.
 
 `MpsDaemon` starts a private MPS control daemon (`nvidia-cuda-mps-control -d`, its pipe and log folders under

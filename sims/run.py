@@ -53,7 +53,7 @@ class SimResult:
 
 def compiled() -> bool:
     """Whether the simulator runs from the opt-in mypyc build (setup.py), ~6x faster under token-level
-    (BENCHMARKS.md)."""
+    (6.4-6.9x: BENCHMARKS.md, "Simulator speed")."""
     import sims.simulator
 
     return sims.simulator.__file__.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))

@@ -4,8 +4,9 @@ it hears the request is gone (`release`).
 
 Through host memory a hand-off is a copy off the device, a shared-memory file written by one process and read
 by the other, and a copy back: on the H200 the decode instance's `import_kv` took 31 ms at the median and
-114 ms at p90 for 150 MB (10 req/s, BENCHMARKS.md) while its batch waited. Between two instances on one GPU
-the KV never needs to leave it: staged, it is one gather and one scatter within device memory.
+114 ms at p90 for 150 MB (10 req/s; the benchmark diary, git show 1476354:BENCHMARKS.md) while its batch
+waited. Between two instances on one GPU the KV never needs to leave it: staged, it is one gather and one
+scatter within device memory.
 
 The arena is one allocation per staging engine, made at its first staged export. Another process opens it
 once from its CUDA IPC handle (torch.multiprocessing's reductions: the handle, and the event that orders the

@@ -25,13 +25,14 @@ KV moves to host only to make room. A newcomer of the running batch's model
 joins it at the next token; one of another model waits for the turn boundary.
 A sole batch decodes open-ended until something else needs the instance.
 
-What differs from the artifact, and why (measured on the shipped fleet, see
-BENCHMARKS.md): rounds fixed at their start made a newcomer wait for the round
-to end (up to Q_max per batch), failing the mean TPOT of short answers, so
-turns go to the batch due first and a newcomer joins a running turn of its
-model; prompts of a busy model all went to the first instance holding a group
-of it, so dispatch predicts finish times; a Prefetch planned after the compute
-it should overlap started when that compute ended, so it comes first; a mixed
+What differs from the artifact, and why (measured on the shipped fleet:
+docs/lessons.md; the figures in git show 1476354:BENCHMARKS.md): rounds fixed
+at their start made a newcomer wait for the round to end (up to Q_max per
+batch), failing the mean TPOT of short answers, so turns go to the batch due
+first and a newcomer joins a running turn of its model; prompts of a busy
+model all went to the first instance holding a group of it, so dispatch
+predicts finish times; a Prefetch planned after the compute it should overlap
+started when that compute ended, so it comes first; a mixed
 instance moved each prompt's KV to host and back. `max_quota_s` is 2 s
 (the paper's Q_max is 4 s); `first_tokens` is 8 (the artifact hands off after
 the first token; 1 restores that). A quota turn lasts at least `min_turn_tpot`
@@ -40,7 +41,7 @@ floored at 0.5 and a small c0 (two small models, both held in the two weight
 slots) the formula gives turns of 2-4 steps, each a switch and a round trip to
 the scheduler in the live pool, which bought nothing - the floor leaves SLO
 attainment as it was and lowers mean TPOT and p99 ITL, as switches (and the KV
-moves of crowded instances) get rarer (BENCHMARKS.md, "Simulator speed").
+moves of crowded instances) get rarer (BENCHMARKS.md, "Token-level's turn floor").
 The floor only lengthens short turns: each batch still gets at least
 TPOT/d_i tokens per turn, so with k batches in a round, floored turns keep
 every batch's pace while its step takes at most 1/k of a TPOT period.

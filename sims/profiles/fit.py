@@ -70,8 +70,9 @@ _SOURCES = {
     "launch_s_per_layer": f"7B decode without CUDA graphs took 11.1 ms: (11.1 ms - decode_fixed_s) / 28 layers ({ANCHORS})",
 }
 # What the TP terms multiply is checked against the torch engine's TP ranks on CPU (benchmarks/gpu_tp.py --tiny,
-# BENCHMARKS.md): 2 all-reduces a layer of hidden x dtype bytes a token, weights and KV heads split by tp. Their
-# NVLink rates are not measured (that needs two GPUs; gloo over loopback says nothing of NVLink).
+# BENCHMARKS.md, "Tensor parallelism in the torch engine, on CPU"): 2 all-reduces a layer of hidden x dtype
+# bytes a token, weights and KV heads split by tp. Their NVLink rates are not measured (that needs two GPUs;
+# gloo over loopback says nothing of NVLink).
 _TP_CHECKED = ("; the count it multiplies (2 all-reduces a layer, hidden x dtype bytes a token) is the torch engine's "
                "at tp 2 on CPU (benchmarks/gpu_tp.py)")
 _ESTIMATES = {
