@@ -1,20 +1,18 @@
 """What a policy needs to know about models and instances, and the cost seam.
 
 `ModelProfile` and `InstanceSpec` are the scheduler's compact view of a fleet;
-`CostModel` is the base class of what a policy uses to predict step and switch
-times (sims.costmodel's roofline subclasses it; the live pool may pass the same
-or one fitted to measured times). `CopyLinks` is what the simulator's executor
-asks when copies share host links, and `GpuShares` what it asks when instances share a GPU's compute (a cost
-model makes one of each per simulation).
+`CostModel` is what a policy uses to predict step, switch and KV-move times,
+and what the instance model (scheduler.instance) charges a turn and a KV move
+(sims.costmodel's roofline subclasses it; what only the simulator's executor
+asks - host time, shared links and GPUs - is sims.costmodel.SimCosts).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal
 
 from mypy_extensions import mypyc_attr
 
@@ -86,36 +84,12 @@ def kv_capacity(spec: InstanceSpec, weight_bytes: float) -> float:
     return spec.kv_bytes if spec.kv_bytes is not None else spec.memory_bytes - weight_bytes
 
 
-class CopyLinks(Protocol):
-    """The host links of one simulation's instances: when a copy ends, given the copies that share its link."""
-
-    def copy_end_at(self, instance_id: str, to_device: bool, start_at: float, alone_s: float, now: float) -> float:
-        """The end of a copy on `instance_id`'s link(s) (`to_device`: host to device) that takes `alone_s`
-        alone and starts at `start_at` (>= `now`, the simulated time of the call)."""
-        ...
-
-
-class GpuShares(Protocol):
-    """The GPUs of one simulation's instances, where several share one: when a step's device work ends, given
-    the work its peers on that GPU have in flight."""
-
-    def work_end_at(self, instance_id: str, start_at: float, alone_s: float, now: float,
-                    kind: str = "prefill") -> float:
-        """The end of device work of `instance_id` that takes `alone_s` alone and starts at `start_at`
-        (>= `now`, the simulated time of the call); `kind` "decode" (a decode turn) or "prefill" (a prefill or a
-        mixed iteration): a GPU's peers slow a decode step and a prefill differently."""
-        ...
-
-    def cut(self, instance_id: str, at: float) -> None:
-        """`instance_id`'s work booked to run past `at` ends at `at` (a Stop cut its decode turn short)."""
-        ...
-
-
 @mypyc_attr(allow_interpreted_subclasses=True)
 class CostModel:
-    """The cost seam: what a policy (and the simulator) asks to predict step, switch and KV-move times.
-    Implementations subclass it and override the four abstract methods (a base class rather than a Protocol:
-    in the compiled build the policies' calls into a compiled cost model are then native calls)."""
+    """The cost seam: what a policy asks to predict step, switch and KV-move times (and the instance model: a
+    turn's steps, a KV move's overhead). Implementations subclass it and override the four abstract methods (a
+    base class rather than a Protocol: in the compiled build the policies' calls into a compiled cost model are
+    then native calls)."""
 
     def prefill_s(self, model: str, num_tokens: int, num_requests: int = 1) -> float:
         """Time to prefill `num_tokens` prompt tokens over `num_requests` prompts."""
@@ -133,27 +107,9 @@ class CostModel:
         """Time to move `num_tokens` tokens of KV between host and device."""
         raise NotImplementedError
 
-    def kv_device_copy_s(self, model: str, num_tokens: int) -> float:
-        """Time to copy `num_tokens` tokens of KV within device memory (a hand-off staged on one GPU). Here
-        what a host move takes: a cost model that knows the device's memory bandwidth overrides it."""
-        return self.kv_move_s(model, num_tokens)
-
     def kv_move_overhead_s(self, model: str) -> float:
         """Time one KV move (a SwapOut or SwapIn of several requests, a prefill's KV to host) takes on top of
         its requests' kv_move_s: the engine issues a move's copies together. None here."""
-        return 0.0
-
-    def prefill_host_s(self, model: str, num_requests: int = 1) -> float:
-        """The part of a prefill_s of `model` over `num_requests` prompts that is host time after the GPU's (the
-        live pool's), not device work: it does not share a GPU with other instances. None here."""
-        return 0.0
-
-    def request_admit_s(self) -> float:
-        """Time from a request's arrival to its scheduler having it (a live pool's gateway and loop). None here."""
-        return 0.0
-
-    def token_deliver_s(self) -> float:
-        """Time from a step producing a token to its client having it (a live pool's way out). None here."""
         return 0.0
 
     def decode_turn_s(self, model: str, batch_size: int, context_tokens: int, num_steps: int) -> float:
@@ -163,17 +119,6 @@ class CostModel:
         for step in range(num_steps):
             total += self.decode_step_s(model, batch_size, context_tokens + step * batch_size)
         return total
-
-    def host_links(self, instances: Sequence[InstanceSpec], gpu_of: Mapping[str, int] | None = None) -> CopyLinks | None:
-        """Fresh state of the host links `instances` copy over, for one simulation (`gpu_of`: instances placed
-        by hand, by first GPU index). None (here): every copy has a link of its own, never contended, and
-        takes switch_s / kv_move_s as they are."""
-        return None
-
-    def gpu_shares(self, instances: Sequence[InstanceSpec], gpu_of: Mapping[str, int] | None = None) -> GpuShares | None:
-        """Fresh state of the GPUs `instances` run on where several share one, for one simulation (`gpu_of` as
-        in host_links). None (here): every instance has its GPUs' compute to itself."""
-        return None
 
 
 PRIORITY = {"high": 1, "normal": 0, "low": -1}

@@ -27,7 +27,7 @@ decode needs it there; a SwapOut (`save_kv`) moves it to host memory, a SwapIn (
 release frees it wherever it is and costs nothing. One KV move (a SwapOut or SwapIn of several requests,
 a prefill's KV sent to host) costs its requests' `kv_move_s` plus one `kv_move_overhead_s`: the engine
 issues a move's copies together (`kv_move_s` below). A hand-off between a prefill and a decode instance on
-one GPU moves KV within it instead (`staging_instances`, `kv_device_move_s`).
+one GPU moves KV within it instead (`staging_instances`; sims.simulator charges it).
 
 Refusals raise `RefusedAction` (scheduler.errors) with a message that names the model or request; the
 callers turn it into their own error (EngineError, InvariantViolation).
@@ -264,19 +264,11 @@ def kv_move_s(costs: CostModel, moves: Sequence[tuple[str, int]]) -> float:
 def staging_instances(roles: Mapping[str, str], gpus: Mapping[str, Collection[Hashable]]) -> set[str]:
     """The instances that hand requests off through device memory (pool.engines.handoff): the prefill instances
     on GPUs every decode instance shares. Their SwapOut stages a request's KV in their own device memory, the
-    decode instance's SwapIn copies it from there: both copies within the GPU (`kv_device_move_s`),
+    decode instance's SwapIn copies it from there: both copies within the GPU (sims.simulator's `kv_device_move_s`),
     none on a host link. Other prefill instances hand off through host memory. `gpus`: each instance's GPUs."""
     decoders = [iid for iid, role in roles.items() if role == "decode"]
     return {iid for iid, role in roles.items()
             if role == "prefill" and decoders and all(set(gpus[d]) == set(gpus[iid]) for d in decoders)}
-
-
-def kv_device_move_s(costs: CostModel, moves: Sequence[tuple[str, int]]) -> float:
-    """One KV move of (model, tokens) pairs within the device (a staged hand-off's gather, or its scatter into
-    the importer's blocks): each request's `kv_device_copy_s`, plus the one overhead of a KV move."""
-    if not moves:
-        return 0.0
-    return sum(costs.kv_device_copy_s(model, tokens) for model, tokens in moves) + costs.kv_move_overhead_s(moves[0][0])
 
 
 def prefill_s(costs: CostModel, prompts: Sequence[tuple[str, int]]) -> float:

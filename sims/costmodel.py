@@ -43,9 +43,11 @@ import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
-from scheduler.costs import CopyLinks, CostModel, GpuShares, InstanceSpec, padded_prefill_tokens
+from mypy_extensions import mypyc_attr
+
+from scheduler.costs import CostModel, InstanceSpec, padded_prefill_tokens
 from scheduler.fleet import GPUS, Arch, Fleet, GpuSpec
 from sims.gpu_share import GpuTimeSharing, gpu_peers
 from sims.links import HostLinks, link_spans
@@ -143,6 +145,74 @@ def model_constants(arch: Arch, tp: int, gpu: GpuSpec, terms: ProfileTerms) -> M
     )
 
 
+class CopyLinks(Protocol):
+    """The host links of one simulation's instances: when a copy ends, given the copies that share its link."""
+
+    def copy_end_at(self, instance_id: str, to_device: bool, start_at: float, alone_s: float, now: float) -> float:
+        """The end of a copy on `instance_id`'s link(s) (`to_device`: host to device) that takes `alone_s`
+        alone and starts at `start_at` (>= `now`, the simulated time of the call)."""
+        ...
+
+
+class GpuShares(Protocol):
+    """The GPUs of one simulation's instances, where several share one: when a step's device work ends, given
+    the work its peers on that GPU have in flight."""
+
+    def work_end_at(self, instance_id: str, start_at: float, alone_s: float, now: float,
+                    kind: str = "prefill") -> float:
+        """The end of device work of `instance_id` that takes `alone_s` alone and starts at `start_at`
+        (>= `now`, the simulated time of the call); `kind` "decode" (a decode turn) or "prefill" (a prefill or a
+        mixed iteration): a GPU's peers slow a decode step and a prefill differently."""
+        ...
+
+    def cut(self, instance_id: str, at: float) -> None:
+        """`instance_id`'s work booked to run past `at` ends at `at` (a Stop cut its decode turn short)."""
+        ...
+
+
+@mypyc_attr(allow_interpreted_subclasses=True)
+class SimCosts(CostModel):
+    """What the simulator's executor asks beyond what policies do: the live pool's host time on the way in and
+    out, KV copied within a GPU, and the shared host links and GPUs of one simulation. The defaults charge
+    nothing more and share nothing; RooflineCostModel overrides them."""
+
+    def kv_device_copy_s(self, model: str, num_tokens: int) -> float:
+        """Time to copy `num_tokens` tokens of KV within device memory (a hand-off staged on one GPU). Here
+        what a host move takes: a cost model that knows the device's memory bandwidth overrides it."""
+        return self.kv_move_s(model, num_tokens)
+
+    def prefill_host_s(self, model: str, num_requests: int = 1) -> float:
+        """The part of a prefill_s of `model` over `num_requests` prompts that is host time after the GPU's (the
+        live pool's), not device work: it does not share a GPU with other instances. None here."""
+        return 0.0
+
+    def request_admit_s(self) -> float:
+        """Time from a request's arrival to its scheduler having it (a live pool's gateway and loop). None here."""
+        return 0.0
+
+    def token_deliver_s(self) -> float:
+        """Time from a step producing a token to its client having it (a live pool's way out). None here."""
+        return 0.0
+
+    def host_links(self, instances: Sequence[InstanceSpec], gpu_of: Mapping[str, int] | None = None) -> CopyLinks | None:
+        """Fresh state of the host links `instances` copy over, for one simulation (`gpu_of`: instances placed
+        by hand, by first GPU index). None (here): every copy has a link of its own."""
+        return None
+
+    def gpu_shares(self, instances: Sequence[InstanceSpec], gpu_of: Mapping[str, int] | None = None) -> GpuShares | None:
+        """Fresh state of the GPUs `instances` run on where several share one, for one simulation (`gpu_of` as
+        in host_links). None (here): every instance has its GPUs' compute to itself."""
+        return None
+
+
+def kv_device_move_s(costs: SimCosts, moves: Sequence[tuple[str, int]]) -> float:
+    """One KV move of (model, tokens) pairs within the device (a staged hand-off's gather, or its scatter into
+    the importer's blocks): each request's `kv_device_copy_s`, plus the one overhead of a KV move."""
+    if not moves:
+        return 0.0
+    return sum(costs.kv_device_copy_s(model, tokens) for model, tokens in moves) + costs.kv_move_overhead_s(moves[0][0])
+
+
 @dataclass(frozen=True, slots=True)
 class _DecodeShape:
     """One model at one batch size: step time = max(mem_a + mem_b * context, flop_a + flop_b * context,
@@ -156,7 +226,7 @@ class _DecodeShape:
     fixed_s: float
 
 
-class RooflineCostModel(CostModel):
+class RooflineCostModel(SimCosts):
     """Roofline step, switch and KV-move times for every model of a fleet on one GPU type.
 
     Times are in seconds. `context_tokens` counts the KV tokens of the whole batch.

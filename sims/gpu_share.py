@@ -79,7 +79,7 @@ class _Booking:
 
 
 class GpuTimeSharing:
-    """The device work of one simulation's instances on shared GPUs (a `scheduler.costs.GpuShares`)."""
+    """The device work of one simulation's instances on shared GPUs (a `sims.costmodel.GpuShares`)."""
 
     def __init__(self, peers: Mapping[str, tuple[str, ...]], slowdown: float,
                  decode_slowdown: float | None = None) -> None:

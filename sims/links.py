@@ -146,7 +146,7 @@ def _run(channel: _Channel, active: list[_Job], pending: list[tuple[float, _Job]
 
 
 class HostLinks:
-    """The copies of one simulation on the host links of its instances (a `scheduler.costs.CopyLinks`)."""
+    """The copies of one simulation on the host links of its instances (a `sims.costmodel.CopyLinks`)."""
 
     def __init__(self, spans: Mapping[str, tuple[tuple[int, int], ...]], shared_rate: float = 1.0,
                  sharing: str = "fifo") -> None:

@@ -378,7 +378,7 @@ def _table(head: list[str], rows: list[list[Any]], left: tuple[int, ...] = (), a
     return "".join(out)
 
 
-def _sensitivity(report: dict[str, Any]) -> list[str]:
+def _sensitivity(report: Mapping[str, Any]) -> list[str]:
     """The answer if the least certain terms are worse (sims.sensitivity), as a section; none if not searched."""
     entry = report.get("sensitivity")
     if not entry:

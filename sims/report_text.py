@@ -151,7 +151,7 @@ def summary_rows(report: Mapping[str, Any]) -> list[tuple[str, ...]]:
     return out
 
 
-def _sensitivity(report: dict[str, Any]) -> list[str]:
+def _sensitivity(report: Mapping[str, Any]) -> list[str]:
     """The answer if the least certain terms are worse (sims.sensitivity), as a section; none if not searched."""
     entry = report.get("sensitivity")
     if not entry:

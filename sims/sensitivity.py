@@ -43,7 +43,7 @@ def worse_profile(profile: CalibrationProfile, gpu: str, worse: float = WORSE) -
 def sensitivity_entry(base: Mapping[str, tuple[int, bool]], worse: Mapping[str, tuple[int, bool]], gpu: str,
                       amount: float = WORSE) -> dict[str, Any]:
     """The report's sensitivity section: per policy (GPUs, met) as searched and with the terms `amount` worse."""
-    policies = {policy: {"gpus": base[policy][0], "met": base[policy][1], "worse_gpus": worse[policy][0],
+    policies: dict[str, dict[str, Any]] = {policy: {"gpus": base[policy][0], "met": base[policy][1], "worse_gpus": worse[policy][0],
                          "worse_met": worse[policy][1]} for policy in base if policy in worse}
 
     def cell(gpus: int, met: bool) -> str:

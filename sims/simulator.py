@@ -16,10 +16,10 @@ shorter than its batch's shortest remainder (no per-request check then), and
 a lost device's pending events are dropped by its flag.
 
 Copies (switches, prefetches, KV moves) take the cost model's times; when the
-cost model shares host links (`CostModel.host_links`), the executor asks the
+cost model shares host links (`SimCosts.host_links`), the executor asks the
 links when each copy ends instead (`links`), so overlapping copies slow each
 other. Without shared links (the default) nothing else changes. Likewise, where instances share a GPU
-(`CostModel.gpu_shares`), the executor asks it when each prefill, decode turn and mixed iteration ends
+(`SimCosts.gpu_shares`), the executor asks it when each prefill, decode turn and mixed iteration ends
 (`gpus`), so device work that overlaps on one GPU slows down; a Stop tells it the turn's new end.
 """
 
@@ -34,10 +34,10 @@ from typing import IO, Final
 
 from scheduler import (Action, Decode, Event, InstanceLost, KvMoved, Plan, Prefetch, Prefill, Request, Scheduler,
                        StepDone, Stop, SwapIn, SwapOut, Switch, SwitchDone)
-from scheduler.costs import CopyLinks, CostModel, GpuShares
 from scheduler.errors import RefusedAction
-from scheduler.instance import ModelSlots, kv_device_move_s, kv_fits, kv_held_bytes, kv_move_s, prefill_s
+from scheduler.instance import ModelSlots, kv_fits, kv_held_bytes, kv_move_s, prefill_s
 from scheduler.policies.base import PolicyBase
+from sims.costmodel import CopyLinks, GpuShares, SimCosts, kv_device_move_s
 from sims.errors import InvariantViolation
 
 # heap phases at one instant, in order; arrivals come from the trace before either (Final: C constants when compiled)
@@ -161,7 +161,7 @@ class _Entry:
 
 
 class Simulator:
-    def __init__(self, scheduler: Scheduler, costs: CostModel, requests: Iterable[Request], *,
+    def __init__(self, scheduler: Scheduler, costs: SimCosts, requests: Iterable[Request], *,
                  kv_bytes_per_token: dict[str, int], kv_capacity: dict[str, float] | None = None,
                  plan_log: IO[str] | None = None, faults: Iterable[tuple[float, str]] = (),
                  links: CopyLinks | None = None, gpus: GpuShares | None = None,

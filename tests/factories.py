@@ -1,4 +1,4 @@
-"""Test factories: small fleets, requests and a linear cost model (a CostModel)."""
+"""Test factories: small fleets, requests and a linear cost model (a sims.costmodel.SimCosts)."""
 
 from __future__ import annotations
 
@@ -6,13 +6,14 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-from scheduler import CostModel, InstanceSpec, ModelProfile, Request, make_scheduler
+from scheduler import InstanceSpec, ModelProfile, Request, make_scheduler
+from sims.costmodel import SimCosts
 from sims.simulator import Simulator
 
 GB = 1e9
 
 
-class LinearCosts(CostModel):
+class LinearCosts(SimCosts):
     """Times that are easy to work out by hand: fixed + per-token terms."""
 
     def __init__(self, step_s: float = 0.01, per_token_s: float = 1e-7, prefill_per_token_s: float = 1e-4,

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from scheduler import InstanceSpec, Request
-from scheduler.costs import GpuShares
+from sims.costmodel import GpuShares
 from scheduler.fleet import ARCHS, Arch
 from sims.costmodel import SHARED_GPU_SLOWDOWN, RooflineCostModel
 from sims.gpu_share import GpuTimeSharing, gpu_peers, share
