@@ -49,7 +49,7 @@ class MeasurePlan:
 def plan_for(cuda: bool, quick: bool) -> MeasurePlan:
     """The default grid: on CUDA sized for the six shapes of SHAPES in a few minutes on an H100/H200."""
     if cuda and not quick:
-        return MeasurePlan((128, 512, 2048), (1, 4), (1, 8, 32), (256, 2048), 12, 3, 3, (1, 8), (512, 2048))
+        return MeasurePlan((128, 512, 2048), (1, 4), (1, 8, 32), (256, 2048), 12, 5, 3, (1, 8), (512, 2048))
     if cuda:
         return MeasurePlan((256, 2048), (1, 4), (1, 16), (512, 2048), 8, 2, 2, (1, 8), (512, 2048))
     if quick:

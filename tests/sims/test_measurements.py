@@ -116,3 +116,16 @@ def test_a_device_the_catalogue_lacks_carries_its_measured_figures() -> None:
     assert costs.gpu == spec  # no GPU entry to write by hand
     with pytest.raises(KeyError, match="measured on cpu"):
         RooflineCostModel.for_models({"m": (SHAPES["qwen2.5-0.5b"], 1)}, "tpu", profile)
+
+
+def test_the_shipped_measurements_load_as_profiles_that_say_where_they_were_measured() -> None:
+    from sims.profiles import shipped
+
+    measured = [name for name in shipped() if name.endswith("-measured")]
+    assert measured  # at least one device measured by `modelpool calibrate`
+    for name in measured:
+        profile = load_profile(name)
+        run = profile.calibration
+        assert run is not None and name == f"{run.gpu}-measured" and run.command.startswith("modelpool calibrate")
+        assert profile.basis("eff_mem", run.gpu) == "measured" and profile.basis("eff_nvlink", run.gpu) == "assumed"
+        assert "leave-one-shape-out" in profile.provenance["decode_fixed_s"].source
