@@ -38,13 +38,17 @@ def calibrate_command(
 ) -> None:
     """Microbenchmark the engine and the pool on this device; write one measurements file."""
     started = time.perf_counter()
-    import torch
+    try:
+        import torch
 
+        from modelpool.measure import Calibration, plan_for, shapes_for
+        from modelpool.measure_live import measure_host
+    except ModuleNotFoundError as exc:  # a planner's install: no serve extra
+        _fail(f"modelpool calibrate runs the engine and needs {exc.name}, not installed here: "
+              f"pip install 'modelpool[serve]'")
     cuda = device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
         _fail(f"--device {device}: torch sees no CUDA device here (torch {torch.__version__}); use --device cpu")
-    from modelpool.measure import Calibration, plan_for, shapes_for
-    from modelpool.measure_live import measure_host
     from sims.profiles.measurements import Points, build
 
     name = torch.cuda.get_device_name(torch.device(device)) if cuda else "cpu"

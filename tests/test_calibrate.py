@@ -56,3 +56,24 @@ def test_calibrate_refuses_cuda_where_there_is_none(tmp_path: Path) -> None:
     done = _calibrate("--device", "cuda", "--out", str(tmp_path / "x.json"))
     assert done.returncode == 1 and "torch sees no CUDA device here" in done.stderr and "--device cpu" in done.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+_WITHOUT_TORCH = """
+import importlib.abc, sys
+class NotInstalled(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] == "torch":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, NotInstalled())
+sys.argv = ["modelpool", "calibrate", "--device", "cpu", "--out", sys.argv[1]]
+from modelpool.cli import app
+app()
+"""
+
+
+def test_calibrate_without_the_serve_extra_says_what_to_install(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", _WITHOUT_TORCH, str(tmp_path / "x.json")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "needs torch" in done.stderr and "modelpool[serve]" in done.stderr
+    assert not (tmp_path / "x.json").exists()
