@@ -26,7 +26,7 @@ fi
 [ -n "${PROFILE:-}" ] && profile=(--profile "$PROFILE")
 for s in ${*:-eight-poisson mixed-onoff large-azure-conv small-azure-code}; do
   started=$(date +%s)
-  timeout "${PER_S:-150}" python3 -m modelpool.cli validate "$s" --duration "${DUR:-15}" --max-output "${MAX_OUT:-512}" \
+  timeout "${PER_S:-240}" python3 -m modelpool.cli validate "$s" --duration "${DUR:-15}" --max-output "${MAX_OUT:-512}" \
     --request-timeout "${REQ_S:-40}" "${profile[@]}" ${EXTRA:-} --out "/tmp/validate/$s" 2>&1
   echo "== $s: $(( $(date +%s) - started )) s"
   cp "/tmp/validate/$s/$s.json" "$OUT/" 2>/dev/null

@@ -41,6 +41,9 @@ def validate(
                                           "tokens (default: the scenario's own limit)."),
     request_timeout: float = typer.Option(300.0, "--request-timeout", help="Scenario: seconds a replayed "
                                           "request may take before it counts as failed."),
+    from_live: Path | None = typer.Option(None, "--from-live", help="Scenario: simulate again the live run "
+                                          "recorded in this JSON (a validate output), e.g. with another --profile; "
+                                          "nothing is served."),
 ) -> None:
     """Check a fleet file (print every problem with file:line:column and field), or serve a scenario on this
     machine, replay it through the gateway, simulate the same requests and print both side by side."""
@@ -51,6 +54,11 @@ def validate(
         from sims.workload import TraceError
 
         try:
+            if from_live is not None:
+                from modelpool.validate import resimulate
+
+                typer.echo(format_report(resimulate(from_live, profile, out_dir)))
+                return
             report = validate_scenario(target, profile, duration, quick, load or (["light"] if quick else
                                                                                    ["light", "knee"]),
                                        rate, out_dir, seed, request_timeout_s=request_timeout, knee=knee,

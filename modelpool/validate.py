@@ -329,7 +329,6 @@ def validate_scenario(name: str, profile: str | None, duration_s: float | None, 
     gc.collect()
     gc.freeze()  # the imports (torch, transformers) out of every later collection, the one at exit too
     live = live_runs(fleet_path, workloads, out_dir, profile, start_timeout_s, request_timeout_s, seed, log)
-    slo = slo_of(layout.fleet)
     report: dict[str, Any] = {
         "scenario": name, "description": spec.describe(), "device": device, "gpu": gpu, "commit": commit(),
         "command": "modelpool validate " + shlex.join(sys.argv[2:]) if len(sys.argv) > 1 else "",
@@ -338,24 +337,74 @@ def validate_scenario(name: str, profile: str | None, duration_s: float | None, 
         "quick": quick, "tiny": num_gpus == 0,
         "layout": {"instances": [[i.instance_id, i.tp, i.memory_bytes, i.role] for i in layout.instances],
                    "gpu_of": layout.gpu_of},
-        "loads": {}}
-    for load, workload in workloads.items():
-        sim_rows, sim_switches = simulated(layout, workload)
-        live_side = side_figures(live[load]["rows"], len(workload), slo, live[load]["switches"])
-        sim_side = side_figures(sim_rows, len(workload), slo, sim_switches)
-        report["loads"][load] = {
-            "rate_rps": rates[load], "requests": len(workload), "notes": list(workload.notes),
-            "live": live_side, "sim": sim_side, "errors": compare(live_side, sim_side),
-            "live_wall_s": round(live[load]["wall_s"], 1), "live_restarts": live[load]["restarts"],
-            "live_rows": [{k: v for k, v in row.items() if k != "itl_s"} for row in live[load]["rows"]],
-            "requests_side_by_side": [
-                {"index": k, "model": a["model"], "live_ttft_s": a.get("ttft_s"), "sim_ttft_s": b.get("ttft_s"),
-                 "live_tpot_s": a.get("tpot_s"), "sim_tpot_s": b.get("tpot_s"), "error": a.get("error")}
-                for k, (a, b) in enumerate(zip(live[load]["rows"], sim_rows))]}
+        "loads": {load: {"rate_rps": rates[load], "requests": len(workloads[load]),
+                         "notes": list(workloads[load].notes), "live_switches": live[load]["switches"],
+                         "live_wall_s": round(live[load]["wall_s"], 1), "live_restarts": live[load]["restarts"],
+                         "live_rows": [{k: v for k, v in row.items() if k != "itl_s"} for row in live[load]["rows"]]}
+                  for load in loads}}
     path = out_dir / f"{name}.json"
+    path.write_text(json.dumps(report, indent=1, default=str))  # the live side is kept if the rest is cut short
+    return simulate_report(report, layout, workloads, path)
+
+
+def simulate_report(report: dict[str, Any], layout: SimLayout, workloads: Mapping[str, Workload],
+                    path: Path) -> dict[str, Any]:
+    """The simulated side of a report whose live side is recorded: each load's requests simulated on the
+    layout, both sides' figures, the errors and the requests side by side; written to `path`."""
+    slo = slo_of(layout.fleet)
+    report["profile"] = layout.profile
+    for load, workload in workloads.items():
+        part = report["loads"][load]
+        live_rows = part["live_rows"]
+        sim_rows, sim_switches = simulated(layout, workload)
+        part["live"] = side_figures(live_rows, len(workload), slo, part["live_switches"])
+        part["sim"] = side_figures(sim_rows, len(workload), slo, sim_switches)
+        part["errors"] = compare(part["live"], part["sim"])
+        part["requests_side_by_side"] = [
+            {"index": k, "model": a["model"], "live_ttft_s": a.get("ttft_s"), "sim_ttft_s": b.get("ttft_s"),
+             "live_tpot_s": a.get("tpot_s"), "sim_tpot_s": b.get("tpot_s"), "error": a.get("error")}
+            for k, (a, b) in enumerate(zip(live_rows, sim_rows))]
     path.write_text(json.dumps(report, indent=1, default=str))
     report["path"] = str(path)
     return report
+
+
+def resimulate(recorded: Path, profile: str | None, out_dir: Path, traces_dir: Path | None = None) -> dict[str, Any]:
+    """The simulated side again, with `profile` (default: the one recorded), for a recorded live run: the same
+    requests (the scenario's workload regenerated from its rate, duration and seed), the same instance layout.
+    On a real-shape run the fleet is the catalogue's shapes (the served configs' own, to 0.3% in weight bytes)."""
+    from dataclasses import replace
+
+    from modelpool.config import load_fleet
+    from scheduler import InstanceSpec
+    from sims.costmodel import RooflineCostModel
+    from sims.profiles import load_profile
+    from sims.scenarios import scenario as find
+
+    report = json.loads(recorded.read_text())
+    spec = replace(find(report["scenario"]), max_output_tokens=report["max_output_tokens"])
+    if report.get("tiny"):
+        fleet = load_fleet(recorded.parent / f"models-{spec.fleet}" / "fleet.yaml")
+    else:
+        fleet = spec.fleet_spec().fleet(report["gpu"])
+    profile = profile or (None if report["profile"] == "default" else report["profile"])
+    layout = SimLayout(fleet, [InstanceSpec(iid, tp, memory, role) for iid, tp, memory, role in
+                               report["layout"]["instances"]],
+                       {k: int(v) for k, v in report["layout"]["gpu_of"].items()},
+                       RooflineCostModel(fleet, profile=load_profile(profile) if profile else None,
+                                         gpus_per_host_link=1), profile or "default")
+    workloads = {}
+    for load, part in report["loads"].items():
+        workload = spec.workload(part["rate_rps"], report["duration_s"], report["seed"], traces_dir)
+        if report.get("quick"):
+            workload = clip_lengths(workload, QUICK_MAX_INPUT, QUICK_MAX_OUTPUT)
+        if len(workload) != part["requests"]:
+            raise TraceError(f"{recorded}: the {load} load regenerates {len(workload)} requests, the run had "
+                             f"{part['requests']} (another version of the scenario?)")
+        part.setdefault("live_switches", part.get("live", {}).get("switches", 0))
+        workloads[load] = workload
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return simulate_report(report, layout, workloads, out_dir / recorded.name)
 
 
 def format_report(report: Mapping[str, Any]) -> str:

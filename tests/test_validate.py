@@ -133,3 +133,10 @@ def test_validate_serves_replays_and_simulates_a_scenario_on_cpu(tmp_path: Path)
     assert any("--quick" in note for note in part["notes"])
     assert "slo_attainment" in res.stdout and "mixed-onoff.json" in res.stdout
     assert (out / "serve.log").is_file()
+    # the recorded live run simulated again (nothing served): the same requests and layout, the same figures
+    again = subprocess.run([sys.executable, "-m", "modelpool.cli", "validate", "mixed-onoff", "--from-live",
+                            str(out / "mixed-onoff.json"), "--out", str(tmp_path / "again")],
+                           capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    redone = json.loads((tmp_path / "again" / "mixed-onoff.json").read_text())["loads"]["light"]
+    assert redone["sim"] == part["sim"] and redone["live"] == part["live"]
