@@ -140,3 +140,21 @@ def test_validate_serves_replays_and_simulates_a_scenario_on_cpu(tmp_path: Path)
     assert again.returncode == 0, again.stderr[-2000:]
     redone = json.loads((tmp_path / "again" / "mixed-onoff.json").read_text())["loads"]["light"]
     assert redone["sim"] == part["sim"] and redone["live"] == part["live"]
+
+
+def test_the_index_rows_bold_what_meets_its_target_and_keep_the_files_layout() -> None:
+    """benchmarks/validate_index.py: a report's rows (bold within target, the misses named), and the index file
+    written back byte for byte as it was read."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from validate_index import dump_area, rows_of
+
+    live = {"slo_attainment": 1.0, "ttft_p50_s": 0.059, "ttft_p90_s": 0.115, "tpot_p50_s": 0.0025,
+            "tpot_p90_s": 0.006, "switches": 184}
+    sim = {**live, "ttft_p50_s": 0.049, "switches": 174}
+    report = {"scenario": "s", "loads": {"light": {"rate_rps": 8.0, "errors": compare(live, sim)}}}
+    [row] = rows_of(report)
+    assert row[:3] == ["s", "light", "8.00"]
+    assert row[3] == "**100.0/100.0 (+0.0)**" and row[4] == "59.0/49.0 (-17%)" and row[8] == "**184/174 (-5%)**"
+    assert row[-1] == "TTFT p50"
+    text = (ROOT / "benchmarks" / "index" / "fidelity.json").read_text()
+    assert dump_area(json.loads(text)) == text
