@@ -1,7 +1,10 @@
 """A torch engine's models, and where their weights sit on its device: the weights-and-slots part of the engine.
 
 The engine's device memory is one buffer, made at the first need (once the
-models are known): KV region | model region, two model slots' worth. The
+models are known): KV region | model region, two model slots' worth; or,
+with `shared_weights`, the KV region alone beside the device's shared weights
+region (`shared_weights.py`: every model once per device, mapped by each
+engine on it). The
 model region is placed by `slots.ModelSlots` under the instance model of
 `scheduler.instance` (the models resident, the one in the spare slot); the KV
 region is the engine's `KvStore`. A model's forward pass (`Decoder`) is built
@@ -18,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pool.engines.base import Table, check_resident
+from pool.engines.base import EngineError, Table, check_resident
 from pool.engines.device import DeviceBuffer, Streams, align_up
 from pool.engines.forward import Decoder, SharedTensors
 from pool.engines.kv import KvShape, SlabPool, slab_bytes_for
@@ -117,12 +120,27 @@ class Residency:
         """The device buffer, made on first need: KV region | model region (two model slots' worth)."""
         if self.slots is None:
             cfg = self.config
-            slot = align_up(cfg.max_model_bytes or max((m.image.nbytes for m in self.models.values()), default=0))
-            self.buffer = DeviceBuffer({"kv": cfg.kv_bytes, "models": 2 * slot}, self.device)
-            self.slots = ModelSlots(self.buffer.region("models"), self.streams, on_copy=self._count_weight_copy)
+            if cfg.shared_weights:
+                self.buffer = DeviceBuffer({"kv": cfg.kv_bytes}, self.device)
+                self.slots = self._shared_slots(cfg.shared_weights)
+            else:
+                slot = align_up(cfg.max_model_bytes or max((m.image.nbytes for m in self.models.values()), default=0))
+                self.buffer = DeviceBuffer({"kv": cfg.kv_bytes, "models": 2 * slot}, self.device)
+                self.slots = ModelSlots(self.buffer.region("models"), self.streams, on_copy=self._count_weight_copy)
             slab = cfg.device_slab_bytes or slab_bytes_for([m.kv_shape.block_bytes for m in self.models.values()], MiB)
             self.kv = KvStore(self.buffer.region("kv"), slab, self._host_kv, self.streams)
         return self.slots
+
+    def _shared_slots(self, share_dir: str) -> ModelSlots:
+        """Model slots in the device's shared weights region, laid out for every model loaded now."""
+        from pool.engines.shared_weights import SharedModelSlots, SharedRegion
+
+        if self.rank is not None:
+            raise EngineError("shared_weights: a tensor-parallel rank keeps its shards in a region of its own")
+        if not self.models:
+            raise EngineError("shared_weights: load every model before the first call that needs the device")
+        region = SharedRegion(share_dir, self.device, {m.name: m.image.nbytes for m in self.models.values()})
+        return SharedModelSlots(region, self.streams, on_copy=self._count_weight_copy)
 
     def kv_store(self) -> KvStore:
         self.ensure()
@@ -165,6 +183,8 @@ class Residency:
             shared.owner = None  # decoder <-> shared tensors: no cycle left for the collector
         self._decoders.clear()
         self._shared.clear()
+        if self.slots is not None:
+            self.slots.close()  # a shared weights region: this engine's use of it ends
         self.buffer = self.slots = self.kv = None
 
 

@@ -112,13 +112,24 @@ class ModelSlots:
         """The two offsets a copy of `nbytes` takes when the region holds at most one other model."""
         return 0, (self.region_bytes - nbytes) // ALIGN_BYTES * ALIGN_BYTES
 
+    def graph_places(self, images: list[ModelImage]) -> list[tuple[ModelImage, int]]:
+        """(image, offset) of every place decode graphs are captured for: each shape in both its places."""
+        shapes = {(image.spec, image.dtype): image for image in images}
+        return [(image, offset) for image in shapes.values() for offset in self.places_of(image.nbytes)]
+
+    def close(self) -> None:
+        """The engine is done with its model region (its own buffer: nothing to give back here)."""
+
     # ---- internals ----------------------------------------------------------------------
-    def _apply(self, image: ModelImage, change: Callable[[], Any]) -> Any:
-        """Run the rule's `change`, free what it no longer holds and copy `image` in when it is held but not
-        placed; on a refusal nothing changes."""
+    def _check_size(self, image: ModelImage) -> None:
         if image.nbytes > self.region_bytes // 2:
             raise EngineError(f"model {image.name!r} needs {image.nbytes} bytes but a model slot has "
                               f"{self.region_bytes // 2}; raise max_model_bytes")
+
+    def _apply(self, image: ModelImage, change: Callable[[], Any]) -> Any:
+        """Run the rule's `change`, free what it no longer holds and copy `image` in when it is held but not
+        placed; on a refusal nothing changes."""
+        self._check_size(image)
         self.sizes[image.name] = float(image.nbytes)
         rule = self.rule
         before = rule.snapshot()

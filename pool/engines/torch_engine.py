@@ -81,6 +81,10 @@ class TorchEngineConfig:
     # while the host samples, streams and is called again (see `decode_step`); None: on CUDA only (on CPU ops
     # run synchronously and nothing overlaps). A tensor-parallel rank never does.
     async_decode: bool | None = None
+    # a directory naming the weights region this engine shares with the other engines on its device that are
+    # given the same one (pool.engines.shared_weights): every loaded model once per device, at a fixed offset,
+    # all resident at once if the plan says so; None: a model region of its own (two model slots)
+    shared_weights: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype is not None and not isinstance(getattr(torch, self.dtype, None), torch.dtype):

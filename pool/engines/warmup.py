@@ -67,7 +67,8 @@ class GraphSet:
 
     # ---- warm-up: capture -----------------------------------------------------------------------------------
     def warm_up(self, max_tokens: int | None = None) -> int:
-        """Capture the decode graphs of every loaded model's shape in both its places, for requests of
+        """Capture the decode graphs of every loaded model's shape in both its places (in a shared weights
+        region: of every model in its one place), for requests of
         up to `max_tokens` tokens (None: the widest table set); how many were captured (0 on CPU or with
         graphs off). First, with `config.warm_prefill_tokens`, one prefill that long per shape."""
         self._warm_prefill()
@@ -78,12 +79,12 @@ class GraphSet:
         max_blocks = (self.buckets.block_widths[-1] if max_tokens is None
                       else -(-max_tokens // self.config.block_size))
         todo, device = [], self.device
-        for model in _one_per_shape(residency):
-            for offset in slots.places_of(model.image.nbytes):
-                decoder = residency.slot_decoder(model, offset)
-                for padded, width in self.buckets.shapes(max_blocks):
-                    todo.append((self.key(model, decoder, padded, width, offset),
-                                 lambda d=decoder, b=padded, w=width, m=model: (d, _dummy_inputs(m, b, w, kv, device))))
+        for image, offset in slots.graph_places([m.image for m in residency.models.values()]):
+            model = residency.models[image.name]
+            decoder = residency.slot_decoder(model, offset)
+            for padded, width in self.buckets.shapes(max_blocks):
+                todo.append((self.key(model, decoder, padded, width, offset),
+                             lambda d=decoder, b=padded, w=width, m=model: (d, _dummy_inputs(m, b, w, kv, device))))
         with torch.no_grad():
             return self.graphs.capture_all(todo)
 
@@ -98,8 +99,11 @@ class GraphSet:
         lengths = prefill_token_buckets(limit)[::-1] if self.pads_prefill else [limit]
         started = time.perf_counter()
         with torch.no_grad():
-            for model in _one_per_shape(residency):
-                decoder = residency.slot_decoder(model, slots.places_of(model.image.nbytes)[0])
+            firsts: dict[tuple, tuple[LoadedModel, int]] = {}  # each shape in its first place
+            for image, offset in slots.graph_places([m.image for m in residency.models.values()]):
+                firsts.setdefault((image.spec, image.dtype), (residency.models[image.name], offset))
+            for model, offset in firsts.values():
+                decoder = residency.slot_decoder(model, offset)
                 row = kv.scratch(model.kv_shape)
                 pad_row = row if self.pads_prefill else None
                 for n in lengths:
@@ -114,11 +118,6 @@ class GraphSet:
     def clear(self) -> None:
         if self.graphs is not None:
             self.graphs.clear()
-
-
-def _one_per_shape(residency: Residency) -> list[LoadedModel]:
-    """A loaded model of each (architecture, dtype): models of one shape share their graphs."""
-    return list({(m.image.spec, m.image.dtype): m for m in residency.models.values()}.values())
 
 
 def _dummy_inputs(model: LoadedModel, batch: int, width: int, kv: KvStore, device: torch.device) -> DecodeInputs:
