@@ -8,7 +8,7 @@ copied into it once per device, by the first engine that needs them; every other
 and its switch to that model copies nothing. The offsets never change while the region lives, so the
 decode graphs an engine captures at them stay valid.
 
-Who owns the memory. A *keeper* process (`python -m pool.engines.shared_weights`), started by the first
+Who owns the memory. A *keeper* process (`pool.engines.weights_keeper`), started by the first
 engine that opens the region, allocates it and publishes how to map it: on CUDA the allocation's IPC
 handle (torch.multiprocessing's CUDA tensor sharing, as the KV hand-off arena, `pool.engines.handoff`),
 on CPU a shared-memory file the engines map, so the CPU tests run the same path. The keeper runs no model
@@ -27,20 +27,15 @@ reads bytes still being written, and a copier that died mid-copy is replaced by 
 
 from __future__ import annotations
 
-import argparse
-import fcntl
-import json
 import os
 import pickle
 import shutil
-import signal
 import subprocess
 import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +45,8 @@ from pool.engines.base import EngineError
 from pool.engines.device import ALIGN_BYTES, Streams, align_up, event_done, wait_event
 from pool.engines.slots import ModelSlots, Placement
 from pool.engines.weights import ModelImage
+from pool.engines.weights_keeper import KEEPER_GRACE_S, Files, alive
 
-KEEPER_GRACE_S = 30.0  # the keeper outlives its last engine this long (a lone instance's restart reloads its models)
 START_TIMEOUT_S = 180.0  # for the keeper to publish the region (it imports torch and allocates)
 COPY_TIMEOUT_S = 600.0  # for another engine's copy of a model to complete
 _POLL_S = 0.01
@@ -75,66 +70,6 @@ def layout_bytes(layout: Mapping[str, tuple[int, int]]) -> int:
     return max([align_up(off + n, ALIGN_BYTES) for off, n in layout.values()], default=ALIGN_BYTES)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _device_tag(device: torch.device) -> str:
-    return f"{device.type}{device.index if device.index is not None else ''}"
-
-
-class _Files:
-    """The files of one device's region under the share directory."""
-
-    def __init__(self, share_dir: Path, device: torch.device) -> None:
-        tag = _device_tag(device)
-        self.dir = share_dir
-        self.lock = share_dir / f"{tag}.lock"
-        self.table = share_dir / f"{tag}.json"  # keeper pid, layout, generation, copies
-        self.handle = share_dir / f"{tag}.handle"  # how to map the region (written by the keeper)
-        self.region = share_dir / f"{tag}.region"  # the region's bytes on CPU
-        self.holders = share_dir / f"{tag}.holders"  # a file per process that maps the region, named by pid
-        self.log = share_dir / f"{tag}.keeper.log"
-
-    @contextmanager
-    def locked(self) -> Iterator[None]:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        with open(self.lock, "a+") as handle:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(handle, fcntl.LOCK_UN)
-
-    def read_table(self) -> dict[str, Any] | None:
-        try:
-            return dict(json.loads(self.table.read_text()))
-        except (FileNotFoundError, ValueError):
-            return None
-
-    def write_table(self, table: Mapping[str, Any]) -> None:
-        tmp = self.table.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(table))
-        tmp.replace(self.table)
-
-    def live_holders(self) -> list[int]:
-        """Pids of the processes that map the region and are alive; marks of dead ones are removed."""
-        out = []
-        for mark in self.holders.glob("*") if self.holders.is_dir() else ():
-            pid = int(mark.name) if mark.name.isdigit() else -1
-            if pid > 0 and _alive(pid):
-                out.append(pid)
-            else:
-                mark.unlink(missing_ok=True)
-        return out
-
-
 # ---- the process side: one mapping of each region per process -------------------------------------------------
 _MAPPED: dict[tuple[str, str, str], tuple[torch.Tensor, int]] = {}  # (dir, device, generation) -> (bytes, users)
 _PENDING: dict[tuple[str, str, str], Any] = {}  # (dir, device, model) -> the event of a copy this process makes
@@ -151,14 +86,14 @@ class SharedRegion:
     def __init__(self, share_dir: str | Path, device: torch.device | str, sizes: Mapping[str, int], *,
                  grace_s: float = KEEPER_GRACE_S, start_timeout_s: float = START_TIMEOUT_S) -> None:
         self.device = torch.device(device)
-        self.files = _Files(Path(share_dir), self.device)
+        self.files = Files(Path(share_dir), self.device)
         self.layout = plan_layout(sizes)
         self.nbytes = layout_bytes(self.layout)
         self.token = f"{os.getpid()}:{uuid.uuid4().hex[:8]}"  # names this engine as a copier
         self._closed = False
         with self.files.locked():
             table = self.files.read_table()
-            if table is None or not _alive(int(table["keeper"])):
+            if table is None or not alive(int(table["keeper"])):
                 table = self._start_keeper(grace_s, start_timeout_s)
             elif {k: tuple(v) for k, v in table["layout"].items()} != self.layout:
                 raise SharedWeightsError(
@@ -182,7 +117,7 @@ class SharedRegion:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
         with open(files.log, "ab") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "pool.engines.shared_weights", "--dir", str(files.dir), "--device",
+                [sys.executable, "-m", "pool.engines.weights_keeper", "--dir", str(files.dir), "--device",
                  str(self.device), "--nbytes", str(self.nbytes), "--grace-s", str(grace_s)],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, cwd=root, start_new_session=True)
         deadline = time.monotonic() + timeout_s
@@ -241,7 +176,7 @@ class SharedRegion:
                 if copy is not None and copy["state"] == "ready":
                     return False
                 copier = None if copy is None else str(copy["by"])
-                if copier is None or not _alive(int(copier.split(":")[0])) or copier == self.token:
+                if copier is None or not alive(int(copier.split(":")[0])) or copier == self.token:
                     table["copies"][model] = {"state": "copying", "by": self.token}
                     self.files.write_table(table)
                     return True
@@ -373,65 +308,3 @@ class SharedModelSlots(ModelSlots):
         self.placed[image.name] = Placement(offset, image.nbytes, None, self._num_loads)
 
 
-# ---- the keeper process ---------------------------------------------------------------------------------------
-def _publish(files: _Files, device: torch.device, nbytes: int) -> Any:
-    """Allocate the region and write how to map it; returns what must stay alive."""
-    if device.type == "cuda":
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        torch.cuda.set_device(device)
-        storage = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        torch.cuda.synchronize(device)
-        published: dict[str, Any] = {"kind": "cuda", "ipc": tuple(reduce_tensor(storage)[1]), "nbytes": nbytes}
-    else:
-        with open(files.region, "wb") as handle:
-            handle.truncate(nbytes)
-        storage = None
-        published = {"kind": "cpu", "path": str(files.region), "nbytes": nbytes}
-    tmp = files.handle.with_suffix(".tmp")
-    tmp.write_bytes(pickle.dumps(published))
-    tmp.replace(files.handle)
-    return storage
-
-
-def keep(share_dir: Path, device: torch.device, nbytes: int, grace_s: float,
-         sleep: Callable[[float], None] = time.sleep) -> None:
-    """The keeper's life: publish the region, then hold it until no process that maps it has been alive for
-    `grace_s`; then, under the lock, remove its files (a later engine starts a fresh region)."""
-    files = _Files(share_dir, device)
-    storage = _publish(files, device, nbytes)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    last_seen = time.monotonic()
-    while not stop.is_set():
-        sleep(min(0.2, grace_s / 4))
-        if files.live_holders():
-            last_seen = time.monotonic()
-            continue
-        if time.monotonic() - last_seen < grace_s:
-            continue
-        with files.locked():
-            if files.live_holders():
-                continue
-            table = files.read_table()
-            if table is not None and int(table["keeper"]) == os.getpid():
-                files.table.unlink(missing_ok=True)
-            break
-    with files.locked():
-        files.handle.unlink(missing_ok=True)
-        files.region.unlink(missing_ok=True)
-    del storage
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Hold one device's shared weights region (started by engines).")
-    parser.add_argument("--dir", type=Path, required=True)
-    parser.add_argument("--device", required=True)
-    parser.add_argument("--nbytes", type=int, required=True)
-    parser.add_argument("--grace-s", type=float, default=KEEPER_GRACE_S)
-    args = parser.parse_args(argv)
-    keep(args.dir, torch.device(args.device), args.nbytes, args.grace_s)
-
-
-if __name__ == "__main__":
-    main()

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from pool.engines.base import EngineError, GenRequest, SamplingParams
-from pool.engines.shared_weights import (SharedRegion, SharedWeightsError, _Files, layout_bytes, mapped_regions,
+from pool.engines.shared_weights import (SharedRegion, SharedWeightsError, Files, layout_bytes, mapped_regions,
                                          plan_layout)
 
 MiB = 1 << 20
@@ -28,15 +28,20 @@ FOLDERS = {"a": "tiny-llama", "b": "tiny-qwen2", "c": "tiny-llama"}
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
 
 
+_CACHE: Any = None
+
+
 def make_engine(demo_models: dict[str, Path], share_dir: Path | None, device: str = "cpu",
                 names: tuple[str, ...] = ("a", "b", "c")) -> Any:
+    """A torch engine with the models `names` (their host images read once per process)."""
+    global _CACHE
     from pool.engines.torch_engine import TorchEngine, TorchEngineConfig
     from pool.engines.weights import HostWeightCache
 
+    _CACHE = _CACHE or HostWeightCache()
     dtype = "float32" if device == "cpu" else "bfloat16"
     engine = TorchEngine(TorchEngineConfig(device=device, dtype=dtype, kv_bytes=8 * MiB, cuda_graphs=False,
-                                           shared_weights=None if share_dir is None else str(share_dir)),
-                         HostWeightCache())
+                                           shared_weights=None if share_dir is None else str(share_dir)), _CACHE)
     for name in names:
         engine.load(name, demo_models[FOLDERS[name]])
     return engine
@@ -119,7 +124,7 @@ def test_a_copy_claimed_by_a_dead_engine_is_taken_over(demo_models: dict[str, Pa
     engine = make_engine(demo_models, share_dir)
     try:
         engine.activate("a")
-        files = _Files(share_dir, torch.device("cpu"))
+        files = Files(share_dir, torch.device("cpu"))
         with files.locked():
             table = files.read_table()
             assert table is not None
