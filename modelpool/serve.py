@@ -124,6 +124,52 @@ def gpu_kv_bytes(usable_bytes: int, per_gpu: int, biggest_model_bytes: int, rese
     return (usable_bytes - reserved_bytes - per_gpu * (2 * biggest_model_bytes + GPU_HEADROOM_BYTES)) // per_gpu
 
 
+@dataclass(frozen=True)
+class GpuMemoryPlan:
+    """How one GPU's usable memory is split between model weights, hand-off arenas and its instances' KV."""
+
+    shared_weights: bool  # every model once on the GPU, in one region its instances map; else two slots each
+    weights_bytes: int  # the GPU's model memory: the shared region, or all its instances' slots
+    handoff_bytes: int  # each staging instance's hand-off arena (0: hand-offs through host memory)
+    kv_bytes: int  # each instance's device KV
+
+
+def plan_gpu_memory(usable_bytes: int, per_gpu: int, num_staging: int, model_bytes: Sequence[int],
+                    step_kv_bytes: int, kv_bytes: int | None = None, can_share: bool = True) -> GpuMemoryPlan:
+    """The memory plan of one GPU that `per_gpu` instances share (`num_staging` of them stage hand-offs).
+
+    Weights: every model of the fleet once (pool.engines.shared_weights: the instances map one region, so
+    each can keep any set of models resident and a switch to one on the GPU copies nothing), chosen when
+    the KV it leaves each instance holds at least one full prefill step (`step_kv_bytes`: the pool's
+    max_prefill_tokens of the model with the most KV per token), and `kv_bytes` when given; else each
+    instance's own two model slots of the largest model (the models swap through them). A staging
+    instance's arena holds up to HANDOFF_BATCHES prefill steps, at most a quarter of what the weights and
+    headroom leave (less than one step: none). `kv_bytes` (--kv-mib): each instance's KV as given, unchecked
+    beside two slots (as before). `can_share`: whether the engine maps a shared region (the torch engine
+    does; vLLM's engines hold their own weights). A plan with no KV room has kv_bytes <= 0.
+    """
+    options = []
+    for shared, weights in ((True, sum(model_bytes)), (False, per_gpu * 2 * max(model_bytes))):
+        left = usable_bytes - weights - per_gpu * GPU_HEADROOM_BYTES
+        arena = min(HANDOFF_BATCHES * step_kv_bytes, max(0, left) // 4 // max(1, num_staging)) if num_staging else 0
+        arena = arena if arena >= step_kv_bytes else 0
+        room = (left - num_staging * arena) // per_gpu
+        options.append(GpuMemoryPlan(shared, int(weights), int(arena), int(room if kv_bytes is None else kv_bytes)))
+        if shared and can_share and room >= max(1, step_kv_bytes, kv_bytes or 0):
+            return options[0]
+    return options[1]
+
+
+def shared_weights_dir() -> str:
+    """A directory naming this pool's shared weights regions (one per GPU, pool.engines.shared_weights): in
+    shared memory where there is some, fresh for every pool so that no two pools map one region."""
+    import tempfile
+    import uuid
+
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    return str(base / f"modelpool-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
 def handoff_bytes(max_prefill_tokens: int, models: Sequence[ServedModel]) -> int:
     """The device memory a staging prefill instance sets aside for hand-offs in transit (pool.engines.handoff):
     the KV of HANDOFF_BATCHES full prefill steps of the model with the most KV per token; a hand-off that
@@ -196,19 +242,26 @@ def fleet_deployment(fleet_path: Path, engine: str, num_gpus: int, num_instances
     # prefill instances that share their GPU with every decode instance hand off through device memory
     staging = staging_instances({f"slot{k}": role for k, role in enumerate(roles or ())},
                                 {iid: (device,) for iid, device in devices.items()})
-    arena = handoff_bytes(fleet.pool.max_prefill_tokens, models) if staging and engine == "torch" else 0
+    step_kv = handoff_bytes(fleet.pool.max_prefill_tokens, models) // HANDOFF_BATCHES
+    weights: int | None = None
     if num_gpus:
         usable = int(fleet.gpu().memory_gb * 1e9 * fleet.pool.gpu_memory_utilization)
-        biggest = int(max(m.profile.weight_bytes for m in models))
         per_gpu = round(1 / share)
-        arenas = max(Counter(devices[iid] for iid in staging).values(), default=0) * arena  # on the fullest GPU
-        kv = kv_mib * MiB if kv_mib else gpu_kv_bytes(usable, per_gpu, biggest, arenas)
-        if kv <= 0:
-            raise typer.BadParameter(f"{per_gpu} instance(s) with two copies each of the largest model "
-                                     f"({biggest / 1e9:.1f} GB) leave no KV room on one {fleet.pool.gpu}",
-                                     param_hint="--fleet")
+        num_staging = max(Counter(devices[iid] for iid in staging).values(), default=0) if engine == "torch" else 0
+        plan = plan_gpu_memory(usable, per_gpu, num_staging, [int(m.profile.weight_bytes) for m in models], step_kv,
+                               kv_mib * MiB if kv_mib else None, can_share=engine == "torch")
+        if plan.kv_bytes <= 0:
+            raise typer.BadParameter(
+                f"no KV room on one {fleet.pool.gpu} ({usable / 1e9:.1f} GB usable) for {per_gpu} instance(s): the "
+                f"fleet's {len(models)} models once ({sum(m.profile.weight_bytes for m in models) / 1e9:.1f} GB) leave "
+                f"less than one prefill step's KV ({step_kv / 1e9:.2f} GB) each, and two copies per instance of the "
+                f"largest model ({max(m.profile.weight_bytes for m in models) / 1e9:.1f} GB) leave none"
+                + (f" for --kv-mib {kv_mib}" if kv_mib else ""), param_hint="--fleet")
+        kv, arena = plan.kv_bytes, plan.handoff_bytes
         max_host_kv = int(fleet.pool.host_kv_gb * 1e9 / fleet.pool.gpus_per_node)
-        options = {"device": "cuda", "kv_bytes": kv, "max_host_kv_bytes": max_host_kv,
+        shared = {"shared_weights": shared_weights_dir()} if plan.shared_weights else {}
+        weights = plan.weights_bytes // per_gpu if not plan.shared_weights else plan.weights_bytes
+        options = {"device": "cuda", "kv_bytes": kv, "max_host_kv_bytes": max_host_kv, **shared,
                    "host_kv_prealloc_bytes": min(max_host_kv, HOST_KV_PREALLOC_BYTES),
                    "handoff_bytes": arena, "warm_prefill_tokens": fleet.pool.max_prefill_tokens,
                    # decode graphs for every batch the scheduler may form: none runs eagerly under load
@@ -229,7 +282,8 @@ def fleet_deployment(fleet_path: Path, engine: str, num_gpus: int, num_instances
     limits = {"max_batch_size": fleet.pool.max_batch_size, "max_prefill_tokens": fleet.pool.max_prefill_tokens}
     # one set of instances per TP class (a model runs only on instances of its tp): CPU slots, tp ranks each
     instances = [inst for tp in sorted({e.tp for e in fleet.models})
-                 for inst in slot_instances(count, models, kv, roles, prefix="slot" if tp == 1 else f"tp{tp}-", tp=tp)]
+                 for inst in slot_instances(count, models, kv, roles, prefix="slot" if tp == 1 else f"tp{tp}-", tp=tp,
+                                            weights_bytes=weights)]
     return _finish(Deployment(models, instances, costs, spec, "ray", "cuda" if num_gpus else "cpu", devices=devices,
                               gpu_share=share, policy_options=limits), engine)
 

@@ -41,15 +41,14 @@ def served_model(name: str, path: Path, *, ttft_s: float = 10.0, tpot_s: float =
 
 
 def slot_instances(num: int, models: Sequence[ServedModel], kv_bytes: int, roles: Sequence[str] | None = None,
-                   prefix: str = "slot", tp: int = 1) -> list[InstanceSpec]:
-    """Instances on CPU slots (or single GPUs; `tp` of either each) whose engines hold `kv_bytes` of KV and two
-    model slots, over all their ranks.
+                   prefix: str = "slot", tp: int = 1, weights_bytes: int | None = None) -> list[InstanceSpec]:
+    """Instances on CPU slots (or single GPUs; `tp` of either each) whose engines hold `kv_bytes` of KV and
+    `weights_bytes` of model memory (None: two model slots of the largest model), over all their ranks.
 
     The KV the scheduler plans with is not this configured figure but what
     each engine reports once started (`plan_kv`, in `LivePool.start`).
     """
-    biggest = max(m.profile.weight_bytes for m in models)
-    memory = kv_bytes + 2 * biggest
+    memory = kv_bytes + (weights_bytes if weights_bytes is not None else 2 * max(m.profile.weight_bytes for m in models))
     return [InstanceSpec(f"{prefix}{k}", tp, memory, (roles[k] if roles else "mixed"))  # type: ignore[arg-type]
             for k in range(num)]
 

@@ -133,9 +133,19 @@ def keep(share_dir: Path, device: str, nbytes: int, grace_s: float,
                 files.table.unlink(missing_ok=True)
             break
     with files.locked():
-        files.handle.unlink(missing_ok=True)
-        files.region.unlink(missing_ok=True)
+        for done in (files.handle, files.region, files.log):
+            done.unlink(missing_ok=True)
+        _remove_empty(files.holders)
+    files.lock.unlink(missing_ok=True)
+    _remove_empty(files.dir)  # the last device's keeper leaves nothing behind
     del storage
+
+
+def _remove_empty(folder: Path) -> None:
+    try:
+        folder.rmdir()
+    except OSError:
+        pass
 
 
 def main(argv: list[str] | None = None) -> None:

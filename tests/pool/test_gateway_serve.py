@@ -12,7 +12,8 @@ import openai
 import pytest
 import typer
 
-from modelpool.serve import HANDOFF_BATCHES, HOST_KV_PREALLOC_BYTES, CpuCosts, demo_deployment, fleet_deployment, gpu_kv_bytes
+from modelpool.serve import (GPU_HEADROOM_BYTES, HANDOFF_BATCHES, HOST_KV_PREALLOC_BYTES, CpuCosts, demo_deployment,
+                             fleet_deployment, gpu_kv_bytes, plan_gpu_memory)
 from pool.gateway.server import free_port
 from tests.pool.fault_tools import stop_serve, wait_for_serve
 
@@ -58,19 +59,45 @@ def test_fleet_deployment_serves_weights_folders_or_refuses_clearly(demo_models,
     small.write_text(fleet.read_text().replace("num_gpus: 2}", "num_gpus: 2, max_batch_size: 48}"))
     assert fleet_deployment(small, "torch", 2, None, "token-level", None).engine.options["graph_batch_sizes"] == \
         (1, 2, 4, 8, 16, 32, 48)
-    # on one GPU the prefill instance stages its hand-offs in device memory, set aside from the KV of both
+    # on one GPU the prefill instance stages its hand-offs in device memory, set aside from the KV of both; the
+    # two instances map one region holding every model once, and may keep all of them resident
     one = fleet_deployment(fleet, "torch", num_gpus=1, num_instances=None, policy="token-level", kv_mib=None)
     arena = one.engine.options["handoff_bytes"]
     kv_per_token = max(m.profile.kv_bytes_per_token for m in one.models)
     assert arena == HANDOFF_BATCHES * 8192 * kv_per_token > 0  # the pool's max_prefill_tokens (default 8192)
     usable = int(80e9 * 0.9)  # h100, the default gpu_memory_utilization
-    biggest = max(int(m.profile.weight_bytes) for m in one.models)
-    assert one.engine.options["kv_bytes"] == gpu_kv_bytes(usable, 2, biggest, arena) == \
-        gpu_kv_bytes(usable, 2, biggest) - arena // 2
+    weights = sum(int(m.profile.weight_bytes) for m in one.models)
+    assert one.engine.options["kv_bytes"] == (usable - weights - 2 * GPU_HEADROOM_BYTES - arena) // 2
+    assert "modelpool-weights-" in one.engine.options["shared_weights"]
+    assert {i.memory_bytes for i in one.instances} == {one.engine.options["kv_bytes"] + weights}
     with pytest.raises(typer.BadParameter, match="--engine sim"):
         fleet_deployment(REPO / "models.yaml", "torch", 0, None, "token-level", None)
     dry = fleet_deployment(REPO / "models.yaml", "sim", 0, None, "token-level", None)
     assert len(dry.models) == 47 and dry.engine.kind == "sim" and sum(i.tp for i in dry.instances) == 16
+
+
+def test_a_fleet_of_7b_and_smaller_models_fits_one_80gb_gpu_each_model_once() -> None:
+    """Issue 35's fleet: eight 1.5B-7B models (~61 GB) on an H100 under the default one-GPU token-level layout
+    (a prefill and a decode instance, the prefill one staging hand-offs). Two slots per instance held four
+    copies of the 7B and left no KV; one copy of each model per GPU leaves both instances KV for prefill steps."""
+    from scheduler.fleet import catalogue_arch
+
+    archs = [catalogue_arch(n) for n in ("qwen2.5-1.5b", "qwen3-1.7b", "qwen2.5-3b", "llama-3.2-3b", "qwen3-4b",
+                                         "qwen2.5-7b", "qwen2.5-7b", "qwen2.5-1.5b")]
+    weights = [int(a.weight_bytes) for a in archs]
+    step = 8192 * max(a.kv_bytes_per_token for a in archs)
+    usable = int(80e9 * 0.9)
+    assert 60e9 < sum(weights) < 62e9 and gpu_kv_bytes(usable, 2, max(weights), HANDOFF_BATCHES * step) <= 0
+    plan = plan_gpu_memory(usable, 2, 1, weights, step)
+    assert plan.shared_weights and plan.weights_bytes == sum(weights) and plan.kv_bytes >= step
+    assert step <= plan.handoff_bytes < HANDOFF_BATCHES * step  # the arena gives way to KV on a tight GPU
+    assert plan.weights_bytes + plan.handoff_bytes + 2 * (plan.kv_bytes + GPU_HEADROOM_BYTES) <= usable
+    # on an H200 the arena keeps its HANDOFF_BATCHES steps
+    assert plan_gpu_memory(int(141e9 * 0.9), 2, 1, weights, step).handoff_bytes == HANDOFF_BATCHES * step
+    # a fleet too big to hold once: each instance's two slots, as before; vLLM's engines never share
+    private = plan_gpu_memory(usable, 2, 1, weights * 2, step)
+    assert not private.shared_weights and private.weights_bytes == 2 * 2 * max(weights)
+    assert not plan_gpu_memory(int(141e9 * 0.9), 2, 0, weights, step, can_share=False).shared_weights
 
 
 @pytest.mark.slow
