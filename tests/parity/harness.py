@@ -29,11 +29,14 @@ from scheduler.instance import KvPlaces, ModelSlots, decode_turn_s, kv_held_byte
 
 class FakeInstance:
     """One instance's engine state: its model slots and where its requests' KV is (at most `kv_bytes` of it
-    on the device, when given: the KV the engine reports)."""
+    on the device, when given: the KV the engine reports). With `model_memory_bytes` and `model_bytes` the
+    resident models (and the spare) must fit that memory, the rule a real engine's model region enforces
+    (`scheduler.instance.ModelSlots`): a co-location past it is refused."""
 
-    def __init__(self, models: Sequence[str] | None, kv_bytes: float | None = None) -> None:
+    def __init__(self, models: Sequence[str] | None, kv_bytes: float | None = None,
+                 model_memory_bytes: float | None = None, model_bytes: dict[str, float] | None = None) -> None:
         self.models = None if models is None else set(models)  # loaded models; None: any
-        self.slots = ModelSlots()
+        self.slots = ModelSlots(model_memory_bytes, model_bytes)
         self.kv = KvPlaces(kv_bytes)
         self.turn: tuple[float, float] = (0.0, 0.0)  # the decode turn's start and step seconds
         self.num_weight_copies = 0
@@ -45,13 +48,18 @@ class FakeInstance:
 
 class ManualBackend:
     def __init__(self, clock: ManualClock, costs: Any, models: Sequence[str] | None = None,
-                 kv_bytes: dict[str, float] | None = None, kv_bytes_per_token: dict[str, int] | None = None) -> None:
+                 kv_bytes: dict[str, float] | None = None, kv_bytes_per_token: dict[str, int] | None = None,
+                 model_memory_bytes: dict[str, float] | None = None, model_bytes: dict[str, float] | None = None) -> None:
         """`kv_bytes`: each instance's device KV (None: unbounded); a request holds `kv_bytes_per_token` of
-        its model for its whole context (prompt + max_tokens), as the simulator counts it."""
+        its model for its whole context (prompt + max_tokens), as the simulator counts it.
+        `model_memory_bytes`: each instance's memory for model weights, the models' sizes `model_bytes`
+        (None: unbounded; `model_memory` gives what an InstanceSpec leaves them)."""
         self.clock = clock
         self.costs = costs
         self.model_names = models
         self.kv_bytes = kv_bytes or {}
+        self.model_memory_bytes = model_memory_bytes or {}
+        self.model_bytes = model_bytes
         self.kv_bytes_per_token = kv_bytes_per_token or {}
         self.instances: dict[str, FakeInstance] = {}
         self._heap: list[tuple[float, int, Any]] = []
@@ -68,7 +76,8 @@ class ManualBackend:
         self.num_calls += 1
         now = self.clock.now()
         inst = self.instances.get(instance_id) or self.instances.setdefault(
-            instance_id, FakeInstance(self.model_names, self.kv_bytes.get(instance_id)))
+            instance_id, FakeInstance(self.model_names, self.kv_bytes.get(instance_id),
+                                      self.model_memory_bytes.get(instance_id), self.model_bytes))
         try:
             at, result = getattr(self, "_" + method)(inst, now, *args, **meta)
         except RefusedAction as err:  # KV that does not fit: the engine's out-of-KV answer, as a real one's
@@ -178,6 +187,12 @@ class ManualBackend:
                 inst.kv.release([rid])
             out.append(TokenOut(rid, 1, "x", done, "length" if done else None))
         return out
+
+
+def model_memory(instances: Sequence[Any]) -> dict[str, float]:
+    """Each InstanceSpec's memory for model weights, as the live pool's engines hold it: what its device
+    memory leaves beside the KV its engine reports (all of it where the KV takes what the weights leave)."""
+    return {i.instance_id: i.memory_bytes - (i.kv_bytes or 0.0) for i in instances}
 
 
 class FakeEngine:

@@ -15,7 +15,7 @@ from typing import Any
 from scheduler import ManualClock, Plan, Prefill, Switch, make_scheduler
 from sims.simulator import Simulator
 from tests.factories import GB, LinearCosts, make_instances, make_models, make_workload
-from tests.parity.harness import ManualBackend, run_pool
+from tests.parity.harness import ManualBackend, model_memory, run_pool
 
 SETUPS = {  # policy, instance roles, policy options
     "token-level": ("token-level", ["prefill", "decode", "decode"], {}),
@@ -59,7 +59,10 @@ def test_plan_logs_of_simulator_and_pool_are_identical(setup: str) -> None:
 
     pool_log = io.StringIO()
     pool_sched = make_scheduler(policy, models, instances, costs, keep_ended=False, **options)  # as the pool runs it
-    backend = ManualBackend(ManualClock(), costs, models=list(models), kv_bytes=kv_bytes, kv_bytes_per_token=per_token)
+    # the fakes hold each instance's models within the memory its spec leaves them, as the engines' regions do
+    backend = ManualBackend(ManualClock(), costs, models=list(models), kv_bytes=kv_bytes, kv_bytes_per_token=per_token,
+                            model_memory_bytes=model_memory(instances),
+                            model_bytes={n: m.weight_bytes for n, m in models.items()})
     controller = run_pool(pool_sched, costs, [i.instance_id for i in instances], trace, pool_log, backend)
     assert backend.refused == []  # every call of every Plan is one an engine carries out
     if kv_bytes:  # and the KV bound: some instance held most of what its device has
@@ -119,3 +122,20 @@ def test_the_fake_engines_refuse_kv_the_scheduler_overbooks() -> None:
                           [i.instance_id for i in instances], trace, io.StringIO(), backend)
     assert backend.refused and all("no room for the KV" in why for why in backend.refused)
     assert controller.num_kv_refusals == len(backend.refused) and not controller.lost and controller.requests == {}
+
+
+def test_the_fake_engines_refuse_models_the_scheduler_co_locates_past_their_memory() -> None:
+    """Spatial told of more device memory than the engines have (80 GB planned, 30 GB of model memory there):
+    it co-locates three 14 GB models on an instance, and the fakes refuse the co-location that does not fit,
+    naming the models and the memory, as the torch engine's model region does. Within the memory (the
+    parity runs) nothing is refused."""
+    models = make_models(3, weight_gb=14.0)
+    instances = make_instances(1)
+    costs = LinearCosts()
+    trace = make_workload(6, list(models), rate=4.0, seed=3, max_prompt=200, max_output=8)
+    backend = ManualBackend(ManualClock(), costs, models=list(models), model_memory_bytes={"i0": 30 * GB},
+                            model_bytes={n: m.weight_bytes for n, m in models.items()})
+    run_pool(make_scheduler("spatial", models, instances, costs, keep_ended=False), costs, ["i0"], trace,
+             io.StringIO(), backend)
+    assert backend.refused and "model region holds" in backend.refused[0]
+    assert backend.refused[0].startswith("i0 activate: co-locating")

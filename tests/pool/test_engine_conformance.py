@@ -23,8 +23,8 @@ from tests.factories import LinearCosts
 MiB = 1 << 20
 FOLDERS = {"a": "tiny-llama", "b": "tiny-qwen2", "c": "tiny-llama"}
 KINDS = ["torch", "torch-shared", "torch-tp2", "sim", "fake", pytest.param("vllm", marks=pytest.mark.vllm)]
-# kinds whose model memory holds models a, b and c resident at once: torch's own region holds two model slots
-HOLDS_ALL = {"torch-shared", "sim", "fake"}
+# kinds whose model memory holds models a, b and c resident at once (torch's own region holds two model slots)
+HOLDS_ALL = {"torch-shared", "sim", "fake", "vllm"}  # vllm: an engine per model, each resident
 
 
 def make_engine(kind: str, demo_models: dict[str, Path], names: tuple[str, ...]) -> Any:
