@@ -268,15 +268,15 @@ class SharedModelSlots(ModelSlots):
         super().__init__(region.storage[: region.nbytes], streams, on_copy)
         self.shared = region
 
-    def activate(self, image: ModelImage, evict: bool = True) -> float:
+    def activate(self, image: ModelImage, evict: bool = True, keep: tuple[str, ...] | None = None) -> float:
         self.shared.settle()
-        took = super().activate(image, evict)
+        took = super().activate(image, evict, keep)
         self.shared.settle()  # its copy, if this engine made it, is done: others may read it now
         return took
 
-    def prefetch(self, image: ModelImage) -> bool:
+    def prefetch(self, image: ModelImage, keep: tuple[str, ...] | None = None) -> bool:
         self.shared.settle()
-        return super().prefetch(image)
+        return super().prefetch(image, keep)
 
     def ready_on_device(self, model: str) -> bool:
         self.shared.settle()
