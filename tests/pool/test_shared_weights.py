@@ -20,8 +20,10 @@ import pytest
 import torch
 
 from pool.engines.base import EngineError, GenRequest, SamplingParams
-from pool.engines.shared_weights import (SharedRegion, SharedWeightsError, Files, layout_bytes, mapped_regions,
-                                         plan_layout)
+from pool.engines.shared_weights import SharedRegion, layout_bytes, mapped_regions, plan_layout
+from pool.engines.weights_keeper import Files
+from tests.pool.test_faults import long_reference  # noqa: F401  (fixtures)
+from tests.pool.test_live_pool import tiny  # noqa: F401
 
 MiB = 1 << 20
 FOLDERS = {"a": "tiny-llama", "b": "tiny-qwen2", "c": "tiny-llama"}
@@ -203,3 +205,33 @@ def test_a_killed_or_restarted_engine_leaves_the_others_weights_intact(
         assert keeper != peer.pid and keeper != restarted.pid and keeper != os.getpid()
     finally:
         engine.close()
+
+
+# ---- the live pool: two engine processes, one region ---------------------------------------------------------------
+@pytest.mark.slow
+def test_a_pool_of_two_processes_copies_each_model_once_between_them(tiny, long_reference,  # noqa: F811
+                                                                      share_dir: Path) -> None:
+    """Token-level's prefill and decode instances in two processes mapping one region: every model is copied
+    into it once between them, and every request ends with its uninterrupted tokens. (An engine process killed
+    and restarted beside another: test_a_killed_or_restarted_engine_leaves_the_others_weights_intact.)"""
+    from pool.actor import EngineSpec
+    from tests.pool.fault_tools import outcomes, wait_until
+    from tests.pool.test_faults import submit_all
+    from tests.pool.test_live_pool import ENGINE
+    from tests.pool.test_processes import local_pool
+
+    engine = EngineSpec("torch", {**ENGINE.options, "shared_weights": str(share_dir)})
+    with local_pool(tiny, "processes", roles=["prefill", "decode"], engine=engine) as pool:
+        sinks = submit_all(pool)
+        counts = outcomes(sinks, long_reference, lambda key: True, 180).counts()
+        assert counts == {"identical": len(sinks), "clean_errors": 0, "wrong": 0, "hung": 0, "lost": 0}
+        wait_until(lambda: len(pool.engine_stats) == 2 and pool.engine_stats["slot1"]["num_requests"] == 0, 10,
+                   "engine stats from both processes")
+        stats = pool.engine_stats
+        # each model copied into the region once, by the prefill instance (which needs it first); the decode
+        # instance computed with all of them and copied nothing
+        assert {iid: s["num_weight_copies"] for iid, s in stats.items()} == {"slot0": len(tiny), "slot1": 0}
+        assert stats["slot1"]["num_switches"] > 0  # it switched between the models, and its own buffer is KV only
+        assert {s["device_buffer_bytes"] for s in stats.values()} == {ENGINE.options["kv_bytes"]}
+        table = json.loads((share_dir / "cpu.json").read_text())
+        assert {m: c["state"] for m, c in table["copies"].items()} == {m: "ready" for m in tiny}
