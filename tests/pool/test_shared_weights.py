@@ -201,7 +201,7 @@ def test_a_killed_or_restarted_engine_leaves_the_others_weights_intact(
         assert copies == 0 and tokens == want and tokens_b2 == tokens_b
         go.set()
         restarted.join(30)
-        keeper = engine._slots.shared.keeper
+        keeper = engine.residency.slots.shared.keeper
         assert keeper != peer.pid and keeper != restarted.pid and keeper != os.getpid()
     finally:
         engine.close()
