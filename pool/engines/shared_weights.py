@@ -79,14 +79,16 @@ _MAP_LOCK = threading.RLock()
 class SharedRegion:
     """An engine's handle on its device's shared weights region (see the module docstring).
 
-    `storage` is the region's bytes; `layout` each model's (offset, bytes). `claim`, `mark_ready` and
-    `wait_ready` run the copy protocol; `close` gives this engine's use back.
+    `storage` is the region's bytes; `layout` each model's (offset, bytes). `claim`, `copying`, `mark_ready`
+    and `settle` run the copy protocol; `close` gives this engine's use back.
     """
 
     def __init__(self, share_dir: str | Path, device: torch.device | str, sizes: Mapping[str, int], *,
                  grace_s: float = KEEPER_GRACE_S, start_timeout_s: float = START_TIMEOUT_S) -> None:
         self.device = torch.device(device)
-        self.files = Files(Path(share_dir), self.device)
+        if self.device.type == "cuda" and self.device.index is None:  # the keeper allocates on this very GPU
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.files = Files(Path(share_dir), str(self.device))
         self.layout = plan_layout(sizes)
         self.nbytes = layout_bytes(self.layout)
         self.token = f"{os.getpid()}:{uuid.uuid4().hex[:8]}"  # names this engine as a copier

@@ -126,7 +126,7 @@ def test_a_copy_claimed_by_a_dead_engine_is_taken_over(demo_models: dict[str, Pa
     engine = make_engine(demo_models, share_dir)
     try:
         engine.activate("a")
-        files = Files(share_dir, torch.device("cpu"))
+        files = Files(share_dir, "cpu")
         with files.locked():
             table = files.read_table()
             assert table is not None
