@@ -204,7 +204,9 @@ class SharedRegion:
 
     def settle(self) -> list[str]:
         """Mark ready every copy this process queued whose event has completed; returns those models."""
-        done = []
+        done: list[str] = []
+        if not _PENDING:
+            return done
         with _MAP_LOCK:
             mine = [(k, e) for k, e in _PENDING.items() if k[:2] == self._key("")[:2] and event_done(e)]
         for key, _ in mine:
@@ -283,6 +285,11 @@ class SharedModelSlots(ModelSlots):
     def ready_on_device(self, model: str) -> bool:
         self.shared.settle()
         return super().ready_on_device(model)
+
+    def placement(self, model: str) -> Placement:
+        # every step asks: a prefetch this engine made is marked ready for the others soon after it lands
+        self.shared.settle()
+        return super().placement(model)
 
     def places_of(self, nbytes: int) -> tuple[int, int]:
         raise NotImplementedError("a shared region has one place per model: see graph_places")
