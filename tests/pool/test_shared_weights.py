@@ -181,7 +181,7 @@ def test_a_killed_or_restarted_engine_leaves_the_others_weights_intact(
         ready, go = ctx.Event(), ctx.Event()
         proc = ctx.Process(target=_peer, args=(demo_models, str(share_dir), device, ready, go, result), daemon=True)
         proc.start()
-        assert ready.wait(180), "the peer engine did not start"
+        assert ready.wait(600), "the peer engine did not start"
         return proc, ready, go
 
     engine = make_engine(demo_models, share_dir, device)
@@ -189,7 +189,7 @@ def test_a_killed_or_restarted_engine_leaves_the_others_weights_intact(
         engine.activate("a")
         want = greedy(engine, "a", "mine")
         peer, _, _ = start_peer()
-        copies, tokens, tokens_b = result.get(timeout=30)
+        copies, tokens, tokens_b = result.get(timeout=120)
         assert copies == 1 and tokens == want  # "a" mapped from the region; "b" copied by the peer
         os.kill(peer.pid, signal.SIGKILL)  # the instance that copied "b" dies
         peer.join(30)
@@ -197,7 +197,7 @@ def test_a_killed_or_restarted_engine_leaves_the_others_weights_intact(
         assert engine.stats().num_weight_copies == 1  # its copy of "b" outlives it
         assert greedy(engine, "b", "mine-b") == tokens_b and greedy(engine, "a", "mine-2") == want
         restarted, _, go = start_peer()  # a restart maps the region again: nothing to copy
-        copies, tokens, tokens_b2 = result.get(timeout=30)
+        copies, tokens, tokens_b2 = result.get(timeout=120)
         assert copies == 0 and tokens == want and tokens_b2 == tokens_b
         go.set()
         restarted.join(30)
