@@ -208,7 +208,7 @@ def demo_deployment(engine: str, num_gpus: int, num_instances: int | None, kv_mi
 
 
 def fleet_deployment(fleet_path: Path, engine: str, num_gpus: int, num_instances: int | None, policy: str,
-                     kv_mib: int | None, profile: Path | None = None) -> Deployment:
+                     kv_mib: int | None, profile: Path | None = None, layout: list[str] | None = None) -> Deployment:
     from modelpool.config import load_fleet
     from pool.engines.graphs import batch_sizes_up_to
     from scheduler import make_instances, model_profiles
@@ -222,7 +222,9 @@ def fleet_deployment(fleet_path: Path, engine: str, num_gpus: int, num_instances
     missing = [e.name for e in fleet.models if not e.weights or not (base / e.weights).is_dir()]
     if engine == "sim":
         models = [_sim_model(e, profiles[e.name], base) for e in fleet.models]
-        instances = make_instances(fleet, num_instances, split=policy == "token-level")
+        instances = make_instances(fleet, len(layout) if layout else num_instances, split=policy == "token-level")
+        if layout:  # the roles a capacity report recommends (modelpool.layout)
+            instances = [dataclasses.replace(spec, role=role) for spec, role in zip(instances, layout)]
         costs = RooflineCostModel(fleet)
         return _finish(Deployment(models, instances, costs, EngineSpec("sim"), "threads", "sim"), engine)
     if missing:
@@ -237,8 +239,9 @@ def fleet_deployment(fleet_path: Path, engine: str, num_gpus: int, num_instances
     models = [served_model(e.name, base / str(e.weights), ttft_s=fleet.slo(e).ttft_s, tpot_s=fleet.slo(e).tpot_s,
                            tp=e.tp, dtype=None if num_gpus else "float32") for e in fleet.models]
     models = [dataclasses.replace(m, profile=with_controls(m.profile, profiles[m.name])) for m in models]
-    count, devices, share = gpu_layout(num_gpus, num_instances, policy) if num_gpus else (num_instances or 2, {}, 1.0)
-    roles = _roles(count, policy, fleet.pool.prefill_fraction) if num_gpus else None
+    count, devices, share = gpu_layout(num_gpus, len(layout) if layout else num_instances, policy) if num_gpus \
+        else (len(layout) if layout else num_instances or 2, {}, 1.0)
+    roles = layout or (_roles(count, policy, fleet.pool.prefill_fraction) if num_gpus else None)
     # prefill instances that share their GPU with every decode instance hand off through device memory
     staging = staging_instances({f"slot{k}": role for k, role in enumerate(roles or ())},
                                 {iid: (device,) for iid, device in devices.items()})
@@ -598,6 +601,8 @@ def serve_command(
     placement_timeout_s: float = typer.Option(120.0, "--placement-timeout-s", min=0.1, help="A tensor-parallel "
                                               "instance whose Ray placement group (one GPU per rank on one node) is "
                                               "not placed by then fails to start, saying what the cluster has."),
+    layout: str | None = typer.Option(None, "--layout", help="token-level instance roles: a capacity report's "
+                                      "report.json (its TP1 answer) or e.g. 1P+2D / 3M (P prefill, D decode, M mixed)."),
     kv_mib: int | None = typer.Option(None, "--kv-mib", help="Device KV per instance in MiB (default: 128 on a "
                                       "CPU slot, what fits on a GPU)."),
     sim_time_scale: float = typer.Option(1.0, "--sim-time-scale", help="sim engine: multiply predicted times "
@@ -616,6 +621,7 @@ def serve_command(
 ) -> None:
     """Serve the pool behind one OpenAI-compatible endpoint (default: the demo fleet on this machine)."""
     from modelpool.config import FleetFileError
+    from modelpool.layout import LayoutError, layout_roles
 
     try:
         from pool.gateway import GatewaySettings, create_app
@@ -634,6 +640,8 @@ def serve_command(
             raise typer.BadParameter("--gpu is for the demo fleet; a fleet file names its GPU (pool.gpu)",
                                      param_hint="--gpu")
         gpu_key(gpu)  # a bad name fails now, not after the cluster starts
+    if layout is not None and fleet_path is None:
+        raise typer.BadParameter("--layout is for a fleet file's pool (--fleet)", param_hint="--layout")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     backend = backend or ("threads" if engine == "sim" else "ray" if _has_ray() else "processes")
@@ -655,8 +663,11 @@ def serve_command(
             daemon.stop()
             raise typer.BadParameter(str(exc), param_hint="--mps") from None
     try:
-        dep = (fleet_deployment(fleet_path, engine, num_gpus, instances, policy, kv_mib, profile) if fleet_path
+        roles = layout_roles(layout, policy) if layout else None
+        dep = (fleet_deployment(fleet_path, engine, num_gpus, instances, policy, kv_mib, profile, roles) if fleet_path
                else demo_deployment(engine, num_gpus, instances, kv_mib, gpu))
+    except LayoutError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--layout") from None
     except FleetFileError as exc:
         for problem in exc.problems:
             typer.echo(str(problem), err=True)

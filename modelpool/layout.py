@@ -1,0 +1,63 @@
+"""`serve --layout`: the instance roles a capacity report recommends (or given by hand), for the live pool.
+
+`modelpool capacity` searches token-level's prefill/decode split (and all-mixed layouts) per TP class and
+writes the answer into report.json (`policies.<policy>.layout`: per TP class, prefill / decode / mixed counts).
+`serve --layout report.json` serves with the roles of that answer; `--layout 1P+2D` (the report's own label
+form: P prefill, D decode, M mixed, joined by +) gives them by hand. Without it serve cuts its instances by the
+fleet's `prefill_fraction`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+_PART = re.compile(r"^(\d+)([PDM])$")
+_ROLE = {"P": "prefill", "D": "decode", "M": "mixed"}
+
+
+class LayoutError(ValueError):
+    """A --layout that cannot be read; the message names what was wrong and where."""
+
+
+def layout_roles(value: str, policy: str = "token-level", tp: int = 1) -> list[str]:
+    """Instance roles, prefill first, then decode, then mixed: from a report JSON path or a `1P+2D` spec."""
+    path = Path(value)
+    if path.suffix == ".json" or path.is_file():
+        return _from_report(path, policy, tp)
+    return _from_spec(value)
+
+
+def _from_spec(spec: str) -> list[str]:
+    counts = {"P": 0, "D": 0, "M": 0}
+    text = re.sub(r"^TP\d+:", "", spec.replace(" ", "").upper())  # the report's label: "TP1: 4P+5D"
+    for part in text.split("+"):
+        match = _PART.match(part)
+        if not match:
+            raise LayoutError(f"--layout {spec!r}: {part!r} is not a count and a role (e.g. 1P+2D, 3M; "
+                              "P prefill, D decode, M mixed), nor a report JSON file")
+        counts[match.group(2)] += int(match.group(1))
+    roles = [_ROLE[key] for key in "PDM" for _ in range(counts[key])]
+    if not roles:
+        raise LayoutError(f"--layout {spec!r}: no instances")
+    if counts["P"] and not (counts["D"] or counts["M"]) or counts["D"] and not (counts["P"] or counts["M"]):
+        raise LayoutError(f"--layout {spec!r}: prefill instances need decode (or mixed) ones and the other way round")
+    return roles
+
+
+def _from_report(path: Path, policy: str, tp: int) -> list[str]:
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise LayoutError(f"--layout {path}: cannot read a capacity report: {exc}") from None
+    entry = (report.get("policies") or {}).get(policy) if isinstance(report, dict) else None
+    if not isinstance(entry, dict) or not entry.get("layout"):
+        raise LayoutError(f"--layout {path}: the report has no layout for policy {policy!r} "
+                          f"(policies: {sorted((report.get('policies') or {}) if isinstance(report, dict) else [])})")
+    for cls in entry["layout"]:
+        if cls.get("tp") == tp:
+            spec = "+".join(f"{cls.get(k, 0)}{k[0].upper()}" for k in ("prefill", "decode", "mixed") if cls.get(k))
+            return _from_spec(spec)
+    raise LayoutError(f"--layout {path}: the {policy} answer has no TP{tp} class "
+                      f"(it has TP {sorted(c.get('tp') for c in entry['layout'])})")
