@@ -64,7 +64,9 @@ def plan_kv(instances: Sequence[InstanceSpec], profiles: Mapping[str, ModelProfi
     scheduler admits is one the engine promised to hold (`KvCapacity`); the
     block is the largest any instance reports for the model. The host KV
     budget (`host_kv_bytes`, for what swapped-out requests hold) is counted
-    the same way from the report's `host_tokens`.
+    the same way from the report's `host_tokens`. Where the engine reports the device memory it holds weights
+    in (`weight_bytes`) and each model's bytes there, those are the weight budget (`InstanceSpec.weight_bytes`)
+    and the model sizes the scheduler plans resident sets with: a set it plans is one the engine holds.
     """
     planned = []
     for spec in instances:
@@ -78,9 +80,13 @@ def plan_kv(instances: Sequence[InstanceSpec], profiles: Mapping[str, ModelProfi
         budget = min(report.tokens[name] * max(1, p.kv_bytes_per_token) for name, p in profiles.items())
         host = None if report.host_tokens is None else float(min(
             report.host_tokens.get(name, 0) * max(1, p.kv_bytes_per_token) for name, p in profiles.items()))
-        planned.append(dataclasses.replace(spec, kv_bytes=float(budget), host_kv_bytes=host))
+        weights = None if report.weight_bytes is None else float(report.weight_bytes)
+        planned.append(dataclasses.replace(spec, kv_bytes=float(budget), host_kv_bytes=host, weight_bytes=weights))
     blocks = {name: max(reports[s.instance_id].block_tokens[name] for s in instances) for name in profiles}
-    return planned, {name: dataclasses.replace(p, kv_block_tokens=blocks[name]) for name, p in profiles.items()}
+    sizes = {name: max((float(r.model_bytes[name]) for r in reports.values() if r.model_bytes and name in r.model_bytes),
+                       default=p.weight_bytes) for name, p in profiles.items()}
+    return planned, {name: dataclasses.replace(p, kv_block_tokens=blocks[name], weight_bytes=sizes[name])
+                     for name, p in profiles.items()}
 
 
 @dataclass(frozen=True, slots=True)

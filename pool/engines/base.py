@@ -178,6 +178,11 @@ class KvCapacity:
     # tokens of each model the host KV store holds for swapped-out requests (after slab rounding); None: an
     # engine that keeps no host KV (vLLM resumes held requests by recompute) or does not bound it (sim)
     host_tokens: Mapping[str, int] | None = None
+    # the device memory the engine holds model weights in (the torch engine's model region: two slots of its own,
+    # or a shared region with every model once) and each model's bytes there: the weight budget and sizes the
+    # scheduler plans resident sets with (`plan_kv`); None: the engine does not bound them (sim, vllm)
+    weight_bytes: int | None = None
+    model_bytes: Mapping[str, int] | None = None
 
     def __post_init__(self) -> None:
         if set(self.tokens) != set(self.block_tokens):

@@ -19,6 +19,7 @@ Requests are admitted by `prefill` (or `import_kv`) and freed by `release`,
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -269,7 +270,9 @@ class TorchEngine:
         buffer when it is not made yet: call it once every model is loaded)."""
         # a scratch block per shape for the graphs' padded rows and the warm-up prefill
         held = 1 if self.use_cuda_graphs or self.config.warm_prefill_tokens else 0
-        return self.kv_calls.capacity(held)
+        slots = self.residency.ensure()
+        return dataclasses.replace(self.kv_calls.capacity(held), weight_bytes=slots.region_bytes,
+                                   model_bytes={m.name: m.image.nbytes for m in self.residency.models.values()})
 
     def stats(self) -> EngineStats:
         self.timings.other()

@@ -235,3 +235,24 @@ def test_a_pool_of_two_processes_copies_each_model_once_between_them(tiny, long_
         assert {s["device_buffer_bytes"] for s in stats.values()} == {ENGINE.options["kv_bytes"]}
         table = json.loads((share_dir / "cpu.json").read_text())
         assert {m: c["state"] for m, c in table["copies"].items()} == {m: "ready" for m in tiny}
+
+
+def test_the_pool_plans_resident_sets_with_the_memory_and_sizes_the_engine_reports(demo_models: dict[str, Path],
+                                                                                      share_dir: Path) -> None:
+    """The weight budget and model sizes token-level plans its resident sets with are the engine's own (its
+    report, `plan_kv`), not the fleet's estimates: a set the policy plans is one the engine holds."""
+    from pool.served import plan_kv, served_model, slot_instances
+
+    engines = {"slot0": make_engine(demo_models, share_dir), "slot1": make_engine(demo_models, None)}
+    try:
+        reports = {iid: e.kv_capacity() for iid, e in engines.items()}
+        sizes = {m: engines["slot0"].model_bytes(m) for m in ("a", "b", "c")}
+        assert reports["slot0"].weight_bytes == layout_bytes(plan_layout(sizes))  # every model once
+        assert reports["slot1"].weight_bytes == 2 * max(sizes.values())  # two slots of the largest
+        models = [served_model(m, demo_models[FOLDERS[m]], dtype="float32") for m in ("a", "b", "c")]
+        planned, profiles = plan_kv(slot_instances(2, models, 8 * MiB), {m.name: m.profile for m in models}, reports)
+        assert [i.weight_bytes for i in planned] == [reports["slot0"].weight_bytes, reports["slot1"].weight_bytes]
+        assert {m: p.weight_bytes for m, p in profiles.items()} == sizes
+    finally:
+        for engine in engines.values():
+            engine.close()
