@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pool.calls import EngineCall
 from pool.engines.base import Engine
 from pool.engines.timings import call_engine
 from pool.heap import freeze_heap
@@ -47,7 +48,7 @@ def make_engine(spec: EngineSpec, ranks: str = "processes") -> Engine:
 
 
 class InstanceActor:
-    """The engine behind one instance; `call` runs one engine method (calls run one at a time)."""
+    """The engine behind one instance; `call` runs one engine call (calls run one at a time)."""
 
     def __init__(self, instance_id: str, spec: EngineSpec, models: Mapping[str, str], threads: int = 1,
                  max_tokens: int | None = None) -> None:
@@ -62,13 +63,11 @@ class InstanceActor:
         self.engine = make_engine(spec, ranks="ray")  # a TP instance's other ranks: actors in its placement group
         for name, path in models.items():
             self.engine.load(name, Path(path))
-        warm_up = getattr(self.engine, "warm_up", None)
-        if warm_up is not None:  # decode graphs before serving: none is captured on the request path
-            warm_up(max_tokens)
+        self.engine.warm_up(max_tokens)  # decode graphs before serving: none is captured on the request path
         freeze_heap()  # start-up's objects out of the collector's way while serving
 
-    def call(self, method: str, *args: Any) -> Any:
-        return call_engine(self.engine, method, args)
+    def call(self, call: EngineCall) -> Any:
+        return call_engine(self.engine, call)
 
     def ready(self) -> str:
         return self.instance_id

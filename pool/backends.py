@@ -1,6 +1,6 @@
 """Where the controller's engine calls run: in this process (inline or on a thread per instance), or in Ray actors.
 
-Both answer `call(instance_id, method, args, meta) -> handle` at once and hand
+Both answer `call(instance_id, call) -> handle` at once (`call` a `pool.calls` value) and hand
 results back through `poll(timeout_s) -> [(handle, result or exception)]`,
 oldest call first. Each takes `replace(instance_id, engine or actor)` when a
 lost instance comes back. The in-process ones also take `kill(instance_id)`
@@ -17,8 +17,9 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
-from pool.errors import InstanceDied
+from pool.calls import EngineCall
 from pool.engines.base import Engine
+from pool.errors import InstanceDied
 from pool.engines.device import GATE
 from pool.engines.timings import call_engine
 
@@ -31,11 +32,11 @@ class InProcessBackend:
         self._ids = itertools.count(1)
         self._done: deque[tuple[int, Any]] = deque()
 
-    def call(self, instance_id: str, method: str, args: tuple[Any, ...], meta: dict[str, Any]) -> int:
+    def call(self, instance_id: str, call: EngineCall) -> int:
         handle = next(self._ids)
         engine = self.engines[instance_id]
         try:
-            result: Any = _dead(instance_id) if engine is None else getattr(engine, method)(*args)
+            result: Any = _dead(instance_id) if engine is None else call.run(engine)
         except Exception as exc:  # handed to the controller, which decides what it means
             result = exc
         self._done.append((handle, result))
@@ -70,13 +71,13 @@ class RayBackend:
         self._pending: dict[Any, tuple[int, str]] = {}  # ObjectRef -> (handle, instance)
         self._failed: list[tuple[int, Any]] = []  # calls that could not even be sent
 
-    def call(self, instance_id: str, method: str, args: tuple[Any, ...], meta: dict[str, Any]) -> int:
+    def call(self, instance_id: str, call: EngineCall) -> int:
         handle = next(self._ids)
         actor = self.actors.get(instance_id)
         if actor is None:
             raise KeyError(f"no actor for instance {instance_id!r}")
         try:
-            self._pending[actor.call.remote(method, *args)] = (handle, instance_id)
+            self._pending[actor.call.remote(call)] = (handle, instance_id)
         except self._ray.exceptions.RayActorError as exc:
             self._failed.append((handle, InstanceDied(f"the actor of {instance_id} is gone: {exc}")))
         return handle
@@ -119,7 +120,7 @@ class ThreadBackend:
         self._ids = itertools.count(1)
         self._done: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
         # a call, None (stop), or an Event: `retire` - close the engine, set the event, stop
-        self._work: dict[str, queue.SimpleQueue[tuple[int, str, tuple[Any, ...]] | threading.Event | None]] = {}
+        self._work: dict[str, queue.SimpleQueue[tuple[int, EngineCall] | threading.Event | None]] = {}
         self.in_flight = 0  # touched by the loop thread only
         self._retired: set[str] = set()  # freed by retire() and not replaced since
         for iid, engine in self.engines.items():
@@ -133,23 +134,21 @@ class ThreadBackend:
     def _serve(self, instance_id: str, engine: Engine, work: queue.SimpleQueue[Any]) -> None:
         while (item := work.get()) is not None:
             if isinstance(item, threading.Event):  # retire(): free the engine's memory here, between calls
-                close = getattr(engine, "close", None)
-                if close is not None:
-                    close()
+                engine.close()
                 del engine
                 item.set()
                 self._answer_dead(instance_id, work)
                 return
-            handle, method, args = item
+            handle, call = item
             try:
                 if self.engines.get(instance_id) is not engine:  # killed, or replaced since: calls on it are gone
                     result: Any = _dead(instance_id)
                 else:
                     with GATE.shared():
-                        result = call_engine(engine, method, args)
+                        result = call_engine(engine, call)
             except Exception as exc:  # handed to the controller, which decides what it means
                 result = exc
-            del args
+            del call, item
             self._done.put((handle, result))
 
     def _answer_dead(self, instance_id: str, work: queue.SimpleQueue[Any]) -> None:
@@ -161,13 +160,13 @@ class ThreadBackend:
             if isinstance(item, tuple):
                 self._done.put((item[0], _dead(instance_id)))
 
-    def call(self, instance_id: str, method: str, args: tuple[Any, ...], meta: dict[str, Any]) -> int:
+    def call(self, instance_id: str, call: EngineCall) -> int:
         handle = next(self._ids)
         self.in_flight += 1
         if self.engines.get(instance_id) is None:  # killed or retired: no worker will run it
             self._done.put((handle, _dead(instance_id)))
         else:
-            self._work[instance_id].put((handle, method, args))
+            self._work[instance_id].put((handle, call))
         return handle
 
     def poll(self, timeout_s: float) -> list[tuple[int, Any]]:

@@ -22,6 +22,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import IO, Any, Protocol
 
+from pool import calls
+from pool.calls import EngineCall
 from pool.engines.base import TokenOut
 from pool.errors import CallTimedOut, InstanceDied, OutOfKvMemory, RequestFailed
 from pool.runner import InstanceRunner, Issue, LiveRequest
@@ -34,7 +36,7 @@ log = logging.getLogger("modelpool.controller")
 class Backend(Protocol):
     """Where engine calls go: `call` returns a handle whose result `Controller.complete` gets later."""
 
-    def call(self, instance_id: str, method: str, args: tuple[Any, ...], meta: dict[str, Any]) -> int: ...
+    def call(self, instance_id: str, call: EngineCall) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,8 +48,8 @@ class _Call:
     target: str
     waiting_generation: int
     target_generation: int
+    method: str  # the call's name (not the call: an import's KV would stay in memory while it is in flight)
     request_ids: tuple[str, ...]  # the requests the call carries (suspects when it fails)
-    method: str
     issued_at: float
 
 
@@ -104,7 +106,7 @@ class Controller:
             live.kv_export = None
         elif live.kv_home is not None and live.kv_home not in self.lost:  # free its KV (or the KV it staged for a
             live.kv_export = None  # hand-off) at the next call boundary
-            self._issue(None, live.kv_home, "release", ([request_id],), {})
+            self._issue(None, live.kv_home, calls.Release((request_id,)))
 
     def complete(self, handle: int, result: Any) -> bool:
         """A call finished (`result` may be the exception it raised); True when the scheduler heard of it.
@@ -160,7 +162,7 @@ class Controller:
         self.lost.add(instance_id)
         for home, rid in self.runners[instance_id].staged_in_flight():  # its exporters may free what it was copying
             if home is not None and home not in self.lost:
-                self._issue(None, home, "release", ([rid],), {})
+                self._issue(None, home, calls.Release((rid,)))
         self.runners[instance_id].reset()
         ended = {rid: f"it was in the failing call of {count} instances that were lost, the last {instance_id} "
                       f"({reason})" for rid, count in self._strike(self._losses, suspects, self.max_losses_per_request)}
@@ -183,7 +185,7 @@ class Controller:
     def _drop_export(self, live: LiveRequest) -> None:
         """Forget the KV a request carries; KV staged in its exporter's device memory is freed there."""
         if live.kv_staged and live.kv_home is not None and live.kv_home not in self.lost:
-            self._issue(None, live.kv_home, "release", ([live.request_id],), {})
+            self._issue(None, live.kv_home, calls.Release((live.request_id,)))
         live.kv_export = None
 
     def refuse(self, instance_id: str, reason: str, refused: Iterable[str] = ()) -> None:
@@ -211,7 +213,7 @@ class Controller:
                     freed.setdefault(live.kv_home, []).append(live.request_id)
                 live.kv_home = live.kv_export = None
         for home, ids in sorted(freed.items()):  # before anything planned next: calls to one engine run in order
-            self._issue(None, home, "release", (ids,), {})
+            self._issue(None, home, calls.Release(tuple(ids)))
         self._report(KvRefused(instance_id, reason))
         for request_id, why in ended.items():
             self.fail(request_id, why)
@@ -308,16 +310,15 @@ class Controller:
 
     # ---- plumbing ------------------------------------------------------------------
     def _issuer(self, runner_id: str) -> Issue:
-        def issue(instance_id: str, method: str, args: tuple[Any, ...], meta: dict[str, Any]) -> int:
-            return self._issue(None if meta.get("fire_and_forget") else runner_id, instance_id, method, args, meta)
+        def issue(instance_id: str, call: EngineCall, waits: bool) -> int:
+            return self._issue(runner_id if waits else None, instance_id, call)
         return issue
 
-    def _issue(self, waiting: str | None, instance_id: str, method: str, args: tuple[Any, ...],
-               meta: dict[str, Any]) -> int:
+    def _issue(self, waiting: str | None, instance_id: str, call: EngineCall) -> int:
         """Send a call to `instance_id`; its result goes to runner `waiting` (None: to nobody)."""
-        handle = self.backend.call(instance_id, method, args, meta)
+        handle = self.backend.call(instance_id, call)
         self._calls[handle] = _Call(waiting, instance_id, self.generation.get(waiting, 0) if waiting else 0,
-                                    self.generation[instance_id], _request_ids(args), method, self.clock.now())
+                                    self.generation[instance_id], call.name, call.request_ids, self.clock.now())
         return handle
 
     def _report(self, event: Event) -> None:
@@ -338,16 +339,3 @@ def _placed_on(scheduler: Scheduler, request_id: str) -> str | None:
     request = scheduler.request_view(request_id)
     return None if request is None else request.instance_id
 
-
-def _request_ids(args: tuple[Any, ...]) -> tuple[str, ...]:
-    """The request ids an engine call carries: ids, GenRequests (prefill) or KvExports (import_kv)."""
-    if not args or not isinstance(args[0], list | tuple):
-        return ()
-    out = []
-    for item in args[0]:
-        if isinstance(item, str):
-            out.append(item)
-        else:
-            request = getattr(item, "request", item)
-            out.append(getattr(request, "request_id", ""))
-    return tuple(rid for rid in out if rid)

@@ -36,8 +36,9 @@ import numpy as np
 
 from pool.actor import EngineSpec
 from pool.backends import take_done
-from pool.errors import InstanceDied
+from pool.calls import EngineCall
 from pool.engines.base import EngineError
+from pool.errors import InstanceDied
 from pool.engines.timings import call_engine
 from pool.heap import freeze_heap
 
@@ -202,8 +203,7 @@ def _worker_main(conn: Any, instance_id: str, spec: EngineSpec, models: Mapping[
         engine = make_engine(spec)
         for name, path in models.items():
             engine.load(name, Path(path))
-        warm_up = getattr(engine, "warm_up", None)
-        captured = warm_up(max_tokens) if warm_up is not None else 0
+        captured = engine.warm_up(max_tokens)
         freeze_heap()  # start-up's objects out of the collector's way while serving
     except BaseException:  # noqa: BLE001 - reported to the parent, which gives the start up
         conn.send_bytes(pickle.dumps(("failed", traceback.format_exc())))
@@ -212,8 +212,8 @@ def _worker_main(conn: Any, instance_id: str, spec: EngineSpec, models: Mapping[
     profile = HostProfile.from_env(instance_id)
     slow = SlowCalls.from_env(instance_id)
     log_dir = os.environ.get("MODELPOOL_CALL_LOG_DIR")  # a benchmark's: every engine call, timed, at the end
-    timings = getattr(engine, "timings", None)
-    if log_dir and timings is not None and hasattr(timings, "watch_gc"):
+    timings = engine.timings
+    if log_dir and timings is not None:
         timings.watch_gc()  # and the collector's pauses
     while True:
         try:
@@ -222,20 +222,21 @@ def _worker_main(conn: Any, instance_id: str, spec: EngineSpec, models: Mapping[
             break
         if message is None:
             break
-        handle, method, args = message
+        handle, call = message
         if slow is not None:
-            slow.current = (method, time.monotonic())
+            slow.current = (call.name, time.monotonic())
         try:
-            result: Any = call_engine(engine, method, args)
+            result: Any = call_engine(engine, call)
         except Exception as exc:  # handed to the controller, which decides what it means
             result = exc
         if slow is not None:
             slow.current = None
-        del args, message
+        name = call.name
+        del call, message
         try:
             payload = _dumps_result((handle, result))
         except Exception as exc:  # an exception (or result) that cannot be pickled: say what it was
-            payload = _dumps_result((handle, EngineError(f"{instance_id}: {method} -> unpicklable {exc!r}: "
+            payload = _dumps_result((handle, EngineError(f"{instance_id}: {name} -> unpicklable {exc!r}: "
                                                          f"{result!r}"[:2000])))
         conn.send_bytes(payload)
         if profile is not None:
@@ -244,13 +245,11 @@ def _worker_main(conn: Any, instance_id: str, spec: EngineSpec, models: Mapping[
         profile.close()
     if slow is not None:
         slow.close()
-    if log_dir and timings is not None and hasattr(timings, "dump_calls"):
+    if log_dir and timings is not None:
         timings.dump_calls(os.path.join(log_dir, f"calls-{instance_id}.json"))
         timings.dump_kv_calls(os.path.join(log_dir, f"kv-{instance_id}.json"))
         timings.dump_gc(os.path.join(log_dir, f"gc-{instance_id}.json"))
-    close = getattr(engine, "close", None)
-    if close is not None:
-        close()
+    engine.close()
 
 
 # ---- the controller's side ------------------------------------------------------------------------------
@@ -260,7 +259,7 @@ class _Worker:
     def __init__(self, instance_id: str, process: Any, conn: Any) -> None:
         self.instance_id, self.process, self.conn = instance_id, process, conn
         self.alive = True
-        self.pending: dict[int, tuple[Any, ...]] = {}  # handle -> args (kept: shared-memory files live on)
+        self.pending: dict[int, EngineCall] = {}  # handle -> call (kept: the shared-memory files it carries live on)
         self.lock = threading.Lock()
 
 
@@ -336,9 +335,9 @@ class ProcessBackend:
             except (EOFError, OSError, pickle.UnpicklingError):
                 break
             with worker.lock:
-                args = worker.pending.pop(handle, None)
+                call = worker.pending.pop(handle, None)
             self._done.put((handle, result))
-            del args  # the call is over: shared-memory files it carried may go
+            del call  # the call is over: shared-memory files it carried may go
         with worker.lock:
             worker.alive = False
             orphans, worker.pending = list(worker.pending), {}
@@ -346,19 +345,19 @@ class ProcessBackend:
         for handle in orphans:
             self._done.put((handle, InstanceDied(f"the process of {worker.instance_id} died (exit code {code})")))
 
-    def call(self, instance_id: str, method: str, args: tuple[Any, ...], meta: dict[str, Any]) -> int:
+    def call(self, instance_id: str, call: EngineCall) -> int:
         handle = next(self._ids)
         worker = self.workers[instance_id]
         self.in_flight += 1
         with worker.lock:
             alive = worker.alive
             if alive:
-                worker.pending[handle] = args
+                worker.pending[handle] = call
         if not alive:
             self._done.put((handle, InstanceDied(f"the process of {instance_id} is gone")))
             return handle
         try:
-            worker.conn.send_bytes(pickle.dumps((handle, method, args), protocol=5))
+            worker.conn.send_bytes(pickle.dumps((handle, call), protocol=5))
         except (OSError, ValueError) as exc:  # a broken pipe: the reader sees the end and fails the call
             log.warning("call to %s could not be sent: %r", instance_id, exc)
             with worker.lock:

@@ -6,6 +6,9 @@ events (and streamed tokens) and issues the next. It never waits and never
 reads a clock, so the live controller (Ray calls) and the parity harness (a
 manual clock) drive the same code. Semantics match the simulator's executor:
 
+Each engine call is a typed value of `pool.calls` (`calls.Activate`, `calls.Prefill`, ...), which a backend
+runs on the instance's engine with `call.run(engine)`:
+
 - Switch -> `activate(model, evict)` -> SwitchDone; Prefetch -> `prefetch`, not waited for.
 - Prefill -> `prefill` (+ `save_kv` when `kv_to_host`) -> StepDone(prefill).
 - Decode -> `decode_step` per step; the turn ends after `max_steps`, at the
@@ -28,6 +31,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pool import calls
+from pool.calls import EngineCall
 from pool.engines.base import GenRequest, SamplingParams, TokenOut
 from scheduler import Action, Decode, Event, KvMoved, Prefetch, Prefill, StepDone, SwapIn, SwapOut, Switch, SwitchDone
 
@@ -65,8 +70,8 @@ def is_staged(export: Any) -> bool:
     return bool(getattr(export, "staged", False))
 
 
-# issue(instance_id, method, args, meta) -> handle; meta only informs simulated backends
-Issue = Callable[[str, str, tuple[Any, ...], dict[str, Any]], int]
+# issue(instance_id, call, waits) -> handle; waits=False: nobody waits for its result (a prefetch, a release)
+Issue = Callable[[str, EngineCall, bool], int]
 
 
 class InstanceRunner:
@@ -79,7 +84,7 @@ class InstanceRunner:
         self._deliver = deliver
         self._actions: deque[Action] = deque()
         self._current: Action | None = None
-        self._stage = ""  # which call of the current action is in flight
+        self._stage: type[EngineCall] | None = None  # the kind of the current action's latest call: its stage
         self._pending: int | None = None
         self._stop = False
         self._steps = 0
@@ -112,7 +117,7 @@ class InstanceRunner:
     def reset(self) -> None:
         """Forget everything in flight (the instance was lost)."""
         self._actions.clear()
-        self._current, self._pending, self._stage = None, None, ""
+        self._current, self._pending, self._stage = None, None, None
         self._release_after = []  # the controller frees what a lost or refused call left behind
 
     def on_result(self, handle: int, result: Any) -> list[Event]:
@@ -138,19 +143,22 @@ class InstanceRunner:
         return events
 
     # ---- issuing --------------------------------------------------------------------
-    def _call(self, method: str, *args: Any, **meta: Any) -> None:
-        self._stage = method
-        self._pending = self._issue(self.instance_id, method, args, meta)
+    def _call(self, call: EngineCall, instance_id: str | None = None) -> None:
+        """Issue the current action's next call (on this instance, or `instance_id`) and wait for it."""
+        self._stage = type(call)
+        self._pending = self._issue(instance_id or self.instance_id, call, True)
+
+    def _send(self, instance_id: str, call: EngineCall) -> None:
+        """Issue a call nobody waits for."""
+        self._issue(instance_id, call, False)
 
     def _next(self) -> list[Event]:
         while self._actions:
             action = self._current = self._actions.popleft()
-            if isinstance(action, Switch):
-                keep = () if action.keep is None else (action.keep,)  # a planned resident set: the engine keeps it
-                self._call("activate", action.model, action.evict, *keep)
+            if isinstance(action, Switch):  # keep: a planned resident set, which the engine keeps
+                self._call(calls.Activate(action.model, action.evict, action.keep))
             elif isinstance(action, Prefetch):
-                keep = () if action.keep is None else (action.keep,)
-                self._issue(self.instance_id, "prefetch", (action.model, *keep), {"fire_and_forget": True})
+                self._send(self.instance_id, calls.Prefetch(action.model, action.keep))
                 self._current = None
                 continue
             elif isinstance(action, Prefill):
@@ -160,7 +168,7 @@ class InstanceRunner:
                     return [StepDone(self.instance_id, "prefill", action.request_ids, 1)] + self._next()
                 for rid in ids:
                     self._requests[rid].kv_home = self.instance_id
-                self._call("prefill", [self._requests[rid].gen_request() for rid in ids])
+                self._call(calls.Prefill(tuple(self._requests[rid].gen_request() for rid in ids)))
             elif isinstance(action, Decode):
                 self._steps, self._finished = 0, []
                 event = self._decode_continue(action)
@@ -170,14 +178,14 @@ class InstanceRunner:
                 return [event] + self._next()
             elif isinstance(action, SwapOut):
                 if not self.hands_off:
-                    self._call("save_kv", list(action.request_ids))
+                    self._call(calls.SaveKv(tuple(action.request_ids)))
                     return []
                 self._exporting = [rid for rid in self._live(action.request_ids)
                                    if self._requests[rid].kv_home == self.instance_id]
                 if not self._exporting:  # all cancelled (or finished) meanwhile
                     self._current = None
                     return [KvMoved(self.instance_id, action.request_ids, "host")] + self._next()
-                self._call("export_kv", list(self._exporting))
+                self._call(calls.ExportKv(tuple(self._exporting)))
             elif isinstance(action, SwapIn):
                 live = self._live(action.request_ids)
                 self._carried = [rid for rid in live if self._requests[rid].kv_export is not None]
@@ -198,11 +206,11 @@ class InstanceRunner:
 
     # ---- prefill -------------------------------------------------------------------------
     def _prefill_result(self, action: Prefill, result: Any) -> list[Event]:
-        if self._stage == "prefill":
+        if self._stage is calls.Prefill:
             finished = self._tokens(result)
             keep = [rid for rid in self._live(action.request_ids) if rid not in finished]
             if action.kv_to_host and keep:
-                self._call("save_kv", keep, after_prefill=True)
+                self._call(calls.SaveKv(tuple(keep)))
                 self._finished = finished
                 return []
             return [StepDone(self.instance_id, "prefill", action.request_ids, 1, tuple(finished))]
@@ -238,7 +246,7 @@ class InstanceRunner:
         ids = self._live(action.request_ids)
         if not ids or self._finished or self._steps >= action.max_steps or (self._stop and self._steps > 0):
             return StepDone(self.instance_id, "decode", action.request_ids, self._steps, tuple(self._finished))
-        self._call("decode_step", ids, turn_step=self._steps + 1, max_steps=action.max_steps)
+        self._call(calls.DecodeStep(tuple(ids), turn_step=self._steps + 1, max_steps=action.max_steps))
         return None
 
     def _decode_result(self, action: Decode, result: Any) -> list[Event]:
@@ -261,7 +269,7 @@ class InstanceRunner:
 
     def _carry(self, exports: Any) -> None:
         """A hand-off's export_kv ended: the controller carries each request's KV until it is imported."""
-        if self._stage != "export_kv":
+        if self._stage is not calls.ExportKv:
             return
         for rid, export in zip(self._exporting, exports):
             live = self._requests.get(rid)
@@ -277,17 +285,16 @@ class InstanceRunner:
             for rid in ids:
                 self._requests[rid].kv_export = None
             self._importing = ids
-            self._call("import_kv", exports, transfer=True)
+            self._call(calls.ImportKv(tuple(exports)))
             return
         if self._imports:
             home, ids = self._imports[0]
-            self._stage = "export_kv"  # runs on the home instance, after whatever it is doing
-            self._pending = self._issue(home, "export_kv", (ids,), {"transfer": True})
+            self._call(calls.ExportKv(tuple(ids)), home)  # runs on the home instance, after whatever it is doing
             return
         ids = self._live(action.request_ids)
         for rid in ids:
             self._requests[rid].kv_home = self.instance_id
-        self._call("restore_kv", ids)
+        self._call(calls.RestoreKv(tuple(ids)))
 
     def _release_staged(self) -> None:
         """The import copied the KV the exporting instances staged in device memory: they may free it now."""
@@ -297,23 +304,23 @@ class InstanceRunner:
                 homes.setdefault(home, []).append(rid)
         self._release_after = []
         for home, ids in sorted(homes.items()):
-            self._issue(home, "release", (ids,), {"fire_and_forget": True})
+            self._send(home, calls.Release(tuple(ids)))
 
     def _swap_in_result(self, action: SwapIn, result: Any) -> list[Event]:
-        if self._stage == "export_kv":
+        if self._stage is calls.ExportKv:
             home, ids = self._imports.pop(0)
             # one export per id, in order (none when the home instance was lost); a request cancelled while
             # its KV was on the way is not imported: nobody would release it here
             kept = [(rid, export) for rid, export in zip(ids, result) if self._live([rid])]
             self._release_after = [(home, rid) for rid, export in zip(ids, result) if is_staged(export)]
             self._importing = [rid for rid, _ in kept]
-            self._call("import_kv", [export for _, export in kept], transfer=True)
+            self._call(calls.ImportKv(tuple(export for _, export in kept)))
             return []
-        if self._stage == "import_kv":
+        if self._stage is calls.ImportKv:
             self._release_staged()
             gone = [rid for rid in self._importing if not self._live([rid])]  # cancelled during the import
             if gone:
-                self._issue(self.instance_id, "release", (gone,), {"fire_and_forget": True})
+                self._send(self.instance_id, calls.Release(tuple(gone)))
             self._swap_in_next(action)
             return []
         return [KvMoved(self.instance_id, action.request_ids, "device")]

@@ -47,10 +47,12 @@ from pool.placement import DEFAULT_TIMEOUT_S as DEFAULT_PLACEMENT_TIMEOUT_S
 from pool.placement import Placements
 from pool.backends import InProcessBackend, RayBackend, ThreadBackend
 from pool.procs import ProcessBackend, start_workers
+from pool import calls
 from pool.clock import MonotonicClock
 from pool.controller import Controller
 from pool.engines.base import Engine, KvCapacity, SamplingParams, TokenOut
 from pool.errors import PoolBusy, PoolClosed, QueueFull
+from pool.inbox import Cancel, InboxMessage, Restored, Submit, Wake
 from pool.restarts import Restarts
 from pool.runner import LiveRequest
 from pool.served import (ModelInfo, ServedModel, load_tokenizer, model_infos, plan_kv, served_model,
@@ -112,8 +114,8 @@ class LivePool:
         self.max_tokens = max((m.profile.max_context for m in models), default=None)
         self.clock = MonotonicClock()
         self.controller: Controller | None = None
-        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self._held: list[tuple[str, Any]] = []  # taken off the inbox while waiting, handled first
+        self._inbox: queue.SimpleQueue[InboxMessage] = queue.SimpleQueue()
+        self._held: list[InboxMessage] = []  # taken off the inbox while waiting, handled first
         self._thread: threading.Thread | None = None
         self._running = False
         self._epoch = 0  # bumped by each start(): threads of an earlier run see they are stale
@@ -194,7 +196,7 @@ class LivePool:
 
     def _kv_reports(self, backend: Any, ids: Sequence[str], timeout_s: float = 600.0) -> dict[str, KvCapacity]:
         """Every engine's `kv_capacity()`, asked through the backend before the loop runs."""
-        handles = {backend.call(iid, "kv_capacity", (), {}): iid for iid in ids}
+        handles = {backend.call(iid, calls.GetKvCapacity()): iid for iid in ids}
         reports: dict[str, KvCapacity] = {}
         deadline = time.monotonic() + timeout_s
         while handles:
@@ -215,7 +217,7 @@ class LivePool:
             self._running = False
         self.restarts.close()
         if self._thread is not None:
-            self._inbox.put(("wake", None))
+            self._inbox.put(Wake())
             self._thread.join(timeout=10)
         close = getattr(getattr(self, "_backend", None), "close", None)
         if close is not None:
@@ -248,7 +250,7 @@ class LivePool:
             self._queued.clear()
             self._running_by_model.clear()
         for request_id, tracked in ended:
-            self._inbox.put(("cancel", request_id))
+            self._inbox.put(Cancel(request_id))
             _call_sink(tracked.sink, PoolClosed(reason))
         return len(ended)
 
@@ -305,7 +307,7 @@ class LivePool:
             self._queued[model] += 1
         live = LiveRequest(request_id, model, list(prompt_token_ids), sampling, self.clock.now(),
                            sink=lambda item: self._on_output(request_id, item))
-        self._inbox.put(("submit", live))
+        self._inbox.put(Submit(live))
 
     def cancel(self, request_id: str) -> bool:
         """Abort a request: no more tokens reach its sink; its KV is freed at the next step boundary."""
@@ -313,7 +315,7 @@ class LivePool:
             tracked = self._tracked.pop(request_id, None)
             if tracked is not None:
                 self._forget(tracked)
-        self._inbox.put(("cancel", request_id))
+        self._inbox.put(Cancel(request_id))
         return tracked is not None
 
     def holds(self, request_id: str) -> bool:
@@ -379,9 +381,7 @@ class LivePool:
         engine = make_engine(self._engine_spec(instance_id))
         for name, path in self._paths().items():
             engine.load(name, Path(path))
-        warm_up = getattr(engine, "warm_up", None)
-        if warm_up is not None:
-            warm_up(self.max_tokens)
+        engine.warm_up(self.max_tokens)
         return engine
 
     def _rebuild(self, instance_id: str, placements: Placements) -> Any:
@@ -426,7 +426,7 @@ class LivePool:
             if current and is_actor:
                 self._actors[instance_id] = replacement  # stop() kills it from here on
         if current:
-            self._inbox.put(("restored", (instance_id, replacement)))
+            self._inbox.put(Restored(instance_id, replacement))
         elif is_actor:
             import ray
 
@@ -490,28 +490,30 @@ class LivePool:
                 time.sleep(self.poll_s)
 
     def _drain(self, controller: Controller) -> bool:
+        """Hand every message waiting in the inbox to the controller; True when one changed anything."""
         changed = False
         while True:
             if self._held:
-                kind, item = self._held.pop(0)
+                message = self._held.pop(0)
             else:
                 try:
-                    kind, item = self._inbox.get_nowait()
+                    message = self._inbox.get_nowait()
                 except queue.Empty:
                     return changed
+            match message:
+                case Submit(live):
+                    live.arrival_at = self.clock.now()
+                    try:
+                        controller.submit(live)
+                    except ValueError as exc:
+                        live.sink(exc)
+                case Cancel(request_id):
+                    controller.cancel(request_id)
+                case Restored(instance_id, replacement):
+                    self._restore(controller, instance_id, replacement)
+                case Wake():
+                    continue
             changed = True
-            if kind == "submit":
-                item.arrival_at = self.clock.now()
-                try:
-                    controller.submit(item)
-                except ValueError as exc:
-                    item.sink(exc)
-            elif kind == "cancel":
-                controller.cancel(item)
-            elif kind == "restored":
-                self._restore(controller, *item)
-            else:
-                changed = False
 
     def _restore(self, controller: Controller, instance_id: str, replacement: Any) -> None:
         ok = not isinstance(replacement, BaseException)
@@ -550,7 +552,7 @@ class LivePool:
             iid = spec.instance_id
             if iid not in asked and iid not in controller.lost:
                 try:
-                    self._stats_calls[self._backend.call(iid, "stats", (), {})] = iid
+                    self._stats_calls[self._backend.call(iid, calls.GetStats())] = iid
                 except Exception:  # an actor already gone; the controller hears of it elsewhere
                     log.debug("stats call to %s failed", iid, exc_info=True)
 

@@ -7,7 +7,8 @@ request ends with `release`. A request moves between engines (instances) with
 `export_kv` on one and `import_kv` on the other, its KV through host memory
 or, between engines on one GPU, staged in the exporter's device memory until
 the exporter's `release` (`pool.engines.handoff`). An engine never decides
-anything itself.
+anything itself. The pool sends these calls as values (`pool.calls`, one
+frozen dataclass per method, run with `call.run(engine)`).
 """
 
 from __future__ import annotations
@@ -15,10 +16,13 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 from pool.errors import EngineError as EngineError  # an engine's refusals, defined below every pool module
 from pool.errors import OutOfKvMemory as OutOfKvMemory
+
+if TYPE_CHECKING:
+    from pool.engines.timings import StepTimings
 
 FinishReason = Literal["stop", "length"]
 T = TypeVar("T")
@@ -221,6 +225,8 @@ class EngineStats:
 class Engine(Protocol):
     """A swap-capable token engine for one instance (one device)."""
 
+    timings: StepTimings | None  # per-call and per-step timings, where the engine keeps them (torch)
+
     def load(self, model: str, path: Path) -> None:
         """Read `model`'s weights into the host weight cache (idempotent)."""
         ...
@@ -285,6 +291,15 @@ class Engine(Protocol):
         ...
 
     def stats(self) -> EngineStats: ...
+
+    def warm_up(self, max_tokens: int | None = None) -> int:
+        """Before serving, once every model is loaded: capture what the request path must not (decode graphs,
+        for requests of up to `max_tokens` tokens); returns how many graphs (0: nothing to capture)."""
+        ...
+
+    def close(self) -> None:
+        """Free the engine's device memory (a restarted instance needs it); the engine is unusable after."""
+        ...
 
 
 # ---- the checks every engine makes, worded once --------------------------------------------------------------

@@ -57,6 +57,8 @@ class _SimSeq:
 class SimEngine:
     """Implements `pool.engines.base.Engine` without weights: `costs` (a scheduler CostModel) sets the pace."""
 
+    timings = None  # it keeps none: its time is the cost model's
+
     def __init__(self, costs: Any, *, kv_bytes: int = 64 << 20, time_scale: float = 1.0,
                  kv_bytes_per_token: Mapping[str, int] | None = None) -> None:
         if time_scale < 0:
@@ -191,6 +193,12 @@ class SimEngine:
         size, 0 bytes a token, is capped at its bytes as if a token took one)."""
         return KvCapacity(tokens={m.name: self.kv_bytes // max(1, m.kv_bytes_per_token) for m in self._models.values()},
                           block_tokens={name: 1 for name in self._models})
+
+    def warm_up(self, max_tokens: int | None = None) -> int:
+        return 0  # nothing to capture
+
+    def close(self) -> None:
+        """Nothing to free: it holds no device memory."""
 
     def stats(self) -> EngineStats:
         device = sum(self._kv_of(s) for s in self._seqs.values() if s.on_device)

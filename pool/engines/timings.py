@@ -19,9 +19,13 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from pool.calls import EngineCall
+    from pool.engines.base import Engine
 
 BATCH_BUCKETS = (1, 4, 8, 16, 32, 64, 256)  # decode figures per batch up to each
 
@@ -233,13 +237,12 @@ class StepTimings:
                 "gc": collections}
 
 
-def call_engine(engine: Any, method: str, args: tuple[Any, ...]) -> Any:
+def call_engine(engine: Engine, call: EngineCall) -> Any:
     """One engine call as a backend makes it, timed into the engine's StepTimings when it keeps them (the
     summary's `calls`: where an instance's time goes, method by method)."""
     started, clock = time.perf_counter(), time.monotonic()
     try:
-        return getattr(engine, method)(*args)
+        return call.run(engine)
     finally:
-        timings = getattr(engine, "timings", None)
-        if isinstance(timings, StepTimings):
-            timings.call(method, clock, time.perf_counter() - started)
+        if engine.timings is not None:
+            engine.timings.call(call.name, clock, time.perf_counter() - started)

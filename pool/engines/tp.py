@@ -149,17 +149,20 @@ def build_rank(setup: RankSetup) -> TorchEngine:
     return TorchEngine(setup.config, rank=TpRank(setup.rank, setup.size, comm))
 
 
-def run_call(engine: TorchEngine, method: str, args: tuple[Any, ...]) -> tuple[str, Any]:
+RankMethod = Callable[..., Any]  # a TorchEngine method, unbound (`TorchEngine.prefill`): pickled by its name
+
+
+def run_call(engine: TorchEngine, method: RankMethod, args: tuple[Any, ...]) -> tuple[str, Any]:
     """One call on a remote rank, as it answers: ('ok', result) or ('err', exception). Generation calls answer
     only their token ids (rank 0 streams the text); an error that is not the engine's own ends the process
     after answering, so its peers' collectives fail at once instead of waiting out their timeout."""
     try:
-        result = getattr(engine, method)(*args)
+        result = method(engine, *args)
     except EngineError as exc:  # raised alike on every rank before any collective (same calls, same state)
         return "err", exc
     except Exception as exc:  # noqa: BLE001 - the caller writes the instance off
-        return "fatal", RuntimeError(f"rank {engine.rank.rank if engine.rank else '?'}: {method}: {exc!r}")
-    if method in ("prefill", "decode_step"):
+        return "fatal", RuntimeError(f"rank {engine.rank.rank if engine.rank else '?'}: {method.__name__}: {exc!r}")
+    if method in (TorchEngine.prefill, TorchEngine.decode_step):
         result = [out.token_id for out in result]
     return "ok", result
 
@@ -167,6 +170,8 @@ def run_call(engine: TorchEngine, method: str, args: tuple[Any, ...]) -> tuple[s
 # ---- the instance ------------------------------------------------------------------------------------------------
 class TpEngine:
     """A tensor-parallel instance behind the `Engine` protocol (see the module docstring)."""
+
+    timings = None  # each rank's engine keeps its own
 
     def __init__(self, config: TorchEngineConfig, ranks: str = "processes", threads: int | None = None,
                  timeout_s: float = TIMEOUT_S) -> None:
@@ -195,8 +200,9 @@ class TpEngine:
             raise
 
     # ---- fan-out -----------------------------------------------------------------------------------
-    def _all(self, method: str, *args: Any, per_rank: Sequence[tuple[Any, ...]] | None = None) -> list[Any]:
-        """Run `method` on every rank at once; each rank's result (rank 0 first)."""
+    def _all(self, method: RankMethod, *args: Any, per_rank: Sequence[tuple[Any, ...]] | None = None) -> list[Any]:
+        """Run `method` (a TorchEngine method) on every rank at once; each rank's result (rank 0 first)."""
+        name = method.__name__
         if self._broken is not None:
             raise RankLost(f"tp instance already lost: {self._broken}")
         try:
@@ -207,12 +213,12 @@ class TpEngine:
             raise
         local_error: EngineError | None = None
         try:
-            local = getattr(self.local, method)(*(per_rank[0] if per_rank else args))
+            local = method(self.local, *(per_rank[0] if per_rank else args))
         except EngineError as exc:
             local, local_error = None, exc
         except Exception as exc:
-            self._lose(f"rank 0: {method}: {exc!r}")
-            raise RankLost(f"rank 0 failed in {method}: {exc!r}") from exc
+            self._lose(f"rank 0: {name}: {exc!r}")
+            raise RankLost(f"rank 0 failed in {name}: {exc!r}") from exc
         results, errors = [local], []
         for remote in self._remotes:
             try:
@@ -227,8 +233,8 @@ class TpEngine:
                 errors.append(result)
             results.append(result)
         if (local_error is None) != (not errors):  # ranks disagree about a call: their states have parted
-            self._lose(f"{method}: rank 0 raised {local_error!r}, the others {errors!r}")
-            raise RankLost(f"tp ranks disagree about {method}: rank 0 {local_error!r}, others {errors!r}")
+            self._lose(f"{name}: rank 0 raised {local_error!r}, the others {errors!r}")
+            raise RankLost(f"tp ranks disagree about {name}: rank 0 {local_error!r}, others {errors!r}")
         if local_error is not None:
             raise local_error
         return results
@@ -241,7 +247,7 @@ class TpEngine:
 
     # ---- models ---------------------------------------------------------------------------------------
     def load(self, model: str, path: Path) -> None:
-        self._all("load", model, Path(path))
+        self._all(TorchEngine.load, model, Path(path))
 
     def models(self) -> list[str]:
         return self.local.models()
@@ -254,32 +260,32 @@ class TpEngine:
         return self.local.model_bytes(model)
 
     def activate(self, model: str, evict: bool = True, keep: tuple[str, ...] | None = None) -> float:
-        return max(self._all("activate", model, evict, keep))
+        return max(self._all(TorchEngine.activate, model, evict, keep))
 
     def prefetch(self, model: str, keep: tuple[str, ...] | None = None) -> None:
-        self._all("prefetch", model, keep)
+        self._all(TorchEngine.prefetch, model, keep)
 
     def weights_pinned(self, model: str) -> bool:
-        return all(self._all("weights_pinned", model))
+        return all(self._all(TorchEngine.weights_pinned, model))
 
     def weights_ready(self, model: str) -> bool:
-        return all(self._all("weights_ready", model))
+        return all(self._all(TorchEngine.weights_ready, model))
 
     def deactivate(self, model: str) -> None:
-        self._all("deactivate", model)
+        self._all(TorchEngine.deactivate, model)
 
     def drop_resident(self, model: str) -> None:
-        self._all("drop_resident", model)
+        self._all(TorchEngine.drop_resident, model)
 
     def warm_up(self, max_tokens: int | None = None) -> int:
-        return sum(self._all("warm_up", max_tokens))
+        return sum(self._all(TorchEngine.warm_up, max_tokens))
 
     # ---- generation ------------------------------------------------------------------------------------
     def prefill(self, requests: Sequence[GenRequest]) -> list[TokenOut]:
-        return self._agreed("prefill", list(requests))
+        return self._agreed(TorchEngine.prefill, list(requests))
 
     def decode_step(self, request_ids: Sequence[str]) -> list[TokenOut]:
-        return self._agreed("decode_step", list(request_ids))
+        return self._agreed(TorchEngine.decode_step, list(request_ids))
 
     def _agreed(self, method: str, arg: Any) -> list[TokenOut]:
         outs, *others = self._all(method, arg)
@@ -292,36 +298,36 @@ class TpEngine:
 
     # ---- KV ---------------------------------------------------------------------------------------------
     def save_kv(self, request_ids: Sequence[str]) -> None:
-        self._all("save_kv", list(request_ids))
+        self._all(TorchEngine.save_kv, list(request_ids))
 
     def restore_kv(self, request_ids: Sequence[str]) -> None:
-        self._all("restore_kv", list(request_ids))
+        self._all(TorchEngine.restore_kv, list(request_ids))
 
     def release(self, request_ids: Sequence[str]) -> None:
-        self._all("release", list(request_ids))
+        self._all(TorchEngine.release, list(request_ids))
 
     def export_kv(self, request_ids: Sequence[str]) -> list[KvExport]:
         """Every rank's KV shard of each request, joined on the head axis: one export, as at tp 1."""
-        per_rank = self._all("export_kv", list(request_ids))
+        per_rank = self._all(TorchEngine.export_kv, list(request_ids))
         return [join_kv(shards) for shards in zip(*per_rank)]
 
     def import_kv(self, exports: Sequence[KvExport]) -> None:
         exports = list(exports)
         shards = [split_kv(e, self.size) for e in exports]
-        self._all("import_kv", per_rank=[([s[r] for s in shards],) for r in range(self.size)])
+        self._all(TorchEngine.import_kv, per_rank=[([s[r] for s in shards],) for r in range(self.size)])
 
     def kv_capacity(self) -> KvCapacity:
         """Tokens of each model the instance's device KV holds: the least any rank holds (ranks hold one
         token's KV heads each, in equal shapes, so they agree)."""
-        reports = self._all("kv_capacity")
+        reports = self._all(TorchEngine.kv_capacity)
         return KvCapacity(tokens={m: min(r.tokens[m] for r in reports) for m in reports[0].tokens},
                           block_tokens=dict(reports[0].block_tokens))
 
     def synchronize(self) -> None:
-        self._all("synchronize")
+        self._all(TorchEngine.synchronize)
 
     def stats(self) -> EngineStats:
-        everyone = self._all("stats")
+        everyone = self._all(TorchEngine.stats)
         local = everyone[0]
         summed = {name: sum(getattr(s, name) for s in everyone) for name in SUMMED_STATS}
         ranks = [{"device": s.device, "bytes_h2d": s.bytes_h2d, "bytes_d2h": s.bytes_d2h, "switch_s": s.switch_s,

@@ -1,6 +1,6 @@
 """Where a tensor-parallel instance's other ranks run: subprocesses of rank 0's process, or Ray actors.
 
-Both answer `send(method, args)` / `recv()` (a dead rank raises `RankLost`),
+Both answer `send(method, args)` (`method` an unbound `TorchEngine` method) / `recv()` (a dead rank raises `RankLost`),
 `ready()`, `stop()` and `kill()` for `pool.engines.tp.TpEngine`. A subprocess
 rank talks over a socket pair (nothing on the network) and is started with
 `python -m pool.engines.tp_ranks FD`; a Ray rank is an actor in its bundle of
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from pool.engines.tp import RankLost, RankSetup, build_rank, run_call
+from pool.engines.tp import RankLost, RankMethod, RankSetup, build_rank, run_call
 
 
 # ---- ranks as subprocesses ---------------------------------------------------------------------------------
@@ -68,7 +68,7 @@ class ProcessRank:
             raise RuntimeError(f"tp rank {self.rank}: {result}")
         return self.pid
 
-    def send(self, method: str, args: tuple[Any, ...]) -> None:
+    def send(self, method: RankMethod, args: tuple[Any, ...]) -> None:
         try:
             self.conn.send_bytes(pickle.dumps((method, args), protocol=5))
         except (OSError, ValueError) as exc:
@@ -170,7 +170,7 @@ class RankActor:
         self.engine = build_rank(self.setup)
         return os.getpid()
 
-    def call(self, method: str, *args: Any) -> tuple[str, Any]:
+    def call(self, method: RankMethod, *args: Any) -> tuple[str, Any]:
         status, result = run_call(self.engine, method, args)
         if status == "fatal":  # answer, then go: the peers' collectives fail at once
             import threading
@@ -216,7 +216,7 @@ class RayRank:
         except self._ray.exceptions.RayError as exc:
             raise RuntimeError(f"tp rank {self.rank} (Ray actor) failed to start: {exc}") from None
 
-    def send(self, method: str, args: tuple[Any, ...]) -> None:
+    def send(self, method: RankMethod, args: tuple[Any, ...]) -> None:
         self._ref = self.actor.call.remote(method, *args)
 
     def recv(self) -> tuple[str, Any]:

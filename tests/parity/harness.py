@@ -18,6 +18,8 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
+from pool import calls
+from pool.calls import EngineCall
 from pool.controller import Controller
 from pool.engines.base import (EngineError, EngineStats, GenRequest, OutOfKvMemory, SamplingParams, TokenOut,
                                check_admissible, check_new, check_unique)
@@ -71,7 +73,7 @@ class ManualBackend:
         self.num_calls = 0
         self.refused: list[str] = []  # "instance method: why" of every call refused
 
-    def call(self, instance_id: str, method: str, args: tuple[Any, ...], meta: dict[str, Any]) -> int:
+    def call(self, instance_id: str, call: EngineCall) -> int:
         self._seq += 1
         self.num_calls += 1
         now = self.clock.now()
@@ -79,13 +81,13 @@ class ManualBackend:
             instance_id, FakeInstance(self.model_names, self.kv_bytes.get(instance_id),
                                       self.model_memory_bytes.get(instance_id), self.model_bytes))
         try:
-            at, result = getattr(self, "_" + method)(inst, now, *args, **meta)
+            at, result = self._run(inst, now, call)
         except RefusedAction as err:  # KV that does not fit: the engine's out-of-KV answer, as a real one's
-            self.refused.append(f"{instance_id} {method}: {err}")
+            self.refused.append(f"{instance_id} {call.name}: {err}")
             error = OutOfKvMemory if isinstance(err, NoKvRoom) else EngineError
-            at, result = now, error(f"{instance_id} {method}: {err}")
+            at, result = now, error(f"{instance_id} {call.name}: {err}")
         except EngineError as err:  # the checks every engine makes (pool.engines.base)
-            self.refused.append(f"{instance_id} {method}: {err}")
+            self.refused.append(f"{instance_id} {call.name}: {err}")
             at, result = now, err
         heapq.heappush(self._heap, (at, self._seq, result))
         return self._seq
@@ -98,8 +100,31 @@ class ManualBackend:
         return handle, result
 
     # ---- the engine calls, checked and timed by the instance model ---------------------
+    def _run(self, inst: FakeInstance, now: float, call: EngineCall) -> tuple[float, Any]:
+        """When the call ends and its result."""
+        match call:
+            case calls.Activate(model, evict, keep):
+                return self._activate(inst, now, model, evict, keep)
+            case calls.Prefetch(model, keep):
+                return self._prefetch(inst, now, model, keep)
+            case calls.Prefill(requests):
+                return self._prefill(inst, now, list(requests))
+            case calls.DecodeStep(ids, turn_step, max_steps):
+                return self._decode_step(inst, now, list(ids), turn_step, max_steps)
+            case calls.SaveKv(ids):
+                return self._save_kv(inst, now, list(ids))
+            case calls.RestoreKv(ids):
+                return self._restore_kv(inst, now, list(ids))
+            case calls.ExportKv(ids):
+                return self._export_kv(inst, now, list(ids))
+            case calls.ImportKv(exports):
+                return self._import_kv(inst, now, list(exports))
+            case calls.Release(ids):
+                return self._release(inst, now, list(ids))
+        raise EngineError(f"the fake does not take {call!r}")
+
     def _activate(self, inst: FakeInstance, now: float, model: str, evict: bool = True,
-                  keep: tuple[str, ...] | None = None, **_: Any) -> tuple[float, float]:
+                  keep: tuple[str, ...] | None = None) -> tuple[float, float]:
         inst.require_loaded(model)
         copy, took = inst.slots.switch(model, now, evict, keep)
         if copy:
@@ -107,15 +132,14 @@ class ManualBackend:
             inst.num_weight_copies += 1
         return now + took, took
 
-    def _prefetch(self, inst: FakeInstance, now: float, model: str, keep: tuple[str, ...] | None = None,
-                  **_: Any) -> tuple[float, None]:
+    def _prefetch(self, inst: FakeInstance, now: float, model: str,
+                  keep: tuple[str, ...] | None = None) -> tuple[float, None]:
         inst.require_loaded(model)
         if inst.slots.prefetch(model, now + self.costs.switch_s(model), keep):
             inst.num_weight_copies += 1
         return now, None
 
-    def _prefill(self, inst: FakeInstance, now: float, requests: list[GenRequest],
-                 **_: Any) -> tuple[float, list[TokenOut]]:
+    def _prefill(self, inst: FakeInstance, now: float, requests: list[GenRequest]) -> tuple[float, list[TokenOut]]:
         check_new("prefill", [r.request_id for r in requests], inst.kv.on_device)
         for req in requests:
             inst.require_loaded(req.model)
@@ -130,8 +154,8 @@ class ManualBackend:
         took = prefill_s(self.costs, [(r.model, len(r.prompt_token_ids) + len(r.output_token_ids)) for r in requests])
         return now + took, self._tokens(inst, [r.request_id for r in requests])
 
-    def _decode_step(self, inst: FakeInstance, now: float, ids: list[str], turn_step: int, max_steps: int,
-                     **_: Any) -> tuple[float, list[TokenOut]]:
+    def _decode_step(self, inst: FakeInstance, now: float, ids: list[str], turn_step: int,
+                     max_steps: int) -> tuple[float, list[TokenOut]]:
         check_unique("decode_step", ids)
         for rid in ids:
             inst.kv.require_on_device(rid, "decode")
@@ -143,21 +167,21 @@ class ManualBackend:
         start, step_s = inst.turn
         return start + turn_step * step_s, self._tokens(inst, ids)
 
-    def _save_kv(self, inst: FakeInstance, now: float, ids: list[str], **_: Any) -> tuple[float, None]:
+    def _save_kv(self, inst: FakeInstance, now: float, ids: list[str]) -> tuple[float, None]:
         inst.kv.move(ids, to_device=False)
         return now + self._move(ids), None
 
-    def _restore_kv(self, inst: FakeInstance, now: float, ids: list[str], **_: Any) -> tuple[float, None]:
+    def _restore_kv(self, inst: FakeInstance, now: float, ids: list[str]) -> tuple[float, None]:
         inst.kv.move(ids, to_device=True)
         return now + self._move(ids), None
 
-    def _export_kv(self, inst: FakeInstance, now: float, ids: list[str], **_: Any) -> tuple[float, list[str]]:
+    def _export_kv(self, inst: FakeInstance, now: float, ids: list[str]) -> tuple[float, list[str]]:
         check_unique("export_kv", ids)
         on_device = [rid for rid in ids if inst.kv.require(rid)]  # read off the device: a move to the host
         inst.kv.release(ids)
         return now + (self._move(on_device) if on_device else 0.0), list(ids)
 
-    def _import_kv(self, inst: FakeInstance, now: float, exports: list[str], **_: Any) -> tuple[float, None]:
+    def _import_kv(self, inst: FakeInstance, now: float, exports: list[str]) -> tuple[float, None]:
         check_new("import_kv", exports, inst.kv.on_device)
         for rid in exports:
             inst.require_loaded(self.model[rid])
@@ -165,7 +189,7 @@ class ManualBackend:
             inst.kv.admit_to_host(rid, self._kv_need(self.model[rid], self.context[rid], self.limit[rid]))
         return now, None
 
-    def _release(self, inst: FakeInstance, now: float, ids: list[str], **_: Any) -> tuple[float, None]:
+    def _release(self, inst: FakeInstance, now: float, ids: list[str]) -> tuple[float, None]:
         inst.kv.release(ids)
         return now, None
 
@@ -208,8 +232,10 @@ class FakeEngine:
     def sibling(self, instance_id: str) -> FakeEngine:
         return FakeEngine(self.backend.costs, self.backend, instance_id)
 
-    def _do(self, method: str, *args: Any, **meta: Any) -> Any:
-        self.backend.call(self.instance_id, method, args, meta)
+    timings = None
+
+    def _do(self, call: EngineCall) -> Any:
+        self.backend.call(self.instance_id, call)
         _, result = self.backend.pop()
         if isinstance(result, BaseException):
             raise result
@@ -223,34 +249,40 @@ class FakeEngine:
         return sorted(self.state.models or ())
 
     def activate(self, model: str, evict: bool = True, keep: tuple[str, ...] | None = None) -> float:
-        return self._do("activate", model, evict, keep)
+        return self._do(calls.Activate(model, evict, keep))
 
     def prefetch(self, model: str, keep: tuple[str, ...] | None = None) -> None:
-        self._do("prefetch", model, keep)
+        self._do(calls.Prefetch(model, keep))
 
     def deactivate(self, model: str) -> None:
         self.state.slots.deactivate(model)
 
     def prefill(self, requests: Sequence[GenRequest]) -> list[TokenOut]:
-        return self._do("prefill", list(requests))
+        return self._do(calls.Prefill(tuple(requests)))
 
     def decode_step(self, request_ids: Sequence[str]) -> list[TokenOut]:
-        return self._do("decode_step", list(request_ids), turn_step=1, max_steps=1)
+        return self._do(calls.DecodeStep(tuple(request_ids), turn_step=1, max_steps=1))
 
     def save_kv(self, request_ids: Sequence[str]) -> None:
-        self._do("save_kv", list(request_ids))
+        self._do(calls.SaveKv(tuple(request_ids)))
 
     def restore_kv(self, request_ids: Sequence[str]) -> None:
-        self._do("restore_kv", list(request_ids))
+        self._do(calls.RestoreKv(tuple(request_ids)))
 
     def release(self, request_ids: Sequence[str]) -> None:
-        self._do("release", list(request_ids))
+        self._do(calls.Release(tuple(request_ids)))
 
     def export_kv(self, request_ids: Sequence[str]) -> list[str]:
-        return self._do("export_kv", list(request_ids))
+        return self._do(calls.ExportKv(tuple(request_ids)))
 
     def import_kv(self, exports: Sequence[str]) -> None:
-        self._do("import_kv", list(exports))
+        self._do(calls.ImportKv(tuple(exports)))
+
+    def warm_up(self, max_tokens: int | None = None) -> int:
+        return 0
+
+    def close(self) -> None:
+        """Nothing to free."""
 
     def stats(self) -> EngineStats:
         slots, kv = self.state.slots, self.state.kv

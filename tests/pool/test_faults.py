@@ -412,7 +412,7 @@ class Poisoned:
         attr = getattr(self.engine, name)
 
         def call(*args):
-            ids = [getattr(item, "request_id", item) for arg in args if isinstance(arg, list) for item in arg]
+            ids = [getattr(item, "request_id", item) for arg in args if isinstance(arg, list | tuple) for item in arg]
             if self.poison in ids:
                 raise RuntimeError(f"engine crashed on {self.poison}")
             return attr(*args)

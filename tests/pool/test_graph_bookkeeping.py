@@ -218,16 +218,17 @@ def test_the_engine_times_its_kv_calls_with_their_bytes(tiny_engine, tmp_path) -
 def test_backends_time_every_engine_call_by_method(tiny_engine) -> None:
     """call_engine (every backend's way into an engine) books each call's time in the engine's StepTimings; the
     summary's `calls` says where an instance's time went (benchmarks/gpu_pool.py's call_timings)."""
+    from pool.calls import DecodeStep, Prefill
     from pool.engines.base import GenRequest, SamplingParams
     from pool.engines.timings import call_engine
 
     tiny_engine.activate("tiny")
     request = GenRequest("c", "tiny", tuple(range(5, 25)), SamplingParams(max_tokens=4, ignore_eos=True))
-    call_engine(tiny_engine, "prefill", ([request],))
+    call_engine(tiny_engine, Prefill((request,)))
     for _ in range(2):
-        call_engine(tiny_engine, "decode_step", (["c"],))
+        call_engine(tiny_engine, DecodeStep(("c",)))
     with pytest.raises(Exception, match="unknown request"):
-        call_engine(tiny_engine, "decode_step", (["nobody"],))  # a failing call is timed too
+        call_engine(tiny_engine, DecodeStep(("nobody",)))  # a failing call is timed too
     calls = tiny_engine.stats().extra["timings"]["calls"]
     assert calls["prefill"]["calls"] == 1 and calls["decode_step"]["calls"] == 3
     assert calls["decode_step"]["s"] > 0 and calls["decode_step"]["ms_max"] >= calls["decode_step"]["ms_p50"] > 0

@@ -26,8 +26,8 @@ class Unanswered:
         self.hung: set[int] = set()
         self.withheld: list[tuple[int, object]] = []
 
-    def call(self, instance_id, method, args, meta) -> int:
-        handle = self.backend.call(instance_id, method, args, meta)
+    def call(self, instance_id, call) -> int:
+        handle = self.backend.call(instance_id, call)
         if instance_id == self.instance_id:
             self.num_calls += 1
             if self.num_calls > self.answered:

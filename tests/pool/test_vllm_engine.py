@@ -390,6 +390,7 @@ def test_gpu_vllm_benchmark_runs_reduced_on_cpu(tmp_path, demo_models):
 def test_engine_is_built_and_driven_inside_a_ray_actor(engine, demo_models):
     import ray
 
+    from pool import calls
     from pool.actor import EngineSpec, start_actors
 
     ids = prompt_ids(engine, "tiny-qwen2")[:2]
@@ -401,15 +402,15 @@ def test_engine_is_built_and_driven_inside_a_ray_actor(engine, demo_models):
         actor = start_actors({"i0": 0}, EngineSpec("vllm", options), {"tiny-qwen2": str(demo_models["tiny-qwen2"])},
                              use_gpus=False)["i0"]
 
-        def call(method, *args):
-            return ray.get(actor.call.remote(method, *args), timeout=120)
+        def call(engine_call):
+            return ray.get(actor.call.remote(engine_call), timeout=120)
 
-        call("activate", "tiny-qwen2")
-        got = {r.request_id: [o.token_id] for r, o in zip(reqs, call("prefill", reqs))}
+        call(calls.Activate("tiny-qwen2"))
+        got = {r.request_id: [o.token_id] for r, o in zip(reqs, call(calls.Prefill(tuple(reqs))))}
         for _ in range(7):
-            for out in call("decode_step", list(got)):
+            for out in call(calls.DecodeStep(tuple(got))):
                 got[out.request_id].append(out.token_id)
-        assert got == expected and call("stats").num_requests == 0
+        assert got == expected and call(calls.GetStats()).num_requests == 0
     finally:
         ray.shutdown()
 

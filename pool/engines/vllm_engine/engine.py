@@ -54,6 +54,8 @@ logger = logging.getLogger(__name__)
 class VllmEngine:
     """Implements `pool.engines.base.Engine` with one vLLM engine per loaded model."""
 
+    timings = None  # vLLM keeps its own
+
     def __init__(self, config: VllmEngineConfig | None = None) -> None:
         self.config = config or VllmEngineConfig()
         self.device = self.config.resolved_device()
@@ -136,6 +138,9 @@ class VllmEngine:
         if self.sleep_mode:
             entry.sleep()
         self.slots.deactivate(model)
+
+    def warm_up(self, max_tokens: int | None = None) -> int:
+        return 0  # each model's vLLM engine built (and, unless eager, captured) its graphs at load
 
     def close(self) -> None:
         """Shut every vLLM engine down (the engine is unusable afterwards)."""
