@@ -241,10 +241,10 @@ def test_decoder_lost_before_it_imports_a_staged_hand_off_frees_it_at_the_prefil
             controller.complete(handle, result)
     lost = "slot0" if carried_to("slot0") else "slot1"
     waiting = carried_to(lost)
-    assert waiting and all(rid in engines["slot2"]._staged for rid in waiting)
+    assert waiting and all(rid in engines["slot2"].kv_calls._staged for rid in waiting)
     controller.lose(lost, "test")
     assert all(controller.requests[rid].kv_export is None for rid in waiting)
-    assert not any(rid in engines["slot2"]._staged for rid in waiting)  # released at the prefill engine
+    assert not any(rid in engines["slot2"].kv_calls._staged for rid in waiting)  # released at the prefill engine
 
 
 def test_ray_actor_killed_mid_decode_requests_resume_on_the_other_instance(tiny, long_reference, ray_cluster) -> None:  # noqa: F811
