@@ -62,9 +62,10 @@ def model_config(spec: FleetSpec, arch_key: str, tiny: bool) -> Any:
     return hf_config(family, hf_shape(arch) | ({"head_dim": arch.head_dim} if arch.head_dim else {}), "bfloat16")
 
 
-def build_fleet(spec: FleetSpec, folder: Path, gpu: str, tiny: bool) -> Path:
+def build_fleet(spec: FleetSpec, folder: Path, gpu: str, tiny: bool,
+                gpus: Mapping[str, Mapping[str, Any]] | None = None) -> Path:
     """Random-weight model folders of `spec`'s shapes (tiny ones of the same families when `tiny`) and a fleet
-    file for them on one `gpu`; returns the fleet file."""
+    file for them on one `gpu` (`gpus`: its figures, where the catalogue lacks it); returns the fleet file."""
     import yaml
 
     from modelpool.replay import write_model
@@ -75,7 +76,7 @@ def build_fleet(spec: FleetSpec, folder: Path, gpu: str, tiny: bool) -> Path:
         config = model_config(spec, arch_key, tiny)
         write_model(folder / name, config, seed, tokenizers.get(config.vocab_size))
         tokenizers.setdefault(config.vocab_size, folder / name)
-    data = spec.fleet_dict(gpu, archs={name: f"./{name}" for name in spec.names})
+    data = spec.fleet_dict(gpu, archs={name: f"./{name}" for name in spec.names}, gpus=gpus)
     for entry in data["models"]:
         entry["weights"] = entry["arch"]
     path = folder / "fleet.yaml"
@@ -286,6 +287,18 @@ def machine() -> tuple[int, str, str]:
     return 1, gpu_key(None, lambda: names[0]), names[0]
 
 
+def cpu_device(profile: str, gpu: str, device: str) -> tuple[str, dict[str, Any] | None, str]:
+    """(the GPU type, its figures, the description) a CPU run is costed with: the device a measurements file was
+    calibrated on where that is a CPU (its measured figures go into the fleet's `gpus:`), else unchanged."""
+    from sims.profiles import load_profile
+
+    measured = load_profile(profile)
+    run = measured.calibration
+    if run is None or measured.device_spec is None or "cpu" not in run.device.lower():
+        return gpu, None, device
+    return run.gpu, {run.gpu: measured.device_spec.model_dump()}, f"cpu (tiny shapes; costed as measured: {run.device})"
+
+
 def commit() -> str:
     if os.environ.get("MODELPOOL_COMMIT"):
         return os.environ["MODELPOOL_COMMIT"]
@@ -315,9 +328,12 @@ def validate_scenario(name: str, profile: str | None, duration_s: float | None, 
         raise TraceError(f"unknown load {unknown[0]!r}; choose from {', '.join(LOADS)}")
     duration_s = duration_s or (QUICK_DURATION_S if quick else 60.0)
     num_gpus, gpu, device = machine()
+    gpus = None
+    if num_gpus == 0 and profile:  # a profile measured on this CPU (modelpool calibrate --device cpu) costs it
+        gpu, gpus, device = cpu_device(profile, gpu, device)
     out_dir.mkdir(parents=True, exist_ok=True)
     log(f"{name}: {spec.describe()}\n  on {device}; profile {profile or 'default'}")
-    fleet_path = build_fleet(spec.fleet_spec(), out_dir / f"models-{spec.fleet}", gpu, tiny=num_gpus == 0)
+    fleet_path = build_fleet(spec.fleet_spec(), out_dir / f"models-{spec.fleet}", gpu, tiny=num_gpus == 0, gpus=gpus)
     layout = sim_layout(fleet_path, num_gpus, profile)
     if rate is None and knee is None:
         knee = knee_rate(spec, layout, duration_s, seed, traces_dir)

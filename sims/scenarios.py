@@ -89,11 +89,13 @@ class FleetSpec:
         """Each model's share of the requests (sums to 1), in `models` order."""
         return zipf_weights(len(self.models), self.zipf_s)
 
-    def fleet_dict(self, gpu: str, num_gpus: int = 1, archs: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    def fleet_dict(self, gpu: str, num_gpus: int = 1, archs: Mapping[str, Any] | None = None,
+                   gpus: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Any]:
         """The fleet file's content (models.yaml schema) on `num_gpus` x `gpu`; `archs` replaces a model's arch
-        (a folder path, for served random-weight models) by name."""
+        (a folder path, for served random-weight models) by name; `gpus` describes GPU types the catalogue
+        lacks (a CPU a profile was measured on)."""
         archs = archs or {}
-        return {
+        return {**({"gpus": {key: dict(spec) for key, spec in gpus.items()}} if gpus else {}),
             "pool": {"gpu": gpu, "num_gpus": num_gpus, "gpus_per_node": num_gpus, "host_kv_gb": 16.0,
                      "max_prefill_tokens": self.max_prefill_tokens, "max_batch_size": self.max_batch_size,
                      "default_slo": {"ttft_s": self.ttft_slo_s, "tpot_s": self.tpot_slo_s}},

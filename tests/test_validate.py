@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from modelpool.validate import (SimLayout, Targets, build_fleet, compare, knee_rate, model_config, side_figures,
                                simulated, slo_of)
@@ -117,11 +118,18 @@ def test_an_unknown_target_is_neither_a_fleet_file_nor_a_scenario() -> None:
 
 @pytest.mark.slow
 def test_validate_serves_replays_and_simulates_a_scenario_on_cpu(tmp_path: Path) -> None:
-    """The whole command on tiny shapes: every request served live and simulated, the figures side by side."""
-    out = tmp_path / "out"
+    """The whole command on tiny shapes, costed by what `modelpool calibrate` measured on this CPU: every request
+    served live and simulated, the figures side by side."""
+    out, measured = tmp_path / "out", tmp_path / "cpu.json"
+    cal = subprocess.run([sys.executable, "-m", "modelpool.cli", "calibrate", "--device", "cpu", "--quick", "--out",
+                          str(measured)], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert cal.returncode == 0, cal.stdout[-2000:] + cal.stderr[-2000:]
     res = subprocess.run([sys.executable, "-m", "modelpool.cli", "validate", "mixed-onoff", "--quick", "--rate", "1",
-                          "--duration", "4", "--out", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=900)
+                          "--duration", "4", "--profile", str(measured), "--out", str(out)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "costed as measured" in res.stdout  # the CPU's own figures, not a datacenter GPU's
+    assert yaml.safe_load((out / "models-mixed" / "fleet.yaml").read_text())["pool"]["gpu"] == "cpu"
     report = json.loads((out / "mixed-onoff.json").read_text())
     part = report["loads"]["light"]
     assert part["requests"] >= 1
@@ -135,7 +143,7 @@ def test_validate_serves_replays_and_simulates_a_scenario_on_cpu(tmp_path: Path)
     assert (out / "serve.log").is_file()
     # the recorded live run simulated again (nothing served): the same requests and layout, the same figures
     again = subprocess.run([sys.executable, "-m", "modelpool.cli", "validate", "mixed-onoff", "--from-live",
-                            str(out / "mixed-onoff.json"), "--out", str(tmp_path / "again")],
+                            str(out / "mixed-onoff.json"), "--out", str(tmp_path / "again")],  # its own profile
                            capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert again.returncode == 0, again.stderr[-2000:]
     redone = json.loads((tmp_path / "again" / "mixed-onoff.json").read_text())["loads"]["light"]
