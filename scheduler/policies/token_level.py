@@ -282,7 +282,8 @@ class TokenLevelPolicy(PolicyBase):
 
     def _warm_up(self, inst: InstanceState) -> list[Action]:
         """At start (or a restart): copy in the pinned models, then the preloaded ones that fit beside them."""
-        held, acts = self.weights[inst.instance_id], []
+        held = self.weights[inst.instance_id]
+        acts: list[Action] = []
         for model in self._warm.pop(inst.instance_id):
             if model in held or held.would_evict(model, held.held, self.worth, hard=held.held) is None:
                 continue  # a preload that would push out what is there already waits for its requests
