@@ -43,6 +43,7 @@ from pool.engines.base import SamplingParams  # noqa: E402
 from pool.gateway import create_app  # noqa: E402
 from pool.gateway.server import free_port  # noqa: E402
 from pool.served import ServedModel, slot_instances  # noqa: E402
+from pool.config import PoolConfig  # noqa: E402
 from pool.service import LivePool  # noqa: E402
 from scheduler import CostModel, ModelProfile  # noqa: E402
 
@@ -79,7 +80,7 @@ def fixed_pool() -> LivePool:
     costs = FixedCosts()
     spec = EngineSpec("sim", {"costs": costs, "kv_bytes": int(instances[0].memory_bytes),
                               "kv_bytes_per_token": {"sim-7b": 57344}})
-    return LivePool(models, instances, "token-level", costs, engine=spec, backend="threads")
+    return LivePool(models, instances, "token-level", costs, PoolConfig(engine=spec, backend="threads"))
 
 
 def serve_fixed(port: int) -> None:

@@ -620,119 +620,38 @@ def serve_command(
                                     "a GPU and a daemon can be started (else time-sliced, as the banner says)."),
 ) -> None:
     """Serve the pool behind one OpenAI-compatible endpoint (default: the demo fleet on this machine)."""
-    from modelpool.config import FleetFileError
-    from modelpool.layout import LayoutError, layout_roles
-
-    try:
-        from pool.gateway import GatewaySettings, create_app
-        from pool.gateway.auth import ADMIN_KEY_ENV, API_KEY_ENV, read_keys
-        from pool.gateway.prompts import RequestLimits
-        from pool.gateway.server import GatewayServer, uvicorn_config
-        from pool.heap import freeze_heap
-        from pool.service import BACKENDS, LivePool
+    try:  # the serve extra: a package missing ends the command, naming every one missing
+        import pool.gateway.server  # noqa: F401 - fastapi, uvicorn (the phases below import from it)
+        from pool.config import BACKENDS
+        from pool.service import LivePool
     except ModuleNotFoundError as exc:
         missing_serve_extra(exc)
-
-    if engine not in ("torch", "vllm", "sim"):
-        raise typer.BadParameter(f"unknown engine {engine!r}; choose torch, vllm or sim", param_hint="--engine")
-    if gpu is not None:
-        if fleet_path is not None:
-            raise typer.BadParameter("--gpu is for the demo fleet; a fleet file names its GPU (pool.gpu)",
-                                     param_hint="--gpu")
-        gpu_key(gpu)  # a bad name fails now, not after the cluster starts
-    if layout is not None and fleet_path is None:
-        raise typer.BadParameter("--layout is for a fleet file's pool (--fleet)", param_hint="--layout")
+    check_choices(engine, gpu, fleet_path, layout)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    backend = backend or ("threads" if engine == "sim" else "ray" if _has_ray() else "processes")
-    if backend not in BACKENDS:
-        raise typer.BadParameter(f"unknown backend {backend!r}; choose {', '.join(BACKENDS)}", param_hint="--backend")
-    if backend == "ray" and not _has_ray():
-        raise typer.BadParameter(f"Ray is not installed: {SERVE_EXTRA}, or serve without it: --backend processes",
-                                 param_hint="--backend")
+    backend = pick_backend(backend, engine, BACKENDS)
     daemon = start_mps(backend, engine) if mps else None  # before anything here or in an engine touches CUDA
     if backend == "ray":
         ray_init(address, instances or 2)
     num_gpus = count_gpus(backend, address) if engine != "sim" else 0
     if daemon is not None:
-        try:
-            if num_gpus == 0:
-                raise MpsError("MPS shares a GPU: this machine has no CUDA GPU")
-            daemon.check_client()
-        except MpsError as exc:
-            daemon.stop()
-            raise typer.BadParameter(str(exc), param_hint="--mps") from None
-    try:
-        roles = layout_roles(layout, policy) if layout else None
-        dep = (fleet_deployment(fleet_path, engine, num_gpus, instances, policy, kv_mib, profile, roles) if fleet_path
-               else demo_deployment(engine, num_gpus, instances, kv_mib, gpu))
-    except LayoutError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--layout") from None
-    except FleetFileError as exc:
-        for problem in exc.problems:
-            typer.echo(str(problem), err=True)
-        raise typer.Exit(1) from None
-    if dep.engine.kind == "sim":
-        dep.engine = dataclasses.replace(dep.engine, options={**dep.engine.options, "time_scale": sim_time_scale})
-    dep.engine = with_async_decode(dep.engine, async_decode)
-    dep.backend = backend
-    if daemon is not None:  # --mps
-        dep.notes += mps_notes(dep, daemon)
-    elif mps is None and engine != "sim":
-        daemon, notes = auto_mps(dep)
-        dep.notes += notes
-    else:
-        dep.notes += time_slicing_notes(dep, "--no-mps" if mps is False else "--mps runs them side by side")
-    settings = GatewaySettings(
-        api_keys=tuple(read_keys(api_key, api_key_file, API_KEY_ENV)),
-        admin_keys=tuple(read_keys(admin_key, admin_key_file, ADMIN_KEY_ENV)),
-        default_chat_max_tokens=default_max_tokens,
-        max_requests_per_model=max_requests_per_model or None,
-        max_buffered_tokens=max_buffered_tokens,
-        limits=RequestLimits(trust_request_chat_template=trust_request_chat_template),
-        max_connections=max_connections, body_timeout_s=body_timeout_s,
-        owned_by="modelpool-sim" if dep.engine.kind == "sim" else "modelpool",
-        fingerprint="modelpool-sim" if dep.engine.kind == "sim" else None)
+        check_mps(daemon, num_gpus)
+    dep = deployment(fleet_path, engine, num_gpus, instances, policy, kv_mib, profile, gpu, layout)
+    set_engine_options(dep, backend, sim_time_scale, async_decode)
+    daemon = share_gpus(dep, daemon, mps, engine)
+    settings = gateway_settings(dep, api_key=api_key, api_key_file=api_key_file, admin_key=admin_key,
+                                admin_key_file=admin_key_file, default_max_tokens=default_max_tokens,
+                                max_requests_per_model=max_requests_per_model,
+                                max_buffered_tokens=max_buffered_tokens,
+                                trust_request_chat_template=trust_request_chat_template,
+                                max_connections=max_connections, body_timeout_s=body_timeout_s)
+    config = pool_config(dep, address=address, max_queued_per_model=max_queued_per_model, max_requests=max_requests,
+                         max_restarts=max_restarts, call_timeout_s=call_timeout_s,
+                         placement_timeout_s=placement_timeout_s)
     log_file = plan_log.open("w") if plan_log else None
-    pool = LivePool(dep.models, dep.instances, policy, dep.costs, engine=dep.engine, backend=backend,
-                    address=address, plan_log=log_file, devices=dep.devices, gpu_share=dep.gpu_share,
-                    policy_options=dep.policy_options, max_queued_per_model=max_queued_per_model,
-                    max_requests=max_requests, max_restarts=max_restarts, call_timeout_s=call_timeout_s or None,
-                    placement_timeout_s=placement_timeout_s)
-    typer.echo(f"Starting {len(dep.instances)} instance(s) with {len(dep.models)} model(s)...")
-    # Ctrl-C and SIGTERM stop start-up and warm-up at once (the finally below stops the pool), also in a process
-    # started with SIGINT ignored (a background job of a script): uvicorn installs its own handlers only later
-    signal.signal(signal.SIGINT, _interrupt)
-    signal.signal(signal.SIGTERM, _interrupt)
+    pool = LivePool(dep.models, dep.instances, policy, dep.costs, config, plan_log=log_file)
     try:
-        try:
-            pool.start()
-            if warmup:
-                typer.echo(f"Warmed up in {warm_up(pool):.1f} s.")
-            freeze_heap()  # start-up's objects (imports, the threads backend's engines) out of full collections
-        except KeyboardInterrupt:
-            typer.echo("Interrupted before serving: stopping the pool.", err=True)
-            raise typer.Exit(130) from None
-        except PlacementTimeout as exc:  # the cluster has no node for a TP instance: say so, no traceback
-            typer.echo(f"error: {exc}", err=True)
-            raise typer.Exit(1) from None
-        server = GatewayServer(uvicorn_config(create_app(pool, settings), host, port, log_level="info"))
-        url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
-        text = banner(dep, pool, url, policy, bool(settings.api_keys))
-
-        def announce() -> None:
-            while not server.started and not server.should_exit:
-                time.sleep(0.05)
-            if server.started:
-                typer.echo(text)
-
-        threading.Thread(target=announce, daemon=True).start()
-        # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal (our handlers above): end as
-        # a clean exit, so the pool, its actors and the embedded Ray cluster are stopped below
-        try:
-            server.run()
-        except KeyboardInterrupt:
-            pass
+        run_pool(pool, dep, settings, host, port, policy, warmup)
     finally:
         pool.stop()
         if daemon is not None:
@@ -743,3 +662,156 @@ def serve_command(
             import ray
 
             ray.shutdown()
+
+
+# ---- serve_command's phases ---------------------------------------------------------------------------------------
+def check_choices(engine: str, gpu: str | None, fleet_path: Path | None, layout: str | None) -> None:
+    """Refuse an unknown engine or GPU name, and --gpu or --layout with the wrong fleet, before anything starts."""
+    if engine not in ("torch", "vllm", "sim"):
+        raise typer.BadParameter(f"unknown engine {engine!r}; choose torch, vllm or sim", param_hint="--engine")
+    if gpu is not None:
+        if fleet_path is not None:
+            raise typer.BadParameter("--gpu is for the demo fleet; a fleet file names its GPU (pool.gpu)",
+                                     param_hint="--gpu")
+        gpu_key(gpu)  # a bad name fails now, not after the cluster starts
+    if layout is not None and fleet_path is None:
+        raise typer.BadParameter("--layout is for a fleet file's pool (--fleet)", param_hint="--layout")
+
+
+def pick_backend(backend: str | None, engine: str, choices: Sequence[str]) -> str:
+    """The backend asked for, else ray (processes where Ray is not installed; threads for the sim engine)."""
+    backend = backend or ("threads" if engine == "sim" else "ray" if _has_ray() else "processes")
+    if backend not in choices:
+        raise typer.BadParameter(f"unknown backend {backend!r}; choose {', '.join(choices)}", param_hint="--backend")
+    if backend == "ray" and not _has_ray():
+        raise typer.BadParameter(f"Ray is not installed: {SERVE_EXTRA}, or serve without it: --backend processes",
+                                 param_hint="--backend")
+    return backend
+
+
+def check_mps(daemon: MpsDaemon, num_gpus: int) -> None:
+    """--mps: a daemon that cannot serve this machine's GPUs is stopped and the option refused."""
+    try:
+        if num_gpus == 0:
+            raise MpsError("MPS shares a GPU: this machine has no CUDA GPU")
+        daemon.check_client()
+    except MpsError as exc:
+        daemon.stop()
+        raise typer.BadParameter(str(exc), param_hint="--mps") from None
+
+
+def deployment(fleet_path: Path | None, engine: str, num_gpus: int, instances: int | None, policy: str,
+               kv_mib: int | None, profile: Path | None, gpu: str | None, layout: str | None) -> Deployment:
+    """The fleet file's deployment (in `layout`), or the demo fleet's; a bad fleet file or layout ends the
+    command saying what is wrong."""
+    from modelpool.config import FleetFileError
+    from modelpool.layout import LayoutError, layout_roles
+
+    try:
+        roles = layout_roles(layout, policy) if layout else None
+        return (fleet_deployment(fleet_path, engine, num_gpus, instances, policy, kv_mib, profile, roles)
+                if fleet_path else demo_deployment(engine, num_gpus, instances, kv_mib, gpu))
+    except LayoutError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--layout") from None
+    except FleetFileError as exc:
+        for problem in exc.problems:
+            typer.echo(str(problem), err=True)
+        raise typer.Exit(1) from None
+
+
+def set_engine_options(dep: Deployment, backend: str, sim_time_scale: float, async_decode: bool | None) -> None:
+    """The command line's engine options (the sim engine's pace, async decode) and backend, onto `dep`."""
+    if dep.engine.kind == "sim":
+        dep.engine = dataclasses.replace(dep.engine, options={**dep.engine.options, "time_scale": sim_time_scale})
+    dep.engine = with_async_decode(dep.engine, async_decode)
+    dep.backend = backend
+
+
+def share_gpus(dep: Deployment, daemon: MpsDaemon | None, mps: bool | None, engine: str) -> MpsDaemon | None:
+    """How instances on one GPU share it, in the banner's notes: the --mps daemon, one started where it helps
+    (the default), or time slices; returns the daemon to stop at the end."""
+    if daemon is not None:  # --mps
+        dep.notes += mps_notes(dep, daemon)
+    elif mps is None and engine != "sim":
+        daemon, notes = auto_mps(dep)
+        dep.notes += notes
+    else:
+        dep.notes += time_slicing_notes(dep, "--no-mps" if mps is False else "--mps runs them side by side")
+    return daemon
+
+
+def gateway_settings(dep: Deployment, *, api_key: list[str], api_key_file: Path | None, admin_key: list[str],
+                     admin_key_file: Path | None, default_max_tokens: int, max_requests_per_model: int,
+                     max_buffered_tokens: int, trust_request_chat_template: bool, max_connections: int,
+                     body_timeout_s: float) -> Any:
+    """The gateway's keys, connection bounds and per-request limits (`pool.gateway.GatewaySettings`)."""
+    from pool.gateway import GatewaySettings
+    from pool.gateway.auth import ADMIN_KEY_ENV, API_KEY_ENV, read_keys
+    from pool.gateway.prompts import RequestLimits
+
+    sim = dep.engine.kind == "sim"
+    return GatewaySettings(
+        api_keys=tuple(read_keys(api_key, api_key_file, API_KEY_ENV)),
+        admin_keys=tuple(read_keys(admin_key, admin_key_file, ADMIN_KEY_ENV)),
+        default_chat_max_tokens=default_max_tokens,
+        max_requests_per_model=max_requests_per_model or None,
+        max_buffered_tokens=max_buffered_tokens,
+        limits=RequestLimits(trust_request_chat_template=trust_request_chat_template),
+        max_connections=max_connections, body_timeout_s=body_timeout_s,
+        owned_by="modelpool-sim" if sim else "modelpool",
+        fingerprint="modelpool-sim" if sim else None)
+
+
+def pool_config(dep: Deployment, *, address: str | None, max_queued_per_model: int, max_requests: int,
+                max_restarts: int, call_timeout_s: float, placement_timeout_s: float) -> Any:
+    """The live pool's settings (`pool.config.PoolConfig`): the deployment's engine, backend and GPU layout, the
+    command line's limits (`call_timeout_s` 0: wait for ever)."""
+    from pool.config import PoolConfig
+
+    return PoolConfig(engine=dep.engine, backend=dep.backend, address=address, devices=dep.devices,
+                      gpu_share=dep.gpu_share, policy_options=dep.policy_options,
+                      max_queued_per_model=max_queued_per_model, max_requests=max_requests,
+                      max_restarts=max_restarts, call_timeout_s=call_timeout_s or None,
+                      placement_timeout_s=placement_timeout_s)
+
+
+def run_pool(pool: LivePool, dep: Deployment, settings: Any, host: str, port: int, policy: str,
+             warmup: bool) -> None:
+    """Start the pool (and warm it up), then serve the gateway until Ctrl-C or SIGTERM; the caller stops the pool."""
+    from pool.gateway import create_app
+    from pool.gateway.server import GatewayServer, uvicorn_config
+    from pool.heap import freeze_heap
+
+    typer.echo(f"Starting {len(dep.instances)} instance(s) with {len(dep.models)} model(s)...")
+    # Ctrl-C and SIGTERM stop start-up and warm-up at once (the caller's finally stops the pool), also in a process
+    # started with SIGINT ignored (a background job of a script): uvicorn installs its own handlers only later
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        pool.start()
+        if warmup:
+            typer.echo(f"Warmed up in {warm_up(pool):.1f} s.")
+        freeze_heap()  # start-up's objects (imports, the threads backend's engines) out of full collections
+    except KeyboardInterrupt:
+        typer.echo("Interrupted before serving: stopping the pool.", err=True)
+        raise typer.Exit(130) from None
+    except PlacementTimeout as exc:  # the cluster has no node for a TP instance: say so, no traceback
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    server = GatewayServer(uvicorn_config(create_app(pool, settings), host, port, log_level="info"))
+    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+    text = banner(dep, pool, url, policy, bool(settings.api_keys))
+
+    def announce() -> None:
+        while not server.started and not server.should_exit:
+            time.sleep(0.05)
+        if server.started:
+            typer.echo(text)
+
+    threading.Thread(target=announce, daemon=True).start()
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal (our handlers above): end as
+    # a clean exit, so the pool, its actors and the embedded Ray cluster are stopped by the caller
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass

@@ -43,12 +43,12 @@ from pathlib import Path
 from typing import IO, Any
 
 from pool.actor import EngineSpec, make_engine, start_actors
-from pool.placement import DEFAULT_TIMEOUT_S as DEFAULT_PLACEMENT_TIMEOUT_S
 from pool.placement import Placements
 from pool.backends import InProcessBackend, RayBackend, ThreadBackend
 from pool.procs import ProcessBackend, start_workers
 from pool import calls
 from pool.clock import MonotonicClock
+from pool.config import PoolConfig
 from pool.controller import Controller
 from pool.engines.base import Engine, KvCapacity, SamplingParams, TokenOut
 from pool.errors import PoolBusy, PoolClosed, QueueFull
@@ -65,7 +65,6 @@ __all__ = ["LivePool", "ModelInfo", "PoolBusy", "PoolClosed", "QueueFull", "Serv
 
 log = logging.getLogger("modelpool.pool")
 
-BACKENDS = ("ray", "processes", "threads", "inprocess")
 TICK_FALLBACK_S = 0.05  # schedule() at least this often with nothing new (call timeouts, time-based decisions)
 STATUS_INTERVAL_S = 0.01  # /pool/status is refreshed this often while the pool is busy
 
@@ -78,37 +77,18 @@ class _Tracked:
 
 
 class LivePool:
+    """The pool serving `models` on `instances` under `policy` (`costs` its cost model), set up by `config`;
+    `plan_log`, when given, gets every Plan as a JSON line."""
+
     def __init__(self, models: Sequence[ServedModel], instances: Sequence[InstanceSpec], policy: str,
-                 costs: CostModel, *, engine: EngineSpec | None = None, backend: str = "ray",
-                 address: str | None = None, policy_options: Mapping[str, Any] | None = None,
-                 plan_log: IO[str] | None = None, poll_s: float = 0.002, max_queued_per_model: int | None = None,
-                 max_requests: int | None = None, retry_after_s: float = 1.0, stats_interval_s: float = 2.0,
-                 num_recent_switches: int = 32, max_restarts: int = 3, restart_timeout_s: float = 300.0,
-                 call_timeout_s: float | None = 300.0, devices: Mapping[str, str] | None = None,
-                 gpu_share: float = 1.0, placement_timeout_s: float = DEFAULT_PLACEMENT_TIMEOUT_S) -> None:
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown backend {backend!r}; choose {', '.join(BACKENDS)}")
+                 costs: CostModel, config: PoolConfig | None = None, *, plan_log: IO[str] | None = None) -> None:
+        self.config = config = config or PoolConfig()
         self.models = {m.name: m for m in models}
         self.instances = list(instances)
         self.planned_instances = self.instances  # as the scheduler sees them: with the KV the engines report (start)
         self.policy = policy
         self.costs = costs
-        self.engine = engine or EngineSpec()
-        self.backend_kind = backend
-        self.address = address
-        self.policy_options = dict(policy_options or {})
         self.plan_log = plan_log
-        self.poll_s = poll_s
-        self.max_queued_per_model = max_queued_per_model
-        self.max_requests = max_requests
-        self.retry_after_s = retry_after_s
-        self.stats_interval_s = stats_interval_s
-        self.max_restarts = max_restarts  # fresh engines per lost instance over the pool's life (0: write off)
-        self.restart_timeout_s = restart_timeout_s  # a restart slower than this gives the instance up
-        self.call_timeout_s = call_timeout_s  # an engine call unanswered this long: its instance is hung (None: wait)
-        self.devices = dict(devices or {})  # instance id -> torch device of its engine (default: the engine spec's)
-        self.gpu_share = gpu_share  # of a GPU each Ray actor asks for (0.5: two instances on one GPU)
-        self.placement_timeout_s = placement_timeout_s  # a TP instance's placement group not placed by then: error
         # decode graphs are captured ahead for requests up to the longest context served (by every instance:
         # prefill instances decode the first tokens before a hand-off)
         self.max_tokens = max((m.profile.max_context for m in models), default=None)
@@ -135,7 +115,7 @@ class LivePool:
         # what the Plans and the engines report (written by the loop thread)
         self.num_switches: Counter[tuple[str, str]] = Counter()  # (instance, model) -> Switch actions planned
         self.num_kv_moves: Counter[str] = Counter()  # 'swap_out' / 'swap_in' -> requests moved
-        self.recent_switches: deque[dict[str, Any]] = deque(maxlen=num_recent_switches)
+        self.recent_switches: deque[dict[str, Any]] = deque(maxlen=config.num_recent_switches)
         self.engine_stats: dict[str, dict[str, Any]] = {}
         self._stats_calls: dict[int, str] = {}  # backend handle -> instance of a stats() call in flight
         self._stats_at = float("-inf")
@@ -156,36 +136,37 @@ class LivePool:
         self._stats_at = float("-inf")
         self._placements = Placements()
         self.restarts = self._restarts()
-        if self.backend_kind == "ray":
+        if self.config.backend == "ray":
             import ray
 
             if not ray.is_initialized():
                 # an embedded cluster counts a CPU per instance rank at least (a TP instance's ranks are actors)
-                cpus = None if self.address else max(os.cpu_count() or 1, sum(spec.tp for spec in self.instances))
-                ray.init(address=self.address, include_dashboard=False, log_to_driver=False,
+                ranks = sum(spec.tp for spec in self.instances)
+                cpus = None if self.config.address else max(os.cpu_count() or 1, ranks)
+                ray.init(address=self.config.address, include_dashboard=False, log_to_driver=False,
                          ignore_reinit_error=True, num_cpus=cpus)
             self._use_gpus = float(ray.cluster_resources().get("GPU", 0)) > 0
             self._actors = start_actors({spec.instance_id: spec.tp for spec in self.instances}, self._ray_engine(),
-                                        self._paths(), use_gpus=self._use_gpus, gpu_share=self.gpu_share,
+                                        self._paths(), use_gpus=self._use_gpus, gpu_share=self.config.gpu_share,
                                         max_tokens=self.max_tokens, placements=self._placements,
-                                        placement_timeout_s=self.placement_timeout_s)
+                                        placement_timeout_s=self.config.placement_timeout_s)
             self.nodes = dict(zip(self._actors, ray.get([actor.node.remote() for actor in self._actors.values()])))
             backend: Any = RayBackend(self._actors)
-        elif self.backend_kind == "processes":
+        elif self.config.backend == "processes":
             backend = ProcessBackend(start_workers({iid: self._engine_spec(iid) for iid in ids}, self._paths(),
                                                    max_tokens=self.max_tokens))
         else:
             engines = {iid: self._new_engine(iid) for iid in ids}
-            backend = InProcessBackend(engines) if self.backend_kind == "inprocess" else ThreadBackend(engines)
+            backend = InProcessBackend(engines) if self.config.backend == "inprocess" else ThreadBackend(engines)
         # the scheduler plans with the KV each engine reports, not the configured figure (block and slab rounding)
         self.planned_instances, profiles = plan_kv(self.instances, {n: m.profile for n, m in self.models.items()},
                                                    self._kv_reports(backend, ids))
         scheduler = make_scheduler(self.policy, profiles, self.planned_instances, self.costs,
-                                   **{"keep_ended": False, **self.policy_options})  # hold live requests only
+                                   **{"keep_ended": False, **self.config.policy_options})  # hold live requests only
         self._infos = model_infos({n: dataclasses.replace(m, profile=profiles[n]) for n, m in self.models.items()},
                                   scheduler)
         self.controller = Controller(scheduler, backend, self.clock, ids, plan_log=self.plan_log,
-                                     call_timeout_s=self.call_timeout_s)
+                                     call_timeout_s=self.config.call_timeout_s)
         self._backend = backend
         self._running = True
         self._status = self._snapshot(self.controller)
@@ -278,7 +259,7 @@ class LivePool:
             if model not in self._tokenizers:
                 if model not in self.models:
                     raise KeyError(model)
-                self._tokenizers[model] = load_tokenizer(self.models[model].path, self.engine.kind)
+                self._tokenizers[model] = load_tokenizer(self.models[model].path, self.config.engine.kind)
             return self._tokenizers[model]
 
     # ---- requests (thread-safe) -----------------------------------------------------------
@@ -296,13 +277,14 @@ class LivePool:
                 raise KeyError(model)
             if request_id in self._tracked:
                 raise ValueError(f"request id {request_id!r} is already in the pool")
-            if self.max_requests is not None and len(self._tracked) >= self.max_requests:
+            if self.config.max_requests is not None and len(self._tracked) >= self.config.max_requests:
                 self.num_rejected[(model, "pool_full")] += 1
-                raise PoolBusy(f"the pool holds {len(self._tracked)} requests, its limit", self.retry_after_s)
-            if self.max_queued_per_model is not None and self._queued[model] >= self.max_queued_per_model:
+                raise PoolBusy(f"the pool holds {len(self._tracked)} requests, its limit", self.config.retry_after_s)
+            max_queued = self.config.max_queued_per_model
+            if max_queued is not None and self._queued[model] >= max_queued:
                 self.num_rejected[(model, "queue_full")] += 1
                 raise QueueFull(model, f"{self._queued[model]} requests of {model!r} are waiting already, "
-                                       "its queue limit", self.retry_after_s)
+                                       "its queue limit", self.config.retry_after_s)
             self._tracked[request_id] = _Tracked(model, sink)
             self._queued[model] += 1
         live = LiveRequest(request_id, model, list(prompt_token_ids), sampling, self.clock.now(),
@@ -336,7 +318,7 @@ class LivePool:
     def kill_instance(self, instance_id: str) -> None:
         """Fault injection: kill an instance's actor, or in-process engine (its requests resume elsewhere, or
         there once restarted)."""
-        if self.backend_kind != "ray":
+        if self.config.backend != "ray":
             self._backend.kill(instance_id)
             return
         import ray
@@ -349,31 +331,33 @@ class LivePool:
 
     def _engine_spec(self, instance_id: str) -> EngineSpec:
         """The engine of one instance: the pool's, on the instance's device, at its tp (torch: ranks)."""
-        if self.engine.kind != "torch":
-            return self.engine
-        options = dict(self.engine.options)
-        if self.devices.get(instance_id):
-            options["device"] = self.devices[instance_id]
+        engine = self.config.engine
+        if engine.kind != "torch":
+            return engine
+        options = dict(engine.options)
+        if self.config.devices.get(instance_id):
+            options["device"] = self.config.devices[instance_id]
         if options.get("handoff_bytes") and instance_id not in self._staging():
             options["handoff_bytes"] = 0  # its hand-offs go through host memory (an arena on its GPU serves nobody)
         tp = next(spec.tp for spec in self.instances if spec.instance_id == instance_id)
         if tp > 1:
             options["tp"] = tp
-        return EngineSpec(self.engine.kind, options)
+        return EngineSpec(engine.kind, options)
 
     def _ray_engine(self) -> EngineSpec:
         """The one engine every Ray actor gets: Ray places the actors on GPUs itself, so they stage hand-offs in
         device memory only where the pool has a single GPU (where the staging rule holds whatever Ray does)."""
-        if not self.engine.options.get("handoff_bytes") or (len(set(self.devices.values())) <= 1 and self._staging()):
-            return self.engine
-        return EngineSpec(self.engine.kind, {**self.engine.options, "handoff_bytes": 0})
+        engine = self.config.engine
+        if not engine.options.get("handoff_bytes") or (len(set(self.config.devices.values())) <= 1 and self._staging()):
+            return engine
+        return EngineSpec(engine.kind, {**engine.options, "handoff_bytes": 0})
 
     def _staging(self) -> set[str]:
         """The instances whose engines stage hand-offs in device memory (scheduler.instance.staging_instances:
         prefill instances on the device of every decode instance), as the simulator charges them."""
-        device = self.engine.options.get("device")
+        device = self.config.engine.options.get("device")
         return staging_instances({spec.instance_id: spec.role for spec in self.instances},
-                                 {spec.instance_id: (self.devices.get(spec.instance_id, device),)
+                                 {spec.instance_id: (self.config.devices.get(spec.instance_id, device),)
                                   for spec in self.instances})
 
     def _new_engine(self, instance_id: str) -> Engine:
@@ -388,14 +372,14 @@ class LivePool:
         """A fresh engine for `instance_id` (on a restart thread), built once the lost one has freed its
         device memory: a new worker (thread or process) or actor, the old one stopped or killed first (and a
         TP instance's placement group replaced in `placements`, its run's)."""
-        if self.backend_kind != "ray":
+        if self.config.backend != "ray":
             retire = getattr(self._backend, "retire", None)
-            if retire is not None and not retire(instance_id, timeout_s=min(60.0, self.restart_timeout_s)):
+            if retire is not None and not retire(instance_id, timeout_s=min(60.0, self.config.restart_timeout_s)):
                 log.warning("instance %s: the lost engine is still in a call; its memory is not free yet", instance_id)
-            if self.backend_kind == "processes":
+            if self.config.backend == "processes":
                 return start_workers({instance_id: self._engine_spec(instance_id)}, self._paths(),
                                      max_tokens=self.max_tokens,
-                                     timeout_s=self.restart_timeout_s)[instance_id]
+                                     timeout_s=self.config.restart_timeout_s)[instance_id]
             return self._new_engine(instance_id)
         import ray
 
@@ -404,9 +388,9 @@ class LivePool:
             ray.kill(old, no_restart=True)  # an engine error leaves it alive; its device slot is needed
         tp = next(spec.tp for spec in self.instances if spec.instance_id == instance_id)
         actor = start_actors({instance_id: tp}, self._ray_engine(), self._paths(), use_gpus=self._use_gpus,
-                             gpu_share=self.gpu_share, max_tokens=self.max_tokens,
-                             timeout_s=self.restart_timeout_s, placements=placements,
-                             placement_timeout_s=self.placement_timeout_s)[instance_id]
+                             gpu_share=self.config.gpu_share, max_tokens=self.max_tokens,
+                             timeout_s=self.config.restart_timeout_s, placements=placements,
+                             placement_timeout_s=self.config.placement_timeout_s)[instance_id]
         try:
             self.nodes[instance_id] = ray.get(actor.node.remote(), timeout=30)
         except Exception:  # noqa: BLE001 - it answered ready() a moment ago; the loop finds out if it is gone
@@ -416,11 +400,11 @@ class LivePool:
     def _restarts(self) -> Restarts:
         epoch, placements = self._epoch, self._placements
         return Restarts(lambda iid: self._rebuild(iid, placements),
-                        lambda iid, replacement: self._rebuilt(iid, replacement, epoch), self.max_restarts)
+                        lambda iid, replacement: self._rebuilt(iid, replacement, epoch), self.config.max_restarts)
 
     def _rebuilt(self, instance_id: str, replacement: Any, epoch: int) -> None:
         """A restart thread's outcome: to the loop of the run it was started for, or (stale) away."""
-        is_actor = self.backend_kind == "ray" and not isinstance(replacement, BaseException)
+        is_actor = self.config.backend == "ray" and not isinstance(replacement, BaseException)
         with self._lock:
             current = self._running and epoch == self._epoch
             if current and is_actor:
@@ -461,7 +445,7 @@ class LivePool:
         while self._running and epoch == self._epoch:
             try:
                 changed = self._drain(controller)
-                for handle, result in backend.poll(0.0 if changed else self.poll_s):
+                for handle, result in backend.poll(0.0 if changed else self.config.poll_s):
                     if handle in self._stats_calls:
                         self._got_stats(self._stats_calls.pop(handle), result)
                     else:
@@ -487,7 +471,7 @@ class LivePool:
             except Exception:  # one bad tick must not take the pool down
                 self.num_tick_errors += 1
                 log.exception("controller tick failed")
-                time.sleep(self.poll_s)
+                time.sleep(self.config.poll_s)
 
     def _drain(self, controller: Controller) -> bool:
         """Hand every message waiting in the inbox to the controller; True when one changed anything."""
@@ -544,7 +528,7 @@ class LivePool:
     def _ask_stats(self, controller: Controller) -> None:
         """Every `stats_interval_s`, one `stats()` call per live instance (never two at once)."""
         now = time.monotonic()
-        if now - self._stats_at < self.stats_interval_s:
+        if now - self._stats_at < self.config.stats_interval_s:
             return
         self._stats_at = now
         asked = set(self._stats_calls.values())

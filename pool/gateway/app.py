@@ -73,7 +73,7 @@ class Gateway:
                                                   else pool.models[name].profile.max_context)
                            for name in pool.models}
         self.metrics = GatewayMetrics(pool, pool.models)
-        self.metrics.drain.default_s = pool.retry_after_s  # until a drain rate is measured
+        self.metrics.drain.default_s = pool.config.retry_after_s  # until a drain rate is measured
         self.created = int(time.time())
         self._ids = itertools.count(1)
         self._id_prefix = uuid.uuid4().hex[:12]  # unique per gateway; a counter after it (uuid4 costs a syscall)

@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from pool.actor import EngineSpec
+from pool.config import PoolConfig
 from pool.service import LivePool, ServedModel, slot_instances
 from scheduler import ModelProfile
 from tests.factories import LinearCosts
@@ -41,8 +42,8 @@ def sim_pool(models: Sequence[ServedModel] | None = None, *, num_instances: int 
     instances = slot_instances(num_instances, models, kv_bytes)
     spec = EngineSpec("sim", {"costs": costs, "kv_bytes": int(instances[0].memory_bytes),
                               "kv_bytes_per_token": {m.name: m.profile.kv_bytes_per_token for m in models}})
-    return LivePool(models, instances, "token-level", costs, engine=spec, backend="threads", stats_interval_s=0.05,
-                    **limits)
+    return LivePool(models, instances, "token-level", costs,
+                    PoolConfig(engine=spec, backend="threads", stats_interval_s=0.05, **limits))
 
 
 def status(url: str, headers: dict[str, str] | None = None) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from pool.controller import Controller
 from pool.errors import RequestFailed
 from pool.engines.base import SamplingParams
 from pool.runner import LiveRequest
+from pool.config import PoolConfig
 from pool.service import LivePool, served_model, slot_instances
 from scheduler import ManualClock, RequestStatus, make_scheduler
 from tests.factories import LinearCosts
@@ -148,8 +149,8 @@ def ray_pool(tiny, num_instances: int, **options) -> LivePool:  # noqa: F811
     # short fixed turns: the models take turns every few tokens, so an instance holds part-decoded requests of
     # several models at any moment
     return LivePool(models, slot_instances(num_instances, models, KV_BYTES), "token-level", LinearCosts(),
-                    engine=ENGINE, backend="ray", stats_interval_s=0.1, policy_options={"fixed_turn_steps": 4},
-                    **options)
+                    PoolConfig(engine=ENGINE, backend="ray", stats_interval_s=0.1,
+                               policy_options={"fixed_turn_steps": 4}, **options))
 
 
 def submit_all(pool: LivePool, tag: str = "", models=MODELS) -> dict[tuple[str, int], Sink]:

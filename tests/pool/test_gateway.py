@@ -19,6 +19,7 @@ from pool.actor import EngineSpec
 from pool.gateway import GatewaySettings, create_app
 from pool.gateway.auth import Secret
 from pool.gateway.server import BackgroundServer
+from pool.config import PoolConfig
 from pool.service import LivePool, served_model, slot_instances
 from tests.factories import LinearCosts
 
@@ -35,8 +36,8 @@ CHAT = [{"role": "user", "content": "Tell me a story about the sea."}]
 
 def make_pool(demo_models: dict[str, Path], **limits) -> LivePool:
     models = [served_model(name, demo_models[name], dtype="float32") for name in MODELS]
-    return LivePool(models, slot_instances(1, models, KV_BYTES), "token-level", LinearCosts(), engine=ENGINE,
-                    backend="inprocess", stats_interval_s=0.2, **limits)
+    return LivePool(models, slot_instances(1, models, KV_BYTES), "token-level", LinearCosts(),
+                    PoolConfig(engine=ENGINE, backend="inprocess", stats_interval_s=0.2, **limits))
 
 
 @pytest.fixture(scope="module")

@@ -31,6 +31,7 @@ from schemathesis import GenerationMode
 from pool.actor import EngineSpec
 from pool.gateway import GatewaySettings, create_app
 from pool.gateway.server import BackgroundServer
+from pool.config import PoolConfig
 from pool.service import LivePool, ServedModel, slot_instances
 from scheduler import ModelProfile
 from tests.factories import LinearCosts
@@ -49,7 +50,7 @@ def served():
     instances = slot_instances(2, models, 1 << 30, roles=["prefill", "decode"])
     spec = EngineSpec("sim", {"costs": costs, "time_scale": 0, "kv_bytes": 1 << 30,
                               "kv_bytes_per_token": {n: 1000 for n in MODELS}})
-    pool = LivePool(models, instances, "token-level", costs, engine=spec, backend="threads").start()
+    pool = LivePool(models, instances, "token-level", costs, PoolConfig(engine=spec, backend="threads")).start()
     settings_ = GatewaySettings(owned_by="modelpool-sim", fingerprint="modelpool-sim", max_body_bytes=1 << 16)
     with BackgroundServer(create_app(pool, settings_)) as server:
         yield pool, server

@@ -15,6 +15,7 @@ from pool.engines.base import EngineError, GenRequest, OutOfKvMemory, SamplingPa
 from pool.engines.sim_engine import SIM_LABEL, PlaceholderTokenizer, SimEngine
 from pool.gateway import GatewaySettings, create_app
 from pool.gateway.server import BackgroundServer
+from pool.config import PoolConfig
 from pool.service import LivePool, ServedModel, served_model, slot_instances
 from scheduler import ModelProfile
 from tests.factories import LinearCosts
@@ -106,8 +107,9 @@ def sim_served(demo_models):
     instances = slot_instances(1, models, 1 << 30)
     spec = EngineSpec("sim", {"costs": SLOW_PREFILL, "kv_bytes": int(instances[0].memory_bytes),
                               "kv_bytes_per_token": {m.name: m.profile.kv_bytes_per_token for m in models}})
-    pool = LivePool(models, instances, "token-level", SLOW_PREFILL, engine=spec, backend="threads",
-                    max_queued_per_model=1, max_requests=2, retry_after_s=2.0).start()
+    pool = LivePool(models, instances, "token-level", SLOW_PREFILL,
+                    PoolConfig(engine=spec, backend="threads", max_queued_per_model=1, max_requests=2,
+                               retry_after_s=2.0)).start()
     settings = GatewaySettings(owned_by="modelpool-sim", fingerprint="modelpool-sim")
     with BackgroundServer(create_app(pool, settings)) as server:
         yield pool, server.url

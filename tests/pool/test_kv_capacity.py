@@ -151,11 +151,13 @@ def test_plan_kv_gives_the_scheduler_the_least_budget_every_model_allows_and_the
 
 def test_the_live_pool_plans_with_what_its_engines_report(demo_models, smollm2) -> None:
     from pool.actor import EngineSpec
+    from pool.config import PoolConfig
     from pool.service import LivePool
 
     models = [served_model("smollm2-135m", smollm2, dtype="float32")]
     pool = LivePool(models, slot_instances(1, models, 8 * MiB), "request-level", LinearCosts(),
-                    engine=EngineSpec("torch", {"dtype": "float32", "kv_bytes": 8 * MiB}), backend="threads")
+                    PoolConfig(engine=EngineSpec("torch", {"dtype": "float32", "kv_bytes": 8 * MiB}),
+                               backend="threads"))
     with pool:
         planned = pool.planned_instances[0]
         block = 16 * 2 * 30 * 3 * 64 * 4  # 720 KiB: a slab (at least 1 MiB) holds two

@@ -17,6 +17,7 @@ from pool.gateway import GatewaySettings, create_app
 from pool.gateway.prompts import chat_prompt_ids
 from pool.gateway.schemas import ChatCompletionRequest
 from pool.gateway.server import BackgroundServer
+from pool.config import PoolConfig
 from pool.service import LivePool
 
 KV_MIB = 10  # per instance: two of these requests' KV (the default, 128 MiB, holds over forty)
@@ -73,7 +74,7 @@ def watch(pool: LivePool, stop: threading.Event, seen: dict[str, float]) -> None
 def test_demo_pool_past_its_kv_capacity_completes_every_stream(demo_models, smollm2, monkeypatch, policy) -> None:
     monkeypatch.setenv("MODELPOOL_CACHE", str(smollm2.parent))
     dep = demo_deployment("torch", num_gpus=0, num_instances=None, kv_mib=KV_MIB)
-    pool = LivePool(dep.models, dep.instances, policy, dep.costs, engine=dep.engine, backend="threads")
+    pool = LivePool(dep.models, dep.instances, policy, dep.costs, PoolConfig(engine=dep.engine, backend="threads"))
     began = time.perf_counter()
     with pool:
         server = BackgroundServer(create_app(pool, GatewaySettings())).start()

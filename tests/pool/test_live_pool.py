@@ -10,6 +10,7 @@ import pytest
 
 from pool.actor import EngineSpec
 from pool.engines.base import SamplingParams
+from pool.config import PoolConfig
 from pool.service import LivePool, served_model, slot_instances
 from tests.factories import LinearCosts
 from tests.pool.fault_tools import Sink, wait_until
@@ -70,8 +71,9 @@ def test_three_models_share_one_instance_preempted_every_k_tokens(k: int, tiny, 
     engine = EngineSpec("torch", {"dtype": "float32", "kv_bytes": 2 * slab, "device_slab_bytes": slab})
     instances = slot_instances(1, models, 2 * slab)
     log = io.StringIO()
-    pool = LivePool(models, instances, "token-level", LinearCosts(), engine=engine,
-                    backend="inprocess", policy_options={"fixed_turn_steps": k}, plan_log=log)
+    pool = LivePool(models, instances, "token-level", LinearCosts(),
+                    PoolConfig(engine=engine, backend="inprocess", policy_options={"fixed_turn_steps": k}),
+                    plan_log=log)
     with pool:
         assert pool.planned_instances[0].kv_bytes == slab  # the scheduler plans with what the engine reports
         sinks = run_requests(pool)
@@ -91,7 +93,7 @@ def test_real_ray_two_instances_three_models(tiny, reference) -> None:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
     try:
         pool = LivePool(models, slot_instances(2, models, KV_BYTES), "request-level", LinearCosts(),
-                        engine=ENGINE, backend="ray")
+                        PoolConfig(engine=ENGINE, backend="ray"))
         with pool:
             sinks = run_requests(pool, timeout_s=300)
             # a sink has its last token before the controller retires the request: the pool empties just after

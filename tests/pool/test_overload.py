@@ -349,5 +349,5 @@ def test_serve_flags_set_the_admission_limits(monkeypatch, tmp_path, keep_loggin
     result = CliRunner().invoke(cli, ["serve", "--engine", "sim", "--fleet", str(fleet), "--no-warmup", *flags])
     assert result.exit_code == 0, result.output
     (gateway,) = gateways
-    assert (gateway.pool.max_queued_per_model, gateway.pool.max_requests) == (3, 9)
+    assert (gateway.pool.config.max_queued_per_model, gateway.pool.config.max_requests) == (3, 9)
     assert (gateway.settings.max_requests_per_model, gateway.settings.max_buffered_tokens) == (5, 77)

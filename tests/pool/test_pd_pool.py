@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from pool.config import PoolConfig
 from pool.service import LivePool, served_model, slot_instances
 from tests.factories import LinearCosts
 from tests.pool.test_live_pool import ENGINE, KV_BYTES, reference, run_requests, tiny  # noqa: F401
@@ -30,7 +31,8 @@ def test_prefill_and_decode_on_different_instances(backend: str, tiny, reference
     shm_before = _shm_files()
     try:
         pool = LivePool(models, slot_instances(2, models, KV_BYTES, roles=["prefill", "decode"]), "token-level",
-                        LinearCosts(), engine=ENGINE, backend=backend, policy_options={"fixed_turn_steps": 3},
+                        LinearCosts(),
+                        PoolConfig(engine=ENGINE, backend=backend, policy_options={"fixed_turn_steps": 3}),
                         plan_log=log)
         with pool:
             sinks = run_requests(pool, timeout_s=300)

@@ -11,6 +11,7 @@ import pytest
 from pool.actor import EngineSpec, start_actors
 from pool.engines.base import SamplingParams
 from pool.placement import Placements, PlacementTimeout
+from pool.config import PoolConfig
 from pool.service import LivePool, ServedModel
 from scheduler import InstanceSpec, ModelProfile
 from tests.factories import LinearCosts
@@ -47,8 +48,8 @@ SIM = EngineSpec("sim", {"costs": COSTS, "kv_bytes": 64 << 20, "kv_bytes_per_tok
 
 
 def tp2_pool(**options) -> LivePool:
-    return LivePool(MODELS, [InstanceSpec("tp0", 2, 2 * GB + 64e6)], "token-level", COSTS, engine=SIM,
-                    backend="ray", stats_interval_s=0.1, **options)
+    return LivePool(MODELS, [InstanceSpec("tp0", 2, 2 * GB + 64e6)], "token-level", COSTS,
+                    PoolConfig(engine=SIM, backend="ray", stats_interval_s=0.1, **options))
 
 
 def submit(pool: LivePool, tag: str, num_tokens: int = 200) -> dict[str, Sink]:

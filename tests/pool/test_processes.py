@@ -19,6 +19,7 @@ import pytest
 from pool.actor import EngineSpec
 from pool.engines.device import held_device_bytes
 from pool.procs import SHM_MIN_BYTES, ShmArray, _dumps_result
+from pool.config import PoolConfig
 from pool.service import LivePool, served_model, slot_instances
 from tests.factories import LinearCosts
 from tests.pool.fault_tools import NOTHING, allocated, outcomes, wait_until
@@ -29,8 +30,8 @@ from tests.pool.test_live_pool import ENGINE, KV_BYTES, tiny  # noqa: F401
 def local_pool(tiny, backend: str, num_instances: int = 2, roles=None, engine=ENGINE, **options) -> LivePool:  # noqa: F811
     models = [served_model(name, path, dtype="float32") for name, path in tiny.items()]
     return LivePool(models, slot_instances(num_instances, models, KV_BYTES, roles), "token-level", LinearCosts(),
-                    engine=engine, backend=backend, stats_interval_s=0.1, policy_options={"fixed_turn_steps": 4},
-                    **options)
+                    PoolConfig(engine=engine, backend=backend, stats_interval_s=0.1,
+                               policy_options={"fixed_turn_steps": 4}, **options))
 
 
 def test_processes_backend_serves_prefill_decode_split_with_identical_tokens(tiny, long_reference) -> None:  # noqa: F811
@@ -67,7 +68,7 @@ def test_killed_worker_process_is_a_lost_instance_and_comes_back(tiny, long_refe
 def test_worker_that_cannot_start_names_its_instance(tiny, tmp_path) -> None:  # noqa: F811
     models = [served_model(name, path, dtype="float32") for name, path in tiny.items()]
     pool = LivePool(models, slot_instances(1, models, KV_BYTES), "token-level", LinearCosts(),
-                    engine=ENGINE, backend="processes")
+                    PoolConfig(engine=ENGINE, backend="processes"))
     pool.models[models[0].name] = type(models[0])(models[0].name, tmp_path / "missing", models[0].profile)
     with pytest.raises(RuntimeError, match=r"instance slot0 failed to start"):
         pool.start()

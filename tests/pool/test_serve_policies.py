@@ -12,6 +12,7 @@ import pytest
 from modelpool.serve import demo_deployment, warm_up
 from pool.gateway import create_app
 from pool.gateway.server import BackgroundServer
+from pool.config import PoolConfig
 from pool.service import LivePool
 from scheduler import POLICIES
 
@@ -24,8 +25,9 @@ def test_the_demo_fleet_serves_real_text_under_every_policy(policy, smollm2, mon
     monkeypatch.setenv("MODELPOOL_CACHE", str(smollm2.parent))
     # dedicated gives every model an instance of its own (`--instances 4`); the others share serve's default two
     dep = demo_deployment("torch", num_gpus=0, num_instances=4 if policy == "dedicated" else None, kv_mib=None)
-    pool = LivePool(dep.models, dep.instances, policy, dep.costs, engine=dep.engine, backend="inprocess",
-                    policy_options=dep.policy_options, max_restarts=0, stats_interval_s=0.2)
+    pool = LivePool(dep.models, dep.instances, policy, dep.costs,
+                    PoolConfig(engine=dep.engine, backend="inprocess", policy_options=dep.policy_options,
+                               max_restarts=0, stats_interval_s=0.2))
     pool.start()
     try:
         warm_up(pool, timeout_s=120)

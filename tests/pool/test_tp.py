@@ -26,6 +26,7 @@ from pool.engines.base import GenRequest, SamplingParams
 from pool.engines.torch_engine import TorchEngineConfig
 from pool.engines.tp import RankLost, TpEngine, join_kv, rank_config, split_kv
 from pool.engines.weights import ModelImage
+from pool.config import PoolConfig
 from pool.service import LivePool, served_model, slot_instances
 from tests.factories import LinearCosts
 from tests.pool.fault_tools import NOTHING, allocated, homes, outcomes, wait_until
@@ -163,7 +164,7 @@ def test_tp2_prefill_and_decode_instances_in_the_live_pool(tiny, reference):  # 
     models = [served_model(name, path, dtype="float32", tp=2) for name, path in tiny.items()]
     log = io.StringIO()
     pool = LivePool(models, slot_instances(2, models, KV_BYTES, roles=["prefill", "decode"], tp=2), "token-level",
-                    LinearCosts(), engine=ENGINE, backend="threads", policy_options={"fixed_turn_steps": 3},
+                    LinearCosts(), PoolConfig(engine=ENGINE, backend="threads", policy_options={"fixed_turn_steps": 3}),
                     plan_log=log)
     with pool:
         sinks = run_requests(pool, timeout_s=300)
@@ -191,8 +192,9 @@ def test_a_dead_rank_fails_the_call_at_once_and_every_later_one(demo_models):
 
 def tp2_pool(tiny, backend: str) -> LivePool:  # noqa: F811
     models = [served_model(name, path, dtype="float32", tp=2) for name, path in tiny.items()]
-    return LivePool(models, slot_instances(2, models, KV_BYTES, tp=2), "token-level", LinearCosts(), engine=ENGINE,
-                    backend=backend, stats_interval_s=0.1, max_restarts=0, policy_options={"fixed_turn_steps": 4})
+    return LivePool(models, slot_instances(2, models, KV_BYTES, tp=2), "token-level", LinearCosts(),
+                    PoolConfig(engine=ENGINE, backend=backend, stats_interval_s=0.1, max_restarts=0,
+                               policy_options={"fixed_turn_steps": 4}))
 
 
 def kill_rank_mid_decode(pool: LivePool) -> tuple[str, set[str]]:

@@ -1,0 +1,56 @@
+"""How a live pool runs: its engine, where engine calls go, admission limits, restarts and timeouts.
+
+`PoolConfig` is everything `pool.service.LivePool` takes besides what it
+serves (models, instances, policy, cost model). `modelpool serve` builds one
+from its options (`modelpool.serve.pool_config`); tests and benchmarks build
+theirs directly. Frozen: a running pool's settings do not change under it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pool.actor import EngineSpec
+from pool.placement import DEFAULT_TIMEOUT_S as DEFAULT_PLACEMENT_TIMEOUT_S
+
+Backend = Literal["ray", "processes", "threads", "inprocess"]
+BACKENDS: tuple[str, ...] = get_args(Backend)
+
+
+class PoolConfig(BaseModel):
+    """The settings of one `LivePool` (every field has a default that suits tests on CPU)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+    engine: EngineSpec = Field(default_factory=EngineSpec,
+                               description="The engine each instance runs (torch | vllm | sim) and its options.")
+    backend: Backend = Field("ray", description="Where engine calls run: ray (an actor per instance), processes "
+                             "(an OS process per instance, no Ray), threads (a thread per instance in this process) "
+                             "or inprocess (each call as it is issued: tests).")
+    address: str | None = Field(None, description="Ray cluster to join (ray backend); None: an embedded one.")
+    policy_options: Mapping[str, Any] = Field(default_factory=dict,
+                                              description="Keyword options of the scheduling policy.")
+    poll_s: float = Field(0.002, gt=0, description="Seconds the loop waits for engine results when nothing changed.")
+    max_queued_per_model: int | None = Field(None, ge=1, description="Requests of one model that may wait for "
+                                             "their first token (QueueFull beyond: HTTP 429); None: no limit.")
+    max_requests: int | None = Field(None, ge=1, description="Requests in the pool at once (PoolBusy beyond: "
+                                     "HTTP 503); None: no limit.")
+    retry_after_s: float = Field(1.0, ge=0, description="What a refusal (PoolBusy, QueueFull) tells the client to "
+                                 "wait before trying again.")
+    stats_interval_s: float = Field(2.0, gt=0, description="Seconds between two stats() calls to each engine "
+                                    "(/pool/status, /metrics).")
+    num_recent_switches: int = Field(32, ge=0, description="Model switches /pool/status lists.")
+    max_restarts: int = Field(3, ge=0, description="Fresh engines per lost instance over the pool's life "
+                              "(0: a lost instance is written off).")
+    restart_timeout_s: float = Field(300.0, gt=0, description="A restart slower than this gives the instance up.")
+    call_timeout_s: float | None = Field(300.0, gt=0, description="An engine call unanswered this long means its "
+                                         "instance is hung: written off and restarted; None: wait for ever.")
+    devices: Mapping[str, str] = Field(default_factory=dict, description="Instance id -> torch device of its engine "
+                                       "(default: the engine options' device).")
+    gpu_share: float = Field(1.0, gt=0, le=1, description="Of a GPU each Ray actor asks for (0.5: two instances on "
+                             "one GPU).")
+    placement_timeout_s: float = Field(DEFAULT_PLACEMENT_TIMEOUT_S, gt=0, description="A tensor-parallel "
+                                       "instance's Ray placement group not placed by then fails its start.")
