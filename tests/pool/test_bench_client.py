@@ -19,6 +19,7 @@ pytest.importorskip("vllm")
 
 from pool.gateway import create_app  # noqa: E402
 from pool.gateway.server import BackgroundServer  # noqa: E402
+from pool.config import PoolConfig  # noqa: E402
 from pool.service import LivePool  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -46,8 +47,8 @@ def test_vllm_bench_at_1024_in_64_out_completes_every_request(smollm2: Path, dem
 
     monkeypatch.setenv("MODELPOOL_CACHE", str(smollm2.parent))
     dep = demo_deployment("torch", 0, None, None)
-    pool = LivePool(dep.models, dep.instances, "token-level", dep.costs, engine=dep.engine, backend="processes",
-                    policy_options=dep.policy_options).start()
+    pool = LivePool(dep.models, dep.instances, "token-level", dep.costs,
+                    PoolConfig(engine=dep.engine, backend="processes", policy_options=dep.policy_options)).start()
     try:
         with BackgroundServer(create_app(pool)) as server:
             result = bench(server.url, smollm2, tmp_path)

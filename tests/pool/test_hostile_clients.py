@@ -21,6 +21,7 @@ from pool.engines.sampling import OutputText
 from pool.gateway import GatewaySettings, create_app
 from pool.gateway.prompts import RequestLimits
 from pool.gateway.server import BackgroundServer
+from pool.config import PoolConfig
 from pool.service import LivePool, served_model, slot_instances
 from tests.factories import LinearCosts
 
@@ -35,8 +36,8 @@ def make_pool(demo_models: dict[str, Path], **limits) -> LivePool:
     models = [served_model(MODEL, demo_models[MODEL])]
     instances = slot_instances(1, models, 32 << 20)
     spec = EngineSpec("sim", {"costs": COSTS, "kv_bytes": int(instances[0].memory_bytes)})
-    return LivePool(models, instances, "token-level", COSTS, engine=spec, backend="threads", stats_interval_s=0.1,
-                    **limits)
+    return LivePool(models, instances, "token-level", COSTS,
+                    PoolConfig(engine=spec, backend="threads", stats_interval_s=0.1, **limits))
 
 
 def serve(demo_models: dict[str, Path], settings: GatewaySettings, **limits) -> Iterator[str]:

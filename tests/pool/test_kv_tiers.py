@@ -18,6 +18,7 @@ import pytest
 
 from pool.actor import EngineSpec
 from pool.engines.base import SamplingParams, TokenOut
+from pool.config import PoolConfig
 from pool.service import LivePool, served_model, slot_instances
 from tests.factories import LinearCosts
 
@@ -31,8 +32,8 @@ def test_more_requests_than_device_and_host_hold_all_finish_without_a_refusal(de
     kv = 2 * MiB  # four requests of 200 + 64 tokens
     spec = EngineSpec("torch", {"dtype": "float32", "kv_bytes": kv, "host_slab_bytes": 256 << 10,
                                 "max_host_kv_bytes": host_mib * MiB})
-    pool = LivePool([model], slot_instances(1, [model], kv), "token-level", LinearCosts(), engine=spec,
-                    backend="inprocess").start()
+    pool = LivePool([model], slot_instances(1, [model], kv), "token-level", LinearCosts(),
+                    PoolConfig(engine=spec, backend="inprocess")).start()
     assert pool.planned_instances[0].host_kv_bytes == host_mib * MiB  # the engine's report reaches the plan
     num_requests, max_tokens = 24, 64
     tokens: dict[str, int] = {}  # request -> tokens received
