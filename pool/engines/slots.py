@@ -53,6 +53,7 @@ class ModelSlots:
         self.sizes: dict[str, float] = {}  # model -> bytes, of every model asked for so far
         self.rule = SlotRule(capacity_bytes=region.numel(), model_bytes=self.sizes)
         self.placed: dict[str, Placement] = {}
+        self._images: dict[str, ModelImage] = {}  # the host image of each model copied in (a repack copies again)
         self._num_loads = 0
 
     @property
@@ -137,7 +138,11 @@ class ModelSlots:
             result = change()
             self._free_unheld()
             if image.name in rule.held() and image.name not in self.placed:
-                self._copy(image, self._offset(image.name, image.nbytes))
+                try:
+                    offset = self._offset(image.name, image.nbytes)
+                except _NoGap:
+                    offset = self._repack(image)
+                self._copy(image, offset)
         except (RefusedAction, EngineError) as err:
             rule.restore(before)
             raise EngineError(str(err)) from None
@@ -167,8 +172,26 @@ class ModelSlots:
             offset = -(-start // ALIGN_BYTES) * ALIGN_BYTES
             if offset + nbytes <= end:
                 return offset
-        raise EngineError(f"model {model!r} ({nbytes} bytes) finds no free gap in the model region beside "
-                          f"{ {m: (p.offset, p.nbytes) for m, p in self.placed.items()} }")
+        raise _NoGap(f"model {model!r} ({nbytes} bytes) finds no free gap in the model region beside "
+                     f"{ {m: (p.offset, p.nbytes) for m, p in self.placed.items()} }")
+
+    def _repack(self, image: ModelImage) -> int:
+        """The models held fit the region (the rule said so) but no gap holds `image`: the region is fragmented
+        (a plan's `keep` sets free models in any order). Place every model held again, packed from the region's
+        start (resident ones first), copying each in from its host image; returns the offset left for `image`.
+        Compute waits for the resident models' new copies (a cached one's activation waits for its own)."""
+        order = [m for m in self.rule.held() if m in self.placed]
+        self.placed.clear()
+        at = 0
+        for model in order:
+            self._copy(self._images[model], at)
+            if model in self.rule.resident:
+                self.streams.compute_waits(self.placed[model].ready)
+            at = -(-(at + self._images[model].nbytes) // ALIGN_BYTES) * ALIGN_BYTES
+        if at + image.nbytes > self.region_bytes:
+            raise EngineError(f"model {image.name!r} ({image.nbytes} bytes) does not fit the model region beside "
+                              f"{order} even packed ({at} of {self.region_bytes} bytes taken)")
+        return at
 
     def _copy(self, image: ModelImage, offset: int) -> None:
         weights = self.streams.weights
@@ -177,4 +200,9 @@ class ModelSlots:
             self.region[offset : offset + image.nbytes].copy_(image.buffer, non_blocking=True)
         self._num_loads += 1
         self.placed[image.name] = Placement(offset, image.nbytes, self.streams.record(weights), self._num_loads)
+        self._images[image.name] = image
         self.on_copy(image.nbytes)
+
+
+class _NoGap(EngineError):
+    """No free gap of the model region holds a model whose bytes fit (the region is fragmented)."""
