@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from pool.engines.base import EngineError, GenRequest, OutOfKvMemory, SamplingParams, TokenOut
 from pool.engines.device import BumpAllocator
-from pool.engines import torch_engine
+from pool.engines import step, torch_engine, warmup
 from pool.engines.kv import KvShape, device_pool, row_view
 from pool.engines.kvstore import padded_prefill_tokens, prefill_inputs, prefill_token_buckets
 from pool.engines.sampling import OutputText
@@ -207,7 +207,8 @@ def test_padded_prefill_changes_no_token_and_warms_every_bucket(demo_models, mon
         seen.append(len(inputs.token_ids))
         return inputs
 
-    monkeypatch.setattr(torch_engine, "prefill_inputs", spy)
+    for module in (step, warmup):  # the engine's prefills (Stepper) and its warm-up's (GraphSet)
+        monkeypatch.setattr(module, "prefill_inputs", spy)
     engine.warm_up()
     shapes = {(m.image.spec, m.image.dtype) for m in engine.residency.models.values()}
     assert sorted(seen) == sorted(prefill_token_buckets(150) * len(shapes))  # 16, 32, ..., 160 per shape
