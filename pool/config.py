@@ -43,8 +43,13 @@ class PoolConfig(BaseModel):
     stats_interval_s: float = Field(2.0, gt=0, description="Seconds between two stats() calls to each engine "
                                     "(/pool/status, /metrics).")
     num_recent_switches: int = Field(32, ge=0, description="Model switches /pool/status lists.")
-    max_restarts: int = Field(3, ge=0, description="Fresh engines per lost instance over the pool's life "
-                              "(0: a lost instance is written off).")
+    max_restarts: int = Field(3, ge=0, description="Fresh engines per lost instance within restart_window_s, "
+                              "each after a growing back-off (0: a lost instance is written off).")
+    restart_window_s: float = Field(600.0, gt=0, description="The window max_restarts counts in: the budget "
+                                    "refills as restarts leave it.")
+    heartbeat_timeout_s: float | None = Field(5.0, gt=0, description="An idle instance whose stats() call goes "
+                                              "unanswered this long is hung: written off, killed and replaced; "
+                                              "None: no heartbeat deadline.")
     restart_timeout_s: float = Field(300.0, gt=0, description="A restart slower than this gives the instance up.")
     call_timeout_s: float | None = Field(300.0, gt=0, description="An engine call unanswered this long means its "
                                          "instance is hung: written off and restarted; None: wait for ever.")

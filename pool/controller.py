@@ -74,7 +74,8 @@ class Controller:
         # a request in this many failed calls ends instead of resuming: it may be what kills the instances (a
         # request that crashes every engine it reaches would otherwise take the whole pool down, restarts and all)
         self.max_losses_per_request = max_losses_per_request
-        self._losses: Counter[str] = Counter()  # request id -> failed calls that carried it
+        self._losses: Counter[str] = Counter()  # request id -> failed calls that carried it, at one output step
+        self._loss_step: dict[str, int] = {}  # request id -> its produced tokens when such a call last failed
         # a request in this many refused calls ends: KV the scheduler plans and the engine refuses again and again
         self.max_refusals_per_request = max_refusals_per_request
         self._refusals: Counter[str] = Counter()  # request id -> refused calls that carried it
@@ -97,6 +98,7 @@ class Controller:
     def cancel(self, request_id: str, reason: str = "cancelled by client") -> None:
         live = self.requests.pop(request_id, None)
         self._losses.pop(request_id, None)
+        self._loss_step.pop(request_id, None)
         self._refusals.pop(request_id, None)
         if live is None or live.finished:
             return
@@ -142,6 +144,10 @@ class Controller:
             self._report(event)
         return heard or bool(events)
 
+    def busy_instances(self) -> set[str]:
+        """Instances with an engine call in flight (the pool's heartbeat judges only the others)."""
+        return {call.target for call in self._calls.values()}
+
     def lose(self, instance_id: str, reason: str, suspects: Iterable[str] = ()) -> None:
         """The instance is gone: its requests go back to the queue and resume elsewhere.
 
@@ -164,8 +170,10 @@ class Controller:
             if home is not None and home not in self.lost:
                 self._issue(None, home, calls.Release((rid,)))
         self.runners[instance_id].reset()
-        ended = {rid: f"it was in the failing call of {count} instances that were lost, the last {instance_id} "
-                      f"({reason})" for rid, count in self._strike(self._losses, suspects, self.max_losses_per_request)}
+        ended = {rid: f"it was in the failing call of {count} instances that were lost at the same step, the last "
+                      f"{instance_id} ({reason})"
+                 for rid, count in self._strike(self._losses, self._likely_causes(suspects),
+                                                self.max_losses_per_request)}
         for live in self.requests.values():
             placed = self.scheduler.request_view(live.request_id)
             if live.kv_home != instance_id:
@@ -181,6 +189,22 @@ class Controller:
         self._report(InstanceLost(instance_id, reason))
         for request_id, why in ended.items():
             self.fail(request_id, why)
+
+    def _likely_causes(self, suspects: Iterable[str]) -> list[str]:
+        """The suspects of a failed call, each one's count of such calls restarted unless it failed at the output
+        step it failed at last time: a request that crashes an engine does so where it stands, while one that
+        was only batched with it twice, having moved on in between, is a victim (it was failed as the cause)."""
+        out = []
+        for rid in suspects:
+            live = self.requests.get(rid)
+            if live is None:
+                continue
+            step = len(live.output_token_ids)
+            if self._loss_step.get(rid) != step:
+                self._loss_step[rid] = step
+                self._losses.pop(rid, None)
+            out.append(rid)
+        return out
 
     def _drop_export(self, live: LiveRequest) -> None:
         """Forget the KV a request carries; KV staged in its exporter's device memory is freed there."""
@@ -270,6 +294,7 @@ class Controller:
             self.scheduler.on_event(Cancelled(request_id, reason), self.clock.now())
         self._calls.clear()
         self._losses.clear()
+        self._loss_step.clear()
         self._refusals.clear()
 
     # ---- the tick ------------------------------------------------------------------
@@ -286,6 +311,7 @@ class Controller:
         for request_id, why in plan.failed:
             live = self.requests.pop(request_id, None)
             self._losses.pop(request_id, None)
+            self._loss_step.pop(request_id, None)
             self._refusals.pop(request_id, None)
             if live is not None and live.sink is not None:
                 live.sink(RequestFailed(why))
@@ -327,6 +353,7 @@ class Controller:
             for request_id in event.finished_ids:
                 self.requests.pop(request_id, None)
                 self._losses.pop(request_id, None)
+                self._loss_step.pop(request_id, None)
                 self._refusals.pop(request_id, None)
 
     def _deliver(self, live: LiveRequest, out: TokenOut) -> None:

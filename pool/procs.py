@@ -37,6 +37,7 @@ import numpy as np
 from pool.actor import EngineSpec
 from pool.backends import take_done
 from pool.calls import EngineCall
+from pool.engines.tp_files import remove_stores
 from pool.engines.base import EngineError
 from pool.errors import InstanceDied
 from pool.engines.timings import call_engine
@@ -310,6 +311,8 @@ def stop_worker(worker: _Worker, timeout_s: float = 30.0) -> None:
         worker.process.join(10)
     worker.alive = False
     worker.conn.close()
+    if not worker.process.is_alive() and worker.process.pid is not None:
+        remove_stores(worker.process.pid)  # a TP rank 0 killed before it closed leaves its rendezvous file
 
 
 class ProcessBackend:

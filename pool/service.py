@@ -51,7 +51,7 @@ from pool.clock import MonotonicClock
 from pool.config import PoolConfig
 from pool.controller import Controller
 from pool.engines.base import Engine, KvCapacity, SamplingParams, TokenOut
-from pool.errors import PoolBusy, PoolClosed, QueueFull
+from pool.errors import InstanceDied, PoolBusy, PoolClosed, QueueFull
 from pool.inbox import Cancel, InboxMessage, Restored, Submit, Wake
 from pool.restarts import Restarts
 from pool.runner import LiveRequest
@@ -66,6 +66,7 @@ __all__ = ["LivePool", "ModelInfo", "PoolBusy", "PoolClosed", "QueueFull", "Serv
 log = logging.getLogger("modelpool.pool")
 
 TICK_FALLBACK_S = 0.05  # schedule() at least this often with nothing new (call timeouts, time-based decisions)
+RETIRE_GRACE_S = 2.0  # a lost engine's process may close itself this long before it is killed
 STATUS_INTERVAL_S = 0.01  # /pool/status is refreshed this often while the pool is busy
 
 
@@ -118,6 +119,8 @@ class LivePool:
         self.recent_switches: deque[dict[str, Any]] = deque(maxlen=config.num_recent_switches)
         self.engine_stats: dict[str, dict[str, Any]] = {}
         self._stats_calls: dict[int, str] = {}  # backend handle -> instance of a stats() call in flight
+        self._heartbeat_from: dict[str, float] = {}  # instance -> since when its stats() answer is due (idle)
+        self.num_missed_heartbeats = 0
         self._stats_at = float("-inf")
         self._status_at = float("-inf")
         self._tick_at = float("-inf")
@@ -133,6 +136,7 @@ class LivePool:
         ids = [spec.instance_id for spec in self.instances]
         self._epoch += 1
         self._inbox, self._held, self._stats_calls, self.engine_stats = queue.SimpleQueue(), [], {}, {}
+        self._heartbeat_from = {}
         self._stats_at = float("-inf")
         self._placements = Placements()
         self.restarts = self._restarts()
@@ -245,6 +249,21 @@ class LivePool:
     def ready(self) -> bool:
         """True while the loop runs and takes requests."""
         return self._running and self._thread is not None and self._thread.is_alive()
+
+    def unservable_models(self, *, now: bool) -> list[str]:
+        """Models no instance can serve: with `now`, none is up this moment; else none is up or coming back (a
+        restart under way or budget left to start one). Every model while the pool does not run."""
+        if not self.ready or self.controller is None:
+            return sorted(self.models)
+        lost, restarts = set(self.controller.lost), self.restarts
+        coming = {iid for iid in lost if iid in restarts.pending or restarts.budget_left(iid) > 0}
+        out = []
+        for name, model in self.models.items():
+            roles = {spec.role for spec in self.instances if spec.tp == model.profile.tp
+                     and (spec.instance_id not in lost or (not now and spec.instance_id in coming))}
+            if not ({"prefill", "mixed"} & roles and {"decode", "mixed"} & roles):
+                out.append(name)
+        return out
 
     # ---- what is served ---------------------------------------------------------------------
     def model_infos(self) -> list[ModelInfo]:
@@ -374,7 +393,9 @@ class LivePool:
         TP instance's placement group replaced in `placements`, its run's)."""
         if self.config.backend != "ray":
             retire = getattr(self._backend, "retire", None)
-            if retire is not None and not retire(instance_id, timeout_s=min(60.0, self.config.restart_timeout_s)):
+            # a short grace, then the kill: a lost engine's state is not trusted, and a hung one never answers
+            # (waiting up to 60 s for it made a replacement after a hang take 81 s)
+            if retire is not None and not retire(instance_id, timeout_s=min(RETIRE_GRACE_S, self.config.restart_timeout_s)):
                 log.warning("instance %s: the lost engine is still in a call; its memory is not free yet", instance_id)
             if self.config.backend == "processes":
                 return start_workers({instance_id: self._engine_spec(instance_id)}, self._paths(),
@@ -400,7 +421,8 @@ class LivePool:
     def _restarts(self) -> Restarts:
         epoch, placements = self._epoch, self._placements
         return Restarts(lambda iid: self._rebuild(iid, placements),
-                        lambda iid, replacement: self._rebuilt(iid, replacement, epoch), self.config.max_restarts)
+                        lambda iid, replacement: self._rebuilt(iid, replacement, epoch), self.config.max_restarts,
+                        window_s=self.config.restart_window_s)
 
     def _rebuilt(self, instance_id: str, replacement: Any, epoch: int) -> None:
         """A restart thread's outcome: to the loop of the run it was started for, or (stale) away."""
@@ -447,7 +469,7 @@ class LivePool:
                 changed = self._drain(controller)
                 for handle, result in backend.poll(0.0 if changed else self.config.poll_s):
                     if handle in self._stats_calls:
-                        self._got_stats(self._stats_calls.pop(handle), result)
+                        changed |= self._got_stats(controller, self._stats_calls.pop(handle), result)
                     else:
                         changed |= controller.complete(handle, result)
                 if controller.lost:
@@ -463,6 +485,7 @@ class LivePool:
                     self._tally(controller.tick())
                     self._tick_at = now
                 self._ask_stats(controller)
+                changed |= self._check_heartbeats(controller, now)
                 busy = changed or bool(getattr(backend, "in_flight", 0))
                 if not busy or now - self._status_at >= STATUS_INTERVAL_S:
                     self._status, self._status_at = self._snapshot(controller), now
@@ -532,6 +555,10 @@ class LivePool:
             return
         self._stats_at = now
         asked = set(self._stats_calls.values())
+        for handle, iid in list(self._stats_calls.items()):  # a written-off instance's call may never return
+            if iid in controller.lost:
+                del self._stats_calls[handle]
+                asked.discard(iid)
         for spec in self.instances:
             iid = spec.instance_id
             if iid not in asked and iid not in controller.lost:
@@ -540,10 +567,41 @@ class LivePool:
                 except Exception:  # an actor already gone; the controller hears of it elsewhere
                     log.debug("stats call to %s failed", iid, exc_info=True)
 
-    def _got_stats(self, instance_id: str, result: Any) -> None:
+    def _got_stats(self, controller: Controller, instance_id: str, result: Any) -> bool:
+        """A stats() answer (the instance's heartbeat); an instance that died shows here even while idle (before,
+        the error was dropped: status showed it up and the next request paid the whole restart). True when
+        the instance was written off."""
+        self._heartbeat_from.pop(instance_id, None)
+        if isinstance(result, InstanceDied) and instance_id not in controller.lost:
+            log.error("instance %s died: %s", instance_id, result)
+            controller.lose(instance_id, f"its engine died: {result}")
+            return True
         if isinstance(result, BaseException) or not dataclasses.is_dataclass(result):
-            return
+            return False
         self.engine_stats[instance_id] = {**dataclasses.asdict(result), "at": round(time.time(), 3)}  # type: ignore[arg-type]
+        return False
+
+    def _check_heartbeats(self, controller: Controller, now: float) -> bool:
+        """Write off an idle instance whose stats() call has gone unanswered for `heartbeat_timeout_s` (hung: its
+        replacement kills it, `_rebuild`). The clock starts when the call was made or, if later, when the
+        instance's last engine call ended: a stats() call queued behind a long prefill is not late."""
+        timeout = self.config.heartbeat_timeout_s
+        if timeout is None or not self._stats_calls:
+            return False
+        busy, pending = controller.busy_instances(), set(self._stats_calls.values())
+        lost = False
+        for iid in pending:
+            if iid in busy or iid in controller.lost:
+                self._heartbeat_from.pop(iid, None)
+                continue
+            since = self._heartbeat_from.setdefault(iid, now)
+            if now - since > timeout:
+                self.num_missed_heartbeats += 1
+                log.error("instance %s: no heartbeat for %.1f s while idle; writing it off", iid, now - since)
+                controller.lose(iid, f"no heartbeat (stats) answer within {timeout:g} s while idle")
+                self._heartbeat_from.pop(iid, None)
+                lost = True
+        return lost
 
     def _snapshot(self, controller: Controller) -> dict[str, Any]:
         sched = controller.scheduler

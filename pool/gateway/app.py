@@ -102,9 +102,23 @@ class Gateway:
                           self.created)
 
     def health(self) -> Response:
-        if self.pool.ready:
+        """200 while the pool can serve every model now or once a restart under way (or due) is done; else 503
+        naming the models it cannot (with every instance of a model lost for good it answered 200 while every
+        request got 503, and a load balancer kept sending traffic)."""
+        return self._serving(self.pool.unservable_models(now=False), "health")
+
+    def readiness(self) -> Response:
+        """200 only while every model has an instance up this moment (a restart under way: not ready)."""
+        return self._serving(self.pool.unservable_models(now=True), "ready")
+
+    def _serving(self, missing: list[str], what: str) -> Response:
+        if not missing:
             return JSONResponse({"status": "ok"})
-        return unavailable("the pool is not running", self.settings.unavailable_retry_after_s).response()
+        if not self.pool.ready:
+            message = "the pool is not running"
+        else:
+            message = f"no instance can serve {', '.join(missing)}" + (" now" if what == "ready" else "")
+        return unavailable(message, self.settings.unavailable_retry_after_s).response()
 
     def status(self) -> dict[str, Any]:
         infos = {i.name: {"max_model_len": i.max_model_len} for i in self.pool.model_infos()}
@@ -321,6 +335,10 @@ def create_app(pool: LivePool, settings: GatewaySettings | None = None) -> FastA
     @app.get("/health", tags=["ops"])
     async def health() -> Response:
         return gateway.health()
+
+    @app.get("/ready", tags=["ops"])
+    async def ready() -> Response:
+        return gateway.readiness()
 
     @app.get("/metrics", tags=["ops"])
     async def metrics() -> Response:

@@ -449,6 +449,19 @@ def test_a_request_that_crashes_every_engine_ends_instead_of_taking_the_pool_dow
     assert len(finished) >= len(sinks) - 3
 
 
+def test_a_request_in_two_crashes_at_different_steps_is_a_victim_not_the_cause(tiny, reference) -> None:  # noqa: F811
+    """Two instances lost, each in a call that carried the same request: failed as the cause only when it stood
+    at the same output step both times (a request that moved on in between was only batched with the cause)."""
+    controller, backend, clock, scheduler, sinks = in_process(tiny, None, "request-level")
+    victim, cause = "tiny-llama-0", "tiny-llama-1"
+    controller.lose("slot0", "a test's crash", [victim, cause])
+    controller.requests[victim].output_token_ids.append(7)  # the victim produced a token in between
+    controller.lose("slot1", "a test's second crash", [victim, cause])
+    assert isinstance(sinks[("tiny-llama", 1)].error, RequestFailed)
+    assert "at the same step" in str(sinks[("tiny-llama", 1)].error)
+    assert sinks[("tiny-llama", 0)].error is None and victim in controller.requests
+
+
 @pytest.mark.slow
 def test_a_live_actor_whose_engine_fails_is_replaced_and_a_poison_request_ends(tiny, long_reference,  # noqa: F811
                                                                                ray_cluster) -> None:

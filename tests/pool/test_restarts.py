@@ -44,6 +44,29 @@ def test_rebuilds_stop_at_max_restarts_and_the_last_error_is_delivered() -> None
     assert r.given_up == {"slot0"} and len(calls) == 3 and delivered.empty()
 
 
+def test_the_restart_budget_refills_over_its_window_with_backoff_between_restarts() -> None:
+    """Ray Serve / Kubernetes style: at most max_restarts within any window, each after a growing back-off; an
+    instance out of budget comes back once its oldest restart has left the window (a fixed budget for the
+    server's life left an engine with none after a long soak)."""
+    now = [0.0]
+    delivered: queue.SimpleQueue = queue.SimpleQueue()
+    r = Restarts(lambda iid: f"engine of {iid}", lambda iid, what: delivered.put((iid, what)), max_restarts=3,
+                 window_s=100.0, backoff_s=0.01, max_backoff_s=0.02, clock=lambda: now[0])
+    for k in range(3):
+        now[0] += 1.0
+        r.watch(["slot0"])
+        assert delivered.get(timeout=10) == ("slot0", "engine of slot0")
+        r.done("slot0", True)
+    assert r.waited_s == [0.0, 0.01, 0.02]  # none, then doubling, capped
+    now[0] += 1.0
+    r.watch(["slot0"])  # a fourth loss within the window: no budget
+    assert r.given_up == {"slot0"} and r.budget_left("slot0") == 0 and delivered.empty()
+    now[0] = 101.5  # the first restart (at 1 s) has left the window
+    r.watch(["slot0"])
+    assert delivered.get(timeout=10) == ("slot0", "engine of slot0") and "slot0" not in r.given_up
+    assert r.num_restarts["slot0"] == 4
+
+
 def test_no_retry_once_the_pool_stopped() -> None:
     r, delivered, calls = restarts([RuntimeError("no room"), "never built"], max_restarts=3)
     r.close()

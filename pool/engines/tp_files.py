@@ -1,0 +1,34 @@
+"""The files a tensor-parallel instance's ranks meet through, and removing those a killed process left.
+
+Rank 0's process names its rendezvous file (a `torch.distributed.FileStore`
+in /dev/shm) after its pid and removes it when its engine closes. A process
+killed first (a crash, a fault test, a hung instance's replacement) cannot:
+earlier test runs left `modelpool-tp-*` files behind. The process that
+started it removes them once it is gone (`pool.procs.stop_worker`).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+
+def store_stem(pid: int) -> str:
+    """Where the rendezvous files of TP instances whose rank 0 runs in process `pid` start (in /dev/shm when
+    there is one). `close()` removes its own; the process that started `pid` removes what a killed one left
+    (`remove_stores`)."""
+    folder = Path("/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir())
+    return str(folder / f"modelpool-tp-{pid}-")
+
+
+def remove_stores(pid: int) -> int:
+    """Remove the rendezvous files process `pid` left (it is gone: killed before its engines closed); how many."""
+    stem = Path(store_stem(pid))
+    removed = 0
+    for path in stem.parent.glob(stem.name + "*"):
+        try:
+            path.unlink()
+            removed += 1
+        except FileNotFoundError:
+            pass
+    return removed
