@@ -1,7 +1,7 @@
 """Hostile clients (issue 37): nothing a client sends may stall the server, and limits answer like vLLM's.
 
-A sim-engine pool behind a real uvicorn on 127.0.0.1; the models are the demo
-folders, so requests are tokenised and chat templates rendered as in a real
+A torch-engine pool (tiny-llama, in process) behind a real uvicorn on
+127.0.0.1: requests are tokenised and chat templates rendered as in a real
 serve. Each test is one attack from the issue's hostile pass.
 """
 
@@ -33,11 +33,10 @@ LOOPING_TEMPLATE = "{% for a in range(100000) %}{% for b in range(100000) %}{{ '
 
 
 def make_pool(demo_models: dict[str, Path], **limits) -> LivePool:
-    models = [served_model(MODEL, demo_models[MODEL])]
-    instances = slot_instances(1, models, 32 << 20)
-    spec = EngineSpec("sim", {"costs": COSTS, "kv_bytes": int(instances[0].memory_bytes)})
-    return LivePool(models, instances, "token-level", COSTS,
-                    PoolConfig(engine=spec, backend="threads", stats_interval_s=0.1, **limits))
+    models = [served_model(MODEL, demo_models[MODEL], dtype="float32")]
+    spec = EngineSpec("torch", {"dtype": "float32", "kv_bytes": 32 << 20})
+    return LivePool(models, slot_instances(1, models, 32 << 20), "token-level", COSTS,
+                    PoolConfig(engine=spec, backend="inprocess", stats_interval_s=0.1, **limits))
 
 
 def serve(demo_models: dict[str, Path], settings: GatewaySettings, **limits) -> Iterator[str]:
