@@ -65,7 +65,9 @@ def plan_memory(spec: InstanceSpec, models: Sequence[ModelProfile], num_decode: 
     biggest = max((m.weight_bytes for m in models), default=0.0)
     if spec.kv_bytes is not None:
         weights = spec.weight_bytes if spec.weight_bytes is not None else spec.memory_bytes - spec.kv_bytes
-        return MemoryPlan(spec.kv_bytes, max(weights, 0.0), "KV region reported by the engine")
+        # an engine serves every model of its class, so its model memory holds the largest at least (the sim
+        # engine reports a region sized from its own costs, which the fleet's estimate may exceed)
+        return MemoryPlan(spec.kv_bytes, max(weights, biggest), "KV region reported by the engine")
     floor = max((m.kv_bytes_per_token * kv_need_tokens(m, m.max_context) for m in models), default=0.0)
     most = spec.memory_bytes - biggest
     if spec.role == "prefill":
