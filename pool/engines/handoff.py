@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from pool.engines.base import ArenaRef
+from pool.engines.weights_keeper import alive
 
 ALIGN = 512  # bytes; regions start aligned (vectorised copies)
 _SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
@@ -126,7 +127,7 @@ def close_orphans() -> None:
 
 def _close_orphans() -> None:
     for key, (pid, _) in list(_OPEN.items()):
-        if pid != os.getpid() and not _alive(pid):
+        if pid != os.getpid() and not alive(pid):
             del _OPEN[key]
 
 
@@ -136,16 +137,6 @@ def staged_view(ref: ArenaRef, offset: int, dtype: torch.dtype, shape: tuple[int
     if offset < 0 or offset + nbytes > ref.nbytes:
         raise ValueError(f"staged KV at {offset}+{nbytes} is outside arena {ref.key} ({ref.nbytes} bytes)")
     return open_arena(ref)[offset : offset + nbytes].view(dtype).view(shape)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _forget(key: str) -> None:
