@@ -117,7 +117,8 @@ NOISE_SCALE = 0.01  # the floor's perturbation: the live pool's prefill 1% slowe
 
 def noise_floor(fleet: Path, trace_path: Path, profile: Path | str, sim: dict[str, Any],
                 scale: float = NOISE_SCALE, cpu: bool = False, planned_with: Path | str | None = None) -> dict[str, Any]:
-    """The simulator against itself with its prefill `scale` slower and faster (eff_compute / (1 +- scale)):
+    """The simulator against itself with its prefill `scale` slower and faster (eff_compute / (1 +- scale), its
+    fixed prefill times * (1 +- scale)):
     per-request ratios a cost model no better than that cannot beat. Near saturation a request's round of its
     model's group prefill, and its turn, hang on small timing differences: if a 1% change moves the per-request
     p90 ratio to 2, a live/sim p90 of 2 says nothing about the terms."""
@@ -130,7 +131,11 @@ def noise_floor(fleet: Path, trace_path: Path, profile: Path | str, sim: dict[st
     base = load_profile(profile)
     out = {}
     for sign, label in ((1, "slower"), (-1, "faster")):
-        terms = base.terms.model_copy(update={"eff_compute": min(1.0, base.terms.eff_compute / (1 + sign * scale))})
+        factor = 1 + sign * scale  # every prefill term: its compute rate and its fixed, per-layer, per-request times
+        terms = base.terms.model_copy(update={
+            "eff_compute": min(1.0, base.terms.eff_compute / factor),
+            **{name: getattr(base.terms, name) * factor
+               for name in ("prefill_fixed_s", "prefill_layer_s", "prefill_request_s")}})
         path = Path(tempfile.mkdtemp(prefix="floor-")) / "profile.json"
         path.write_text(json.dumps(base.model_copy(update={"terms": terms}).model_dump(mode="json")))
         other = simulate_live_layout(fleet, trace_path, path, cpu=cpu, planned_with=planned_with or profile)

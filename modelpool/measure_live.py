@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pool.config import PoolConfig
 from pool.engines.base import GenRequest, SamplingParams, TokenOut
 from pool.engines.sim_engine import SimEngine
 from pool.served import ServedModel
@@ -108,7 +109,7 @@ def measure_host(probes: int = 20, batches: Sequence[int] = (1, 4, 16), tokens: 
     instance = InstanceSpec("host0", 1, float(1 << 31), "mixed")
     engine.load(MODEL, None)
     pool = _GivenEnginePool(engine, [ServedModel(MODEL, Path("zero-time") / MODEL, profile)], [instance],
-                            "request-level", costs, backend="threads")
+                            "request-level", costs, PoolConfig(backend="threads"))
     client, counter = _Client(), [0]
 
     def submit(max_tokens: int) -> str:

@@ -309,7 +309,9 @@ def test_the_simulators_switches_and_decode_steps_by_model_add_up_to_its_totals(
     for iid, per in sim["per_instance"].items():
         times = sim["switch_times"][iid]
         assert sum(m["n"] for m in times.values()) == per["num_switches"] > 0
-        assert sum(m["n"] * m["mean_ms"] for m in times.values()) == pytest.approx(1e3 * per["switch_s"], rel=1e-3)
+        # each model's mean is rounded to 0.1 ms
+        assert sum(m["n"] * m["mean_ms"] for m in times.values()) == pytest.approx(
+            1e3 * per["switch_s"], abs=0.05 * per["num_switches"] + 1e-6)
         # its decode steps by model and batch bucket (beside the live engine's decode_timings_by_model)
         buckets = [b for m in sim["decode_by_model"][iid].values() for b in m.values()]
         assert sum(b["steps"] for b in buckets) == per["decode_steps"] > 0
