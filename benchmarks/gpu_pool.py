@@ -6,7 +6,7 @@
 What it does, as a new user would:
 1. builds random-weight models of real shapes (Qwen2.5 1.5B/3B/7B; `--tiny`: a few MB) as folders with a
    config, a tokenizer and `random_weights.json` (the engine generates the weights; nothing is downloaded),
-   and a fleet file for them (`gpu: h200`);
+   and a fleet file for them (`gpu:` this machine's GPU type, e.g. h200 or h100);
 2. starts `modelpool serve --fleet ...` with the default layout for one GPU (token-level: one prefill and
    one decode instance sharing it) on the chosen backend;
 3. replays a Poisson trace over the models (prompt and output lengths uniform, `ignore_eos`) through the
@@ -81,6 +81,13 @@ def build_models(folder: Path, fleet: list[tuple[str, str]], gpu: str, num_gpus:
     path = folder / "fleet.yaml"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def this_gpu() -> str:
+    """The catalogue key of this machine's GPU 0 (h100, h200, ...): the fleet's memory plan is cut from it."""
+    from modelpool.serve import gpu_key
+
+    return gpu_key(None)
 
 
 def make_trace(models: list[str], rate: float, duration_s: float, prompt: tuple[int, int], output: tuple[int, int],
@@ -456,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     args.prompt = tuple(args.prompt or ((20, 200) if args.tiny else (200, 2000)))
     args.output = tuple(args.output or ((8, 32) if args.tiny else (64, 512)))
     args.out.mkdir(parents=True, exist_ok=True)
-    fleet = build_models(args.out / "models", TINY_FLEET if args.tiny else FLEET, "cpu" if args.tiny else "h200",
+    fleet = build_models(args.out / "models", TINY_FLEET if args.tiny else FLEET, "cpu" if args.tiny else this_gpu(),
                          args.gpus)
     device = "cpu" if args.tiny else "cuda"
     summary: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M"), "argv": sys.argv[1:], "runs": []}

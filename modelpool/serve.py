@@ -248,6 +248,7 @@ def fleet_deployment(fleet_path: Path, engine: str, num_gpus: int, num_instances
     step_kv = handoff_bytes(fleet.pool.max_prefill_tokens, models) // HANDOFF_BATCHES
     weights: int | None = None
     if num_gpus:
+        check_gpu_memory(fleet.pool.gpu, fleet.gpu().memory_gb, fleet_path)
         usable = int(fleet.gpu().memory_gb * 1e9 * fleet.pool.gpu_memory_utilization)
         per_gpu = round(1 / share)
         num_staging = max(Counter(devices[iid] for iid in staging).values(), default=0) if engine == "torch" else 0
@@ -396,6 +397,36 @@ def gpu_key(given: str | None, device_name: Callable[[], str] | None = None) -> 
     raise typer.BadParameter(f"GPU {name!r} is not in the catalogue (known: {known}); give --gpu KEY to cost the "
                              "demo as one of them, or serve a fleet file whose `gpus:` describes it",
                              param_hint="--gpu")
+
+
+def check_gpu_memory(gpu: str, memory_gb: float, fleet_path: Path,
+                     device: Callable[[], tuple[str, int] | None] | None = None) -> None:
+    """Refuse a fleet whose `pool: gpu:` has more memory than this machine's GPU 0 (`device`: its name and
+    total bytes, None where this process sees no CUDA device): the memory plan (weights, KV, arenas) is cut
+    from the fleet's GPU, and on a smaller card the engines would run out of memory part-way through start-up
+    (a fleet for an h200 on an H100 did: the weights keeper's region no longer fit)."""
+    found = (device or _cuda_device)()
+    if found is None:
+        return
+    name, total = found
+    if memory_gb * 1e9 > total * 1.02:
+        try:
+            hint = f"set `pool: gpu:` to this GPU's type ({gpu_key(None, lambda: name)!r})"
+        except typer.BadParameter:
+            hint = "describe this GPU in the fleet's `gpus:`"
+        raise typer.BadParameter(f"{fleet_path}: pool.gpu is {gpu!r} ({memory_gb:g} GB), but this machine's GPU 0 "
+                                 f"is {name} with {total / 1e9:.1f} GB: the memory plan would not fit it; {hint}",
+                                 param_hint="--fleet")
+
+
+def _cuda_device() -> tuple[str, int] | None:
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    return str(torch.cuda.get_device_name(0)), int(torch.cuda.get_device_properties(0).total_memory)
 
 
 def _cuda_device_name() -> str:
