@@ -85,7 +85,7 @@ def build_models(folder: Path, fleet: list[tuple[str, str]], gpu: str, num_gpus:
 
 def this_gpu() -> str:
     """The catalogue key of this machine's GPU 0 (h100, h200, ...): the fleet's memory plan is cut from it."""
-    from modelpool.serve import gpu_key
+    from modelpool.gpus import gpu_key
 
     return gpu_key(None)
 

@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_pool_sim.py RUN.json... --profile PROFILE   # live runs against the simulator, side by side
 
-The layout is the one `modelpool serve` builds for one GPU (`modelpool.serve.fleet_deployment`), both
+The layout is the one `modelpool serve` builds for one GPU (`modelpool.deploy.fleet_deployment`), both
 instances on GPU 0 so that their copies share its host link; the cost model is the roofline with a
 calibration profile (default: the shipped h200-cudagraph one; `modelpool calibrate` writes others).
 """
@@ -34,7 +34,7 @@ def simulate_live_layout(fleet_path: Path, trace_path: Path, profile: Path | str
     scheduler plans with `planned_with` (the profile the live pool served with: its turn quotas and group sizes
     came from that one's costs; default: `profile`)."""
     from modelpool.config import load_fleet
-    from modelpool.serve import fleet_deployment
+    from modelpool.deploy import fleet_deployment
     import io
 
     from benchmarks.gpu_pool_calls import plan_summary, prefill_rounds, switch_summary

@@ -27,6 +27,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from modelpool.extras import SERVE_EXTRA
+
 console = Console()
 
 
@@ -44,8 +46,7 @@ def calibrate_command(
         from modelpool.measure import Calibration, plan_for, shapes_for
         from modelpool.measure_live import measure_host
     except ModuleNotFoundError as exc:  # a planner's install: no serve extra
-        _fail(f"modelpool calibrate runs the engine and needs {exc.name}, not installed here: "
-              f"pip install 'modelpool[serve]'")
+        _fail(f"modelpool calibrate runs the engine and needs {exc.name}, not installed here: {SERVE_EXTRA}")
     cuda = device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
         _fail(f"--device {device}: torch sees no CUDA device here (torch {torch.__version__}); use --device cpu")

@@ -8,7 +8,6 @@ to `--out`: report.html (self-contained), report.md, report.json and CSVs.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shlex
@@ -24,6 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from modelpool.config import FleetFileError, load_fleet
+from modelpool.extras import installed
 
 console = Console()
 POLICIES = "dedicated,request-level,spatial,token-level"
@@ -204,7 +204,7 @@ def run_study(ctx: Any, config: Any, address: str | None, workers: int | None) -
             bar.update(task, total=stats.submitted, completed=stats.evaluated,
                        description=f"searching ({done} class answers)")
 
-        if workers is None and address is None and not ray_installed():
+        if workers is None and address is None and not installed("ray"):
             console.print("Ray is not installed: every simulation runs in this process (pip install "
                           "'modelpool[ray]' spreads them over this machine's cores or a cluster)")
             workers = 0
@@ -221,13 +221,6 @@ def run_study(ctx: Any, config: Any, address: str | None, workers: int | None) -
     return result
 
 
-def ray_installed() -> bool:
-    try:
-        return importlib.util.find_spec("ray") is not None
-    except ImportError:  # a broken install, or a test's import blocker
-        return False
-
-
 class RayWorkers:
     """An Evaluator over Ray tasks; the context goes to the object store once."""
 
@@ -237,7 +230,7 @@ class RayWorkers:
         self.nodes: Counter[str] = Counter()  # Ray node id -> simulations it ran
 
     def __enter__(self) -> RayWorkers:
-        if not ray_installed():
+        if not installed("ray"):
             raise ValueError("--workers/--address run the simulations on Ray, which is not installed: "
                              "pip install 'modelpool[ray]', or --workers 0 to run them in this process")
         import ray

@@ -146,7 +146,7 @@ def sim_layout(fleet_path: Path, num_gpus: int, profile: str | None) -> SimLayou
     """The layout `modelpool serve` builds for this fleet on `num_gpus` GPUs (CPU slots when 0), costed by
     `profile` (default: the cost model's own)."""
     from modelpool.config import load_fleet
-    from modelpool.serve import fleet_deployment
+    from modelpool.deploy import fleet_deployment
     from sims.costmodel import RooflineCostModel
     from sims.profiles import load_profile
 
@@ -282,7 +282,7 @@ def machine() -> tuple[int, str, str]:
     names = [name.strip() for name in listed if name.strip()]
     if not names:
         return 0, "h200", "cpu (tiny shapes; costed as an h200 unless the profile describes this CPU)"
-    from modelpool.serve import gpu_key
+    from modelpool.gpus import gpu_key
 
     return 1, gpu_key(None, lambda: names[0]), names[0]
 

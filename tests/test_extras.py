@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from modelpool.serve import SERVE_PACKAGES
+from modelpool.extras import SERVE_PACKAGES
 from tests.sims.test_capacity import TINY_FLEET
 
 REPO = Path(__file__).resolve().parents[1]

@@ -8,7 +8,7 @@ import pathlib
 import pytest
 
 from modelpool.layout import LayoutError, layout_roles
-from modelpool.serve import fleet_deployment
+from modelpool.deploy import fleet_deployment
 
 
 def _report(tmp_path: pathlib.Path) -> pathlib.Path:

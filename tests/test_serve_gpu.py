@@ -7,7 +7,7 @@ import typer
 from typer.testing import CliRunner
 
 from modelpool.cli import app
-from modelpool.serve import gpu_key
+from modelpool.gpus import gpu_key
 
 
 def test_a_detected_gpu_maps_to_its_catalogue_key() -> None:
@@ -41,7 +41,7 @@ def test_a_fleet_for_a_bigger_gpu_than_this_one_is_refused_before_anything_start
     part-way through start-up, so serve refuses it naming both GPUs and the key to use."""
     from pathlib import Path
 
-    from modelpool.serve import check_gpu_memory
+    from modelpool.gpus import check_gpu_memory
 
     h100 = ("NVIDIA H100 80GB HBM3", int(79.18 * 2**30))
     with pytest.raises(typer.BadParameter, match=r"fleet.yaml: pool.gpu is 'h200' \(141 GB\), but this machine's "

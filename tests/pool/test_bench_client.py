@@ -43,7 +43,7 @@ def bench(url: str, tokenizer: Path, result_dir: Path) -> dict:
 
 def test_vllm_bench_at_1024_in_64_out_completes_every_request(smollm2: Path, demo_models, monkeypatch,
                                                                 tmp_path: Path) -> None:
-    from modelpool.serve import demo_deployment
+    from modelpool.deploy import demo_deployment
 
     monkeypatch.setenv("MODELPOOL_CACHE", str(smollm2.parent))
     dep = demo_deployment("torch", 0, None, None)

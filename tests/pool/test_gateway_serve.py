@@ -12,8 +12,9 @@ import openai
 import pytest
 import typer
 
-from modelpool.serve import (GPU_HEADROOM_BYTES, HANDOFF_BATCHES, HOST_KV_PREALLOC_BYTES, CpuCosts, demo_deployment,
-                             fleet_deployment, gpu_kv_bytes, plan_gpu_memory)
+from modelpool.cpu_costs import CpuCosts
+from modelpool.deploy import demo_deployment, fleet_deployment
+from modelpool.gpu_memory import GPU_HEADROOM_BYTES, HANDOFF_BATCHES, HOST_KV_PREALLOC_BYTES, gpu_kv_bytes, plan_gpu_memory
 from pool.gateway.server import free_port
 from tests.pool.fault_tools import stop_serve, wait_for_serve
 

@@ -165,7 +165,7 @@ def test_the_gate_is_process_wide() -> None:
 
 
 def test_one_gpu_layout_is_a_prefill_and_a_decode_instance_sharing_it() -> None:
-    from modelpool.serve import GPU_HEADROOM_BYTES, gpu_kv_bytes, gpu_layout
+    from modelpool.gpu_memory import GPU_HEADROOM_BYTES, gpu_kv_bytes, gpu_layout
 
     count, devices, share = gpu_layout(1, None, "token-level")
     assert (count, devices, share) == (2, {"slot0": "cuda:0", "slot1": "cuda:0"}, 0.5)

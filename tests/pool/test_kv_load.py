@@ -12,7 +12,7 @@ import time
 import openai
 import pytest
 
-from modelpool.serve import demo_deployment
+from modelpool.deploy import demo_deployment
 from pool.gateway import GatewaySettings, create_app
 from pool.gateway.prompts import chat_prompt_ids
 from pool.gateway.schemas import ChatCompletionRequest

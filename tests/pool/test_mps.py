@@ -108,7 +108,7 @@ def test_serve_mps_refuses_other_backends_and_a_machine_without_a_gpu(fake_contr
 
 
 def _dep(devices: dict[str, str], device: str = "cuda", backend: str = "processes"):
-    from modelpool.serve import Deployment
+    from modelpool.deploy import Deployment
 
     return Deployment(models=[], instances=[], costs=None, engine=None, backend=backend,  # type: ignore[arg-type]
                       device=device, devices=devices)
@@ -117,7 +117,7 @@ def _dep(devices: dict[str, str], device: str = "cuda", backend: str = "processe
 def test_serve_notes_the_gpus_whose_instances_are_time_sliced() -> None:
     """Without an MPS daemon, serve's banner names each GPU that engine processes share, and why; on CPU, with
     threads, or with one instance a GPU, there is nothing to say."""
-    from modelpool.serve import shared_gpus, time_slicing_notes
+    from modelpool.gpu_sharing import shared_gpus, time_slicing_notes
 
     shared = _dep({"slot0": "cuda:0", "slot1": "cuda:0", "slot2": "cuda:1"})
     assert shared_gpus(shared) == {"cuda:0": ["slot0", "slot1"]}
@@ -131,7 +131,7 @@ def test_serve_notes_the_gpus_whose_instances_are_time_sliced() -> None:
 def test_by_default_engine_processes_sharing_a_gpu_get_a_daemon(fake_control: Path, fake_client: None) -> None:
     """serve's default: a private daemon where instances share a GPU (its environment set for the engine processes
     it starts next), none where they do not; one that cannot start leaves them time-sliced, the note saying why."""
-    from modelpool.serve import auto_mps
+    from modelpool.gpu_sharing import auto_mps
 
     daemon, notes = auto_mps(_dep({"slot0": "cuda:0", "slot1": "cuda:0", "slot2": "cuda:1"}))
     assert daemon is not None and daemon.folder is not None
@@ -151,7 +151,7 @@ def test_by_default_engine_processes_sharing_a_gpu_get_a_daemon(fake_control: Pa
 
 def test_by_default_a_daemon_that_cannot_start_leaves_the_instances_time_sliced(
         fake_control: Path, fake_client: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    from modelpool.serve import auto_mps
+    from modelpool.gpu_sharing import auto_mps
 
     monkeypatch.setenv("FAKE_MPS_FAIL", "An MPS control daemon is already running")
     daemon, [note] = auto_mps(_dep({"slot0": "cuda:0", "slot1": "cuda:0"}))
@@ -169,7 +169,7 @@ def test_by_default_a_daemon_no_cuda_client_can_use_is_quit_and_the_instances_ti
     """The daemon starts, but a CUDA client cannot run under it (here: the real client check on a machine whose
     clients fail, or a fake one that exits 5): serve's default quits it and goes on time-sliced, saying why."""
     import pool.mps
-    from modelpool.serve import auto_mps
+    from modelpool.gpu_sharing import auto_mps
 
     monkeypatch.setattr(pool.mps, "CLIENT_CHECK", [sys.executable, "-c",
                                                    "import sys; print('all CUDA-capable devices are busy', "

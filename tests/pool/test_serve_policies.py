@@ -9,7 +9,8 @@ import threading
 import openai
 import pytest
 
-from modelpool.serve import demo_deployment, warm_up
+from modelpool.deploy import demo_deployment
+from modelpool.serve import warm_up
 from pool.gateway import create_app
 from pool.gateway.server import BackgroundServer
 from pool.config import PoolConfig

@@ -274,7 +274,7 @@ def test_ray_rank_actors_in_the_placement_group_and_one_killed_mid_decode(tiny, 
 def test_fleet_with_a_tp2_model_deploys_tp2_instances_on_cpu_ranks(demo_models, tmp_path):
     import typer
 
-    from modelpool.serve import fleet_deployment
+    from modelpool.deploy import fleet_deployment
 
     fleet = tmp_path / "fleet.yaml"
     path = demo_models["tiny-llama"]

@@ -321,7 +321,7 @@ def test_sampled_prompts_that_fill_a_step_do_not_crash_the_engine(demo_models):
 
 
 def test_the_demo_gives_each_model_under_vllm_at_least_the_torch_engines_context(demo_models, monkeypatch):
-    from modelpool.serve import demo_deployment
+    from modelpool.deploy import demo_deployment
 
     monkeypatch.setenv("MODELPOOL_CACHE", str(Path(demo_models["tiny-llama"]).parent))
     torch_dep, vllm_dep = demo_deployment("torch", 0, None, None), demo_deployment("vllm", 0, None, None)
