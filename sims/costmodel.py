@@ -194,6 +194,10 @@ class SimCosts(CostModel):
         """Time from a step producing a token to its client having it (a live pool's way out). None here."""
         return 0.0
 
+    def kv_call_host_s(self) -> float:
+        """Host time a live pool adds to each KV move (SwapOut, SwapIn) after the move itself. None here."""
+        return 0.0
+
     def host_links(self, instances: Sequence[InstanceSpec], gpu_of: Mapping[str, int] | None = None) -> CopyLinks | None:
         """Fresh state of the host links `instances` copy over, for one simulation (`gpu_of`: instances placed
         by hand, by first GPU index). None (here): every copy has a link of its own."""
@@ -325,6 +329,9 @@ class RooflineCostModel(SimCosts):
 
     def token_deliver_s(self) -> float:
         return self.terms.token_deliver_s
+
+    def kv_call_host_s(self) -> float:
+        return self.terms.kv_call_host_s
 
     def gpu_shares(self, instances: Sequence[InstanceSpec], gpu_of: Mapping[str, int] | None = None) -> GpuShares | None:
         """The instances' time-slicing (sims.gpu_share) where some share a GPU, else None."""

@@ -181,6 +181,7 @@ class Simulator:
         # a live pool's way in and out (cost model terms; 0 unless a profile measured them): each request reaches
         # the scheduler admit_s after its arrival, each token its client deliver_s after its step
         self.admit_s, self.deliver_s = costs.request_admit_s(), costs.token_deliver_s()
+        self.kv_call_host_s = costs.kv_call_host_s()
         self._staged: set[str] = set()  # requests whose KV waits staged on a staging instance, until their SwapIn
         self._arrivals = iter(requests)
         self._next_arrival: Request | None = next(self._arrivals, None)
@@ -437,6 +438,7 @@ class Simulator:
         self._check_kv(iid, dev)
         t += kv_device_move_s(self.costs, staged)
         end = self._copy_end(iid, not out, t, kv_move_s(self.costs, moves)) if moves else t  # one move each
+        end += self.kv_call_host_s  # the live pool's calls and ticks around the move (host time, no link)
         self._push(end, COMPLETION, KvMoved(iid, action.request_ids, "host" if out else "device"), dev)
         dev.kv_s += end - started
         return end
@@ -471,6 +473,7 @@ class Simulator:
             took = self.gpus.work_end_at(iid, t, took - host_s, self.now, "prefill") - t + host_s
         if move_s and self.links is not None:
             move_s = self.links.copy_end_at(iid, False, t + took, move_s, self.now) - (t + took)
+        move_s += self.kv_call_host_s if moves else 0.0  # the save_kv call after the prefill's, as in _swap
         end = t + took + move_s
         dev.prefill_move_s = move_s
         dev.prefill_s += took + move_s

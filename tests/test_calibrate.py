@@ -39,7 +39,7 @@ def test_calibrate_on_a_cpu_measures_every_term_with_no_gpu_entry(tmp_path: Path
     for term in ("eff_compute", "eff_mem", "decode_fixed_s", "eff_pcie", "kv_move_fixed_s"):
         entry = measured.terms[term]
         assert entry.basis == "measured" and entry.points >= 5 and entry.loo_error is not None, term
-    for term in ("host_call_s", "request_admit_s", "token_deliver_s"):  # the idle pool's own time
+    for term in ("host_call_s", "request_admit_s", "token_deliver_s", "kv_call_host_s"):  # the idle pool's own time
         assert measured.terms[term].points > 0 and 0 < float(measured.terms[term].value) < 0.5, term
     assert measured.terms["eff_nvlink"].basis == "assumed"
     profile = load_profile(out)

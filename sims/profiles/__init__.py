@@ -80,6 +80,10 @@ class ProfileTerms(_Frozen):
     token_deliver_s: Seconds = Field(default=0.0, description="Time from an engine call returning a token to the "
                                      "request's stream having it: the simulator counts each token that long after "
                                      "its step.")
+    kv_call_host_s: Seconds = Field(default=0.0, description="Host time the live pool adds to each KV move (a "
+                                    "SwapOut or SwapIn: its export, import, save or restore calls and the ticks "
+                                    "between them), after the move's own time: measured from hand-offs on an idle "
+                                    "prefill/decode pool, half of what a hand-off adds beyond its decode call.")
 
 
 TERM_NAMES: tuple[str, ...] = tuple(ProfileTerms.model_fields)

@@ -94,6 +94,8 @@ class HostPoints(_Frozen):
     step_s_by_batch: dict[int, float] = Field(default_factory=dict)
     admit_s: list[float] = Field(default_factory=list)
     deliver_s: list[float] = Field(default_factory=list)
+    handoff_s: list[float] = Field(default_factory=list, description="per request on an idle prefill/decode pool: "
+                                   "its prefill call's return to its first decode call's start on the other instance")
 
 
 class Points(_Frozen):
@@ -201,6 +203,8 @@ _HOW = {
     "request_admit_s": "an idle live pool on a zero-time engine: submit to the first engine call (median)",
     "token_deliver_s": "an idle live pool on a zero-time engine: the call's return to the token at the stream "
                        "(median)",
+    "kv_call_host_s": "an idle prefill/decode pool on zero-time engines: a hand-off's prefill return to its first "
+                      "decode call (median), less host_call_s, over its two KV moves",
 }
 _FAMILY = {"eff_compute": "prefill", "prefill_fixed_s": "prefill", "prefill_layer_s": "prefill",
            "prefill_request_s": "prefill", "eff_mem": "decode", "eff_kv": "decode", "decode_fixed_s": "decode",
@@ -250,6 +254,9 @@ def host_terms(host: HostPoints) -> dict[str, tuple[float, int]]:
         out["request_admit_s"] = (sig(statistics.median(host.admit_s)), len(host.admit_s))
     if host.deliver_s:
         out["token_deliver_s"] = (sig(statistics.median(host.deliver_s)), len(host.deliver_s))
+    if host.handoff_s:  # a hand-off is a SwapOut and a SwapIn, then the decode call (host_call_s) that follows
+        call = out.get("host_call_s", (0.0, 0))[0]
+        out["kv_call_host_s"] = (sig(max(0.0, (statistics.median(host.handoff_s) - call) / 2)), len(host.handoff_s))
     return out
 
 

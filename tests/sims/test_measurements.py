@@ -88,6 +88,15 @@ def test_host_terms_are_the_line_through_the_idle_pools_step_times() -> None:
     assert flat["host_token_s"][0] == 0.0  # never negative
 
 
+def test_kv_call_host_is_half_of_what_a_hand_off_adds_beyond_its_decode_call() -> None:
+    # host_call_s 1 ms; hand-offs of 3.0, 3.2 (median), 9.0 ms: (3.2 - 1) / 2 per KV move
+    terms = host_terms(HostPoints(step_s_by_batch={1: 0.0011, 2: 0.0012, 8: 0.0018},
+                                  handoff_s=[0.003, 0.0032, 0.009]))
+    assert terms["kv_call_host_s"] == (pytest.approx(0.0011), 3)
+    assert "kv_call_host_s" not in host_terms(HostPoints(step_s_by_batch={1: 0.001}))
+    assert host_terms(HostPoints(step_s_by_batch={1: 0.002}, handoff_s=[0.001]))["kv_call_host_s"][0] == 0.0
+
+
 def test_the_file_loads_as_a_profile_with_every_terms_provenance(tmp_path) -> None:  # type: ignore[no-untyped-def]
     path = tmp_path / "h200-mine.json"
     path.write_text(_build(_points(_truth_costs())).model_dump_json(by_alias=True))

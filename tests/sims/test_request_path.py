@@ -1,5 +1,5 @@
-"""The live pool's way in and out of each request (request_admit_s, token_deliver_s): what the simulator charges
-for them, and how they are fitted to a benchmarks/gpu_pool.py run."""
+"""The live pool's way in and out of each request (request_admit_s, token_deliver_s) and its host time around KV
+moves (kv_call_host_s): what the simulator charges for them."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from sims.costmodel import RooflineCostModel
 from sims.profiles import DEFAULTED, load_profile
 from tests.factories import LinearCosts, make_instances, make_models, make_sim
 
-ADMIT, DELIVER = 0.004, 0.0011
+ADMIT, DELIVER, KV_CALL = 0.004, 0.0011, 0.0025
 
 
 class _PathCosts(LinearCosts):
@@ -21,6 +21,11 @@ class _PathCosts(LinearCosts):
 
     def token_deliver_s(self) -> float:
         return DELIVER
+
+
+class _KvCallCosts(LinearCosts):
+    def kv_call_host_s(self) -> float:
+        return KV_CALL
 
 
 def _run(costs: LinearCosts) -> tuple[dict, str]:
@@ -58,3 +63,18 @@ def test_the_profile_terms_reach_the_simulator_through_the_roofline_and_default_
         update={"request_admit_s": 0.00398, "token_deliver_s": 0.0011})})
     costs = RooflineCostModel.for_models({}, "h200", profile=measured)
     assert (costs.request_admit_s(), costs.token_deliver_s()) == (0.00398, 0.0011)
+    assert RooflineCostModel.for_models({}, "h200", profile=base).kv_call_host_s() == 0.0
+    with_kv = base.model_copy(update={"terms": base.terms.model_copy(update={"kv_call_host_s": 2e-4})})
+    assert RooflineCostModel.for_models({}, "h200", profile=with_kv).kv_call_host_s() == 2e-4
+
+
+def test_each_hand_off_takes_its_two_kv_moves_host_time_longer() -> None:
+    """A request handed from the prefill to the decode instance (a SwapOut there, a SwapIn here) finishes
+    2 x kv_call_host_s later; its first token (on the prefill instance, before any move) does not move."""
+    plain, plain_log = _run(LinearCosts())
+    moved, moved_log = _run(_KvCallCosts())
+    assert '"SwapOut"' in plain_log and '"SwapIn"' in plain_log  # hand-offs happened
+    for rid, before in plain.items():
+        after = moved[rid]
+        assert after.first_token_at == pytest.approx(before.first_token_at)
+        assert after.finished_at - before.finished_at == pytest.approx(2 * KV_CALL, abs=1e-9)
