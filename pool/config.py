@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pool.actor import EngineSpec
 from pool.placement import DEFAULT_TIMEOUT_S as DEFAULT_PLACEMENT_TIMEOUT_S
@@ -47,9 +47,15 @@ class PoolConfig(BaseModel):
                               "each after a growing back-off (0: a lost instance is written off).")
     restart_window_s: float = Field(600.0, gt=0, description="The window max_restarts counts in: the budget "
                                     "refills as restarts leave it.")
-    heartbeat_timeout_s: float | None = Field(5.0, gt=0, description="An idle instance whose stats() call goes "
-                                              "unanswered this long is hung: written off, killed and replaced; "
-                                              "None: no heartbeat deadline.")
+    heartbeat_timeout_s: float | None = Field(5.0, gt=0, description="An instance silent this long is hung: "
+                                              "written off, killed and replaced. Silent: idle with its stats() "
+                                              "call unanswered, or (processes backend) its process alive but "
+                                              "not beating, busy or idle - a stopped or stuck process is found "
+                                              "mid-call, while a slow call in a live process is not written "
+                                              "off. None: no heartbeat deadline.")
+    heartbeat_interval_s: float = Field(0.5, gt=0, description="How often each engine process beats (processes "
+                                        "backend: a thread beside the engine's, so a long call does not stop "
+                                        "it); below heartbeat_timeout_s.")
     restart_timeout_s: float = Field(300.0, gt=0, description="A restart slower than this gives the instance up.")
     call_timeout_s: float | None = Field(300.0, gt=0, description="An engine call unanswered this long means its "
                                          "instance is hung: written off and restarted; None: wait for ever.")
@@ -59,3 +65,11 @@ class PoolConfig(BaseModel):
                              "one GPU).")
     placement_timeout_s: float = Field(DEFAULT_PLACEMENT_TIMEOUT_S, gt=0, description="A tensor-parallel "
                                        "instance's Ray placement group not placed by then fails its start.")
+
+    @model_validator(mode="after")
+    def _beats_within_the_deadline(self) -> PoolConfig:
+        timeout = self.heartbeat_timeout_s
+        if timeout is not None and not self.heartbeat_interval_s < timeout:
+            raise ValueError(f"heartbeat_interval_s ({self.heartbeat_interval_s:g}) must be below "
+                             f"heartbeat_timeout_s ({timeout:g}): a live process would miss its deadline")
+        return self

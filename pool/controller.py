@@ -148,6 +148,14 @@ class Controller:
         """Instances with an engine call in flight (the pool's heartbeat judges only the others)."""
         return {call.target for call in self._calls.values()}
 
+    def write_off_hung(self, instance_id: str, reason: str) -> None:
+        """The instance's engine stopped answering (a missed heartbeat): lost at once, the requests of the call
+        it is running (its oldest in flight: calls to one instance run in order) the suspects, as when a call
+        times out; a late answer is ignored."""
+        running = min(((handle, call) for handle, call in self._calls.items() if call.target == instance_id),
+                      default=None, key=lambda pair: pair[0])
+        self.lose(instance_id, reason, running[1].request_ids if running is not None else ())
+
     def lose(self, instance_id: str, reason: str, suspects: Iterable[str] = ()) -> None:
         """The instance is gone: its requests go back to the queue and resume elsewhere.
 

@@ -6,6 +6,18 @@ to one instance run in order in its process, instances run in parallel, and a
 process that dies (killed, crashed, or its pipe broken) is a lost instance:
 every call in flight or sent later to it ends with `InstanceDied`.
 
+Each process beats: a thread of its own writes `time.monotonic()` into a
+shared double every `beat_s` (0.5 s), whatever its engine is doing. A live
+process beats while its main thread computes (a torch op, a sleep, a pipe
+write release the GIL; pure Python gives it up every 5 ms), so a beat that
+stops while the process is alive means the whole process is stopped or
+stuck: SIGSTOP, a frozen cgroup, a C call that holds the GIL for ever.
+`ProcessBackend.unresponsive(timeout_s)` names those processes, within
+seconds even in the middle of a long call, and `retire` kills them at once
+(no grace: they cannot close themselves). A call stuck while the process's
+threads still run (a kernel that never ends, with the GIL released) is not
+seen this way: the controller's `call_timeout_s` is its bound.
+
 Messages go over one pipe per process, pickled (protocol 5). A large array in
 a result - the KV of `export_kv` - does not go through the pipe: the worker
 writes it to a file in shared memory (/dev/shm) and sends its name; the
@@ -188,10 +200,23 @@ class SlowCalls:
 
 
 # ---- the worker process ---------------------------------------------------------------------------------
+BEAT_S = 0.5  # a worker process's liveness beat, by default (PoolConfig.heartbeat_interval_s)
+
+
+def _beat(beat: Any, interval_s: float) -> None:
+    """A worker's liveness thread: its process's `time.monotonic()` (one clock for every process on a host)
+    into the shared `beat`, every `interval_s`, for as long as the process runs."""
+    while True:
+        beat.value = time.monotonic()
+        time.sleep(interval_s)
+
+
 def _worker_main(conn: Any, instance_id: str, spec: EngineSpec, models: Mapping[str, str],
-                 max_tokens: int | None, threads: int) -> None:
+                 max_tokens: int | None, threads: int, beat: Any = None, beat_s: float = BEAT_S) -> None:
     import signal
 
+    if beat is not None:  # from the start: a slow load is alive too
+        threading.Thread(target=_beat, args=(beat, beat_s), name="modelpool-beat", daemon=True).start()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the controller's to handle: it stops us in order
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -257,8 +282,9 @@ def _worker_main(conn: Any, instance_id: str, spec: EngineSpec, models: Mapping[
 class _Worker:
     """One instance's process, its pipe, and the thread that reads its answers."""
 
-    def __init__(self, instance_id: str, process: Any, conn: Any) -> None:
+    def __init__(self, instance_id: str, process: Any, conn: Any, beat: Any = None) -> None:
         self.instance_id, self.process, self.conn = instance_id, process, conn
+        self.beat = beat  # shared double: the process's time.monotonic() at its last liveness beat (None: none)
         self.alive = True
         self.pending: dict[int, EngineCall] = {}  # handle -> call (kept: the shared-memory files it carries live on)
         self.lock = threading.Lock()
@@ -266,20 +292,22 @@ class _Worker:
 
 def start_workers(instances: Mapping[str, EngineSpec], models: Mapping[str, str], *,
                   max_tokens: int | None = None, threads: int = 1,
-                  timeout_s: float | None = None) -> dict[str, _Worker]:
+                  timeout_s: float | None = None, beat_s: float = BEAT_S) -> dict[str, _Worker]:
     """One process per instance id (value: its engine, device and tp included); returns once every engine has
-    loaded its models and captured its decode graphs (for requests up to `max_tokens` tokens). A worker that
+    loaded its models and captured its decode graphs (for requests up to `max_tokens` tokens). Each process
+    beats every `beat_s` (module docstring). A worker that
     fails to start stops them all (RuntimeError). A tensor-parallel torch instance's process is its rank 0 and
     starts the other ranks as its own subprocesses (`pool.engines.tp`)."""
     ctx = mp.get_context("spawn")  # CUDA cannot be forked
     workers: dict[str, _Worker] = {}
     for instance_id, spec in instances.items():
         parent, child = ctx.Pipe()
+        beat = ctx.RawValue("d", time.monotonic())
         process = ctx.Process(target=_worker_main, name=f"modelpool-{instance_id}", daemon=True,
-                              args=(child, instance_id, spec, dict(models), max_tokens, threads))
+                              args=(child, instance_id, spec, dict(models), max_tokens, threads, beat, beat_s))
         process.start()
         child.close()
-        workers[instance_id] = _Worker(instance_id, process, parent)
+        workers[instance_id] = _Worker(instance_id, process, parent, beat)
     try:
         for worker in workers.values():
             if not worker.conn.poll(timeout_s):
@@ -323,11 +351,13 @@ class ProcessBackend:
         self._ids = itertools.count(1)
         self._done: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
         self.in_flight = 0  # touched by the loop thread only
+        self._hung: set[str] = set()  # found silent by `unresponsive`: `retire` kills them without a grace
         for worker in workers.values():
             self._adopt(worker)
 
     def _adopt(self, worker: _Worker) -> None:
         self.workers[worker.instance_id] = worker
+        self._hung.discard(worker.instance_id)
         threading.Thread(target=self._read, args=(worker,), name=f"modelpool-read-{worker.instance_id}",
                          daemon=True).start()
 
@@ -377,11 +407,27 @@ class ProcessBackend:
         """A fresh process for a lost instance (the old one was stopped by `retire` first)."""
         self._adopt(worker)
 
+    def unresponsive(self, timeout_s: float) -> dict[str, float]:
+        """Instances whose process is alive but has not beaten for over `timeout_s`: stopped or hung, busy or
+        idle (module docstring) -> seconds since its last beat. A process that died is not named here: its
+        reader fails the calls it had (the controller counts them against what they carried), and a call to
+        it fails at once. Each one named is killed without a grace when retired."""
+        now, out = time.monotonic(), {}
+        for instance_id, worker in self.workers.items():
+            if worker.beat is None or not worker.alive:
+                continue
+            silent = now - worker.beat.value
+            if silent > timeout_s and worker.process.is_alive():
+                out[instance_id] = silent
+                self._hung.add(instance_id)
+        return out
+
     def retire(self, instance_id: str, timeout_s: float = 30.0) -> bool:
         """Stop a lost instance's process and wait until it is gone (its GPU memory is free then); True once
-        it is (False: it outlived its kill too)."""
+        it is (False: it outlived its kill too). A process found silent (`unresponsive`) is killed at once:
+        a stopped or hung one cannot close itself, and its replacement must not wait for it."""
         worker = self.workers[instance_id]
-        stop_worker(worker, timeout_s)
+        stop_worker(worker, 0.0 if instance_id in self._hung else timeout_s)
         return not worker.process.is_alive()
 
     def kill(self, instance_id: str) -> None:

@@ -6,8 +6,9 @@ its event loop). The loop is the reconcile tick: drain submissions and
 cancels -> collect finished engine calls -> `schedule(now)` -> carry the Plan
 out; an exception in a tick is logged and the loop goes on.
 
-A lost instance (its actor died, an engine call failed, or one got no answer
-within `call_timeout_s`: the actor is alive but hung) is restarted with a
+A lost instance (its actor died, an engine call failed, one got no answer
+within `call_timeout_s`, or it missed its heartbeat: `heartbeat_timeout_s`,
+mid-call included on the processes backend) is restarted with a
 fresh engine up to `max_restarts` times (`pool.restarts`); its requests wait
 in the scheduler's queue and resume from prompt plus generated tokens, on
 another instance or the restarted one. When no instance of a request's TP is
@@ -158,7 +159,8 @@ class LivePool:
             backend: Any = RayBackend(self._actors)
         elif self.config.backend == "processes":
             backend = ProcessBackend(start_workers({iid: self._engine_spec(iid) for iid in ids}, self._paths(),
-                                                   max_tokens=self.max_tokens))
+                                                   max_tokens=self.max_tokens,
+                                                   beat_s=self.config.heartbeat_interval_s))
         else:
             engines = {iid: self._new_engine(iid) for iid in ids}
             backend = InProcessBackend(engines) if self.config.backend == "inprocess" else ThreadBackend(engines)
@@ -399,8 +401,8 @@ class LivePool:
                 log.warning("instance %s: the lost engine is still in a call; its memory is not free yet", instance_id)
             if self.config.backend == "processes":
                 return start_workers({instance_id: self._engine_spec(instance_id)}, self._paths(),
-                                     max_tokens=self.max_tokens,
-                                     timeout_s=self.config.restart_timeout_s)[instance_id]
+                                     max_tokens=self.max_tokens, timeout_s=self.config.restart_timeout_s,
+                                     beat_s=self.config.heartbeat_interval_s)[instance_id]
             return self._new_engine(instance_id)
         import ray
 
@@ -582,14 +584,30 @@ class LivePool:
         return False
 
     def _check_heartbeats(self, controller: Controller, now: float) -> bool:
-        """Write off an idle instance whose stats() call has gone unanswered for `heartbeat_timeout_s` (hung: its
-        replacement kills it, `_rebuild`). The clock starts when the call was made or, if later, when the
-        instance's last engine call ended: a stats() call queued behind a long prefill is not late."""
+        """Write off an instance silent for `heartbeat_timeout_s` (hung: its replacement kills it, `_rebuild`):
+        a process that stopped beating (processes backend, busy or idle: `ProcessBackend.unresponsive`), or an
+        idle instance whose stats() call has gone unanswered. For the latter the clock starts when the call was
+        made or, if later, when the instance's last engine call ended: a stats() call queued behind a long
+        prefill is not late. A call stuck in a process that still beats is `call_timeout_s`'s to bound."""
         timeout = self.config.heartbeat_timeout_s
-        if timeout is None or not self._stats_calls:
+        if timeout is None:
             return False
-        busy, pending = controller.busy_instances(), set(self._stats_calls.values())
         lost = False
+        unresponsive = getattr(self._backend, "unresponsive", None)
+        if unresponsive is not None:
+            for iid, silent in unresponsive(timeout).items():
+                if iid in controller.lost:
+                    continue
+                self.num_missed_heartbeats += 1
+                log.error("instance %s: its process is alive but sent no heartbeat for %.1f s; writing it off",
+                          iid, silent)
+                controller.write_off_hung(iid, f"no heartbeat from its process for {silent:.1f} s (over "
+                                               f"{timeout:g} s): stopped or hung")
+                self._heartbeat_from.pop(iid, None)
+                lost = True
+        if not self._stats_calls:
+            return lost
+        busy, pending = controller.busy_instances(), set(self._stats_calls.values())
         for iid in pending:
             if iid in busy or iid in controller.lost:
                 self._heartbeat_from.pop(iid, None)
