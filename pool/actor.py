@@ -47,11 +47,37 @@ def make_engine(spec: EngineSpec, ranks: str = "processes") -> Engine:
     raise ValueError(f"unknown engine {spec.kind!r}; choose torch, vllm or sim")
 
 
+BEAT_NAMESPACE = "modelpool-beats"  # Ray's internal key-value store: actor id -> its beat count
+
+
+def beat_to_gcs(key: str, interval_s: float) -> None:
+    """An actor's liveness thread (as `pool.procs` beats for a worker process): a count, one more every
+    `interval_s`, under `key` in the cluster's key-value store, where the driver reads it from any node."""
+    from ray.experimental import internal_kv
+
+    count = 0
+    while True:
+        count += 1
+        try:
+            internal_kv._internal_kv_put(key, str(count), overwrite=True, namespace=BEAT_NAMESPACE)
+        except Exception:  # noqa: BLE001 - the GCS briefly away: a missed beat, the driver judges
+            pass
+        time.sleep(interval_s)
+
+
 class InstanceActor:
-    """The engine behind one instance; `call` runs one engine call (calls run one at a time)."""
+    """The engine behind one instance; `call` runs one engine call (calls run one at a time). With `beat_s`
+    its process beats from a thread of its own (`beat_to_gcs`, keyed by its actor id)."""
 
     def __init__(self, instance_id: str, spec: EngineSpec, models: Mapping[str, str], threads: int = 1,
-                 max_tokens: int | None = None) -> None:
+                 max_tokens: int | None = None, beat_s: float | None = None) -> None:
+        if beat_s is not None:  # from the start: a slow load is alive too
+            import threading
+
+            import ray
+
+            threading.Thread(target=beat_to_gcs, args=(ray.get_runtime_context().get_actor_id(), beat_s),
+                             name="modelpool-beat", daemon=True).start()
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
         try:
             import torch
@@ -82,7 +108,8 @@ class InstanceActor:
 def start_actors(instances: Mapping[str, int], spec: EngineSpec, models: Mapping[str, str], *,
                  use_gpus: bool, threads: int = 1, timeout_s: float | None = None, gpu_share: float = 1.0,
                  max_tokens: int | None = None, placements: Placements | None = None,
-                 placement_timeout_s: float = DEFAULT_PLACEMENT_TIMEOUT_S) -> dict[str, Any]:
+                 placement_timeout_s: float = DEFAULT_PLACEMENT_TIMEOUT_S,
+                 beat_s: float | None = None) -> dict[str, Any]:
     """One actor per instance id (value: its TP size); returns once every engine has loaded its models.
 
     Past `timeout_s` (None: no limit) the actors started are killed, their
@@ -98,7 +125,7 @@ def start_actors(instances: Mapping[str, int], spec: EngineSpec, models: Mapping
     spreads the model over the group's GPUs; the torch engine's actor is its
     rank 0 and starts one rank actor in each other bundle (`pool.engines.tp`).
     A one-GPU instance asks for `gpu_share` of its GPU (0.5: two instances
-    share one).
+    share one). With `beat_s` each actor beats (`InstanceActor`).
     """
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -125,7 +152,7 @@ def start_actors(instances: Mapping[str, int], spec: EngineSpec, models: Mapping
                     group, placement_group_bundle_index=0, placement_group_capture_child_tasks=True)
             engine = EngineSpec(spec.kind, {**spec.options, "tp": tp}) if spec.kind == "torch" and tp > 1 else spec
             actors[instance_id] = remote.options(**options).remote(instance_id, engine, dict(models), threads,
-                                                                   max_tokens)
+                                                                   max_tokens, beat_s)
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         ray.get([actor.ready.remote() for actor in actors.values()], timeout=left)  # type: ignore[attr-defined]
     except BaseException as exc:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Mapping
 from typing import Any
@@ -22,6 +23,8 @@ from pool.engines.base import Engine
 from pool.errors import InstanceDied
 from pool.engines.device import GATE
 from pool.engines.timings import call_engine
+
+BEAT_CHECK_S = 0.25  # the Ray backend reads its actors' beats at most this often
 
 
 class InProcessBackend:
@@ -70,6 +73,8 @@ class RayBackend:
         self._ids = itertools.count(1)
         self._pending: dict[Any, tuple[int, str]] = {}  # ObjectRef -> (handle, instance)
         self._failed: list[tuple[int, Any]] = []  # calls that could not even be sent
+        self._beats: dict[str, tuple[Any, float]] = {}  # actor id -> (its beat count, when it last moved here)
+        self._beats_read_at = float("-inf")
 
     def call(self, instance_id: str, call: EngineCall) -> int:
         handle = next(self._ids)
@@ -101,9 +106,49 @@ class RayBackend:
             out.append((handle, result))
         return sorted(out, key=lambda pair: pair[0])
 
+    def unresponsive(self, timeout_s: float) -> dict[str, float]:
+        """Instances whose actor has beaten before (`pool.actor.beat_to_gcs`) and not for over `timeout_s`,
+        as this process saw its count (no clock is shared across nodes) -> seconds since it last moved.
+        Asked at most every BEAT_CHECK_S (a key-value read per actor). An actor that died is found by its
+        calls (RayActorError), within a second or so."""
+        from ray.experimental import internal_kv
+
+        from pool.actor import BEAT_NAMESPACE
+
+        now, out = time.monotonic(), {}
+        if now - self._beats_read_at < BEAT_CHECK_S:
+            return out
+        self._beats_read_at = now
+        for instance_id, actor in self.actors.items():
+            key = actor._actor_id.hex()
+            try:
+                count = internal_kv._internal_kv_get(key, namespace=BEAT_NAMESPACE)
+            except Exception:  # noqa: BLE001 - the GCS briefly away: judge next time
+                continue
+            seen = self._beats.get(key)
+            if count is None:  # not beating (yet, or at all): not judged
+                continue
+            if seen is None or seen[0] != count:
+                self._beats[key] = (count, now)
+            elif now - seen[1] > timeout_s:
+                out[instance_id] = now - seen[1]
+        return out
+
     def replace(self, instance_id: str, actor: Any) -> None:
         """A fresh actor for a lost instance; calls still pending on the old one end as they end."""
+        old = self.actors.get(instance_id)
         self.actors[instance_id] = actor
+        if old is not None:
+            key = old._actor_id.hex()
+            self._beats.pop(key, None)
+            try:
+                from ray.experimental import internal_kv
+
+                from pool.actor import BEAT_NAMESPACE
+
+                internal_kv._internal_kv_del(key, namespace=BEAT_NAMESPACE)
+            except Exception:  # noqa: BLE001 - a stale key costs a few bytes
+                pass
 
     @property
     def in_flight(self) -> int:

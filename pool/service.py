@@ -8,7 +8,7 @@ out; an exception in a tick is logged and the loop goes on.
 
 A lost instance (its actor died, an engine call failed, one got no answer
 within `call_timeout_s`, or it missed its heartbeat: `heartbeat_timeout_s`,
-mid-call included on the processes backend) is restarted with a
+mid-call included on the processes and Ray backends) is restarted with a
 fresh engine up to `max_restarts` times (`pool.restarts`); its requests wait
 in the scheduler's queue and resume from prompt plus generated tokens, on
 another instance or the restarted one. When no instance of a request's TP is
@@ -154,7 +154,8 @@ class LivePool:
             self._actors = start_actors({spec.instance_id: spec.tp for spec in self.instances}, self._ray_engine(),
                                         self._paths(), use_gpus=self._use_gpus, gpu_share=self.config.gpu_share,
                                         max_tokens=self.max_tokens, placements=self._placements,
-                                        placement_timeout_s=self.config.placement_timeout_s)
+                                        placement_timeout_s=self.config.placement_timeout_s,
+                                        beat_s=self.config.heartbeat_interval_s)
             self.nodes = dict(zip(self._actors, ray.get([actor.node.remote() for actor in self._actors.values()])))
             backend: Any = RayBackend(self._actors)
         elif self.config.backend == "processes":
@@ -413,7 +414,8 @@ class LivePool:
         actor = start_actors({instance_id: tp}, self._ray_engine(), self._paths(), use_gpus=self._use_gpus,
                              gpu_share=self.config.gpu_share, max_tokens=self.max_tokens,
                              timeout_s=self.config.restart_timeout_s, placements=placements,
-                             placement_timeout_s=self.config.placement_timeout_s)[instance_id]
+                             placement_timeout_s=self.config.placement_timeout_s,
+                             beat_s=self.config.heartbeat_interval_s)[instance_id]
         try:
             self.nodes[instance_id] = ray.get(actor.node.remote(), timeout=30)
         except Exception:  # noqa: BLE001 - it answered ready() a moment ago; the loop finds out if it is gone
@@ -585,7 +587,7 @@ class LivePool:
 
     def _check_heartbeats(self, controller: Controller, now: float) -> bool:
         """Write off an instance silent for `heartbeat_timeout_s` (hung: its replacement kills it, `_rebuild`):
-        a process that stopped beating (processes backend, busy or idle: `ProcessBackend.unresponsive`), or an
+        a process that stopped beating (processes and Ray backends, busy or idle: `unresponsive`), or an
         idle instance whose stats() call has gone unanswered. For the latter the clock starts when the call was
         made or, if later, when the instance's last engine call ended: a stats() call queued behind a long
         prefill is not late. A call stuck in a process that still beats is `call_timeout_s`'s to bound."""

@@ -80,11 +80,13 @@ def test_call_timeout_must_be_positive() -> None:
 def test_a_frozen_ray_actor_is_written_off_restarted_and_its_requests_resume(tiny, long_reference,  # noqa: F811
                                                                             ray_cluster) -> None:
     """Real Ray: the process of an actor that holds part-decoded requests is stopped (SIGSTOP: alive, silent).
-    After call_timeout_s the instance is written off, the frozen actor killed and a fresh one started; every
-    request finishes with its uninterrupted tokens."""
+    Its beats stop (`pool.actor.beat_to_gcs`): within seconds, with call_timeout_s at its 300 s default, the
+    instance is written off, the frozen actor killed and a fresh one started; every request finishes with its
+    uninterrupted tokens."""
     import ray
 
-    with ray_pool(tiny, 2, call_timeout_s=3.0, max_restarts=1) as pool:
+    with ray_pool(tiny, 2, max_restarts=1) as pool:
+        assert pool.config.call_timeout_s == 300.0 and pool.config.heartbeat_timeout_s == 5.0
         pids = {iid: ray.get(actor.__ray_call__.remote(lambda actor: os.getpid()))
                 for iid, actor in pool._actors.items()}  # asked before: a frozen actor answers nothing
         sinks = submit_all(pool)
@@ -100,10 +102,15 @@ def test_a_frozen_ray_actor_is_written_off_restarted_and_its_requests_resume(tin
         frozen = victim()
         assert frozen is not None
         os.kill(pids[frozen], signal.SIGSTOP)
+        stopped_at = time.monotonic()
         try:
+            wait_until(lambda: pool.restarts.num_restarts[frozen] >= 1, 30, f"{frozen} written off")
+            found = time.monotonic() - stopped_at
             result = outcomes(sinks, long_reference, lambda key: pool.holds(f"{key[0]}-{key[1]}"), 120)
             counts = result.counts()
-            print(f"\nhung actor: froze {frozen}; outcomes {counts}, restarts {pool.status()['restarts']}")
+            print(f"\nhung actor: froze {frozen}, written off after {found:.1f} s; outcomes {counts}, "
+                  f"restarts {pool.status()['restarts']}")
+            assert found < 15, f"written off after {found:.1f} s: the heartbeat, not the call timeout"
             assert counts["identical"] == len(sinks), result
             wait_until(lambda: pool.status()["restarts"] == 1 and pool.status()["lost_instances"] == [], 60,
                        f"{frozen} restarted: {pool.status()}")
