@@ -49,13 +49,14 @@ class PoolConfig(BaseModel):
                                     "refills as restarts leave it.")
     heartbeat_timeout_s: float | None = Field(5.0, gt=0, description="An instance silent this long is hung: "
                                               "written off, killed and replaced. Silent: idle with its stats() "
-                                              "call unanswered, or (processes backend) its process alive but "
-                                              "not beating, busy or idle - a stopped or stuck process is found "
-                                              "mid-call, while a slow call in a live process is not written "
-                                              "off. None: no heartbeat deadline.")
+                                              "call unanswered, or its engine process alive but "
+                                              "not beating, busy or idle (processes and Ray backends) - a stopped "
+                                              "or stuck process is found mid-call, while a slow call in a live "
+                                              "process is not written off (a call stuck while the process's "
+                                              "threads run is call_timeout_s's). None: no heartbeat deadline.")
     heartbeat_interval_s: float = Field(0.5, gt=0, description="How often each engine process beats (processes "
-                                        "backend: a thread beside the engine's, so a long call does not stop "
-                                        "it); below heartbeat_timeout_s.")
+                                        "and Ray backends: a thread beside the engine's, so a long call does "
+                                        "not stop it); below heartbeat_timeout_s.")
     restart_timeout_s: float = Field(300.0, gt=0, description="A restart slower than this gives the instance up.")
     call_timeout_s: float | None = Field(300.0, gt=0, description="An engine call unanswered this long means its "
                                          "instance is hung: written off and restarted; None: wait for ever.")

@@ -192,3 +192,25 @@ def test_a_slow_call_in_a_live_engine_process_is_not_written_off() -> None:
         assert took >= 6.0, "two decode steps of 3 s each: each call outlived the heartbeat deadline"
         assert pool.num_missed_heartbeats == 0 and pool.status()["restarts"] == 0
         assert pool.status()["lost_instances"] == []
+
+
+def test_a_missed_heartbeat_counts_against_the_running_calls_requests(tiny) -> None:  # noqa: F811
+    """`write_off_hung` (a missed heartbeat) loses the instance at once with the requests of its oldest call in
+    flight (the one it is running) as the suspects, as a timed-out call would."""
+    controller, backend, clock, scheduler, sinks = in_process(tiny, None, "request-level")
+    hung = Unanswered(backend, "slot0", answered=0)
+    controller.backend = hung
+    for _ in range(20):
+        clock.advance(0.001)
+        for handle, result in hung.poll(0.0):
+            controller.complete(handle, result)
+        controller.tick()
+        running = sorted((h, c) for h, c in controller._calls.items() if c.target == "slot0" and c.request_ids)
+        if running:
+            break
+    assert running, "a call carrying requests in flight on slot0"
+    first = min((h, c) for h, c in controller._calls.items() if c.target == "slot0")[1]
+    assert first.request_ids, f"slot0 runs a call that carries requests: {first}"
+    controller.write_off_hung("slot0", "no heartbeat (test)")
+    assert controller.lost == {"slot0"}
+    assert set(controller._losses) == set(first.request_ids)
