@@ -115,7 +115,7 @@ class RayBackend:
 
         from pool.actor import BEAT_NAMESPACE
 
-        now, out = time.monotonic(), {}
+        now, out = time.monotonic(), dict[str, float]()
         if now - self._beats_read_at < BEAT_CHECK_S:
             return out
         self._beats_read_at = now

@@ -412,7 +412,7 @@ class ProcessBackend:
         idle (module docstring) -> seconds since its last beat. A process that died is not named here: its
         reader fails the calls it had (the controller counts them against what they carried), and a call to
         it fails at once. Each one named is killed without a grace when retired."""
-        now, out = time.monotonic(), {}
+        now, out = time.monotonic(), dict[str, float]()
         for instance_id, worker in self.workers.items():
             if worker.beat is None or not worker.alive:
                 continue
