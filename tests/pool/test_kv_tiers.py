@@ -25,6 +25,7 @@ from tests.factories import LinearCosts
 MiB = 1 << 20
 
 
+@pytest.mark.slow  # ~22 s per store size on 2 cores (CI runs it)
 @pytest.mark.parametrize("host_mib", [2, 4])
 def test_more_requests_than_device_and_host_hold_all_finish_without_a_refusal(demo_models: dict[str, Path],
                                                                             host_mib: int) -> None:
