@@ -107,6 +107,15 @@ class CostModel:
         """Time to move `num_tokens` tokens of KV between host and device."""
         raise NotImplementedError
 
+    def mixed_step_s(self, model: str, batch_size: int, context_tokens: int, chunk_tokens: int,
+                     chunk_prompts: int = 1) -> float:
+        """One Sarathi-style iteration of one model: a decode step of `batch_size` requests holding
+        `context_tokens`, and `chunk_tokens` prompt tokens of `chunk_prompts` prompts computed with it. The
+        one rule for what a mixed step costs (the policies size chunks by it, the simulator charges it). Here
+        the two apart; a cost model that knows its terms overrides it so the weights are read once."""
+        return self.decode_step_s(model, batch_size, context_tokens) + self.prefill_s(model, chunk_tokens,
+                                                                                     chunk_prompts)
+
     def kv_move_overhead_s(self, model: str) -> float:
         """Time one KV move (a SwapOut or SwapIn of several requests, a prefill's KV to host) takes on top of
         its requests' kv_move_s: the engine issues a move's copies together. None here."""

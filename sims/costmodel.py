@@ -299,6 +299,30 @@ class RooflineCostModel(SimCosts):
             top = shape.floor_s
         return top + shape.fixed_s
 
+    def mixed_step_s(self, model: str, batch_size: int, context_tokens: int, chunk_tokens: int,
+                     chunk_prompts: int = 1) -> float:
+        """A decode step and a prompt chunk in one forward pass: the weights are streamed once (the decode
+        step's memory line), the chunk adds its GEMM, logits and attention FLOPs, its KV writes, its all-reduce
+        traffic and the per-prompt terms; the larger of the two lines, the launch floor, the step's fixed terms."""
+        if chunk_tokens <= 0:
+            return self.decode_step_s(model, batch_size, context_tokens)
+        if batch_size <= 0:
+            return self.prefill_s(model, chunk_tokens, chunk_prompts)
+        c = self._models[model]
+        shape = self._shape(model, batch_size)
+        prompts = max(1, min(chunk_prompts, chunk_tokens))
+        run = padded_prefill_tokens(chunk_tokens) if c.prefill_padded else chunk_tokens
+        more_experts = (expected_experts_touched(c.num_experts, c.experts_per_token, batch_size + run)
+                        - expected_experts_touched(c.num_experts, c.experts_per_token, batch_size))
+        shared = run * c.allreduce_s_per_token
+        memory = (shape.mem_a + shape.mem_b * context_tokens + run * c.kv_write_s_per_token
+                  + more_experts * c.stream_expert_s + shared)
+        compute = (shape.flop_a + shape.flop_b * context_tokens + run * c.gemm_s_per_token
+                   + prompts * c.lm_head_s_per_row + c.attn_s_per_pair * chunk_tokens * chunk_tokens / (2.0 * prompts)
+                   + shared)
+        top = max(memory, compute, shape.floor_s, c.prefill_floor_s)
+        return top + shape.fixed_s + prompts * (c.prefill_request_s + c.host_token_s)
+
     def switch_s(self, model: str) -> float:
         return self._models[model].switch_s
 

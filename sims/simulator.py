@@ -5,8 +5,8 @@ they were created), then one `schedule(now)`; the heap key is (time, phase,
 sequence). The executor turns each Plan action into future completion events
 with the cost model; a Decode turn of n steps is one event computed in closed
 form, cut short only by a Stop. A Decode with `prefill_chunks` is one
-Sarathi-style mixed iteration: its time is the chunks' prefill time plus the
-decode step. Same inputs give a byte-identical Plan log.
+Sarathi-style mixed iteration: per model, the cost model's mixed_step_s of its
+decode step and its chunks (the weights read once). Same inputs give a byte-identical Plan log.
 
 The loop runs tens of times per request (every decode turn a request joins is
 an event), so its per-event work is kept small: a heap entry carries the
@@ -561,9 +561,10 @@ class Simulator:
             totals[1] += 1
         self._check_kv(iid, dev)
         took = 0.0
-        for group in batch.groups:
-            took += self.costs.decode_step_s(group.model, group.size, group.context)
-        for model, (tokens, prompts) in chunks.items():
+        for group in batch.groups:  # a model's chunks share its decode step's weight read (CostModel.mixed_step_s)
+            tokens, prompts = chunks.pop(group.model, [0, 0])
+            took += self.costs.mixed_step_s(group.model, group.size, group.context, tokens, prompts)
+        for model, (tokens, prompts) in chunks.items():  # chunks of a model with nothing to decode
             took += self.costs.prefill_s(model, tokens, prompts)
         if self.gpus is not None:  # one iteration: all of it device work, its prefill chunks beside a peer's decode
             took = self.gpus.work_end_at(iid, t, took, self.now, "prefill") - t

@@ -64,12 +64,16 @@ from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
 from scheduler.costs import CostModel, InstanceSpec, ModelProfile
-from scheduler.plan import Action, Event, KvMoved, Prefetch, StepDone, Stop, SwapOut, Switch
+from scheduler.plan import Action, Decode, Event, KvMoved, Prefetch, StepDone, Stop, SwapIn, SwapOut, Switch
 from scheduler.policies.base import InstanceState, PolicyBase
 from scheduler.policies.token_decode import DecodeSide
-from scheduler.policies.token_prefill import PrefillSide
+from scheduler.policies.kv_tiers import tiers_admit
+from scheduler.policies.token_prefill import Group, PrefillSide
 from scheduler.policies.token_weights import MemoryPlan, ResidentSet, plan_memory
-from scheduler.request import RUNNING, SWAPPED, Request
+from scheduler.request import PREFILLING, RUNNING, SWAPPED, Request, transition
+
+_INF = float("inf")
+_MIN_CHUNK = 16  # prompt tokens an iteration carries when its decode batch alone fills the budget
 
 
 class TokenLevelPolicy(PolicyBase):
@@ -81,12 +85,14 @@ class TokenLevelPolicy(PolicyBase):
     def __init__(self, models: Mapping[str, ModelProfile], instances: Sequence[InstanceSpec], costs: CostModel, *,
                  max_group_size: int = 8, max_quota_s: float = 2.0, round_target_s: float = 0.5,
                  switch_aversion: float = 1.0, first_tokens: int = 8, min_turn_tpot: float = 1.0,
-                 fixed_turn_steps: int | None = None, joint_turns: bool = True,
+                 fixed_turn_steps: int | None = None, joint_turns: bool = True, mixed_chunk_tpot: float = 0.8,
                  # PolicyBase's keywords spelled out, not **kwargs: mypyc miscompiles **kwargs beside int defaults
                  max_batch_size: int = 256, max_prefill_tokens: int = 8192,
                  chunked_prefill_tokens: int | None = None, keep_ended: bool = True) -> None:
         super().__init__(models, instances, costs, max_batch_size=max_batch_size, max_prefill_tokens=max_prefill_tokens,
                          chunked_prefill_tokens=chunked_prefill_tokens, keep_ended=keep_ended)
+        if not 0 <= mixed_chunk_tpot <= 1:
+            raise ValueError(f"mixed_chunk_tpot must be within [0, 1] (a share of the TPOT SLO), got {mixed_chunk_tpot}")
         if min_turn_tpot < 0:
             raise ValueError(f"min_turn_tpot must be >= 0 (TPOT SLO periods), got {min_turn_tpot}")
         self.max_group_size = max_group_size
@@ -97,6 +103,8 @@ class TokenLevelPolicy(PolicyBase):
         self.min_turn_tpot = min_turn_tpot
         self.fixed_turn_steps = fixed_turn_steps  # test knob: every turn exactly this many steps
         self.joint_turns = joint_turns  # decode every resident model's members together when they fit (token_decode)
+        self.mixed_chunk_tpot = mixed_chunk_tpot  # a mixed iteration's share of the TPOT SLO (0: whole prefills)
+        self._last_chunk: dict[str, set[str]] = {}  # mixed instance -> prompts whose last chunk is in flight
         self.full_scan = False  # test knob: plan every instance, not only touched ones (the plans must be identical)
         # _plan reads `now` only for idle instances and, on a busy one, plans a Stop only after news that asks a
         # turn to stop; a SwitchDone or KvMoved that leaves its instance busy enables nothing else, except a
@@ -224,13 +232,147 @@ class TokenLevelPolicy(PolicyBase):
         return [ids[k] for k in ranks]
 
     def _mixed_step(self, inst: InstanceState, now: float) -> list[Action]:
-        """A mixed instance at a turn boundary prefills its head group unless a decode batch is behind its pace
-        and the group can still wait (more than half its TTFT SLO left after the predicted prefill)."""
+        """A mixed instance computes queued prompts of its resident models in chunks beside its decode steps
+        (`_chunked_step`); otherwise, at a turn boundary, it prefills its head group unless a decode batch is
+        behind its pace and the group can still wait (more than half its TTFT SLO left after the prefill)."""
         acts: list[Action] = []
         iid = inst.instance_id
+        if inst.prefilling:
+            rid = next(iter(inst.prefilling))
+            model = self.requests[rid].model
+            if model not in inst.resident:  # a decode turn switched away mid-prompt: the prompt finishes first
+                rest = inst.prefilling.pop(rid)
+                self._last_chunk.setdefault(iid, set()).add(rid)
+                return self.use_model(inst, model, f"finish {rid}'s prompt") + [
+                    Decode((), 1, prefill_chunks=((rid, rest),), reason=f"the last {rest} prompt tokens of {rid}")]
+        if self.mixed_chunk_tpot > 0 and (inst.prefilling or self._chunkable(inst)):
+            acts = self._chunked_step(inst)
+            if acts:
+                return acts
         if self.prefill.groups[iid] and self.decode.at_boundary(iid) and self._prefill_first(inst, now):
             acts = self.prefill.step(inst)
         return acts or self.decode.step(inst) or self.prefill.step(inst)
+
+    def _chunkable(self, inst: InstanceState) -> bool:
+        """Whether a queued prompt here could go in chunks now: its model resident and requests decoding."""
+        if not inst.on_device or not self.running_on(inst):
+            return False
+        for group in self.prefill.groups[inst.instance_id]:
+            if group.ids and group.model in inst.resident:
+                return True
+        return False
+
+    def _chunked_step(self, inst: InstanceState) -> list[Action]:
+        """The decode side's next step with prompt chunks beside it (Sarathi): one iteration whose predicted
+        time (CostModel.mixed_step_s) stays within `mixed_chunk_tpot` of the strictest TPOT SLO in it, so no
+        decode batch falls behind for a prompt. Prompts already started go first, then queued ones of the
+        models resident, earliest TTFT deadline first. [] when no decode step can carry a chunk."""
+        acts = self.decode.step(inst)
+        if acts and not isinstance(acts[-1], Decode):
+            return acts
+        ids = acts[-1].request_ids if acts else ()
+        chunks = self._chunks(inst, ids)
+        if not chunks:
+            return acts
+        last = {rid for rid, _ in chunks if rid not in inst.prefilling}
+        self._last_chunk.setdefault(inst.instance_id, set()).update(last)
+        tokens = sum(take for _, take in chunks)
+        step = Decode(ids, 1, prefill_chunks=tuple(chunks),
+                      reason=f"iteration: decode {len(ids)}, {tokens} prompt tokens of {len(chunks)}")
+        return acts[:-1] + [step] if acts else [step]
+
+    def _chunks(self, inst: InstanceState, ids: tuple[str, ...]) -> list[tuple[str, int]]:
+        """(request, tokens) chunks for one iteration beside decoding `ids`; prompts it admits are reserved
+        (PREFILLING) and their tokens not taken yet stay in `inst.prefilling`."""
+        requests, costs = self.requests, self.costs
+        per_model: dict[str, list[int]] = {}  # model -> [batch size, context tokens]
+        tpot = _INF
+        for rid in ids:
+            req = requests[rid]
+            entry = per_model.setdefault(req.model, [0, 0])
+            entry[0] += 1
+            entry[1] += req.context_tokens
+            tpot = min(tpot, self.models[req.model].tpot_slo_s)
+        self._admit_prompts(inst)
+        if not inst.prefilling:
+            return []
+        models = {requests[rid].model for rid in inst.prefilling}
+        tpot = min([tpot] + [self.models[m].tpot_slo_s for m in models])
+        budget = self.mixed_chunk_tpot * tpot if ids else _INF  # nothing decodes: the started prompt finishes
+        chunks: list[tuple[str, int]] = []
+        taken: dict[str, list[int]] = {}  # model -> [chunk tokens, prompts]
+
+        def step_s() -> float:
+            return _iteration_s(costs, per_model, taken)
+
+        for rid, left in list(inst.prefilling.items()):
+            model = requests[rid].model
+            if model not in inst.resident:
+                continue  # the decode turn switched away: _mixed_step finishes it next
+            entry = taken.setdefault(model, [0, 0])
+            entry[1] += 1
+            lo, hi = 0, left  # the most tokens of this prompt that keep the iteration within the budget
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                entry[0] += mid
+                fits = step_s() <= budget
+                entry[0] -= mid
+                lo, hi = (mid, hi) if fits else (lo, mid - 1)
+            if lo == 0 and not chunks:
+                lo = min(left, _MIN_CHUNK)  # the decode batch alone fills the budget: the prompt still moves
+            if lo == 0:
+                entry[1] -= 1
+                break
+            entry[0] += lo
+            chunks.append((rid, lo))
+            if lo < left:
+                inst.prefilling[rid] = left - lo
+                break
+            del inst.prefilling[rid]
+        return chunks
+
+    def iteration_s(self, ids: tuple[str, ...], chunks: tuple[tuple[str, int], ...]) -> float:
+        """Predicted time of a mixed iteration (as the simulator charges it: CostModel.mixed_step_s per model)."""
+        requests = self.requests
+        per_model: dict[str, list[int]] = {}
+        for rid in ids:
+            req = requests[rid]
+            entry = per_model.setdefault(req.model, [0, 0])
+            entry[0] += 1
+            entry[1] += req.context_tokens
+        taken: dict[str, list[int]] = {}
+        for rid, tokens in chunks:
+            entry = taken.setdefault(requests[rid].model, [0, 0])
+            entry[0] += tokens
+            entry[1] += 1
+        return _iteration_s(self.costs, per_model, taken)
+
+    def _admit_prompts(self, inst: InstanceState) -> None:
+        """Start queued prompts of the models resident here (earliest TTFT deadline first) while KV admits them:
+        reserved and PREFILLING, their tokens in `inst.prefilling`."""
+        if inst.prefilling:
+            return  # one prompt's chunks at a time: the started one finishes first
+        requests, models = self.requests, self.models
+        best: tuple[float, str, Group] | None = None
+        for group in self.prefill.groups[inst.instance_id]:
+            if group.model not in inst.resident:
+                continue
+            for rid in group.ids:
+                req = requests[rid]
+                key = (req.arrival_at + models[req.model].ttft_slo_s, rid)
+                if best is None or key < best[:2]:
+                    best = (key[0], key[1], group)
+        if best is None:
+            return
+        _, rid, group = best
+        req = requests[rid]
+        need = self.kv_need_bytes(req)
+        if need > inst.kv_free_bytes or not tiers_admit(self, inst, need):
+            return
+        group.ids.remove(rid)
+        self.reserve(inst, req)
+        transition(req, PREFILLING)
+        inst.prefilling[rid] = req.context_tokens
 
     def _prefill_first(self, inst: InstanceState, now: float) -> bool:
         head = self.prefill.head_start_by(inst)
@@ -331,6 +473,15 @@ class TokenLevelPolicy(PolicyBase):
         if event.kind == "decode":
             if inst.instance_id in self.decode.states:
                 self.decode.ran(inst.instance_id, event.num_steps)
+            last = self._last_chunk.get(inst.instance_id)
+            if last:  # prompts whose last chunk ran: their first token came with the iteration
+                for rid in event.request_ids:
+                    if rid in last:
+                        last.discard(rid)
+                        req = self.requests.get(rid)
+                        if req is not None and not req.done:
+                            self.decode.first_token_at[rid] = now
+                            self.decode.join(inst, req)
             return
         if event.kind != "prefill":
             return
@@ -351,6 +502,9 @@ class TokenLevelPolicy(PolicyBase):
         iid = request.instance_id
         if iid is None:
             return
+        last = self._last_chunk.get(iid)
+        if last:
+            last.discard(request.request_id)
         self._touched.add(iid)
         self.decode.forget(request, iid)
         self.prefill.forget(request, iid)
@@ -364,6 +518,20 @@ class TokenLevelPolicy(PolicyBase):
 
     def _lose(self, inst: InstanceState, why: str, now: float) -> None:
         super()._lose(inst, why, now)
+        self._last_chunk.pop(inst.instance_id, None)
         self.weights[inst.instance_id].clear()
         self.prefill.lose(inst.instance_id)
         self.decode.lose(inst.instance_id)
+
+
+def _iteration_s(costs: CostModel, decoding: dict[str, list[int]], chunks: dict[str, list[int]]) -> float:
+    """A mixed iteration's time: per model, its decode step (batch size, context tokens in `decoding`) with its
+    prompt chunks (tokens, prompts in `chunks`) by CostModel.mixed_step_s; a model with only chunks, a prefill."""
+    total = 0.0
+    for model, (size, context) in decoding.items():
+        tokens, prompts = chunks.get(model, (0, 0))
+        total += costs.mixed_step_s(model, size, context, tokens, prompts)
+    for model, (tokens, prompts) in chunks.items():
+        if model not in decoding:
+            total += costs.prefill_s(model, tokens, prompts)
+    return total

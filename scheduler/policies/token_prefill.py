@@ -233,6 +233,8 @@ class PrefillSide:
                 for rid in act.request_ids:
                     req = requests[rid]
                     took += costs.prefill_s(req.model, req.context_tokens)
+            elif isinstance(act, Decode) and act.prefill_chunks:  # a mixed iteration (token_level._chunks)
+                took += self.policy.iteration_s(act.request_ids, act.prefill_chunks)
             elif isinstance(act, Decode):
                 ctx = sum(requests[rid].context_tokens for rid in act.request_ids)
                 took += act.max_steps * costs.decode_step_s(requests[act.request_ids[0]].model,

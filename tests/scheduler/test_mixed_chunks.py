@@ -1,0 +1,76 @@
+"""token-level's mixed instances compute prompts in chunks beside their decode steps (issue 35): each
+iteration's predicted time (CostModel.mixed_step_s) stays within `mixed_chunk_tpot` of the TPOT SLO."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from scheduler import Decode, Prefill
+from tests.factories import LinearCosts, make_models, make_request, make_sim, run_sim
+
+
+def _plans(log: io.StringIO) -> list[dict]:
+    return [json.loads(line) for line in log.getvalue().splitlines() if line.strip()]
+
+
+def _actions(log: io.StringIO, op: str) -> list[dict]:
+    return [a for plan in _plans(log) for acts in plan["actions"].values() for a in acts if a["op"] == op]
+
+
+def _setup(share: float = 0.8):
+    models = make_models(1, tpot_s=0.1, ttft_s=10.0)
+    from tests.factories import make_instances
+    instances = make_instances(1, roles=["mixed"])
+    # a long decode already running, then a long prompt arrives
+    requests = [make_request("d1", arrival_at=0.0, prompt_tokens=100, max_output_tokens=400),
+                make_request("p1", arrival_at=1.0, prompt_tokens=3000, max_output_tokens=5)]
+    costs = LinearCosts(step_s=0.02, prefill_per_token_s=1e-4)
+    log = io.StringIO()
+    sim, sched = run_sim("token-level", models, instances, requests, costs, plan_log=log, mixed_chunk_tpot=share)
+    return sim, sched, log, costs
+
+
+def test_prompt_goes_in_chunks_each_iteration_within_the_share_of_tpot():
+    sim, sched, log, costs = _setup(0.8)
+    iterations = [a for a in _actions(log, "Decode") if a.get("prefill_chunks")]
+    assert iterations, "the prompt should be computed in chunks beside the decode steps"
+    assert not [a for a in _actions(log, "Prefill") if "p1" in a["request_ids"]]
+    assert sum(t for a in iterations for _, t in a["prefill_chunks"]) == 3000
+    for a in iterations:
+        assert a["max_steps"] == 1
+        tokens = sum(t for _, t in a["prefill_chunks"])
+        step = costs.mixed_step_s("m0", len(a["request_ids"]), 0, tokens, len(a["prefill_chunks"]))
+        assert step <= 0.8 * 0.1 + 1e-3  # context tokens add at most 1e-7 s each here
+    records = sim.records
+    assert records["p1"].first_token_at is not None and records["d1"].finished_at is not None
+    d1 = records["d1"]
+    assert (d1.finished_at - d1.first_token_at) / (d1.output_tokens - 1) <= 0.1  # the decode kept its TPOT
+
+
+def test_whole_prefill_when_chunks_are_off():
+    sim, sched, log, costs = _setup(0.0)
+    assert not [a for a in _actions(log, "Decode") if a.get("prefill_chunks")]
+    assert [a for a in _actions(log, "Prefill") if "p1" in a["request_ids"]]
+
+
+def test_earliest_deadline_first_among_queued_prompts():
+    models = make_models(2, tpot_s=0.1)
+    models["m1"] = models["m1"].__class__(**{**{f: getattr(models["m1"], f) for f in models["m1"].__dataclass_fields__},
+                                          "ttft_slo_s": 2.0})
+    from tests.factories import make_instances
+    instances = make_instances(1, roles=["mixed"])
+    requests = [make_request("d1", "m0", 0.0, 100, 300), make_request("d2", "m1", 0.0, 100, 300),
+                make_request("late", "m0", 1.0, 2000, 3), make_request("urgent", "m1", 1.01, 2000, 3)]
+    log = io.StringIO()
+    sim, _ = run_sim("token-level", models, instances, requests, LinearCosts(step_s=0.02), plan_log=log)
+    order = [a["prefill_chunks"][0][0] for a in _actions(log, "Decode") if a.get("prefill_chunks")]
+    assert order and order[0] == "urgent"  # its TTFT deadline (3.01 s) is before late's (11 s)
+
+
+def test_option_is_checked():
+    from tests.factories import make_instances
+    with pytest.raises(ValueError, match="mixed_chunk_tpot"):
+        make_sim("token-level", make_models(1), make_instances(2, roles=["mixed", "mixed"]), [], mixed_chunk_tpot=1.5)
