@@ -205,6 +205,11 @@ class DecodeSide:
         batches = self._pack(inst, self.states[inst.instance_id])
         return bool(batches) and min(map(self.due_at, batches)) <= now
 
+    def slack_s(self, inst: InstanceState, now: float) -> float:
+        """How long every batch on `inst` can wait before one owes a token (inf with none)."""
+        batches = self._pack(inst, self.states[inst.instance_id])
+        return min(map(self.due_at, batches)) - now if batches else _INF
+
     def _live(self, inst: InstanceState, ids: list[str]) -> list[str]:
         requests, iid = self.policy.requests, inst.instance_id
         live = []

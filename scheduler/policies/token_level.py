@@ -86,6 +86,7 @@ class TokenLevelPolicy(PolicyBase):
                  max_group_size: int = 8, max_quota_s: float = 2.0, round_target_s: float = 0.5,
                  switch_aversion: float = 1.0, first_tokens: int = 8, min_turn_tpot: float = 1.0,
                  fixed_turn_steps: int | None = None, joint_turns: bool = True, mixed_chunk_tpot: float = 0.8,
+                 mixed_affinity: float = 0.7,
                  # PolicyBase's keywords spelled out, not **kwargs: mypyc miscompiles **kwargs beside int defaults
                  max_batch_size: int = 256, max_prefill_tokens: int = 8192,
                  chunked_prefill_tokens: int | None = None, keep_ended: bool = True) -> None:
@@ -104,6 +105,9 @@ class TokenLevelPolicy(PolicyBase):
         self.fixed_turn_steps = fixed_turn_steps  # test knob: every turn exactly this many steps
         self.joint_turns = joint_turns  # decode every resident model's members together when they fit (token_decode)
         self.mixed_chunk_tpot = mixed_chunk_tpot  # a mixed iteration's share of the TPOT SLO (0: whole prefills)
+        # a prompt goes to a mixed instance holding its model's weights while its prefill there is predicted to
+        # end within this share of its TTFT SLO (its decode stays there: elsewhere each turn may copy weights)
+        self.mixed_affinity = mixed_affinity
         self._last_chunk: dict[str, set[str]] = {}  # mixed instance -> prompts whose last chunk is in flight
         self.full_scan = False  # test knob: plan every instance, not only touched ones (the plans must be identical)
         # _plan reads `now` only for idle instances and, on a busy one, plans a Stop only after news that asks a
@@ -249,9 +253,24 @@ class TokenLevelPolicy(PolicyBase):
             acts = self._chunked_step(inst)
             if acts:
                 return acts
-        if self.prefill.groups[iid] and self.decode.at_boundary(iid) and self._prefill_first(inst, now):
+        if self.prefill.groups[iid] and (self.decode.at_boundary(iid) or self._head_due(inst, now)) \
+                and self._prefill_first(inst, now):
             acts = self.prefill.step(inst)
-        return acts or self.decode.step(inst) or self.prefill.step(inst)
+        if acts:
+            return acts
+        acts = self.decode.step(inst)
+        if not acts:
+            return self.prefill.step(inst)
+        head = self.prefill.head_start_by(inst) if self.mixed_chunk_tpot > 0 else None
+        last = acts[-1]
+        if head is not None and isinstance(last, Decode) and last.max_steps > 1:
+            # a prompt waits here: the turn stops in time to weigh it again before it must start
+            start_by, ttft = head
+            step_s = self.iteration_s(last.request_ids, ())
+            steps = max(1, int((start_by - ttft / 2 - now) / step_s)) if step_s > 0 else last.max_steps
+            if steps < last.max_steps:
+                acts[-1] = Decode(last.request_ids, steps, reason=f"{last.reason}; a prompt waits")
+        return acts
 
     def _chunkable(self, inst: InstanceState) -> bool:
         """Whether a queued prompt here could go in chunks now: its model resident and requests decoding."""
@@ -374,12 +393,23 @@ class TokenLevelPolicy(PolicyBase):
         transition(req, PREFILLING)
         inst.prefilling[rid] = req.context_tokens
 
+    def _head_due(self, inst: InstanceState, now: float) -> bool:
+        """Whether the head group must start now to keep its TTFT SLO with half of it to spare (a turn it
+        waited behind was cut for it)."""
+        head = self.prefill.head_start_by(inst)
+        return head is not None and head[0] - now <= head[1] / 2
+
     def _prefill_first(self, inst: InstanceState, now: float) -> bool:
         head = self.prefill.head_start_by(inst)
         if head is None:
             return False
         start_by, ttft = head
-        return start_by - now <= ttft / 2 or not self.decode.behind_pace(inst, now)
+        if start_by - now <= ttft / 2:
+            return True
+        if self.mixed_chunk_tpot <= 0:
+            return not self.decode.behind_pace(inst, now)
+        # the whole prefill (and its switch) must end before any decode batch here owes its next token
+        return self.decode.slack_s(inst, now) >= self.prefill.head_busy_s(inst)
 
     # ---- actions both sides plan ----------------------------------------------------
     def use_model(self, inst: InstanceState, model: str, why: str) -> list[Action]:

@@ -101,6 +101,7 @@ class PrefillSide:
         model = req.model
         own_s = policy.costs.prefill_s(model, req.context_tokens)
         best_at, best_id, best_group = _INF, None, None  # the earliest end, ties to the first instance
+        held_at, held_id, held_group = _INF, None, None  # the same among mixed instances holding the model
         for inst in self.by_tp.get(policy.models[model].tp, []):
             if inst.lost:
                 continue
@@ -128,6 +129,12 @@ class PrefillSide:
                 done_at, group = tail_at + (1.0 + policy.switch_aversion) * switch_s + own_s, None
             if best_id is None or done_at < best_at:
                 best_at, best_id, best_group = done_at, iid, group
+            if inst.spec.role == "mixed" and (model in policy.weights[iid] or inst.active == model) \
+                    and (held_id is None or done_at < held_at):
+                held_at, held_id, held_group = done_at, iid, group
+        if held_id is not None and held_id != best_id \
+                and held_at - req.arrival_at <= policy.mixed_affinity * policy.models[model].ttft_slo_s:
+            return held_id, held_group  # a mixed instance holding the model, in time: its decode stays switch-free
         return None if best_id is None else (best_id, best_group)
 
     def _group_ends(self, inst: InstanceState, now: float) -> list[float]:
@@ -217,6 +224,17 @@ class PrefillSide:
         start_by = min(r.arrival_at for r in reqs) + ttft - policy.costs.prefill_s(
             head.model, sum(r.context_tokens for r in reqs), len(reqs))
         return start_by, ttft
+
+    def head_busy_s(self, inst: InstanceState) -> float:
+        """Predicted time the head group's prefill keeps the instance: its switch (none when the model is held)
+        and its prefill."""
+        policy = self.policy
+        head = next((g for g in self.groups[inst.instance_id] if g.ids), None)
+        if head is None:
+            return 0.0
+        reqs = [policy.requests[rid] for rid in head.ids]
+        switch_s = 0.0 if inst.active == head.model else policy.switch_cost_s(inst.instance_id, head.model)
+        return switch_s + policy.costs.prefill_s(head.model, sum(r.context_tokens for r in reqs), len(reqs))
 
     def planned(self, inst: InstanceState, acts: list[Action], now: float) -> None:
         """Note when the planned work should end (dispatch predicts queues from it)."""

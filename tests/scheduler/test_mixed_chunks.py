@@ -74,3 +74,46 @@ def test_option_is_checked():
     from tests.factories import make_instances
     with pytest.raises(ValueError, match="mixed_chunk_tpot"):
         make_sim("token-level", make_models(1), make_instances(2, roles=["mixed", "mixed"]), [], mixed_chunk_tpot=1.5)
+
+
+def _switches(log: io.StringIO) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for plan in _plans(log):
+        for iid, acts in plan["actions"].items():
+            for a in acts:
+                if a["op"] == "Switch":
+                    out.setdefault(a["model"], set()).add(iid)
+    return out
+
+
+@pytest.mark.parametrize("affinity", [0.7, 0.0])
+def test_prompts_stay_with_the_mixed_instance_holding_their_model(affinity):
+    """A busy model's prompts queue behind each other on the mixed instance that holds it (in time for their
+    TTFT SLO) rather than pull its weights onto the other instance, where its decode would switch every turn."""
+    from tests.factories import make_instances
+    models = make_models(2, tpot_s=0.1, ttft_s=10.0)
+    instances = make_instances(2, roles=["mixed", "mixed"])
+    requests = [make_request("b0", "m1", 0.0, 100, 400)]
+    requests += [make_request(f"a{k}", "m0", 0.01 * k, 6000, 50) for k in range(6)]
+    log = io.StringIO()
+    run_sim("token-level", models, instances, requests, LinearCosts(step_s=0.02, switch_s=0.5), plan_log=log,
+            mixed_affinity=affinity)
+    homes = _switches(log)["m0"]
+    if affinity:
+        assert len(homes) == 1, homes
+    else:
+        assert len(homes) == 2, homes  # the earliest predicted prefill end alone spreads them
+
+
+def test_a_waiting_prompt_caps_the_open_ended_turn():
+    """A prompt of a model not resident on a mixed instance waits while the decode batch has no slack for its
+    switch and prefill, but the turn stops in time (half its TTFT SLO before its latest start) to weigh it."""
+    from tests.factories import make_instances
+    models = make_models(2, tpot_s=0.1, ttft_s=4.0)
+    instances = make_instances(1, roles=["mixed"])
+    requests = [make_request("d", "m0", 0.0, 100, 2000), make_request("p", "m1", 1.0, 3000, 5)]
+    log = io.StringIO()
+    sim, _ = run_sim("token-level", models, instances, requests, LinearCosts(step_s=0.06), plan_log=log)
+    p = sim.records["p"]
+    assert p.first_token_at is not None and p.first_token_at - p.arrival_at <= 4.0
+    assert any("a prompt waits" in a["reason"] for a in _actions(log, "Decode"))
