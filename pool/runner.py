@@ -13,6 +13,11 @@ runs on the instance's engine with `call.run(engine)`:
 - Prefill -> `prefill` (+ `save_kv` when `kv_to_host`) -> StepDone(prefill).
 - Decode -> `decode_step` per step; the turn ends after `max_steps`, at the
   first finished request, or at the step boundary after a Stop -> StepDone.
+  A Decode with `prefill_chunks` (one mixed iteration): the engines have no
+  chunked prefill, so a prompt is computed whole with its last chunk
+  (`prefill` of the prompts it completes, then the decode step) and earlier
+  chunks call nothing; the StepDone lists the completed prompts, 1 step, as
+  the simulator's does (their times differ: the simulator charges each chunk).
 - SwapOut -> `save_kv` -> KvMoved(host); on an instance that hands its
   requests over (a prefill instance), `export_kv` instead: the KV leaves the
   engine then and the controller carries it (`LiveRequest.kv_export`), so
@@ -94,6 +99,9 @@ class InstanceRunner:
         self._carried: list[str] = []  # request ids whose KV the controller carries, to import first
         self._exporting: list[str] = []  # request ids of the hand-off export_kv in flight
         self._release_after: list[tuple[str | None, str]] = []  # (exporter, request id) of staged KV importing
+        self._chunked: dict[str, int] = {}  # request -> prompt tokens its chunks planned so far (mixed iterations)
+        self._chunk_done: list[str] = []  # prompts the current mixed iteration completes
+        self._chunk_finished: list[str] = []  # of those, the ones that ended at their first token
 
     @property
     def busy(self) -> bool:
@@ -118,6 +126,7 @@ class InstanceRunner:
         """Forget everything in flight (the instance was lost)."""
         self._actions.clear()
         self._current, self._pending, self._stage = None, None, None
+        self._chunked, self._chunk_done, self._chunk_finished = {}, [], []
         self._release_after = []  # the controller frees what a lost or refused call left behind
 
     def on_result(self, handle: int, result: Any) -> list[Event]:
@@ -171,6 +180,13 @@ class InstanceRunner:
                 self._call(calls.Prefill(tuple(self._requests[rid].gen_request() for rid in ids)))
             elif isinstance(action, Decode):
                 self._steps, self._finished = 0, []
+                self._chunk_done = self._chunks_done(action) if action.prefill_chunks else []
+                self._chunk_finished = []
+                if self._chunk_done:  # the prompts this iteration completes, computed whole
+                    for rid in self._chunk_done:
+                        self._requests[rid].kv_home = self.instance_id
+                    self._call(calls.Prefill(tuple(self._requests[rid].gen_request() for rid in self._chunk_done)))
+                    return []
                 event = self._decode_continue(action)
                 if event is None:
                     return []
@@ -241,15 +257,38 @@ class InstanceRunner:
             self._deliver(live, out)
 
     # ---- decode ----------------------------------------------------------------------------
+    def _chunks_done(self, action: Decode) -> list[str]:
+        """Count the iteration's chunks on their prompts; the live requests whose prompt they complete."""
+        done = []
+        for rid, tokens in action.prefill_chunks:
+            live = self._requests.get(rid)
+            if live is None or live.cancelled or live.finished:
+                self._chunked.pop(rid, None)
+                continue
+            seen = self._chunked.get(rid, 0) + tokens
+            if seen >= len(live.prompt_token_ids) + len(live.output_token_ids):
+                self._chunked.pop(rid, None)
+                done.append(rid)
+            else:
+                self._chunked[rid] = seen
+        return done
+
     def _decode_continue(self, action: Decode) -> StepDone | None:
         """Issue the next step of the turn, or return the turn's StepDone when it is over."""
         ids = self._live(action.request_ids)
         if not ids or self._finished or self._steps >= action.max_steps or (self._stop and self._steps > 0):
+            if action.prefill_chunks:  # one iteration: its decode step and the prompts it completed
+                return StepDone(self.instance_id, "decode", action.request_ids + tuple(self._chunk_done), 1,
+                                tuple(self._finished + self._chunk_finished))
             return StepDone(self.instance_id, "decode", action.request_ids, self._steps, tuple(self._finished))
         self._call(calls.DecodeStep(tuple(ids), turn_step=self._steps + 1, max_steps=action.max_steps))
         return None
 
     def _decode_result(self, action: Decode, result: Any) -> list[Event]:
+        if self._stage is calls.Prefill:  # a mixed iteration's completed prompts: their first tokens
+            self._chunk_finished = self._tokens(result)
+            event = self._decode_continue(action)
+            return [] if event is None else [event]
         self._steps += 1
         finished, deliveries = self._record(result)
         self._finished += finished
