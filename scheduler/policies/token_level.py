@@ -86,7 +86,7 @@ class TokenLevelPolicy(PolicyBase):
                  max_group_size: int = 8, max_quota_s: float = 2.0, round_target_s: float = 0.5,
                  switch_aversion: float = 1.0, first_tokens: int = 8, min_turn_tpot: float = 1.0,
                  fixed_turn_steps: int | None = None, joint_turns: bool = True, mixed_chunk_tpot: float = 0.8,
-                 mixed_affinity: float = 0.7,
+                 mixed_affinity: float = 0.3,
                  # PolicyBase's keywords spelled out, not **kwargs: mypyc miscompiles **kwargs beside int defaults
                  max_batch_size: int = 256, max_prefill_tokens: int = 8192,
                  chunked_prefill_tokens: int | None = None, keep_ended: bool = True) -> None:
