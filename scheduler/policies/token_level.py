@@ -64,7 +64,7 @@ from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
 from scheduler.costs import CostModel, InstanceSpec, ModelProfile
-from scheduler.plan import Action, Decode, Event, KvMoved, Prefetch, StepDone, Stop, SwapIn, SwapOut, Switch
+from scheduler.plan import Action, Decode, Event, KvMoved, Prefetch, StepDone, Stop, SwapOut, Switch
 from scheduler.policies.base import InstanceState, PolicyBase
 from scheduler.policies.token_decode import DecodeSide
 from scheduler.policies.kv_tiers import tiers_admit
@@ -289,12 +289,13 @@ class TokenLevelPolicy(PolicyBase):
         acts = self.decode.step(inst)
         if acts and not isinstance(acts[-1], Decode):
             return acts
-        ids = acts[-1].request_ids if acts else ()
+        last = acts[-1] if acts else None
+        ids = last.request_ids if isinstance(last, Decode) else ()
         chunks = self._chunks(inst, ids)
         if not chunks:
             return acts
-        last = {rid for rid, _ in chunks if rid not in inst.prefilling}
-        self._last_chunk.setdefault(inst.instance_id, set()).update(last)
+        completed = {rid for rid, _ in chunks if rid not in inst.prefilling}
+        self._last_chunk.setdefault(inst.instance_id, set()).update(completed)
         tokens = sum(take for _, take in chunks)
         step = Decode(ids, 1, prefill_chunks=tuple(chunks),
                       reason=f"iteration: decode {len(ids)}, {tokens} prompt tokens of {len(chunks)}")
