@@ -16,6 +16,7 @@ nor stopped.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import subprocess
@@ -28,6 +29,13 @@ PIPE_ENV, LOG_ENV = "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"
 # a CUDA client of the daemon: the daemon starts its server only when one connects, and that can still fail (a
 # GPU in exclusive mode, no room for the server, a container without the IPC it needs)
 CLIENT_CHECK = [sys.executable, "-c", "import torch; torch.empty(1, device='cuda'); torch.cuda.synchronize()"]
+
+
+# the quit, in a process of its own: the control binary's `quit` waits for every client, then the folders go
+QUIT = ("import shutil, subprocess, sys; "
+        "subprocess.run([sys.argv[1]], input='quit\\n', text=True, capture_output=True); "
+        "shutil.rmtree(sys.argv[2], ignore_errors=True)")
+log = logging.getLogger(__name__)
 
 
 class MpsError(RuntimeError):
@@ -74,16 +82,21 @@ class MpsDaemon:
             raise MpsError(f"a CUDA client of the MPS daemon exited with {done.returncode}: "
                            f"{said[-1] if said else 'no output'}")
 
-    def stop(self) -> None:
-        """Quit a daemon started here (its server ends once its clients have); nothing otherwise."""
+    def stop(self, wait_s: float = 10.0) -> None:
+        """Quit a daemon started here; nothing otherwise. `quit` returns only once every client has ended, and the
+        serving process is one where it touched CUDA (counting GPUs does), so the quit and the removal of the
+        daemon's folders run in a process of their own that outlives this one: stop waits `wait_s` for it, then
+        leaves it to finish when this process's CUDA context ends (never an error at shutdown)."""
         folder, self.folder = self.folder, None
         if folder is None:
             return
+        quitter = subprocess.Popen([sys.executable, "-c", QUIT, shutil.which(self.control) or self.control,
+                                    str(folder)], env={**os.environ, **self.env}, start_new_session=True,
+                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            subprocess.run([shutil.which(self.control) or self.control], input="quit\n", text=True,
-                           env={**os.environ, **self.env}, capture_output=True, timeout=30)
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
+            quitter.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            log.info("the MPS daemon in %s quits once its clients end (pid %d waits for it)", folder, quitter.pid)
 
     def __enter__(self) -> dict[str, str]:
         return self.start()

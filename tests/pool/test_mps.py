@@ -2,7 +2,7 @@
 
 A fake `nvidia-cuda-mps-control` stands in on CPU machines; like the real one it refuses to start without its
 pipe folder and answers `quit` only where a daemon was started, and it logs every call with the environment
-it saw."""
+it saw; its `quit`, like the real one's, returns only once no client is attached."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ if [ "$1" = "-d" ]; then
 fi
 read cmd
 [ -e "$CUDA_MPS_PIPE_DIRECTORY/control" ] || { echo "no daemon here" >&2; exit 1; }
+while [ -e "$CUDA_MPS_PIPE_DIRECTORY/client" ]; do sleep 0.05; done  # quit waits for every client to end
 echo "stdin $cmd" >> "$FAKE_MPS_LOG"
 """
 
@@ -72,6 +73,25 @@ def test_a_private_daemon_is_started_with_its_own_folders_and_quit(fake_control:
     assert not pipe.parent.exists()  # its folders go with it
     daemon.stop()  # once only
     assert len(_calls(fake_control)) == 3
+
+
+def test_a_quit_that_waits_for_a_client_does_not_hold_the_serving_process(fake_control: Path) -> None:
+    """The serving process is a client of the daemon once it touches CUDA, so `quit` cannot end before it does
+    (every H100 server's shutdown sat 30 s in it, then logged TimeoutExpired): stop returns after its wait, and the
+    quit and the folders' removal finish once the last client has gone."""
+    import time
+
+    daemon = MpsDaemon()
+    pipe = Path(daemon.start()[PIPE_ENV])
+    (pipe / "client").touch()  # the serving process, still attached
+    began = time.monotonic()
+    daemon.stop(wait_s=0.5)
+    assert time.monotonic() - began < 5 and pipe.parent.exists() and "stdin quit" not in _calls(fake_control)
+    (pipe / "client").unlink()  # the serving process ends
+    deadline = time.monotonic() + 10
+    while pipe.parent.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not pipe.parent.exists() and _calls(fake_control)[-1] == "stdin quit"
 
 
 def test_a_daemon_named_by_the_environment_is_used_and_left_alone(fake_control: Path,
