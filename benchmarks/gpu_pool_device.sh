@@ -28,7 +28,7 @@ pack() { tar czf "$OUT/gpu_pool-$1.tgz" -C "/tmp/gp-$1" --exclude models . 2>/de
 for stage in "$@"; do
   case $stage in
     tests)  # MPS=1: pytest and the processes it starts as clients of a private MPS daemon (CUDA IPC between them)
-      $([ "${MPS:-}" = 1 ] && echo under_mps) timeout ${TEST_S:-150} python3 -m pytest -q -p no:cacheprovider -k cuda ${PYTEST_ARGS:-} \
+      $([ "${MPS:-}" = 1 ] && echo under_mps) timeout ${TEST_S:-150} python3 -m pytest -q -p no:cacheprovider -m '' -k cuda ${PYTEST_ARGS:-} \
         ${TEST_FILES:-tests/pool/test_torch_engine.py tests/pool/test_kv_transfer.py tests/pool/test_fused_decode.py tests/pool/test_processes.py} 2>&1 | tail -30 ;;
     link)  # how the GPU's host link serves two instances' copies at once (benchmarks/gpu_link_share.py): engine
       # processes under MPS (serve's default), time-sliced, and two threads of one process

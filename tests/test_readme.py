@@ -136,10 +136,11 @@ QUICK_START = [line.split("#")[0].strip() for line in re.search(r"```bash\n(.*?)
 
 
 def test_the_quick_start_test_command_is_what_ci_runs() -> None:
-    """CI (.ci/run) runs the set-up and then exactly the README's test command, on a fresh clone."""
+    """CI (.ci/run) runs the set-up, exactly the README's test command (the default suite), then the slow tests."""
     ci = (REPO / ".ci/run").read_text()
     assert QUICK_START[1] == "./scripts/setup.sh && .venv/bin/python -m pytest -q"
     assert "bash scripts/setup.sh" in ci and "\n.venv/bin/python -m pytest -q\n" in ci
+    assert "\n.venv/bin/python -m pytest -q -m slow\n" in ci
 
 
 def free_port() -> int:
