@@ -98,6 +98,10 @@ class InstanceActor:
     def ready(self) -> str:
         return self.instance_id
 
+    def close(self) -> None:
+        """Close the engine (a TP instance's rendezvous file goes with it) before the actor is killed."""
+        self.engine.close()
+
     def node(self) -> str:
         """The id of the Ray node this instance runs on (`ray.nodes()`' NodeID)."""
         import ray

@@ -11,6 +11,7 @@ the instance, and any still queued for it, ends with `InstanceDied`.
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -23,6 +24,8 @@ from pool.engines.base import Engine
 from pool.errors import InstanceDied
 from pool.engines.device import GATE
 from pool.engines.timings import call_engine
+
+log = logging.getLogger(__name__)
 
 BEAT_CHECK_S = 0.25  # the Ray backend reads its actors' beats at most this often
 
@@ -56,6 +59,12 @@ class InProcessBackend:
 
     def kill(self, instance_id: str) -> None:
         self.engines[instance_id] = None  # type: ignore[assignment]
+
+    def close(self) -> None:
+        """The pool stopped: close every engine still serving (a TP instance's files go with it)."""
+        for instance_id, engine in self.engines.items():
+            if engine is not None:
+                _close_quietly(instance_id, engine)
 
 
 class RayBackend:
@@ -168,13 +177,16 @@ class ThreadBackend:
         self._work: dict[str, queue.SimpleQueue[tuple[int, EngineCall] | threading.Event | None]] = {}
         self.in_flight = 0  # touched by the loop thread only
         self._retired: set[str] = set()  # freed by retire() and not replaced since
+        self._threads: dict[str, threading.Thread] = {}
         for iid, engine in self.engines.items():
             self._start_worker(iid, engine)
 
     def _start_worker(self, instance_id: str, engine: Engine) -> None:
         work = self._work[instance_id] = queue.SimpleQueue()
-        threading.Thread(target=self._serve, args=(instance_id, engine, work), name=f"modelpool-{instance_id}",
-                         daemon=True).start()
+        thread = threading.Thread(target=self._serve, args=(instance_id, engine, work),
+                                  name=f"modelpool-{instance_id}", daemon=True)
+        self._threads[instance_id] = thread
+        thread.start()
 
     def _serve(self, instance_id: str, engine: Engine, work: queue.SimpleQueue[Any]) -> None:
         while (item := work.get()) is not None:
@@ -195,6 +207,7 @@ class ThreadBackend:
                 result = exc
             del call, item
             self._done.put((handle, result))
+        _close_quietly(instance_id, engine)  # close(): the pool stopped (a TP instance's files go with its engine)
 
     def _answer_dead(self, instance_id: str, work: queue.SimpleQueue[Any]) -> None:
         while True:
@@ -244,9 +257,20 @@ class ThreadBackend:
     def kill(self, instance_id: str) -> None:
         self.engines[instance_id] = None  # type: ignore[assignment]
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop every worker; each closes its engine after the call it is running (waits `timeout_s` in all)."""
         for work in self._work.values():
             work.put(None)
+        deadline = time.monotonic() + timeout_s
+        for thread in self._threads.values():
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def _close_quietly(instance_id: str, engine: Engine) -> None:
+    try:
+        engine.close()
+    except Exception:  # noqa: BLE001 - the pool is stopping: nothing is left to tell
+        log.warning("closing %s's engine failed", instance_id, exc_info=True)
 
 
 def take_done(done: queue.SimpleQueue[tuple[int, Any]], timeout_s: float) -> list[tuple[int, Any]]:

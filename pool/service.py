@@ -52,6 +52,7 @@ from pool.clock import MonotonicClock
 from pool.config import PoolConfig
 from pool.controller import Controller
 from pool.engines.base import Engine, KvCapacity, SamplingParams, TokenOut
+from pool.engines.tp_files import sweep_dead
 from pool.errors import InstanceDied, PoolBusy, PoolClosed, QueueFull
 from pool.inbox import Cancel, InboxMessage, Restored, Submit, Wake
 from pool.restarts import Restarts
@@ -212,11 +213,16 @@ class LivePool:
             close()
         with self._lock:
             actors, self._actors = list(self._actors.values()), {}
-        for actor in actors:
+        if actors:
             import ray
 
-            ray.kill(actor)
+            # engines closed first where they answer (a TP instance's files go with it), then the actors killed;
+            # a lost actor's close fails at once, a hung one's is waited for 5 s at most
+            ray.wait([actor.close.remote() for actor in actors], num_returns=len(actors), timeout=5)
+            for actor in actors:
+                ray.kill(actor)
         self._placements.close()  # the TP instances' groups (their actors are gone already)
+        sweep_dead()  # the rendezvous files of TP instances killed earlier on this machine
         with self._lock:
             orphans = list(self._tracked.values())
             self._tracked.clear()

@@ -42,7 +42,7 @@ import torch
 from pool.errors import InstanceDied
 from pool.engines.base import EngineError, EngineStats, GenRequest, KvCapacity, KvExport, TokenOut
 from pool.engines.torch_engine import TorchEngine, TorchEngineConfig
-from pool.engines.tp_files import store_stem
+from pool.engines.tp_files import store_stem, sweep_dead
 
 TIMEOUT_S = 120.0  # a collective waiting this long on a live but silent peer fails (a dead one fails at once)
 SUMMED_STATS = ("device_buffer_bytes", "kv_device_bytes", "kv_device_used_bytes", "kv_host_bytes", "kv_host_used_bytes",
@@ -181,6 +181,7 @@ class TpEngine:
             raise ValueError(f"unknown rank launcher {ranks!r}; choose processes or ray")
         self.config, self.size = config, config.tp
         self._broken: str | None = None
+        sweep_dead()  # what killed TP instances on this machine left (a Ray actor has no parent to do it)
         self._store = store_stem(os.getpid()) + uuid.uuid4().hex
         threads = threads or torch.get_num_threads()
         devices = [rank_device(config.device, r) if ranks == "processes" else config.device for r in range(self.size)]

@@ -4,11 +4,14 @@ Rank 0's process names its rendezvous file (a `torch.distributed.FileStore`
 in /dev/shm) after its pid and removes it when its engine closes. A process
 killed first (a crash, a fault test, a hung instance's replacement) cannot:
 earlier test runs left `modelpool-tp-*` files behind. The process that
-started it removes them once it is gone (`pool.procs.stop_worker`).
+started it removes them once it is gone (`pool.procs.stop_worker`); a Ray
+actor has no such parent, so every TP instance that starts, and a pool that
+stops, removes the files of processes that are gone (`sweep_dead`).
 """
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 
@@ -31,4 +34,31 @@ def remove_stores(pid: int) -> int:
             removed += 1
         except FileNotFoundError:
             pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def sweep_dead() -> int:
+    """Remove the rendezvous files on this machine whose rank-0 process is gone; how many. A file of a live
+    process (another pool's, or a pid reused since) is left alone."""
+    stem = Path(store_stem(0))
+    prefix = stem.name[:-2]  # 'modelpool-tp-'
+    removed = 0
+    for path in stem.parent.glob(prefix + "*"):
+        pid = path.name[len(prefix):].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            try:
+                path.unlink()
+                removed += 1
+            except FileNotFoundError:
+                pass
     return removed

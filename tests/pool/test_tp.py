@@ -25,6 +25,7 @@ import torch
 from pool.engines.base import GenRequest, SamplingParams
 from pool.engines.torch_engine import TorchEngineConfig
 from pool.engines.tp import RankLost, TpEngine, join_kv, rank_config, split_kv
+from pool.engines.tp_files import store_stem, sweep_dead
 from pool.engines.weights import ModelImage
 from pool.config import PoolConfig
 from pool.service import LivePool, served_model, slot_instances
@@ -269,6 +270,7 @@ def test_ray_rank_actors_in_the_placement_group_and_one_killed_mid_decode(tiny, 
             assert_resumed_elsewhere(pool, sinks, long_reference, chosen, held)
     finally:
         ray.shutdown()
+    assert dead_tp_files() == []  # the killed instance's rendezvous file too (a Ray actor has no parent to sweep)
 
 
 def test_fleet_with_a_tp2_model_deploys_tp2_instances_on_cpu_ranks(demo_models, tmp_path):
@@ -335,3 +337,24 @@ def test_modelpool_serve_fleet_serves_a_tp2_model_on_cpu_ranks(demo_models, tmp_
         stop_serve(proc)
     rest = proc.stdout.read()  # type: ignore[union-attr]
     assert proc.returncode == 0 and "Traceback" not in rest, "".join(lines) + rest
+    assert dead_tp_files() == []  # /dev/shm left clean
+
+
+def dead_tp_files() -> list[str]:
+    """TP rendezvous files on this machine whose rank-0 process is gone (other sessions' live pools ignored)."""
+    stem = Path(store_stem(0))
+    prefix = stem.name[:-2]
+    return sorted(p.name for p in stem.parent.glob(prefix + "*")
+                  if not Path(f"/proc/{p.name[len(prefix):].split('-')[0]}").exists())
+
+
+def test_sweep_removes_the_files_of_dead_processes_only():
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead, live = Path(store_stem(int(gone.stdout))), Path(store_stem(os.getpid()))
+    files = [Path(f"{dead}a"), Path(f"{dead}b"), Path(f"{live}c")]
+    for path in files:
+        path.write_bytes(b"x")
+    try:
+        assert sweep_dead() >= 2 and [p.exists() for p in files] == [False, False, True]
+    finally:
+        files[2].unlink()
