@@ -178,6 +178,8 @@ def estimate_command(
     profile: Annotated[str, typer.Option("--profile", help="Calibration profile: a shipped name or a JSON file.")] = "default",
     fleet_path: Annotated[Path, typer.Option("--fleet", "-f", help="Fleet file to take models and GPUs from "
                                              "(models.yaml; without one here, --gpu and a catalogue arch).")] = DEFAULT_FLEET,
+    force_profile: Annotated[bool, typer.Option("--force-profile", help="Use --profile even where it was measured "
+                                                "on a CPU and the GPU is a catalogue GPU (refused otherwise).")] = False,
 ) -> None:
     """Predict latency, throughput and memory of one model on one GPU type (roofline cost model)."""
     from modelpool.config import FleetFileError, load_fleet
@@ -190,7 +192,7 @@ def estimate_command(
             raise ValueError(f"no --gpu and no fleet file to take it from ({fleet_path} not found here): "
                              f"pass --gpu TYPE (e.g. h20, h100, h200) or --fleet FILE")
         report = estimate_report(fleet, model, gpu, tp, batch, input_tokens, output_tokens, profile)
-        mismatch = profile_device_check(load_profile(profile), report["gpu"], profile)
+        mismatch = profile_device_check(load_profile(profile), report["gpu"], profile, force_profile)
     except (FleetFileError, ValueError, FileNotFoundError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
