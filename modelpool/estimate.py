@@ -23,7 +23,7 @@ from rich.table import Table
 
 from scheduler.catalog import ARCHS
 from scheduler.fleet import GB, GPUS, Arch, Fleet, GpuSpec, PoolSpec
-from sims.costmodel import RooflineCostModel
+from sims.costmodel import RooflineCostModel, device_spec
 from sims.profiles import TERM_NAMES, load_profile
 
 DEFAULT_FLEET = Path("models.yaml")
@@ -43,7 +43,9 @@ def estimate_report(fleet: Fleet | None, model: str, gpu: str | None, tp: int | 
     arch, arch_name, fleet_tp, gpu_name, spec, utilisation = _resolve(fleet, model, gpu)
     tp = tp or fleet_tp
     calibration = load_profile(profile)
-    cost = RooflineCostModel.for_models({model: (arch, tp)}, spec, calibration, gpu_name=gpu_name)
+    # the rates `simulate` costs with: a profile measured on this device (a CPU) brings its own; memory stays the fleet's
+    rates = device_spec(gpu_name, calibration, {gpu_name: spec})
+    cost = RooflineCostModel.for_models({model: (arch, tp)}, rates, calibration, gpu_name=gpu_name)
     first_context = batch * (input_tokens + 1)  # the first decode step also reads its own token's KV
     num_steps = max(output_tokens - 1, 1)
     decode_s = cost.decode_turn_s(model, batch, first_context, num_steps)

@@ -227,7 +227,7 @@ def profile_device_check(profile: Any, gpu: str, source: str, force: bool = Fals
         raise ValueError(f"--profile {source} was measured on {measured}, but the fleet runs on {gpu.upper()}: a "
                          f"CPU's step times say nothing of a {gpu.upper()}'s. Use a profile measured on a "
                          f"{gpu.upper()} (`modelpool calibrate --device cuda` there) or the shipped default, or "
-                         f"simulate a fleet whose pool.gpu is {run.gpu}, or pass "
+                         f"simulate a fleet whose pool.gpu is {run.gpu} (examples/cpu.yaml), or pass "
                          f"--force-profile to use it anyway")
     return (f"warning: --profile {source} was measured on {measured}, not on {gpu.upper()}: its measured terms "
             f"count on {gpu.upper()} only as estimates (efficiencies by datasheet ratios, times carried over)")
