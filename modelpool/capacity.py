@@ -60,6 +60,8 @@ def capacity_command(
     sensitivity: bool = typer.Option(True, "--sensitivity/--no-sensitivity", help="Search the first GPU type again "
                                      "with eff_mem, the host link and the per-step overhead 20% worse (the report's "
                                      "sensitivity line; about doubles the search)."),
+    force_profile: bool = typer.Option(False, "--force-profile", help="Use --profile even where it was measured on a "
+                                       "CPU and a GPU type searched is a catalogue GPU (refused otherwise)."),
 ) -> None:
     """Find the fewest GPUs each policy needs to meet the SLO target; write the report (HTML, Markdown, JSON, CSV)."""
     started = time.perf_counter()
@@ -97,7 +99,7 @@ def capacity_command(
     from modelpool.simulate import profile_device_check
 
     try:
-        mismatches = [line for g in gpus if (line := profile_device_check(calibration, g, profile))]
+        mismatches = [line for g in gpus if (line := profile_device_check(calibration, g, profile, force_profile))]
     except ValueError as exc:
         _fail(str(exc))
     for line in mismatches:

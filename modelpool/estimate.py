@@ -23,7 +23,7 @@ from rich.table import Table
 
 from scheduler.catalog import ARCHS
 from scheduler.fleet import GB, GPUS, Arch, Fleet, GpuSpec, PoolSpec
-from sims.costmodel import RooflineCostModel
+from sims.costmodel import RooflineCostModel, device_spec
 from sims.profiles import TERM_NAMES, load_profile
 
 DEFAULT_FLEET = Path("models.yaml")
@@ -43,7 +43,9 @@ def estimate_report(fleet: Fleet | None, model: str, gpu: str | None, tp: int | 
     arch, arch_name, fleet_tp, gpu_name, spec, utilisation = _resolve(fleet, model, gpu)
     tp = tp or fleet_tp
     calibration = load_profile(profile)
-    cost = RooflineCostModel.for_models({model: (arch, tp)}, spec, calibration, gpu_name=gpu_name)
+    # the rates `simulate` costs with: a profile measured on this device (a CPU) brings its own; memory stays the fleet's
+    rates = device_spec(gpu_name, calibration, {gpu_name: spec})
+    cost = RooflineCostModel.for_models({model: (arch, tp)}, rates, calibration, gpu_name=gpu_name)
     first_context = batch * (input_tokens + 1)  # the first decode step also reads its own token's KV
     num_steps = max(output_tokens - 1, 1)
     decode_s = cost.decode_turn_s(model, batch, first_context, num_steps)
@@ -178,6 +180,8 @@ def estimate_command(
     profile: Annotated[str, typer.Option("--profile", help="Calibration profile: a shipped name or a JSON file.")] = "default",
     fleet_path: Annotated[Path, typer.Option("--fleet", "-f", help="Fleet file to take models and GPUs from "
                                              "(models.yaml; without one here, --gpu and a catalogue arch).")] = DEFAULT_FLEET,
+    force_profile: Annotated[bool, typer.Option("--force-profile", help="Use --profile even where it was measured "
+                                                "on a CPU and the GPU is a catalogue GPU (refused otherwise).")] = False,
 ) -> None:
     """Predict latency, throughput and memory of one model on one GPU type (roofline cost model)."""
     from modelpool.config import FleetFileError, load_fleet
@@ -190,7 +194,7 @@ def estimate_command(
             raise ValueError(f"no --gpu and no fleet file to take it from ({fleet_path} not found here): "
                              f"pass --gpu TYPE (e.g. h20, h100, h200) or --fleet FILE")
         report = estimate_report(fleet, model, gpu, tp, batch, input_tokens, output_tokens, profile)
-        mismatch = profile_device_check(load_profile(profile), report["gpu"], profile)
+        mismatch = profile_device_check(load_profile(profile), report["gpu"], profile, force_profile)
     except (FleetFileError, ValueError, FileNotFoundError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None

@@ -35,6 +35,9 @@ def simulate_command(
                                                  "(token-level's quota formula alone), -o first_tokens=1."),
     profile: str = typer.Option("default", "--profile", help="Calibration profile: a shipped name (default, "
                                 "h200-cudagraph, h200-eager) or a JSON file (`modelpool calibrate` writes one)."),
+    force_profile: bool = typer.Option(False, "--force-profile", help="Use --profile even where it was measured on a "
+                                       "CPU and the pool's GPU is a catalogue GPU (refused otherwise): the CPU's step "
+                                       "times then stand for the GPU's, with a warning."),
 ) -> None:
     """Simulate a policy on a fleet and a trace; print latency and SLO figures."""
     from sims.metrics import request_rows
@@ -68,7 +71,7 @@ def simulate_command(
         typer.echo(f"error: --profile: {exc}", err=True)
         raise typer.Exit(1) from None
     try:
-        mismatch = profile_device_check(calibration, fleet.pool.gpu, profile)
+        mismatch = profile_device_check(calibration, fleet.pool.gpu, profile, force_profile)
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
@@ -204,11 +207,12 @@ def _summary_table(m: dict) -> Table:
     return table
 
 
-def profile_device_check(profile: Any, gpu: str, source: str) -> str | None:
+def profile_device_check(profile: Any, gpu: str, source: str, force: bool = False) -> str | None:
     """A warning when `profile` (loaded from `source`) was calibrated on another device than GPU type `gpu`;
     ValueError when it was measured on a CPU and `gpu` is a catalogue GPU (a CPU's step times say nothing
-    of a GPU's: the simulation would report a pool that cannot serve anything). None when they agree or the
-    profile was not written by `modelpool calibrate` (its provenance line says what it is)."""
+    of a GPU's: the simulation would report a pool that cannot serve anything), unless `force`
+    (`--force-profile`), which turns the refusal into a warning. None when they agree or the profile was not
+    written by `modelpool calibrate` (its provenance line says what it is)."""
     from scheduler.fleet import GPUS
 
     run = profile.calibration
@@ -216,10 +220,15 @@ def profile_device_check(profile: Any, gpu: str, source: str) -> str | None:
         return None
     measured = f"{run.device} (calibrated as GPU type {run.gpu})"
     if "cpu" in run.device.lower() and gpu.lower() in GPUS:
+        if force:
+            return (f"warning: --profile {source} was measured on {measured}, but the fleet runs on {gpu.upper()}; "
+                    f"used anyway (--force-profile): the CPU's step times stand for the {gpu.upper()}'s, so the "
+                    f"figures describe that CPU, not a {gpu.upper()}")
         raise ValueError(f"--profile {source} was measured on {measured}, but the fleet runs on {gpu.upper()}: a "
                          f"CPU's step times say nothing of a {gpu.upper()}'s. Use a profile measured on a "
                          f"{gpu.upper()} (`modelpool calibrate --device cuda` there) or the shipped default, or "
-                         f"simulate a fleet whose pool.gpu is {run.gpu}")
+                         f"simulate a fleet whose pool.gpu is {run.gpu} (examples/cpu.yaml), or pass "
+                         f"--force-profile to use it anyway")
     return (f"warning: --profile {source} was measured on {measured}, not on {gpu.upper()}: its measured terms "
             f"count on {gpu.upper()} only as estimates (efficiencies by datasheet ratios, times carried over)")
 

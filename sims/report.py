@@ -20,6 +20,7 @@ from scheduler.fleet import Fleet
 from sims.capacity import POLICY_ORDER
 from sims.capacity_eval import Context
 from sims.capacity_study import NO_SCALE, StudyResult
+from sims.metrics import PERCENTILES
 from sims.profiles import BASES, TERM_NAMES, CalibrationProfile, ProfileTerms
 
 HOURS_PER_MONTH = 730.0
@@ -73,6 +74,7 @@ def build_report(result: StudyResult, ctx: Context, *, fleet_path: str = "", tra
     }
     report["model_misses"] = {p: [r["model"] for r in report["per_model"] if p in r and r[p]["attainment"] < goal.target]
                               for p in policies}
+    report["recommended"] = recommended_plan(report)
     report["stability"] = stability(report, seed, repeats or {})
     report["tries"] = _tries(result, ctx, report)
     report["sensitivity"] = dict(sensitivity) if sensitivity else None  # sims.sensitivity
@@ -237,9 +239,46 @@ def _per_model(result: StudyResult, ctx: Context) -> list[dict[str, Any]]:
             if fig is None:
                 continue
             row[policy] = {"attainment": round(fig[METRIC_KEYS[result.config.goal.metric]], 4),
-                           "p99_ttft_ms": round(fig["p99_ttft_ms"], 1), "p99_tpot_ms": round(fig["p99_tpot_ms"], 2)}
+                           **{f"p{q}_ttft_ms": round(fig[f"p{q}_ttft_ms"], 1) for q in PERCENTILES},
+                           **{f"p{q}_tpot_ms": round(fig[f"p{q}_tpot_ms"], 2) for q in PERCENTILES}}
         rows.append(row)
     return rows
+
+
+def recommended_plan(report: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The plan the headline recommends (the cheapest pooled policy that met the target, else dedicated where it
+    did; None when none did), model by model: its attainment and TTFT / TPOT p50, p90, p99 against its own SLO,
+    each figure past its bound named in `misses`. Models under the target come first (worst first), then those
+    with only a latency percentile over its SLO, then the rest in the fleet's order."""
+    policies, target = report["policies"], report["slo_target"]
+    policy = report["headline"].get("best_policy")
+    if policy is None and policies.get("dedicated", {}).get("met"):
+        policy = "dedicated"
+    if policy is None:
+        return None
+    rows = []
+    for r in report["per_model"]:
+        x = r.get(policy)
+        row: dict[str, Any] = {"model": r["model"], "tp": r["tp"], "requests": r["requests"],
+                               "few_requests": r["few_requests"], "ttft_slo_ms": round(r["ttft_slo_s"] * 1e3, 3),
+                               "tpot_slo_ms": r["tpot_slo_ms"], **(x or {}), "misses": []}
+        if x:
+            row["misses"] = (["attainment"] if x["attainment"] < target else []) + [
+                f"p{q}_{name}_ms" for name in ("ttft", "tpot") for q in PERCENTILES
+                if x[f"p{q}_{name}_ms"] > row[f"{name}_slo_ms"]]
+        rows.append(row)
+    order = {r["model"]: k for k, r in enumerate(rows)}
+
+    def rank(row: Mapping[str, Any]) -> tuple[int, float, int]:
+        if "attainment" in row["misses"]:
+            return 0, row["attainment"], order[row["model"]]
+        return (1 if row["misses"] else 2), 0.0, order[row["model"]]
+
+    rows.sort(key=rank)
+    under = [r["model"] for r in rows if "attainment" in r["misses"]]
+    slow = [r["model"] for r in rows if r["misses"] and "attainment" not in r["misses"]]
+    return {"policy": policy, "gpus": policies[policy]["gpus"], "met": policies[policy]["met"],
+            "under_target": under, "over_slo_only": slow, "rows": rows}
 
 
 def min_requests_to_judge(target: float) -> int:

@@ -39,6 +39,7 @@ td.miss{background:#fde2e2;color:#900;font-weight:600}td.few{color:#b36b00}
 .status-measured{color:#1a7f1a;font-weight:600}.status-estimated{color:#b36b00;font-weight:600}
 .status-input{color:#555}figure{margin:1rem 0}figure img{max-width:100%}figcaption{font-size:.85rem;color:#555}
 .grid{display:grid;grid-template-columns:1fr 1fr;gap:1rem}small{color:#666}
+table.fixed{table-layout:fixed}.models td:first-child,.nw{white-space:nowrap}.policies td:last-child{min-width:13em}
 """
 
 
@@ -214,6 +215,7 @@ def to_html(report: Mapping[str, Any], images: Mapping[str, str]) -> str:
                if x.get("unmet_reason")],
              "<p><small>Pool output tokens/s counts every token the pool produces per second; tokens/s per user is "
              "what one stream sees (1 / its mean TPOT). They differ by the number of concurrent streams.</small></p>",
+             *_plan_section(report),
              "<h2 id='per-model'>Per model: SLO results at each policy's answer</h2>", _misses_line(report),
              _model_table(report),
              "<h2>SLO attainment vs GPUs</h2>",
@@ -252,12 +254,13 @@ def _policy_table(report: Mapping[str, Any]) -> str:
     for policy, e in report["policies"].items():
         saving = "-" if e["savings_vs_dedicated"] is None else f"{-e['savings_vs_dedicated']:+.0%}"
         layout = _Raw("<br>".join(html.escape(_layout(x)) for x in e["layout"]))
-        name = _Raw(html.escape(policy) + ("" if e["met"] else " <span class='unmet'>(target not met)</span>"))
+        name = _Raw(f"<span class='nw'>{html.escape(policy)}</span>"
+                    + ("" if e["met"] else " <span class='unmet'>(target not met)</span>"))
         rows.append([name, e["gpus"], saving, f"{e['usd_per_month']:,.0f}", f"{e['attainment']:.2%}",
                      f"{e['aegaeon_attainment']:.2%}", f"{e['p99_ttft_ms']:,.0f}", f"{e['p99_tpot_ms']:.1f}",
                      f"{e['models_per_gpu']:.2f}", f"{e['gpu_busy_share']:.0%}", f"{e['switches_per_gpu_per_minute']:.1f}",
                      f"{e['output_tokens_per_s']:,.0f}", f"{e['per_user_output_tokens_per_s']:.1f}", layout])
-    return _table(head, rows, left=(0, 13))
+    return _table(head, rows, left=(0, 13), css="policies")
 
 
 def _layout(layout: Mapping[str, Any]) -> str:
@@ -289,12 +292,58 @@ def _misses_line(report: Mapping[str, Any]) -> str:
     lines = []
     for policy, names in report["model_misses"].items():
         if names:
-            shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
             lines.append(f"<li class='unmet'>{html.escape(policy)}: {len(names)} of {total} models under "
-                         f"{target:.1%} ({html.escape(shown)})</li>")
+                         f"{target:.1%} ({html.escape(_some(names))})</li>")
         else:
             lines.append(f"<li>{html.escape(policy)}: every model at or over {target:.1%}</li>")
     return "<ul>" + "".join(lines) + "</ul>"
+
+
+def _plan_section(report: Mapping[str, Any]) -> list[str]:
+    """The recommended plan model by model (sims.report.recommended_plan): attainment and TTFT / TPOT p50, p90,
+    p99 against each model's SLO, every figure past its bound highlighted, the models that miss on top."""
+    plan = report.get("recommended")
+    if not plan:
+        return ["<h2 id='plan'>The recommended plan, model by model</h2>",
+                "<p class='unmet'>No policy met the target, so none is recommended: the per-model table below shows "
+                "where each falls short.</p>"]
+    e, target = html.escape, report["slo_target"]
+    title = (f"The recommended plan, model by model: {e(plan['policy'])} on {plan['gpus']} "
+             f"{e(report['gpu'].upper())}{'s' * (plan['gpus'] != 1)}")
+    under, slow = plan["under_target"], plan["over_slo_only"]
+    if under:
+        said = (f"<p class='unmet'>{len(under)} of {len(plan['rows'])} models under the {target:.1%} target on their "
+                f"own: {e(_some(under))}.")
+    else:
+        said = f"<p>Every model at or over the {target:.1%} target on its own."
+    if slow:
+        said += f" {len(slow)} more with a latency percentile over its SLO: {e(_some(slow))}."
+    said += (" Highlighted: attainment under the target, and each percentile over the model's SLO (TPOT: each "
+             "request's mean time per output token). Models that miss come first.</p>")
+    head = ["model", "TP", "requests", "attainment", "TTFT SLO s", "TTFT p50 s", "TTFT p90 s", "TTFT p99 s",
+            "TPOT SLO ms", "TPOT p50 ms", "TPOT p90 ms", "TPOT p99 ms"]
+    rows = []
+    for r in plan["rows"]:
+        few = r["few_requests"]
+        row: list[Any] = [r["model"], r["tp"], _Cell(f"{r['requests']}{' (few)' if few else ''}", "few" if few else "")]
+        if "attainment" not in r:  # no requests of this model in the workload
+            rows.append(row + ["-", f"{r['ttft_slo_ms'] / 1e3:g}", *["-"] * 3, f"{r['tpot_slo_ms']:g}", *["-"] * 3])
+            continue
+
+        def fig(key: str, text: str) -> _Cell:
+            return _Cell(text, "miss" if key in r["misses"] else "")
+
+        row.append(fig("attainment", f"{r['attainment']:.2%}"))
+        row.append(f"{r['ttft_slo_ms'] / 1e3:g}")
+        row += [fig(f"p{q}_ttft_ms", f"{r[f'p{q}_ttft_ms'] / 1e3:,.2f}") for q in (50, 90, 99)]
+        row.append(f"{r['tpot_slo_ms']:g}")
+        row += [fig(f"p{q}_tpot_ms", f"{r[f'p{q}_tpot_ms']:,.1f}") for q in (50, 90, 99)]
+        rows.append(row)
+    return [f"<h2 id='plan'>{title}</h2>", said, _table(head, rows, left=(0,), css="models plan")]
+
+
+def _some(names: list[str], shown: int = 8) -> str:
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 def _model_table(report: Mapping[str, Any]) -> str:
@@ -319,7 +368,7 @@ def _model_table(report: Mapping[str, Any]) -> str:
             text = f"{x['attainment']:.2%}<br>{x['p99_ttft_ms'] / 1e3:,.2f} / {x['p99_tpot_ms']:,.1f}"
             row.append(_Cell(text, "miss" if miss else "", raw=True))
         rows.append(row)
-    return _table(head, rows, left=(0,))
+    return _table(head, rows, left=(0,), css="models")
 
 
 def _seed_table(report: Mapping[str, Any]) -> str:
@@ -343,7 +392,8 @@ def _assumption_table(report: Mapping[str, Any]) -> str:
     rows = [[a["what"], a["value"],
              _Raw(f"<span class='status-{html.escape(a['status'])}'>{html.escape(a['status'])}</span>"), a["source"]]
             for a in report["assumptions"]]
-    return _table(["what", "value", "status", "source"], rows, left=(0, 1, 2, 3), anywhere=True)
+    return _table(["what", "value", "status", "source"], rows, left=(0, 1, 2, 3), anywhere=True,
+                  widths=("16%", "37%", "8%", "39%"))
 
 
 class _Raw(str):
@@ -358,9 +408,11 @@ class _Cell:
         self.css = css
 
 
-def _table(head: list[str], rows: list[list[Any]], left: tuple[int, ...] = (), anywhere: bool = False) -> str:
-    """A table in a box of the page's width; `anywhere` lets long unbroken text (paths, term lists) wrap at any
-    character rather than widen the table."""
+def _table(head: list[str], rows: list[list[Any]], left: tuple[int, ...] = (), anywhere: bool = False,
+           css: str = "", widths: tuple[str, ...] = ()) -> str:
+    """A table in a box of the page's width (it scrolls inside the box, never the page, if it cannot fit);
+    `anywhere` lets long unbroken text (paths, term lists) wrap at any character rather than widen the table;
+    `css` classes the table; `widths` fixes the columns' shares (a fixed layout: words wrap, not letters)."""
     def cell(tag: str, k: int, value: Any) -> str:
         classes = ["l"] if k in left else []
         if isinstance(value, _Cell):
@@ -370,8 +422,11 @@ def _table(head: list[str], rows: list[list[Any]], left: tuple[int, ...] = (), a
             text = value if isinstance(value, _Raw) else html.escape(str(value))
         cls = f" class='{' '.join(classes)}'" if classes else ""
         return f"<{tag}{cls}>{text}</{tag}>"
-    out = [f"<div class='scroll{' anywhere' if anywhere else ''}'><table><thead><tr>" + "".join(cell("th", k, h) for k, h in enumerate(head))
-           + "</tr></thead><tbody>"]
+    cols = "".join(f"<col style='width:{w}'>" for w in widths)
+    classes = " ".join(filter(None, [css, "fixed" if widths else ""]))
+    table = (f"<table class='{classes}'>" if classes else "<table>") + (f"<colgroup>{cols}</colgroup>" if cols else "")
+    out = [f"<div class='scroll{' anywhere' if anywhere else ''}'>{table}<thead><tr>"
+           + "".join(cell("th", k, h) for k, h in enumerate(head)) + "</tr></thead><tbody>"]
     for row in rows:
         out.append("<tr>" + "".join(cell("td", k, v) for k, v in enumerate(row)) + "</tr>")
     out.append("</tbody></table></div>")

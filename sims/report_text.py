@@ -41,6 +41,7 @@ def to_markdown(report: Mapping[str, Any]) -> str:
     lines += [""] + [f"- Target not met: {reason}." for reason in unmet]
     lines += ["", "Output tok/s (pool) is every token the pool produces per second; tok/s per user is the speed "
               "one stream sees (1 / its mean TPOT). They differ by the number of concurrent streams.", ""]
+    lines += _plan_lines(report)
     types = report["gpu_types"]
     if len(types) > 1:
         names = sorted({p for t in types.values() for p in t.get("policies", {})},
@@ -82,6 +83,35 @@ def to_markdown(report: Mapping[str, Any]) -> str:
               f"{s['search_wall_s']:g} s; final pool runs {s['pool_runs_wall_s']:g} s"
               + (f"; {s['wall_s']:g} s in all." if s.get("wall_s") else "."), ""]
     return "\n".join(lines)
+
+
+def _plan_lines(report: Mapping[str, Any]) -> list[str]:
+    """The recommended plan model by model (sims.report.recommended_plan); **bold**: a figure past its bound."""
+    plan = report.get("recommended")
+    if not plan:
+        return ["## The recommended plan, model by model", "", "No policy met the target, so none is recommended.", ""]
+    under = plan["under_target"]
+    gpus = f"{plan['gpus']} {report['gpu'].upper()}{'s' * (plan['gpus'] != 1)}"
+    lines = [f"## The recommended plan, model by model: {plan['policy']} on {gpus}",
+             "", (f"{len(under)} of {len(plan['rows'])} models under the {report['slo_target']:.1%} target: "
+                  f"{', '.join(under)}." if under else f"Every model at or over the {report['slo_target']:.1%} target.")
+             + " **Bold**: under the target, or a percentile over the model's SLO.", "",
+             "| model | requests | attainment | TTFT SLO s | TTFT p50 / p90 / p99 s | TPOT SLO ms | "
+             "TPOT p50 / p90 / p99 ms |", "|---|---|---|---|---|---|---|"]
+    for r in plan["rows"]:
+        if "attainment" not in r:
+            lines.append(f"| {r['model']} | 0 | - | {r['ttft_slo_ms'] / 1e3:g} | - | {r['tpot_slo_ms']:g} | - |")
+            continue
+
+        def fig(key: str, text: str) -> str:
+            return f"**{text}**" if key in r["misses"] else text
+
+        ttft = " / ".join(fig(f"p{q}_ttft_ms", f"{r[f'p{q}_ttft_ms'] / 1e3:,.2f}") for q in (50, 90, 99))
+        tpot = " / ".join(fig(f"p{q}_tpot_ms", f"{r[f'p{q}_tpot_ms']:,.1f}") for q in (50, 90, 99))
+        attained = fig("attainment", f"{r['attainment']:.2%}")
+        lines.append(f"| {r['model']} | {r['requests']}{' (few)' if r['few_requests'] else ''} | {attained} | "
+                     f"{r['ttft_slo_ms'] / 1e3:g} | {ttft} | {r['tpot_slo_ms']:g} | {tpot} |")
+    return lines + [""]
 
 
 def _seed_lines(report: Mapping[str, Any]) -> list[str]:
