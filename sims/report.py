@@ -69,7 +69,9 @@ def build_report(result: StudyResult, ctx: Context, *, fleet_path: str = "", tra
                    "verify_window": goal.window, "max_instances_per_class": goal.max_instances,
                    "search_wall_s": round(result.search_wall_s, 2), "pool_runs_wall_s": round(result.pool_wall_s, 2),
                    "wall_s": None if wall_s is None else round(wall_s, 2)},
-        "notes": sorted({note for a in result.answers.values() for note in a.notes}),
+        # how the trace's rows were assigned to the fleet's models comes first (public traces carry no fleet names)
+        "notes": [f"workload: {note}" for note in ctx.workload.notes]
+                 + sorted({note for a in result.answers.values() for note in a.notes}),
     }
     report["model_misses"] = {p: [r["model"] for r in report["per_model"] if p in r and r[p]["attainment"] < goal.target]
                               for p in policies}

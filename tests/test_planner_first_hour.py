@@ -45,25 +45,66 @@ def test_a_misspelt_model_name_is_an_error_naming_file_line_and_the_fleets_names
     trace.write_text(HEADER + "\n".join(rows) + "\n")
     code, output = invoke("simulate", "--fleet", str(tiny_fleet), "--trace", str(trace))
     assert code == 1
-    assert f"{trace}:139: column 'model': not a model of the fleet (known: small-a, small-b, small-c" in output
-    assert "'small-bb'" in output and "map=fold" in output
+    assert (f"{trace}:139: column 'model': not a model of the fleet (did you mean 'small-b'? the fleet's 3 models: "
+            "small-a, small-b, small-c. To deal the file's models onto the fleet by popularity instead, add ;map=fold "
+            "to the trace spec (the mapping is printed)): 'small-bb'") in flat(output)
     code, output = invoke("capacity", "--fleet", str(tiny_fleet), "--trace", str(trace), "--workers", "0")
-    assert code == 1 and f"{trace}:139: column 'model'" in output
+    assert code == 1 and f"{trace}:139: column 'model'" in output and "'small-bb'" in output
+    # the same in JSONL: the line of the row
+    jsonl = tmp_path / "trace.jsonl"
+    jsonl.write_text("".join(f'{{"timestamp_s": {k}, "model": "{"smal-a" if k == 3 else "small-a"}", '
+                             f'"input_tokens": 10, "output_tokens": 2}}\n' for k in range(6)))
+    code, output = invoke("simulate", "--fleet", str(tiny_fleet), "--trace", str(jsonl))
+    assert code == 1 and f"{jsonl}:4: column 'model': not a model of the fleet (did you mean 'small-a'?" in flat(output)
 
 
-def test_a_trace_of_other_models_is_mapped_and_the_mapping_printed(
+def test_a_single_model_file_with_a_misspelt_name_is_refused_not_spread_over_the_fleet(
+        tiny_fleet: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    trace = tmp_path / "one.csv"  # every row names the same model, misspelt: nothing of the fleet's is named
+    trace.write_text(HEADER + "".join(f"{k},small_c,50,5\n" for k in range(30)))
+    code, output = invoke("simulate", "--fleet", str(tiny_fleet), "--trace", str(trace))
+    assert code == 1
+    assert (f"{trace}: none of the file's 1 model names is a model of the fleet ('small_c'; the fleet's 3 models: "
+            "small-a, small-b, small-c. To deal the file's models onto the fleet by popularity instead, add ;map=fold")\
+        in flat(output)
+
+
+def test_a_trace_of_other_models_is_mapped_only_when_asked_and_the_mapping_printed_with_counts(
         tiny_fleet: pathlib.Path, tmp_path: pathlib.Path) -> None:
     trace = tmp_path / "other.csv"
     trace.write_text(HEADER + "".join(f"{k},{'busy' if k % 3 else 'quiet'},50,5\n" for k in range(30)))
     code, output = invoke("simulate", "--fleet", str(tiny_fleet), "--trace", str(trace))
+    assert code == 1 and "none of the file's 2 model names is a model of the fleet ('quiet', 'busy';" in flat(output)
+    code, output = invoke("simulate", "--fleet", str(tiny_fleet), "--trace", f"{trace};map=fold")
     assert code == 0, output
-    assert "note: 2 trace models dealt round-robin by popularity onto 3 models: busy -> small-a, quiet -> small-b" \
-        in output
+    assert ("note: 2 trace models dealt round-robin by popularity onto 3 models (requests of each trace model): "
+            "busy (20) -> small-a, quiet (10) -> small-b") in flat(output)
     # the explicit option deals a file that names some fleet models too, and says so
     trace.write_text(HEADER + "".join(f"{k},{'small-a' if k % 3 else 'smal-b'},50,5\n" for k in range(30)))
     code, output = invoke("simulate", "--fleet", str(tiny_fleet), "--trace", f"{trace};map=fold")
     assert code == 0, output
-    assert "small-a -> small-a, smal-b -> small-b" in output
+    assert "small-a (20) -> small-a, smal-b (10) -> small-b" in flat(output)
+    # a file read only for its lengths may name anything
+    code, output = invoke("simulate", "--fleet", str(tiny_fleet), "--trace",
+                          f"poisson;rate=1;duration=20;lengths=file:{trace}")
+    assert code == 0, output
+
+
+def test_a_public_traces_assignment_to_the_fleet_is_in_the_capacity_report(
+        tiny_fleet: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    import json
+
+    rows = tmp_path / "vidur.csv"  # a single-model public format (no fleet names): split at random, and said so
+    rows.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n" + "".join(f"{k},50,5\n" for k in range(40)))
+    out = tmp_path / "report"
+    code, output = invoke("capacity", "--fleet", str(tiny_fleet), "--trace", str(rows), "--workers", "0",
+                          "--policies", "dedicated", "--what-if-tpot", "0", "--out", str(out))
+    assert code == 0, output
+    note = "40 requests of 'vidur' mapped at random onto 3 models (requests each): small-a ("
+    assert f"note: {note}" in flat(output)
+    report = json.loads((out / "report.json").read_text())
+    assert report["notes"][0].startswith(f"workload: {note}")
+    assert f"- workload: {note}" in (out / "report.md").read_text()
 
 
 # ---- 3: "(unmet)" says who missed; savings against a failing baseline say so ------------------------------------
