@@ -370,6 +370,25 @@ def test_simulate_runs_a_capacity_reports_answer_as_one_pool(tight_report: pathl
     assert code == 1 and "cannot read a capacity report" in output
 
 
+def test_a_wide_spread_over_seeds_and_a_seed_that_misses_are_called_out() -> None:
+    from sims.report import stability
+
+    report = {"slo_target": 0.99, "workload": {"duration_s": 600.0},
+              "per_model": [{"model": "busy", "requests": 500}, {"model": "rare", "requests": 12}],
+              "policies": {"token-level": {"gpus": 16, "met": True}, "dedicated": {"gpus": 63, "met": True}}}
+    repeats = {1: {"token-level": (19, True), "dedicated": (60, True)},
+               2: {"token-level": (18, False), "dedicated": (63, True)}}
+    st = stability(report, 0, repeats)
+    assert st["spread"] == {"token-level": [16, 19], "dedicated": [60, 63]} and st["wide"] == ["token-level"]
+    assert st["sentence"] == (
+        "Stability: 1 of 2 models get fewer than 100 requests in 600 s (rare 12): at a 99.0% target one miss fails "
+        "such a model, so its share of the answer rests on a few arrivals; GPUs across seeds 0, 1, 2: token-level "
+        "16-19, dedicated 60-63; the spread is wide for token-level 16-19 (seed 0 gave 16): size for the high end, "
+        "or steady the answer with a longer --duration; token-level misses the target under seed 2.")
+    steady = stability(report, 0, {1: {"token-level": (17, True), "dedicated": (63, True)}})
+    assert steady["wide"] == [] and "wide" not in steady["sentence"] and "misses" not in steady["sentence"]
+
+
 def _generic_trace(folder: pathlib.Path) -> pathlib.Path:
     path = folder / "rows.csv"
     path.write_text(HEADER + "".join(f"{k},small-a,50,5\n" for k in range(5)))
