@@ -238,6 +238,20 @@ def test_an_offline_fetch_names_the_ways_around_it_and_leaves_no_folder(
     assert not cache.exists()
 
 
+def test_a_fetch_from_a_host_that_does_not_resolve_says_so_and_leaves_no_folder(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # RFC 6761's .invalid never resolves: the lookup fails as on a machine with no DNS ("Name or service not known")
+    monkeypatch.setenv("MODELPOOL_TRACES_CACHE", str(tmp_path / "cache"))
+    for name in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    code, output = invoke("traces", "fetch", "mooncake", "--mirror", "http://traces.invalid/mirror",
+                          "--dir", str(tmp_path / "elsewhere" / "traces"))
+    text = " ".join(output.split())
+    assert code == 1 and "cannot reach traces.invalid" in text
+    assert "the mirror http://traces.invalid/mirror (--mirror or $MODELPOOL_TRACES_MIRROR) is unreachable" in text
+    assert "run the fetch again" not in text and not (tmp_path / "elsewhere").exists()
+
+
 # ---- 6: simulate says when the pool falls short, and what to run; its title keeps the workload whole ------------
 
 
