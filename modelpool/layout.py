@@ -89,7 +89,8 @@ def pool_layouts(value: str, policy: str, tps: Sequence[int]) -> list[Layout]:
             if cls.get("replicas"):
                 layouts.append(Layout(int(cls["tp"]), replicas=tuple(sorted(cls["replicas"].items()))))
             else:
-                layouts.append(Layout(int(cls["tp"]), *(int(cls.get(k, 0)) for k in ("prefill", "decode", "mixed"))))
+                layouts.append(Layout(int(cls["tp"]), prefill=int(cls.get("prefill", 0)),
+                                      decode=int(cls.get("decode", 0)), mixed=int(cls.get("mixed", 0))))
         where = f"--layout {path} ({policy})"
     else:
         layouts = []
