@@ -38,6 +38,10 @@ def simulate_command(
     force_profile: bool = typer.Option(False, "--force-profile", help="Use --profile even where it was measured on a "
                                        "CPU and the pool's GPU is a catalogue GPU (refused otherwise): the CPU's step "
                                        "times then stand for the GPU's, with a warning."),
+    layout: str | None = typer.Option(None, "--layout", help="The pool's cut instead of --gpus: a capacity report "
+                                      "(capacity-report/report.json: the --policy answer's instances) or "
+                                      "TP1:4P+4D,TP2:2M,TP4:1M (P prefill, D decode, M mixed; every TP class of the "
+                                      "fleet). Default: the GPUs cut by traffic share and pool.prefill_fraction."),
 ) -> None:
     """Simulate a policy on a fleet and a trace; print latency and SLO figures."""
     from sims.metrics import request_rows
@@ -77,7 +81,12 @@ def simulate_command(
         raise typer.Exit(1) from None
     if mismatch:
         console.print(mismatch, markup=False, highlight=False, soft_wrap=True)
-    gpus, sized = pool_size(fleet, policy, gpus)
+    instances = None
+    if layout is not None:
+        instances, gpus = _layout_instances(fleet, layout, policy, gpus, options)
+        sized = None
+    else:
+        gpus, sized = pool_size(fleet, policy, gpus)
     for note in ([sized] if sized else []) + list(workload.notes):
         console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
     log = plan_log.open("w") if plan_log else None
@@ -86,7 +95,7 @@ def simulate_command(
                   TimeElapsedColumn(), console=console, transient=True) as bar:
         task = bar.add_task(f"{policy} on {len(workload)} requests", total=workload.duration_s)
         try:
-            result = simulate(fleet, workload, policy, num_gpus=gpus, plan_log=log,
+            result = simulate(fleet, workload, policy, num_gpus=gpus, plan_log=log, instances=instances,
                               costs=RooflineCostModel(fleet, profile=calibration),
                               progress=lambda now: bar.update(task, completed=min(now, workload.duration_s)), **options)
         except ValueError as exc:
@@ -106,6 +115,8 @@ def simulate_command(
                "profile": {**calibration.summary(fleet.pool.gpu), "source": profile},
                "notes": ([sized] if sized else []) + result.notes + list(workload.notes)}
     metrics["workload"] = workload_text(trace, workload)
+    metrics["layout"] = layout_text(result.instances)
+    metrics["layout_source"] = "--layout" if layout is not None else "cut"
     console.print(_summary_table(metrics))
     console.print(f"{len(workload)} requests, {workload.duration_s:.0f} s of traffic simulated in {wall:.1f} s")
     console.print(profile_line(metrics["profile"]))
@@ -166,13 +177,47 @@ SHORTFALL = 0.9  # below this per-request attainment, a run says the pool falls 
 
 
 def shortfall_hint(m: dict[str, Any], gpu: str) -> str | None:
-    """What to run when most requests miss: the pool is too small (or cut wrongly) for the traffic, and
-    `modelpool capacity` is the command that sizes it."""
+    """What to run when most requests miss: the pool is too small or cut wrongly for the traffic (the default
+    cut goes by traffic share, not by load), and `modelpool capacity` is the command that sizes and cuts it."""
     if m["slo_attainment"] >= SHORTFALL or not m["num_requests"]:
         return None
+    how = ("as given by --layout" if m.get("layout_source") == "--layout" else
+           "cut by traffic share and pool.prefill_fraction")
     return (f"note: only {m['slo_attainment']:.0%} of requests met their SLO (TTFT p50 {m['p50_ttft_ms'] / 1e3:,.1f} s): "
-            f"{m['num_gpus']} {gpu.upper()}s under {m['policy']} fall short of this traffic. `modelpool capacity` finds "
-            f"the fewest GPUs each policy needs to meet a target; then `modelpool simulate --gpus N` to look at one.")
+            f"{m['num_gpus']} {gpu.upper()}s under {m['policy']}, {how} ({m['layout']}), fall short of this traffic. "
+            f"`modelpool capacity` finds the fewest GPUs each policy needs to meet a target and how to cut them per "
+            f"TP class; then `modelpool simulate --layout capacity-report/report.json` runs its answer as one pool.")
+
+
+def layout_text(instances: Any) -> str:
+    """The pool's instances per TP class in the report's label form: `TP1: 2P+2D, TP4: 1M`."""
+    counts: dict[int, dict[str, int]] = {}
+    for spec in instances:
+        counts.setdefault(spec.tp, {"prefill": 0, "decode": 0, "mixed": 0})[spec.role] += 1
+    return ", ".join(f"TP{tp}: " + "+".join(f"{n}{role[0].upper()}" for role, n in c.items() if n)
+                     for tp, c in sorted(counts.items()))
+
+
+def _layout_instances(fleet: Any, value: str, policy: str, gpus: int | None,
+                      options: dict[str, Any]) -> tuple[list[Any], int]:
+    """`--layout`'s instances and their GPUs; dedicated's per-model replicas go into `options`. A bad layout, or
+    --gpus that disagrees with it, ends the command."""
+    from modelpool.layout import LayoutError, pool_layouts
+    from sims.capacity_eval import build_instances
+
+    try:
+        layouts = pool_layouts(value, policy, [m.tp for m in fleet.models])
+    except LayoutError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    total = sum(layout.gpus for layout in layouts)
+    if gpus is not None and gpus != total:
+        typer.echo(f"error: --gpus {gpus} but --layout {value} has {total} GPUs: give one of them", err=True)
+        raise typer.Exit(1)
+    replicas = {name: n for layout in layouts for name, n in layout.replicas}
+    if replicas:
+        options["replicas"] = replicas
+    return [spec for layout in layouts for spec in build_instances(fleet, layout)], total
 
 
 def workload_text(trace: str, workload: Any) -> str:
@@ -189,6 +234,7 @@ def _summary_table(m: dict) -> Table:
     table.add_column("value", justify="right")
     rows = [
         ("workload", m["workload"]),
+        ("instances per TP class", m["layout"]),
         ("completed / failed", f"{m['completed']} / {m['failed']}"),
         ("SLO attainment, per request (TTFT and mean TPOT)", f"{m['slo_attainment']:.2%}"),
         ("SLO attainment, Aegaeon (token deadlines)", f"{m['aegaeon_slo_attainment']:.2%}"),

@@ -70,7 +70,9 @@ def build_report(result: StudyResult, ctx: Context, *, fleet_path: str = "", tra
                    "verify_window": goal.window, "max_instances_per_class": goal.max_instances,
                    "search_wall_s": round(result.search_wall_s, 2), "pool_runs_wall_s": round(result.pool_wall_s, 2),
                    "wall_s": None if wall_s is None else round(wall_s, 2)},
-        "notes": sorted({note for a in result.answers.values() for note in a.notes}),
+        # how the trace's rows were assigned to the fleet's models comes first (public traces carry no fleet names)
+        "notes": [f"workload: {note}" for note in ctx.workload.notes]
+                 + sorted({note for a in result.answers.values() for note in a.notes}),
     }
     report["model_misses"] = {p: [r["model"] for r in report["per_model"] if p in r and r[p]["attainment"] < goal.target]
                               for p in policies}
@@ -304,16 +306,30 @@ def stability(report: Mapping[str, Any], seed: int, repeats: Mapping[int, Mappin
         parts.append(f"{len(few)} of {len(report['per_model'])} models get fewer than {need} requests in {duration:g} s "
                      f"({named}): at a {target:.1%} target one miss fails such a model, so its share of the answer "
                      f"rests on a few arrivals")
+    wide = {p: (lo, hi) for p, (lo, hi) in spread.items() if is_wide(lo, hi)}
     if len(seeds) > 1:
         ranges = ", ".join(f"{p} {lo}" + (f"-{hi}" if hi > lo else "") for p, (lo, hi) in spread.items())
         moved = any(hi > lo for lo, hi in spread.values())
         parts.append(f"GPUs across seeds {', '.join(map(str, seeds))}: {ranges}"
                      + ("" if moved else " (the same under every seed)"))
+        if wide:
+            named = ", ".join(f"{p} {lo}-{hi} (seed {seed} gave {gpus[p][0]})" for p, (lo, hi) in wide.items())
+            parts.append(f"the spread is wide for {named}: size for the high end, or steady the answer with a "
+                         f"longer --duration")
+        missed = {p: [s for s, ok in zip(seeds, oks) if not ok] for p, oks in met.items() if not all(oks)}
+        if missed:
+            parts.append(", ".join(f"{p} misses the target under seed {', '.join(map(str, s))}"
+                                   for p, s in missed.items()))
     else:
         parts.append(f"the answer comes from one seed's arrivals: `--seeds 3` repeats the search with two more and "
                      f"reports the spread{'; a longer --duration steadies it' if few else ''}")
     return {"min_requests_to_judge": need, "few_requests": few, "seeds": seeds, "gpus_by_seed": gpus,
-            "met_by_seed": met, "spread": spread, "sentence": "Stability: " + "; ".join(parts) + "."}
+            "met_by_seed": met, "spread": spread, "wide": sorted(wide), "sentence": "Stability: " + "; ".join(parts) + "."}
+
+
+def is_wide(lo: int, hi: int) -> bool:
+    """A spread of GPUs across seeds worth a warning: at least 2 GPUs and more than 10% of the low end."""
+    return hi - lo >= 2 and hi - lo > 0.1 * lo
 
 
 def _curves(result: StudyResult) -> list[dict[str, Any]]:

@@ -25,6 +25,7 @@ turns cells into checked numpy columns (sims.servegen uses them).
 from __future__ import annotations
 
 import csv
+import difflib
 import gzip
 import io
 import json
@@ -328,22 +329,21 @@ def read_generic(path: Path, skip_bad_rows: bool = False, fleet_models: Sequence
     """The generic format (CSV with a header, or JSONL): timestamp_s, model, input_tokens, output_tokens.
 
     Timestamps are seconds, kept as written (not re-based); models are
-    numbered in order of first appearance. Given `fleet_models`, a file that
-    names any of them must name only them: a row with another name is a bad
-    row (file, line, name and the fleet's names), since a misspelt name would
-    otherwise have the whole file dealt onto the fleet and send every request
-    to the wrong model. A file naming none of them is left to be mapped (and
-    the mapping reported) by `sims.traces`.
+    numbered in order of first appearance. Given `fleet_models`, every name
+    must be one of them: a row with another name is a bad row (file, line,
+    the name, the closest fleet name, the fleet's names), and a file naming
+    none of them is refused as a whole, since a misspelt name would otherwise
+    have the whole file dealt onto the fleet and send every request to the
+    wrong model. `sims.traces` passes None where the user asked for a mapping
+    (`;map=fold`), which it then reports.
     """
     reader = read_jsonl_rows if is_jsonl(path) else read_csv_rows
     rows = reader(path, GENERIC_COLUMNS, skip_bad_rows)
     cells = Cells(rows, skip_bad_rows)
     at = cells.number("timestamp_s")
     names = cells.text("model")
-    if fleet_models is not None and set(fleet_models) & set(names):
-        cells.flag("model", np.array([name not in fleet_models for name in names], dtype=bool),
-                   f"not a model of the fleet (known: {', '.join(fleet_models)}; or add ;map=fold to the trace spec "
-                   f"to deal the file's models onto the fleet by popularity)")
+    if fleet_models is not None:
+        _check_fleet_names(path, cells, names, fleet_models)
     inputs = cells.number("input_tokens", integer=True)
     outputs = cells.number("output_tokens", integer=True)
     keep, num_skipped = cells.finish()
@@ -353,6 +353,26 @@ def read_generic(path: Path, skip_bad_rows: bool = False, fleet_models: Sequence
     model_index = np.array([index_of[name] for name in kept_names], dtype=np.int32)
     return Workload.from_columns(at[keep], model_index, inputs[keep], outputs[keep], models=models,
                                  source=str(path), num_skipped_rows=num_skipped)
+
+
+def _check_fleet_names(path: Path, cells: Cells, names: list[str], fleet_models: Sequence[str]) -> None:
+    """Flag each row whose model is not one of `fleet_models`; refuse a file that names none of them."""
+    known = set(fleet_models)
+    unknown = [name for name in dict.fromkeys(names) if name and name not in known]
+    if not unknown:
+        return
+    how = (f"the fleet's {len(fleet_models)} models: {', '.join(fleet_models)}. To deal the file's models onto "
+           f"the fleet by popularity instead, add ;map=fold to the trace spec (the mapping is printed)")
+    if not known & set(names):
+        shown = ", ".join(repr(name) for name in unknown[:5])
+        shown += f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+        raise TraceError(f"{path}: none of the file's {len(unknown)} model names is a model of the fleet "
+                         f"({shown}; {how})")
+    for name in unknown:
+        close = difflib.get_close_matches(name, fleet_models, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        cells.flag("model", np.array([cell == name for cell in names], dtype=bool),
+                   f"not a model of the fleet ({hint}{how})")
 
 
 def read_length_pairs(path: Path, skip_bad_rows: bool = False) -> LengthDistribution:

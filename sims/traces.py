@@ -28,16 +28,19 @@ trace is split), `lengths=sharegpt|arxiv|azure-conv|azure-code|mooncake|
 fixed:IN:OUT|file:PATH` (for sources without token counts and synthetic
 ones), `max_requests` (guard for generated sources, default 10M), and
 `clients` / `by=model|client` (ServeGen), `functions=N` (Azure Functions),
-`map=fold` (a generic file: deal its models onto the given ones even when
-some names match).
+`map=fold` (a generic file: deal its models onto the given ones; without it
+its names must be the given ones).
 
 Given models, a trace whose models are all among them is kept as it is; else
 a single-model trace is split at random among them (uniform or by
 `popularity`), and a multi-model trace has its models dealt round-robin by
-popularity onto them (`Workload.fold_models`). A generic file that names
-some of the given models but not all is refused row by row (file, line,
-name): a misspelt name would otherwise send every request to the wrong
-model. Each mapping is written to `Workload.notes`, which the commands print.
+popularity onto them (`Workload.fold_models`). The public traces carry no
+names of a fleet and are always mapped so. A generic file (the user's own,
+with model names) is mapped only under `map=fold`: without it, a name that
+is not one of the given models is refused row by row (file, line, the name,
+the closest given name), and a file naming none of them as a whole, since a
+misspelt name would otherwise send every request to the wrong model. Each
+mapping is written to `Workload.notes`, which the commands print.
 """
 
 from __future__ import annotations
@@ -219,7 +222,8 @@ def _lengths(choice: str, context: _Context) -> LengthDistribution:
         path = Path(choice[5:]).expanduser()
         if detect_format(path) == "lengths":
             return read_length_pairs(path, context.skip_bad_rows)
-        return LengthDistribution.of_workload(_read_file(path, replace(context, spec=parse_spec("file:"))), choice)
+        lengths_only = replace(context, spec=parse_spec("file:"), models=None)  # its model names do not matter here
+        return LengthDistribution.of_workload(_read_file(path, lengths_only), choice)
     if choice in ("azure-conv", "azure-code", "mooncake"):
         return LengthDistribution.of_workload(SOURCES[choice].load(replace(context, spec=parse_spec(choice))), choice)
     raise TraceError(f"lengths={choice!r}: expected sharegpt, arxiv, azure-conv, azure-code, mooncake, "

@@ -208,8 +208,10 @@ class Workload:
         probabilities = _probabilities(names, weights)
         rng = np.random.default_rng([seed, 0x6D6170])  # own stream: independent of the trace's
         index = rng.choice(len(names), size=len(self), p=probabilities).astype(np.int32)
-        source = f"requests of {self.models[0]!r}" if len(self.models) == 1 else "requests"
-        note = f"{source} mapped at random onto {len(names)} models: {_listed(names)}"
+        source = f"{len(self)} requests of {self.models[0]!r}" if len(self.models) == 1 else f"{len(self)} requests"
+        drawn = np.bincount(index, minlength=len(names))
+        note = (f"{source} mapped at random onto {len(names)} models (requests each): "
+                f"{_listed([f'{name} ({count})' for name, count in zip(names, drawn)])}")
         return replace(self, model_index=index, models=tuple(names), notes=self.notes + (note,))
 
     def fold_models(self, names: Sequence[str]) -> Workload:
@@ -226,8 +228,9 @@ class Workload:
         rank = np.empty(len(self.models), dtype=np.int64)
         rank[np.argsort(-counts, kind="stable")] = np.arange(len(self.models))
         target = (rank % len(names)).astype(np.int32)
-        pairs = [f"{self.models[k]} -> {names[target[k]]}" for k in np.argsort(-counts, kind="stable")]
-        note = (f"{len(self.models)} trace models dealt round-robin by popularity onto {len(names)} models: "
+        pairs = [f"{self.models[k]} ({counts[k]}) -> {names[target[k]]}" for k in np.argsort(-counts, kind="stable")]
+        note = (f"{len(self.models)} trace models dealt round-robin by popularity onto {len(names)} models "
+                f"(requests of each trace model): "
                 f"{_listed(pairs)}")
         return replace(self, model_index=target[self.model_index], models=tuple(names), notes=self.notes + (note,))
 

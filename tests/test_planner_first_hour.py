@@ -45,25 +45,66 @@ def test_a_misspelt_model_name_is_an_error_naming_file_line_and_the_fleets_names
     trace.write_text(HEADER + "\n".join(rows) + "\n")
     code, output = invoke("simulate", "--fleet", str(tiny_fleet), "--trace", str(trace))
     assert code == 1
-    assert f"{trace}:139: column 'model': not a model of the fleet (known: small-a, small-b, small-c" in output
-    assert "'small-bb'" in output and "map=fold" in output
+    assert (f"{trace}:139: column 'model': not a model of the fleet (did you mean 'small-b'? the fleet's 3 models: "
+            "small-a, small-b, small-c. To deal the file's models onto the fleet by popularity instead, add ;map=fold "
+            "to the trace spec (the mapping is printed)): 'small-bb'") in flat(output)
     code, output = invoke("capacity", "--fleet", str(tiny_fleet), "--trace", str(trace), "--workers", "0")
-    assert code == 1 and f"{trace}:139: column 'model'" in output
+    assert code == 1 and f"{trace}:139: column 'model'" in output and "'small-bb'" in output
+    # the same in JSONL: the line of the row
+    jsonl = tmp_path / "trace.jsonl"
+    jsonl.write_text("".join(f'{{"timestamp_s": {k}, "model": "{"smal-a" if k == 3 else "small-a"}", '
+                             f'"input_tokens": 10, "output_tokens": 2}}\n' for k in range(6)))
+    code, output = invoke("simulate", "--fleet", str(tiny_fleet), "--trace", str(jsonl))
+    assert code == 1 and f"{jsonl}:4: column 'model': not a model of the fleet (did you mean 'small-a'?" in flat(output)
 
 
-def test_a_trace_of_other_models_is_mapped_and_the_mapping_printed(
+def test_a_single_model_file_with_a_misspelt_name_is_refused_not_spread_over_the_fleet(
+        tiny_fleet: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    trace = tmp_path / "one.csv"  # every row names the same model, misspelt: nothing of the fleet's is named
+    trace.write_text(HEADER + "".join(f"{k},small_c,50,5\n" for k in range(30)))
+    code, output = invoke("simulate", "--fleet", str(tiny_fleet), "--trace", str(trace))
+    assert code == 1
+    assert (f"{trace}: none of the file's 1 model names is a model of the fleet ('small_c'; the fleet's 3 models: "
+            "small-a, small-b, small-c. To deal the file's models onto the fleet by popularity instead, add ;map=fold")\
+        in flat(output)
+
+
+def test_a_trace_of_other_models_is_mapped_only_when_asked_and_the_mapping_printed_with_counts(
         tiny_fleet: pathlib.Path, tmp_path: pathlib.Path) -> None:
     trace = tmp_path / "other.csv"
     trace.write_text(HEADER + "".join(f"{k},{'busy' if k % 3 else 'quiet'},50,5\n" for k in range(30)))
     code, output = invoke("simulate", "--fleet", str(tiny_fleet), "--trace", str(trace))
+    assert code == 1 and "none of the file's 2 model names is a model of the fleet ('quiet', 'busy';" in flat(output)
+    code, output = invoke("simulate", "--fleet", str(tiny_fleet), "--trace", f"{trace};map=fold")
     assert code == 0, output
-    assert "note: 2 trace models dealt round-robin by popularity onto 3 models: busy -> small-a, quiet -> small-b" \
-        in output
+    assert ("note: 2 trace models dealt round-robin by popularity onto 3 models (requests of each trace model): "
+            "busy (20) -> small-a, quiet (10) -> small-b") in flat(output)
     # the explicit option deals a file that names some fleet models too, and says so
     trace.write_text(HEADER + "".join(f"{k},{'small-a' if k % 3 else 'smal-b'},50,5\n" for k in range(30)))
     code, output = invoke("simulate", "--fleet", str(tiny_fleet), "--trace", f"{trace};map=fold")
     assert code == 0, output
-    assert "small-a -> small-a, smal-b -> small-b" in output
+    assert "small-a (20) -> small-a, smal-b (10) -> small-b" in flat(output)
+    # a file read only for its lengths may name anything
+    code, output = invoke("simulate", "--fleet", str(tiny_fleet), "--trace",
+                          f"poisson;rate=1;duration=20;lengths=file:{trace}")
+    assert code == 0, output
+
+
+def test_a_public_traces_assignment_to_the_fleet_is_in_the_capacity_report(
+        tiny_fleet: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    import json
+
+    rows = tmp_path / "vidur.csv"  # a single-model public format (no fleet names): split at random, and said so
+    rows.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n" + "".join(f"{k},50,5\n" for k in range(40)))
+    out = tmp_path / "report"
+    code, output = invoke("capacity", "--fleet", str(tiny_fleet), "--trace", str(rows), "--workers", "0",
+                          "--policies", "dedicated", "--what-if-tpot", "0", "--out", str(out))
+    assert code == 0, output
+    note = "40 requests of 'vidur' mapped at random onto 3 models (requests each): small-a ("
+    assert f"note: {note}" in flat(output)
+    report = json.loads((out / "report.json").read_text())
+    assert report["notes"][0].startswith(f"workload: {note}")
+    assert f"- workload: {note}" in (out / "report.md").read_text()
 
 
 # ---- 3: "(unmet)" says who missed; savings against a failing baseline say so ------------------------------------
@@ -197,29 +238,77 @@ def test_an_offline_fetch_names_the_ways_around_it_and_leaves_no_folder(
     assert not cache.exists()
 
 
+def test_a_fetch_from_a_host_that_does_not_resolve_says_so_and_leaves_no_folder(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # RFC 6761's .invalid never resolves: the lookup fails as on a machine with no DNS ("Name or service not known")
+    monkeypatch.setenv("MODELPOOL_TRACES_CACHE", str(tmp_path / "cache"))
+    for name in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    code, output = invoke("traces", "fetch", "mooncake", "--mirror", "http://traces.invalid/mirror",
+                          "--dir", str(tmp_path / "elsewhere" / "traces"))
+    text = " ".join(output.split())
+    assert code == 1 and "cannot reach traces.invalid" in text
+    assert "the mirror http://traces.invalid/mirror (--mirror or $MODELPOOL_TRACES_MIRROR) is unreachable" in text
+    assert "run the fetch again" not in text and not (tmp_path / "elsewhere").exists()
+
+
 # ---- 6: simulate says when the pool falls short, and what to run; its title keeps the workload whole ------------
 
 
-def test_simulate_on_an_overloaded_pool_says_to_run_capacity(tiny_fleet: pathlib.Path) -> None:
+def test_simulate_on_an_overloaded_pool_says_how_it_was_cut_and_to_run_capacity(tiny_fleet: pathlib.Path) -> None:
     spec = "poisson;rate=8;duration=30"
     code, output = invoke("simulate", "--fleet", str(tiny_fleet), "--gpus", "2", "--trace", spec)
     assert code == 0, output
     text = " ".join(output.split())
-    assert "2 H20s under token-level fall short of this traffic. `modelpool capacity` finds the fewest GPUs" in text
+    assert ("2 H20s under token-level, cut by traffic share and pool.prefill_fraction (TP1: 1P+1D), fall short of "
+            "this traffic. `modelpool capacity` finds the fewest GPUs each policy needs to meet a target and how to "
+            "cut them per TP class; then `modelpool simulate --layout capacity-report/report.json`") in text
     assert spec in output  # the workload row gives the spec whole
+    assert "instances per TP class TP1: 1P+1D" in flat(output)
     code, output = invoke("simulate", "--fleet", str(tiny_fleet), "--duration", "60")
     assert code == 0 and "fall short" not in output
     assert "each model's traffic hint (Poisson, 0.63 req/s in all), ShareGPT lengths, 60 s" in flat(output)
 
 
+def test_simulate_runs_a_layout_given_by_hand_and_refuses_one_that_does_not_fit_the_fleet(
+        tiny_fleet: pathlib.Path) -> None:
+    code, output = invoke("simulate", "--fleet", str(tiny_fleet), "--duration", "20", "--layout", "TP1:1P+2D")
+    assert code == 0, output
+    assert "token-level on 3 GPUs" in output and "instances per TP class TP1: 1P+2D" in flat(output)
+    code, output = invoke("simulate", "--fleet", str(tiny_fleet), "--duration", "20", "--policy", "request-level",
+                          "--layout", "TP1:3M")
+    assert code == 0 and "request-level on 3 GPUs" in output and "TP1: 3M" in output
+    for layout, why in (("TP1:2P+1D,TP2:1M", "gives TP classes [1, 2], the fleet's models need exactly TP [1]"),
+                        ("TP1:2P", "TP1: prefill instances need decode (or mixed) ones"),
+                        ("1P+1D", "'1P+1D' is not TPn:ROLES")):
+        code, output = invoke("simulate", "--fleet", str(tiny_fleet), "--duration", "5", "--layout", layout)
+        assert code == 1 and f"error: --layout '{layout}'" in output and why in flat(output), output
+    code, output = invoke("simulate", "--fleet", str(tiny_fleet), "--duration", "5", "--policy", "request-level",
+                          "--layout", "TP1:1P+1D")
+    assert code == 1 and "prefill/decode instances are token-level's; request-level takes mixed ones" in output
+    code, output = invoke("simulate", "--fleet", str(tiny_fleet), "--duration", "5", "--layout", "TP1:1P+1D",
+                          "--gpus", "3")
+    assert code == 1 and "--gpus 3 but --layout TP1:1P+1D has 2 GPUs" in output
+
+
 @pytest.mark.slow
-def test_simulate_with_no_arguments_explains_the_shipped_pools_shortfall() -> None:
+def test_simulate_with_no_arguments_explains_the_shipped_pools_shortfall_and_capacitys_cut_meets_it(
+        tmp_path: pathlib.Path) -> None:
+    import json
+
     code, output = invoke("simulate")  # models.yaml at the repository root, its traffic hints, 600 s
     assert code == 0, output
     text = flat(output)
     assert "token-level on 16 GPUs" in output
     assert "each model's traffic hint (Poisson, " in text and "ShareGPT lengths, 600 s" in text
-    assert "16 H20s under token-level fall short of this traffic. `modelpool capacity`" in text
+    assert ("16 H20s under token-level, cut by traffic share and pool.prefill_fraction (TP1: 2P+2D, TP2: 1P+1D, "
+            "TP4: 1P+1D), fall short of this traffic. `modelpool capacity`") in text
+    # the same 16 GPUs cut as `modelpool capacity` answers for seed 0 (BENCHMARKS.md, stability) meet 99%
+    code, output = invoke("simulate", "--layout", "TP1:4P+4D,TP2:2M,TP4:1M", "--out", str(tmp_path))
+    assert code == 0, output
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["num_gpus"] == 16 and metrics["layout"] == "TP1: 4P+4D, TP2: 2M, TP4: 1M"
+    assert metrics["slo_attainment"] >= 0.99 and "fall short" not in output
 
 
 # ---- 2 and 4: the report says how sure it is and shows every model's SLO result, laid out for a laptop's browser ---
@@ -277,6 +366,41 @@ def test_the_report_says_which_models_have_too_few_requests_and_the_spread_over_
     code, output = invoke("capacity", "--fleet", str(tight_report.parent / "tight.yaml"), "--trace",
                           str(_generic_trace(tight_report.parent)), "--seeds", "2", "--workers", "0")
     assert code == 1 and "is the same under every seed (a trace file)" in flat(output)
+
+
+def test_simulate_runs_a_capacity_reports_answer_as_one_pool(tight_report: pathlib.Path) -> None:
+    import json
+
+    report = json.loads((tight_report / "report.json").read_text())
+    fleet = str(tight_report.parent / "tight.yaml")
+    for policy in ("token-level", "dedicated"):
+        answer = report["policies"][policy]
+        code, output = invoke("simulate", "--fleet", fleet, "--duration", "20", "--policy", policy,
+                              "--layout", str(tight_report / "report.json"))
+        assert code == 0, output
+        assert f"{policy} on {answer['gpus']} GPUs" in output
+    code, output = invoke("simulate", "--fleet", fleet, "--duration", "5", "--policy", "spatial",
+                          "--layout", str(tight_report / "missing.json"))
+    assert code == 1 and "cannot read a capacity report" in output
+
+
+def test_a_wide_spread_over_seeds_and_a_seed_that_misses_are_called_out() -> None:
+    from sims.report import stability
+
+    report = {"slo_target": 0.99, "workload": {"duration_s": 600.0},
+              "per_model": [{"model": "busy", "requests": 500}, {"model": "rare", "requests": 12}],
+              "policies": {"token-level": {"gpus": 16, "met": True}, "dedicated": {"gpus": 63, "met": True}}}
+    repeats = {1: {"token-level": (19, True), "dedicated": (60, True)},
+               2: {"token-level": (18, False), "dedicated": (63, True)}}
+    st = stability(report, 0, repeats)
+    assert st["spread"] == {"token-level": [16, 19], "dedicated": [60, 63]} and st["wide"] == ["token-level"]
+    assert st["sentence"] == (
+        "Stability: 1 of 2 models get fewer than 100 requests in 600 s (rare 12): at a 99.0% target one miss fails "
+        "such a model, so its share of the answer rests on a few arrivals; GPUs across seeds 0, 1, 2: token-level "
+        "16-19, dedicated 60-63; the spread is wide for token-level 16-19 (seed 0 gave 16): size for the high end, "
+        "or steady the answer with a longer --duration; token-level misses the target under seed 2.")
+    steady = stability(report, 0, {1: {"token-level": (17, True), "dedicated": (63, True)}})
+    assert steady["wide"] == [] and "wide" not in steady["sentence"] and "misses" not in steady["sentence"]
 
 
 def _generic_trace(folder: pathlib.Path) -> pathlib.Path:

@@ -283,8 +283,10 @@ def test_file_specs_keep_named_models_and_check_options(tmp_path: Path) -> None:
     path = write(tmp_path / "w.csv", GOOD)
     kept = load_workload(f"file:{path}", models=["a", "b", "c"])
     assert kept.models == ("a", "b", "c") and kept.model_counts() == {"a": 2, "b": 1, "c": 0}
-    folded = load_workload(f"file:{path}", models=["x"])
-    assert folded.model_counts() == {"x": 3}
+    with pytest.raises(TraceError, match="none of the file's 2 model names is a model of the fleet"):
+        load_workload(f"file:{path}", models=["x"])  # a generic file's names are the fleet's unless asked to map
+    folded = load_workload(f"file:{path};map=fold", models=["x"])
+    assert folded.model_counts() == {"x": 3} and folded.notes
     with pytest.raises(TraceError, match="'clients' does not apply to a generic file"):
         load_workload(f"file:{path};clients=3")
     with pytest.raises(TraceError, match="max_requests"):
