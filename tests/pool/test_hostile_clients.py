@@ -1,8 +1,9 @@
 """Hostile clients (issue 37): nothing a client sends may stall the server, and limits answer like vLLM's.
 
-A torch-engine pool (tiny-llama, in process) behind a real uvicorn on
-127.0.0.1: requests are tokenised and chat templates rendered as in a real
-serve. Each test is one attack from the issue's hostile pass.
+A torch-engine pool (tiny-llama, in process; on the GPU where there is one)
+behind a real uvicorn on 127.0.0.1: requests are tokenised and chat templates
+rendered as in a real serve. Each test is one attack from the issue's hostile
+pass.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from pool.actor import EngineSpec
 from pool.engines.sampling import OutputText
@@ -28,13 +30,14 @@ from tests.factories import LinearCosts
 MODEL = "tiny-llama"
 COSTS = LinearCosts(step_s=0.002, prefill_per_token_s=1e-5, switch_s=0.01)
 CHAT = [{"role": "user", "content": "hello"}]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # a 239-byte body's worth of template: two nested loops of the sandbox's largest range (10^10 iterations)
 LOOPING_TEMPLATE = "{% for a in range(100000) %}{% for b in range(100000) %}{{ '' }}{% endfor %}{% endfor %}"
 
 
 def make_pool(demo_models: dict[str, Path], **limits) -> LivePool:
     models = [served_model(MODEL, demo_models[MODEL], dtype="float32")]
-    spec = EngineSpec("torch", {"dtype": "float32", "kv_bytes": 32 << 20})
+    spec = EngineSpec("torch", {"dtype": "float32", "kv_bytes": 32 << 20, "device": DEVICE})
     return LivePool(models, slot_instances(1, models, 32 << 20), "token-level", COSTS,
                     PoolConfig(engine=spec, backend="inprocess", stats_interval_s=0.1, **limits))
 
