@@ -52,7 +52,8 @@ def _from_spec(spec: str) -> list[str]:
     return roles
 
 
-def _from_report(path: Path, policy: str, tp: int) -> list[str]:
+def _report_entry(path: Path, policy: str) -> dict:
+    """The `policy` answer of a capacity report JSON (with its layout), or a LayoutError saying what is wrong."""
     try:
         report = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
@@ -61,6 +62,11 @@ def _from_report(path: Path, policy: str, tp: int) -> list[str]:
     if not isinstance(entry, dict) or not entry.get("layout"):
         raise LayoutError(f"--layout {path}: the report has no layout for policy {policy!r} "
                           f"(policies: {sorted((report.get('policies') or {}) if isinstance(report, dict) else [])})")
+    return entry
+
+
+def _from_report(path: Path, policy: str, tp: int) -> list[str]:
+    entry = _report_entry(path, policy)
     for cls in entry["layout"]:
         if cls.get("tp") == tp:
             spec = "+".join(f"{cls.get(k, 0)}{k[0].upper()}" for k in ("prefill", "decode", "mixed") if cls.get(k))
@@ -76,14 +82,7 @@ def pool_layouts(value: str, policy: str, tps: Sequence[int]) -> list[Layout]:
 
     path = Path(value)
     if path.suffix == ".json" or path.is_file():
-        try:
-            report = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            raise LayoutError(f"--layout {path}: cannot read a capacity report: {exc}") from None
-        entry = (report.get("policies") or {}).get(policy) if isinstance(report, dict) else None
-        if not isinstance(entry, dict) or not entry.get("layout"):
-            raise LayoutError(f"--layout {path}: the report has no layout for policy {policy!r} "
-                              f"(policies: {sorted((report.get('policies') or {}) if isinstance(report, dict) else [])})")
+        entry = _report_entry(path, policy)
         layouts = []
         for cls in entry["layout"]:
             if cls.get("replicas"):

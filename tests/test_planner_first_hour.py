@@ -317,6 +317,24 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shuti
 HEADLESS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
             "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage", "--hide-scrollbars",
             "--window-size=1366,768"]
+
+
+def probe_in_chromium(page: str, probe: str, folder: pathlib.Path) -> dict:
+    """Lay `page` out in headless Chromium at a laptop's size with the `probe` script appended (it writes JSON into
+    a <pre id="probe">); what the probe measured."""
+    import html
+    import json
+    import subprocess
+
+    folder.mkdir(parents=True, exist_ok=True)
+    probed = folder / "probed.html"
+    probed.write_text(page.replace("</body>", probe + "</body>"))
+    run = subprocess.run([CHROMIUM, *HEADLESS, f"--user-data-dir={folder / 'profile'}", "--dump-dom",
+                          probed.as_uri()], capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return json.loads(html.unescape(run.stdout.split("<pre id=\"probe\">", 1)[1].split("</pre>", 1)[0]))
+
+
 # appended to a copy of the report (the report itself runs no script): what a reader's browser lays out
 PROBE = """<script>
 const doc = document.documentElement, wide = [];
@@ -417,14 +435,7 @@ def test_the_report_in_a_laptop_browser_shows_every_models_slo_result_and_nothin
     import json
     import subprocess
 
-    page = (tight_report / "report.html").read_text()
-    probed = tmp_path / "probed.html"
-    probed.write_text(page.replace("</body>", PROBE + "</body>"))
-    run = subprocess.run([CHROMIUM, *HEADLESS, f"--user-data-dir={tmp_path / 'profile-a'}", "--dump-dom",
-                          probed.as_uri()], capture_output=True, text=True, timeout=180)
-    assert run.returncode == 0, run.stderr[-2000:]
-    dom = run.stdout
-    probe = json.loads(html.unescape(dom.split("<pre id=\"probe\">", 1)[1].split("</pre>", 1)[0]))
+    probe = probe_in_chromium((tight_report / "report.html").read_text(), PROBE, tmp_path / "profile-a")
     assert probe["innerWidth"] == 1366
     assert probe["scrollWidth"] <= probe["innerWidth"], probe  # no sideways scrolling of the page
     assert probe["wideTables"] == [], probe  # and no table wider than the page's column

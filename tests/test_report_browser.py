@@ -5,7 +5,6 @@ in the pixels of a screenshot), and nothing wider than the window."""
 
 from __future__ import annotations
 
-import html
 import json
 import pathlib
 import subprocess
@@ -13,7 +12,7 @@ import subprocess
 import pytest
 
 from tests.sims.test_capacity import TINY_FLEET
-from tests.test_planner_first_hour import CHROMIUM, HEADLESS, flat, invoke
+from tests.test_planner_first_hour import CHROMIUM, HEADLESS, flat, invoke, probe_in_chromium
 
 MISS_RGB = (253, 226, 226)  # td.miss's background in sims.report_html
 
@@ -77,13 +76,7 @@ def test_a_laptop_browser_shows_the_recommended_plans_misses_and_nothing_runs_of
         planned_report: pathlib.Path, tmp_path: pathlib.Path) -> None:
     from PIL import Image
 
-    page = (planned_report / "report.html").read_text()
-    probed = tmp_path / "probed.html"
-    probed.write_text(page.replace("</body>", PROBE + "</body>"))
-    run = subprocess.run([CHROMIUM, *HEADLESS, f"--user-data-dir={tmp_path / 'a'}", "--dump-dom", probed.as_uri()],
-                         capture_output=True, text=True, timeout=180)
-    assert run.returncode == 0, run.stderr[-2000:]
-    probe = json.loads(html.unescape(run.stdout.split("<pre id=\"probe\">", 1)[1].split("</pre>", 1)[0]))
+    probe = probe_in_chromium((planned_report / "report.html").read_text(), PROBE, tmp_path / "a")
     assert probe["innerWidth"] == 1366
     assert probe["scrollWidth"] <= probe["innerWidth"], probe  # the page never scrolls sideways
     assert probe["wideTables"] == [], probe  # nor does any table overflow its box

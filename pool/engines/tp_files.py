@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
 
@@ -27,8 +28,25 @@ def store_stem(pid: int) -> str:
 def remove_stores(pid: int) -> int:
     """Remove the rendezvous files process `pid` left (it is gone: killed before its engines closed); how many."""
     stem = Path(store_stem(pid))
+    return _remove(stem.parent.glob(stem.name + "*"))
+
+
+def sweep_dead() -> int:
+    """Remove the rendezvous files on this machine whose rank-0 process is gone; how many. A file of a live
+    process (another pool's, or a pid reused since) is left alone."""
+    stem = Path(store_stem(0))
+    prefix = stem.name[:-2]  # 'modelpool-tp-'
+
+    def dead(path: Path) -> bool:
+        pid = path.name[len(prefix):].split("-", 1)[0]
+        return pid.isdigit() and not _alive(int(pid))
+
+    return _remove(path for path in stem.parent.glob(prefix + "*") if dead(path))
+
+
+def _remove(paths: Iterable[Path]) -> int:
     removed = 0
-    for path in stem.parent.glob(stem.name + "*"):
+    for path in paths:
         try:
             path.unlink()
             removed += 1
@@ -45,20 +63,3 @@ def _alive(pid: int) -> bool:
     except PermissionError:  # another user's process
         return True
     return True
-
-
-def sweep_dead() -> int:
-    """Remove the rendezvous files on this machine whose rank-0 process is gone; how many. A file of a live
-    process (another pool's, or a pid reused since) is left alone."""
-    stem = Path(store_stem(0))
-    prefix = stem.name[:-2]  # 'modelpool-tp-'
-    removed = 0
-    for path in stem.parent.glob(prefix + "*"):
-        pid = path.name[len(prefix):].split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
-            try:
-                path.unlink()
-                removed += 1
-            except FileNotFoundError:
-                pass
-    return removed
