@@ -260,11 +260,14 @@ class TokenLevelPolicy(PolicyBase):
                 self._last_chunk.setdefault(iid, set()).add(rid)
                 return self.use_model(inst, model, f"finish {rid}'s prompt") + [
                     Decode((), 1, prefill_chunks=((rid, rest),), reason=f"the last {rest} prompt tokens of {rid}")]
-        if self.mixed_chunk_tpot > 0 and (inst.prefilling or self._chunkable(inst)):
+        head_due = bool(self.prefill.groups[iid]) and self._head_due(inst, now)
+        # a head group due (half its TTFT SLO left) goes before new chunked prompts: prompts of the resident
+        # models arriving steadily would otherwise keep a model not resident from its prefill for good
+        if self.mixed_chunk_tpot > 0 and (inst.prefilling or (not head_due and self._chunkable(inst))):
             acts = self._chunked_step(inst)
             if acts:
-                return acts
-        if self.prefill.groups[iid] and (self.decode.at_boundary(iid) or self._head_due(inst, now)) \
+                return self._cut_for_head(inst, acts, now)
+        if self.prefill.groups[iid] and (self.decode.at_boundary(iid) or head_due) \
                 and self._prefill_first(inst, now):
             acts = self.prefill.step(inst)
         if acts:
@@ -272,15 +275,18 @@ class TokenLevelPolicy(PolicyBase):
         acts = self.decode.step(inst)
         if not acts:
             return self.prefill.step(inst)
+        return self._cut_for_head(inst, acts, now)
+
+    def _cut_for_head(self, inst: InstanceState, acts: list[Action], now: float) -> list[Action]:
+        """A prompt waits here: the decode turn stops in time to weigh it again before it must start."""
         head = self.prefill.head_start_by(inst) if self.mixed_chunk_tpot > 0 else None
         last = acts[-1]
         if head is not None and isinstance(last, Decode) and last.max_steps > 1:
-            # a prompt waits here: the turn stops in time to weigh it again before it must start
             start_by, ttft = head
             step_s = self.iteration_s(last.request_ids, ())
             steps = max(1, int((start_by - ttft / 2 - now) / step_s)) if step_s > 0 else last.max_steps
             if steps < last.max_steps:
-                acts[-1] = Decode(last.request_ids, steps, reason=f"{last.reason}; a prompt waits")
+                acts[-1] = Decode(last.request_ids, steps, f"{last.reason}; a prompt waits", last.prefill_chunks)
         return acts
 
     def _chunkable(self, inst: InstanceState) -> bool:
