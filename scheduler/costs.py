@@ -116,6 +116,23 @@ class CostModel:
         return self.decode_step_s(model, batch_size, context_tokens) + self.prefill_s(model, chunk_tokens,
                                                                                      chunk_prompts)
 
+    def mixed_iteration_s(self, decoding: dict[str, list[int]], chunks: dict[str, list[int]]) -> float:
+        """One mixed iteration over several models: per model in `decoding` ([batch size, context tokens]), in
+        that order, its mixed_step_s with its prompt chunks from `chunks` ([tokens, prompts]; none when it has no
+        entry); then each model with chunks only, its prefill_s. The one rule for what an iteration costs: the
+        token-level policy sizes chunks by it, the simulator charges it (the sum's order is part of it)."""
+        total = 0.0
+        for model, (size, context) in decoding.items():
+            taken = chunks.get(model)
+            if taken is None:
+                total += self.mixed_step_s(model, size, context, 0, 0)
+            else:
+                total += self.mixed_step_s(model, size, context, taken[0], taken[1])
+        for model, (tokens, prompts) in chunks.items():
+            if model not in decoding:
+                total += self.prefill_s(model, tokens, prompts)
+        return total
+
     def kv_move_overhead_s(self, model: str) -> float:
         """Time one KV move (a SwapOut or SwapIn of several requests, a prefill's KV to host) takes on top of
         its requests' kv_move_s: the engine issues a move's copies together. None here."""

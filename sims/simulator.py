@@ -5,8 +5,8 @@ they were created), then one `schedule(now)`; the heap key is (time, phase,
 sequence). The executor turns each Plan action into future completion events
 with the cost model; a Decode turn of n steps is one event computed in closed
 form, cut short only by a Stop. A Decode with `prefill_chunks` is one
-Sarathi-style mixed iteration: per model, the cost model's mixed_step_s of its
-decode step and its chunks (the weights read once). Same inputs give a byte-identical Plan log.
+Sarathi-style mixed iteration: the cost model's mixed_iteration_s (per model, the
+mixed_step_s of its decode step and its chunks, the weights read once). Same inputs give a byte-identical Plan log.
 
 The loop runs tens of times per request (every decode turn a request joins is
 an event), so its per-event work is kept small: a heap entry carries the
@@ -560,12 +560,10 @@ class Simulator:
             totals[0] += tokens
             totals[1] += 1
         self._check_kv(iid, dev)
-        took = 0.0
-        for group in batch.groups:  # a model's chunks share its decode step's weight read (CostModel.mixed_step_s)
-            tokens, prompts = chunks.pop(group.model, [0, 0])
-            took += self.costs.mixed_step_s(group.model, group.size, group.context, tokens, prompts)
-        for model, (tokens, prompts) in chunks.items():  # chunks of a model with nothing to decode
-            took += self.costs.prefill_s(model, tokens, prompts)
+        decoding: dict[str, list[int]] = {}  # model -> [batch size, context tokens], in the batch's order
+        for group in batch.groups:
+            decoding[group.model] = [group.size, group.context]
+        took = self.costs.mixed_iteration_s(decoding, chunks)  # a model's chunks share its decode step's weight read
         if self.gpus is not None:  # one iteration: all of it device work, its prefill chunks beside a peer's decode
             took = self.gpus.work_end_at(iid, t, took, self.now, "prefill") - t
         may_finish = batch.left <= 1

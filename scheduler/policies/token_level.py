@@ -340,7 +340,7 @@ class TokenLevelPolicy(PolicyBase):
         taken: dict[str, list[int]] = {}  # model -> [chunk tokens, prompts]
 
         def step_s() -> float:
-            return _iteration_s(costs, per_model, taken)
+            return costs.mixed_iteration_s(per_model, taken)
 
         for rid, left in list(inst.prefilling.items()):
             model = requests[rid].model
@@ -369,7 +369,7 @@ class TokenLevelPolicy(PolicyBase):
         return chunks
 
     def iteration_s(self, ids: tuple[str, ...], chunks: tuple[tuple[str, int], ...]) -> float:
-        """Predicted time of a mixed iteration (as the simulator charges it: CostModel.mixed_step_s per model)."""
+        """Predicted time of a mixed iteration (CostModel.mixed_iteration_s, as the simulator charges it)."""
         requests = self.requests
         per_model: dict[str, list[int]] = {}
         for rid in ids:
@@ -382,7 +382,7 @@ class TokenLevelPolicy(PolicyBase):
             entry = taken.setdefault(requests[rid].model, [0, 0])
             entry[0] += tokens
             entry[1] += 1
-        return _iteration_s(self.costs, per_model, taken)
+        return self.costs.mixed_iteration_s(per_model, taken)
 
     def _admit_prompts(self, inst: InstanceState) -> None:
         """Start queued prompts of the models resident here (earliest TTFT deadline first) while KV admits them:
@@ -570,16 +570,3 @@ class TokenLevelPolicy(PolicyBase):
         self.weights[inst.instance_id].clear()
         self.prefill.lose(inst.instance_id)
         self.decode.lose(inst.instance_id)
-
-
-def _iteration_s(costs: CostModel, decoding: dict[str, list[int]], chunks: dict[str, list[int]]) -> float:
-    """A mixed iteration's time: per model, its decode step (batch size, context tokens in `decoding`) with its
-    prompt chunks (tokens, prompts in `chunks`) by CostModel.mixed_step_s; a model with only chunks, a prefill."""
-    total = 0.0
-    for model, (size, context) in decoding.items():
-        tokens, prompts = chunks.get(model, (0, 0))
-        total += costs.mixed_step_s(model, size, context, tokens, prompts)
-    for model, (tokens, prompts) in chunks.items():
-        if model not in decoding:
-            total += costs.prefill_s(model, tokens, prompts)
-    return total
