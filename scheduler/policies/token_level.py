@@ -50,16 +50,21 @@ A "mixed" instance (for classes too small to split well) does both and keeps
 a prompt's KV where it was prefilled. Prompts of its resident models go in
 chunks beside its decode steps (Sarathi: a 1-step Decode with prefill_chunks),
 the earliest TTFT deadline first, each iteration sized so its predicted time
-(CostModel.mixed_step_s, the weights read once) stays within
+(CostModel.mixed_iteration_s, the weights read once) stays within
 `mixed_chunk_tpot` (0.8) of the TPOT SLO. A prompt of a model not resident
 is prefilled whole when every decode batch there has the slack for its switch
 and prefill, or when it has only half its TTFT SLO left; until then the decode
 turn is cut so the prompt is weighed again in time (0 `mixed_chunk_tpot`
 restores the old rule: whole prefills at turn boundaries unless a batch is
-behind its pace). Dispatch keeps a prompt on a mixed instance that holds its
-model's weights while its prefill there is predicted to end within
-`mixed_affinity` (0.3) of its TTFT SLO: its decode stays there, and elsewhere
-each turn of it may copy weights. A prompt arriving ends an open-ended turn.
+behind its pace). While prompts of the resident models go in chunks it waits
+behind them, but only until its latest start less its switch and one TPOT SLO:
+from then no chunk goes before it, not even one of a prompt already started (a
+steady stream of resident prompts kept it out for good: issue 37; sending it
+at half its TTFT SLO left instead, tried first, stalled the decode batches with
+whole prefills and took the shipped fleet from 16 to 22 H20s). Dispatch keeps
+a prompt on a mixed instance that holds its model's weights while its prefill
+there is predicted to end within `mixed_affinity` (0.3) of its TTFT SLO: its
+decode stays there, and elsewhere each turn of it may copy weights. A prompt arriving ends an open-ended turn.
 Measured: the shipped fleet 22 -> 16 H20s (BENCHMARKS.md, issue 35).
 
 The code reads in three parts: this module plans each instance by its role and
@@ -248,8 +253,9 @@ class TokenLevelPolicy(PolicyBase):
 
     def _mixed_step(self, inst: InstanceState, now: float) -> list[Action]:
         """A mixed instance computes queued prompts of its resident models in chunks beside its decode steps
-        (`_chunked_step`); otherwise, at a turn boundary, it prefills its head group unless a decode batch is
-        behind its pace and the group can still wait (more than half its TTFT SLO left after the prefill)."""
+        (`_chunked_step`) until a head group of a model not resident must start; otherwise, at a turn boundary,
+        it prefills its head group unless a decode batch is behind its pace and the group can still wait (more
+        than half its TTFT SLO left after the prefill)."""
         acts: list[Action] = []
         iid = inst.instance_id
         if inst.prefilling:
@@ -260,31 +266,45 @@ class TokenLevelPolicy(PolicyBase):
                 self._last_chunk.setdefault(iid, set()).add(rid)
                 return self.use_model(inst, model, f"finish {rid}'s prompt") + [
                     Decode((), 1, prefill_chunks=((rid, rest),), reason=f"the last {rest} prompt tokens of {rid}")]
-        head_due = bool(self.prefill.groups[iid]) and self._head_due(inst, now)
-        # a head group due (half its TTFT SLO left) goes before new chunked prompts: prompts of the resident
-        # models arriving steadily would otherwise keep a model not resident from its prefill for good
-        if self.mixed_chunk_tpot > 0 and (inst.prefilling or (not head_due and self._chunkable(inst))):
+        # the head group, priced once for this plan: the chunk path changes it only when it plans chunks, and
+        # then nothing below reads it
+        head = self.prefill.head(inst) if self.prefill.groups[iid] else None
+        late = self._late_start(inst, head) if self.mixed_chunk_tpot > 0 else None
+        if self.mixed_chunk_tpot > 0 and (late is None or now < late) and (inst.prefilling or self._chunkable(inst)):
             acts = self._chunked_step(inst)
             if acts:
-                return self._cut_for_head(inst, acts, now)
-        if self.prefill.groups[iid] and (self.decode.at_boundary(iid) or head_due) \
-                and self._prefill_first(inst, now):
+                return self._cut(acts, late, now)
+        # due: half its TTFT SLO left (or its late start passed, when that comes first)
+        due = head is not None and (head[1] - now <= head[2] / 2 or (late is not None and late <= now))
+        if head is not None and (self.decode.at_boundary(iid) or due) and self._prefill_first(inst, now, head, due):
             acts = self.prefill.step(inst)
         if acts:
             return acts
         acts = self.decode.step(inst)
         if not acts:
             return self.prefill.step(inst)
-        return self._cut_for_head(inst, acts, now)
+        if head is None or self.mixed_chunk_tpot <= 0:
+            return acts
+        at = head[1] - head[2] / 2  # the turn stops in time to weigh the head again before it is due
+        return self._cut(acts, late if late is not None and late < at else at, now)
 
-    def _cut_for_head(self, inst: InstanceState, acts: list[Action], now: float) -> list[Action]:
-        """A prompt waits here: the decode turn stops in time to weigh it again before it must start."""
-        head = self.prefill.head_start_by(inst) if self.mixed_chunk_tpot > 0 else None
+    def _late_start(self, inst: InstanceState, head: tuple[str, float, float, float] | None) -> float | None:
+        """The latest start of a head group of a model not resident that keeps its TTFT SLO: its latest start
+        less its switch and one TPOT SLO (a step in flight). Prompts of the resident models go in chunks before
+        it until then, and none after, not even one started: a steady stream of them kept such a group from its
+        prefill for good (one live Plan log showed a group prefilled 26 s after it arrived). None for no such
+        head."""
+        if head is None or head[0] in inst.resident:
+            return None
+        model = head[0]
+        return head[1] - self.switch_cost_s(inst.instance_id, model) - self.models[model].tpot_slo_s
+
+    def _cut(self, acts: list[Action], at: float | None, now: float) -> list[Action]:
+        """A prompt waits here: the decode turn stops by `at` (None: it need not) to weigh it again."""
         last = acts[-1]
-        if head is not None and isinstance(last, Decode) and last.max_steps > 1:
-            start_by, ttft = head
+        if at is not None and isinstance(last, Decode) and last.max_steps > 1:
             step_s = self.iteration_s(last.request_ids, ())
-            steps = max(1, int((start_by - ttft / 2 - now) / step_s)) if step_s > 0 else last.max_steps
+            steps = max(1, int((at - now) / step_s)) if step_s > 0 else last.max_steps
             if steps < last.max_steps:
                 acts[-1] = Decode(last.request_ids, steps, f"{last.reason}; a prompt waits", last.prefill_chunks)
         return acts
@@ -411,23 +431,16 @@ class TokenLevelPolicy(PolicyBase):
         transition(req, PREFILLING)
         inst.prefilling[rid] = req.context_tokens
 
-    def _head_due(self, inst: InstanceState, now: float) -> bool:
-        """Whether the head group must start now to keep its TTFT SLO with half of it to spare (a turn it
-        waited behind was cut for it)."""
-        head = self.prefill.head_start_by(inst)
-        return head is not None and head[0] - now <= head[1] / 2
-
-    def _prefill_first(self, inst: InstanceState, now: float) -> bool:
-        head = self.prefill.head_start_by(inst)
-        if head is None:
-            return False
-        start_by, ttft = head
-        if start_by - now <= ttft / 2:
+    def _prefill_first(self, inst: InstanceState, now: float, head: tuple[str, float, float, float],
+                       due: bool) -> bool:
+        if due:
             return True
         if self.mixed_chunk_tpot <= 0:
             return not self.decode.behind_pace(inst, now)
         # the whole prefill (and its switch) must end before any decode batch here owes its next token
-        return self.decode.slack_s(inst, now) >= self.prefill.head_busy_s(inst)
+        model, _, _, prefill_s = head
+        switch_s = 0.0 if inst.active == model else self.switch_cost_s(inst.instance_id, model)
+        return self.decode.slack_s(inst, now) >= switch_s + prefill_s
 
     # ---- actions both sides plan ----------------------------------------------------
     def use_model(self, inst: InstanceState, model: str, why: str) -> list[Action]:

@@ -213,32 +213,16 @@ class PrefillSide:
             return [Decode(ids_now, steps, reason=f"first {steps + 1} tokens before the hand-off")]
         return [policy.swap_out(live, "hand the KV over to a decode instance")]
 
-    def _head(self, inst: InstanceState) -> tuple[Group, list[Request], float] | None:
-        """The first group with requests on `inst`, its requests and their predicted prefill time."""
+    def head(self, inst: InstanceState) -> tuple[str, float, float, float] | None:
+        """The first group with requests on a mixed instance: (its model, the latest start that keeps its TTFT
+        SLO, that SLO, its predicted prefill time); None without one."""
         head = next((g for g in self.groups[inst.instance_id] if g.ids), None)
         if head is None:
             return None
         reqs = [self.policy.requests[rid] for rid in head.ids]
-        return head, reqs, self.policy.costs.prefill_s(head.model, sum(r.context_tokens for r in reqs), len(reqs))
-
-    def head_start_by(self, inst: InstanceState) -> tuple[float, float] | None:
-        """(latest start that keeps the head group's TTFT SLO, that SLO) on a mixed instance; None without one."""
-        found = self._head(inst)
-        if found is None:
-            return None
-        head, reqs, prefill_s = found
+        prefill_s = self.policy.costs.prefill_s(head.model, sum(r.context_tokens for r in reqs), len(reqs))
         ttft = self.policy.models[head.model].ttft_slo_s
-        return min(r.arrival_at for r in reqs) + ttft - prefill_s, ttft
-
-    def head_busy_s(self, inst: InstanceState) -> float:
-        """Predicted time the head group's prefill keeps the instance: its switch (none when the model is held)
-        and its prefill."""
-        found = self._head(inst)
-        if found is None:
-            return 0.0
-        head, _, prefill_s = found
-        switch_s = 0.0 if inst.active == head.model else self.policy.switch_cost_s(inst.instance_id, head.model)
-        return switch_s + prefill_s
+        return head.model, min(r.arrival_at for r in reqs) + ttft - prefill_s, ttft, prefill_s
 
     def planned(self, inst: InstanceState, acts: list[Action], now: float) -> None:
         """Note when the planned work should end (dispatch predicts queues from it)."""

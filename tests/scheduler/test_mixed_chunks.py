@@ -117,3 +117,52 @@ def test_a_waiting_prompt_caps_the_open_ended_turn():
     p = sim.records["p"]
     assert p.first_token_at is not None and p.first_token_at - p.arrival_at <= 4.0
     assert any("a prompt waits" in a["reason"] for a in _actions(log, "Decode"))
+
+
+def test_a_head_not_resident_goes_before_chunks_by_its_latest_start():
+    """Issue 35 / 37 item 5: a prompt of a model not resident, at the head of a mixed instance's groups, waits
+    (the decode batch has no slack for its switch and prefill) while a resident model's prompts arrive faster
+    than their chunks go. They go in chunks while it can wait; from its latest start that keeps its TTFT SLO
+    (less its switch and one TPOT SLO) no chunk goes before it, not even of the prompt already started, so it
+    keeps its TTFT SLO. (It used to wait for the stream to end: p's TTFT was 23 s.)"""
+    from tests.factories import make_instances
+    ttft, tpot = 4.0, 0.1
+    models = make_models(2, tpot_s=tpot, ttft_s=ttft)
+    instances = make_instances(1, roles=["mixed"])
+    requests = [make_request("d", "m0", 0.0, 100, 2000), make_request("p", "m1", 1.0, 3000, 5)]
+    # from just after p (its group heads the queue), a 2,000-token m0 prompt every 0.5 s for 10 s; each takes
+    # ~1.1 s of chunks (0.08 s iterations carrying ~150 prompt tokens beside a 0.06 s decode step)
+    requests += [make_request(f"s{k:02d}", "m0", 1.05 + 0.5 * k, 2000, 2) for k in range(20)]
+    costs = LinearCosts(step_s=0.06)
+    log = io.StringIO()
+    sim, _ = run_sim("token-level", models, instances, requests, costs, plan_log=log)
+    latest = 1.0 + ttft - costs.prefill_s("m1", 3000) - costs.switch_s("m1")  # the last start that keeps TTFT
+    prefill_at = next(plan["at"] for plan in _plans(log) for acts in plan["actions"].values() for a in acts
+                      if a["op"] == "Prefill" and "p" in a["request_ids"])
+    assert latest - tpot <= prefill_at <= latest, (prefill_at, latest)
+    chunked = [(plan["at"], rid) for plan in _plans(log) for acts in plan["actions"].values() for a in acts
+               for rid, _ in a.get("prefill_chunks") or ()]
+    assert [at for at, _ in chunked if at < latest - tpot]  # the stream went in chunks while p could wait
+    late = sorted({rid for at, rid in chunked if latest - tpot <= at < prefill_at})
+    assert not late, f"chunks of {late} went between p's latest start ({latest - tpot:.2f} s) and its prefill"
+    p = sim.records["p"]
+    assert p.first_token_at is not None and p.first_token_at - p.arrival_at <= ttft
+
+
+def test_a_waiting_prompt_caps_the_turn_when_queued_prompts_cannot_go_in_chunks():
+    """The chunk path's decode-only turn (a resident model's prompt queued, its KV not admitted yet) is cut for
+    a waiting head like any other turn: p, of a model not resident, is weighed again in time for its TTFT SLO.
+    (It used to wait behind d's open-ended turn, TTFT 1,220 s.)"""
+    from tests.factories import make_instances
+    models = make_models(2, tpot_s=0.1, ttft_s=4.0, kv_per_token=2_000_000)  # 26,000 tokens of device KV
+    instances = make_instances(1, roles=["mixed"])
+    requests = [make_request("d", "m0", 0.0, 100, 20000),  # 20,100 tokens of KV
+                make_request("p", "m1", 1.0, 3000, 5),  # no slack for its switch and prefill beside d's decode
+                make_request("q", "m0", 1.05, 8000, 5)]  # resident, chunkable, but its KV does not fit beside d's
+    log = io.StringIO()
+    sim, _ = run_sim("token-level", models, instances, requests, LinearCosts(step_s=0.06), plan_log=log)
+    p = sim.records["p"]
+    assert p.first_token_at is not None and p.first_token_at - p.arrival_at <= 4.0
+    cut = [a for plan in _plans(log) if plan["at"] > 1.05 for a in plan["actions"].get("i0", ())
+           if a["op"] == "Decode" and "a prompt waits" in a["reason"]]
+    assert cut
