@@ -60,13 +60,15 @@ def calibrate_command(
                   f"{', quick' if quick else ''}")
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True) as bar:
-        task = bar.add_task("building random weights", total=calibration.num_steps + 1)
+        task = bar.add_task("building random weights", total=calibration.num_steps + 2)
         measured = calibration.run(lambda what: bar.update(task, advance=1, description=what))
         bar.update(task, description="the idle pool's host costs")
         host = measure_host(probes=8 if quick else 30, tokens=16 if quick else 48)
+        bar.update(task, advance=1, description="two instances' processes on the device")
+        share = _measure_share(shapes, device, cuda, quick, seed)
         bar.update(task, advance=1)
     points = Points(prefill=measured["prefill"], decode=measured["decode"], swap=measured["swap"],
-                    kv_move=measured["kv_move"], host=host)
+                    kv_move=measured["kv_move"], host=host, share=share)
     figures = {key: float(value) for key, value in measured["figures"].items()}
     command = " ".join(["modelpool calibrate", "--device", device, "--out", shlex.quote(str(out))]
                        + (["--quick"] if quick else []) + ([f"--seed {seed}"] if seed else []))
@@ -81,6 +83,30 @@ def calibrate_command(
     console.print(_terms_table(measurements))
     console.print(f"wrote {out} in {time.perf_counter() - started:.0f} s; use it with "
                   f"`modelpool simulate --profile {out}` or `modelpool capacity --profile {out}`")
+
+
+def _measure_share(shapes: dict[str, Any], device: str, cuda: bool, quick: bool, seed: int) -> Any:
+    """The largest shape in a prefilling and a decoding engine process side by side, as serve places a prefill
+    and a decode instance on one device (on a GPU as clients of a private MPS daemon, serve's default; time-sliced
+    where none can start, and the file says which)."""
+    from modelpool.measure_share import ShareSetup, measure_share
+    from pool.mps import MpsDaemon, MpsError
+
+    shape = max(shapes, key=lambda key: shapes[key].weight_bytes)
+    setup = ShareSetup.default(shape, shapes[shape], device, quick, seed)
+    daemon, env = None, None
+    if cuda:
+        try:
+            daemon = MpsDaemon()
+            env = daemon.start()
+        except MpsError as exc:
+            daemon = None
+            console.print(f"[yellow]the share benchmark runs time-sliced: {exc}[/]")
+    try:
+        return measure_share(setup, env)
+    finally:
+        if daemon is not None:
+            daemon.stop()
 
 
 def _device_spec(name: str, device: str, cuda: bool, quick: bool) -> tuple[str, Any]:

@@ -360,7 +360,10 @@ class RooflineCostModel(SimCosts):
     def gpu_shares(self, instances: Sequence[InstanceSpec], gpu_of: Mapping[str, int] | None = None) -> GpuShares | None:
         """The instances' time-slicing (sims.gpu_share) where some share a GPU, else None."""
         peers = gpu_peers(instances, gpu_of)
-        return GpuTimeSharing(peers, SHARED_GPU_SLOWDOWN) if peers else None
+        if not peers:
+            return None
+        return GpuTimeSharing(peers, SHARED_GPU_SLOWDOWN, decode_slowdown=self.terms.share_decode_slowdown,
+                              prefill_slowdown=self.terms.share_prefill_slowdown)
 
     # ---- turns: many steps at once ---------------------------------------------------------------
     def decode_turn_s(self, model: str, batch_size: int, context_tokens: int, num_steps: int) -> float:

@@ -9,9 +9,12 @@ are busy, each progresses at share(k) of its rate alone,
 `slowdown` how much longer one instance's work takes beside one other busy instance. Below 2 the pair
 together gets more done than one alone (each fills the other's gaps); at 2 the GPU is split without gain or
 loss, the rule the cost model uses (sims.costmodel.SHARED_GPU_SLOWDOWN: the GPU's budget shared, no fitted
-term). Decode work beside a peer's prefill (or mixed iteration) may slow by a `decode_slowdown` of its own
-(a prefill's large GEMMs take the SMs from a decode step beside them more than the other way round); the
-cost model leaves it at `slowdown`. Each booking carries its kind ("prefill": prefills and mixed iterations; "decode": turns).
+term). Work beside a peer of the other kind may slow by a measured figure of its own: decode beside a peer's
+prefill (or mixed iteration) by `decode_slowdown`, prefill beside a peer's decode by `prefill_slowdown` (under
+MPS a prefill's large GEMMs take the SMs from the decode steps beside them far more than the other way round);
+`modelpool calibrate` measures both (two engine processes on one device, as serve places a prefill and a decode
+instance), a profile without them leaves them at `slowdown`. Beside several peers the largest applicable
+slowdown counts. Each booking carries its kind ("prefill": prefills and mixed iterations; "decode": turns).
 
 The executor books each step's device work here (`work_end_at`) when it starts it, and a step's end is
 fixed then (its completion is already scheduled). So a step is charged for the sharing its peers will impose
@@ -82,13 +85,15 @@ class GpuTimeSharing:
     """The device work of one simulation's instances on shared GPUs (a `sims.costmodel.GpuShares`)."""
 
     def __init__(self, peers: Mapping[str, tuple[str, ...]], slowdown: float,
-                 decode_slowdown: float | None = None) -> None:
-        for name, value in (("slowdown", slowdown), ("decode_slowdown", decode_slowdown)):
+                 decode_slowdown: float | None = None, prefill_slowdown: float | None = None) -> None:
+        for name, value in (("slowdown", slowdown), ("decode_slowdown", decode_slowdown),
+                            ("prefill_slowdown", prefill_slowdown)):
             if value is not None and not value >= 1.0:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         self.peers = dict(peers)
         self.slowdown = slowdown
         self.decode_slowdown = decode_slowdown if decode_slowdown is not None else slowdown
+        self.prefill_slowdown = prefill_slowdown if prefill_slowdown is not None else slowdown
         self._kind: dict[str, str] = {iid: "prefill" for iid in self.peers}  # of its latest booking
         self._booked: dict[str, list[_Booking]] = {iid: [] for iid in self.peers}
         self._owed: dict[str, float] = {iid: 0.0 for iid in self.peers}  # < 0: a credit
@@ -96,8 +101,15 @@ class GpuTimeSharing:
 
     def rate(self, kind: str, beside: list[str]) -> float:
         """The rate (a share of its rate alone) of work of `kind` while peers doing the kinds `beside` are busy."""
-        slow = self.decode_slowdown if kind == "decode" and "prefill" in beside else self.slowdown
-        return share(1 + len(beside), slow)
+        return share(1 + len(beside), max((self._pair(kind, other) for other in beside), default=self.slowdown))
+
+    def _pair(self, kind: str, other: str) -> float:
+        """How much longer work of `kind` takes beside one busy peer doing `other`."""
+        if kind == "decode" and other == "prefill":
+            return self.decode_slowdown
+        if kind == "prefill" and other == "decode":
+            return self.prefill_slowdown
+        return self.slowdown
 
     def work_end_at(self, instance_id: str, start_at: float, alone_s: float, now: float,
                     kind: str = "prefill") -> float:

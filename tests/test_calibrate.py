@@ -42,7 +42,13 @@ def test_calibrate_on_a_cpu_measures_every_term_with_no_gpu_entry(tmp_path: Path
     for term in ("host_call_s", "request_admit_s", "token_deliver_s", "kv_call_host_s"):  # the idle pool's own time
         assert measured.terms[term].points > 0 and 0 < float(measured.terms[term].value) < 0.5, term
     assert measured.terms["eff_nvlink"].basis == "assumed"
+    share = measured.points.share  # two engine processes side by side, as serve places a prefill and a decode instance
+    assert share is not None and not share.mps and len(share.decode_beside_s) >= 3
+    for term in ("share_prefill_slowdown", "share_decode_slowdown"):
+        entry = measured.terms[term]
+        assert entry.unit == "ratio" and entry.points >= 6 and 1.0 <= float(entry.value) < 20, term
     profile = load_profile(out)
+    assert profile.terms.share_decode_slowdown == measured.terms["share_decode_slowdown"].value
     costs = RooflineCostModel.for_models({"m": (Arch.model_validate(measured.shapes["tiny-qwen2-a"].model_dump()), 1)},
                                          "cpu", profile)
     assert costs.gpu == measured.spec and costs.decode_step_s("m", 1, 32) > 0

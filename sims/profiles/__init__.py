@@ -84,11 +84,21 @@ class ProfileTerms(_Frozen):
                                     "SwapOut or SwapIn: its export, import, save or restore calls and the ticks "
                                     "between them), after the move's own time: measured from hand-offs on an idle "
                                     "prefill/decode pool, half of what a hand-off adds beyond its decode call.")
+    # How two instances' processes on one device slow each other (`modelpool calibrate`: two engine processes, as
+    # serve places a prefill and a decode instance on a GPU, under MPS there); None: the shared budget's 2.
+    share_prefill_slowdown: float | None = Field(default=None, ge=1.0, description="How much longer a prefill "
+                                                 "takes while another instance's process on the same device "
+                                                 "decodes (sims.gpu_share); None: 2 (the device's budget split).")
+    share_decode_slowdown: float | None = Field(default=None, ge=1.0, description="How much longer a decode step "
+                                                "takes while another instance's process on the same device "
+                                                "prefills (sims.gpu_share); None: 2 (the device's budget split).")
 
 
 TERM_NAMES: tuple[str, ...] = tuple(ProfileTerms.model_fields)
 _DEFAULT_WHY = {
     "prefill_padded": "charges each prefill for its own tokens (an engine that does not pad them)",
+    "share_prefill_slowdown": "the device's budget split between busy instances (2: each gets half)",
+    "share_decode_slowdown": "the device's budget split between busy instances (2: each gets half)",
 }
 DEFAULTED: dict[str, str] = {  # terms a profile may leave out, and the provenance they then get
     name: f"not measured for this profile: the default ({field.default}) "

@@ -34,7 +34,7 @@ from sims.profiles import CalibrationProfile, CalibrationRun, ProfileTerms, Prov
 from sims.profiles.fitting import Anchor, fit, predict, sig
 
 SCHEMA = "modelpool.measurements/1"
-Unit = Literal["fraction", "s", "setting"]
+Unit = Literal["fraction", "s", "setting", "ratio"]
 ENGINE_FAMILIES = ("prefill", "decode", "swap", "kv_move")
 # Terms no single-device microbenchmark measures: what they are taken as, and why.
 ASSUMED: dict[str, tuple[float, str]] = {
@@ -98,12 +98,28 @@ class HostPoints(_Frozen):
                                    "its prefill call's return to its first decode call's start on the other instance")
 
 
+class SharePoints(_Frozen):
+    """Two engine processes of one shape on the device, as serve places a prefill and a decode instance (under a
+    private MPS daemon on a GPU, when `mps`): each prefill's time alone and while the other process decodes
+    without pause, each decode step's alone and while the other prefills without pause."""
+
+    shape: str
+    prefill_tokens: int = Field(gt=0)
+    decode_batch: int = Field(gt=0)
+    mps: bool = False
+    prefill_alone_s: list[float] = Field(min_length=1)
+    prefill_beside_s: list[float] = Field(min_length=1)
+    decode_alone_s: list[float] = Field(min_length=1)
+    decode_beside_s: list[float] = Field(min_length=1)
+
+
 class Points(_Frozen):
     prefill: list[PrefillPoint] = Field(default_factory=list)
     decode: list[DecodePoint] = Field(default_factory=list)
     swap: list[CopyPoint] = Field(default_factory=list)
     kv_move: list[KvMovePoint] = Field(default_factory=list)
     host: HostPoints = Field(default_factory=HostPoints)
+    share: SharePoints | None = None
 
 
 class Term(_Frozen):
@@ -205,6 +221,10 @@ _HOW = {
                        "(median)",
     "kv_call_host_s": "an idle prefill/decode pool on zero-time engines: a hand-off's prefill return to its first "
                       "decode call (median), less host_call_s, over its two KV moves",
+    "share_prefill_slowdown": "two engine processes on the device (a prefill and a decode instance, as serve places "
+                              "them): a prefill's median time while the other decodes, over its time alone",
+    "share_decode_slowdown": "two engine processes on the device: a decode step's median time while the other "
+                             "prefills, over its time alone",
 }
 _FAMILY = {"eff_compute": "prefill", "prefill_fixed_s": "prefill", "prefill_layer_s": "prefill",
            "prefill_request_s": "prefill", "eff_mem": "decode", "eff_kv": "decode", "decode_fixed_s": "decode",
@@ -260,6 +280,21 @@ def host_terms(host: HostPoints) -> dict[str, tuple[float, int]]:
     return out
 
 
+def share_terms(share: SharePoints | None) -> dict[str, tuple[float, int]]:
+    """How the two processes slowed each other (value, points): medians beside over medians alone, at least 1 (a
+    ratio under 1 is noise: a process is never helped by another's work)."""
+    if share is None:
+        return {}
+
+    def ratio(beside: list[float], alone: list[float]) -> float:
+        return sig(max(1.0, statistics.median(beside) / statistics.median(alone)))
+
+    return {"share_prefill_slowdown": (ratio(share.prefill_beside_s, share.prefill_alone_s),
+                                       len(share.prefill_alone_s) + len(share.prefill_beside_s)),
+            "share_decode_slowdown": (ratio(share.decode_beside_s, share.decode_alone_s),
+                                      len(share.decode_alone_s) + len(share.decode_beside_s))}
+
+
 def build(points: Points, shapes: Mapping[str, Arch], spec: GpuSpec, *, device: str, gpu: str, measured_at: str,
           command: str, settings: Mapping[str, bool], software: Mapping[str, str] | None = None, quick: bool = False,
           wall_s: float = 0.0, figures: Mapping[str, float] | None = None) -> Measurements:
@@ -287,6 +322,9 @@ def build(points: Points, shapes: Mapping[str, Arch], spec: GpuSpec, *, device: 
                            loo_max_error=round(max(held), 4) if held else None)
     for term, (value, count) in host_terms(points.host).items():
         terms[term] = Term(value=value, unit="s", how=_HOW[term], points=count)
+    for term, (value, count) in share_terms(points.share).items():
+        mps = " under MPS" if points.share is not None and points.share.mps else ""
+        terms[term] = Term(value=value, unit="ratio", how=_HOW[term] + mps, points=count)
     return Measurements.model_validate({
         "schema": SCHEMA, "device": device, "gpu": gpu, "measured_at": measured_at, "command": command,
         "software": dict(software or {}), "quick": quick, "wall_s": round(wall_s, 1), "spec": spec,

@@ -45,6 +45,36 @@ def test_a_prefill_beside_a_decode_turn_takes_the_measured_slowdown_and_the_turn
     assert gpus.work_end_at("d", 10.0, 1.0, 10.0) == pytest.approx(11.0 + 0.1 * (S - 1))
 
 
+def test_measured_cross_kind_slowdowns_apply_by_kind_and_same_kinds_split_the_budget() -> None:
+    """Under MPS a prefill barely slows beside a decoding peer while the decode steps slow a lot (calibrate's
+    share benchmark measures both): each kind takes its own figure beside the other, the same kinds the budget's 2."""
+    gpus = GpuTimeSharing(PAIR, 2.0, decode_slowdown=3.0, prefill_slowdown=1.1)
+    assert gpus.rate("prefill", ["decode"]) == pytest.approx(1 / 1.1)
+    assert gpus.rate("decode", ["prefill"]) == pytest.approx(1 / 3.0)
+    assert gpus.rate("decode", ["decode"]) == gpus.rate("prefill", ["prefill"]) == 0.5
+    assert gpus.rate("prefill", ["decode", "prefill"]) == pytest.approx(2 / (3 * 2.0))  # the largest applies
+    assert gpus.work_end_at("d", 0.0, 10.0, 0.0, kind="decode") == 10.0
+    assert gpus.work_end_at("p", 1.0, 0.1, 1.0) == pytest.approx(1.0 + 0.1 * 1.1)
+    with pytest.raises(ValueError, match="prefill_slowdown"):
+        GpuTimeSharing(PAIR, 2.0, prefill_slowdown=0.9)
+
+
+def test_a_profile_with_measured_share_terms_gives_the_simulator_those_slowdowns() -> None:
+    from sims.profiles import load_profile
+
+    base = load_profile("default")
+    measured = base.model_copy(update={"terms": base.terms.model_copy(
+        update={"share_prefill_slowdown": 1.07, "share_decode_slowdown": 3.07})})
+    instances = [InstanceSpec("p", 1, 80e9), InstanceSpec("d", 1, 80e9)]
+    arch = Arch.model_validate(ARCHS["qwen2.5-7b"])
+    unmeasured = RooflineCostModel.for_models({"m": (arch, 1)}, "h200", base).gpu_shares(instances, {"p": 0, "d": 0})
+    shares = RooflineCostModel.for_models({"m": (arch, 1)}, "h200", measured).gpu_shares(instances, {"p": 0, "d": 0})
+    assert isinstance(unmeasured, GpuTimeSharing) and unmeasured.rate("prefill", ["decode"]) == 0.5
+    assert isinstance(shares, GpuTimeSharing)
+    assert shares.rate("prefill", ["decode"]) == pytest.approx(1 / 1.07)
+    assert shares.rate("decode", ["prefill"]) == pytest.approx(1 / 3.07)
+
+
 def test_owed_work_runs_on_in_an_idle_gap() -> None:
     gpus = GpuTimeSharing(PAIR, 2.0)
     gpus.work_end_at("d", 0.0, 1.0, 0.0)

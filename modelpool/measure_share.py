@@ -1,0 +1,212 @@
+"""How two instances on one device slow each other: the share microbenchmark of `modelpool calibrate`.
+
+serve places a prefill and a decode instance on a GPU, each in an engine process of its own (clients of a
+private MPS daemon there, pool.mps). Two such processes, each a TorchEngine of one shape on random weights, one
+thread each as serve's engine processes run, are timed here: the decoding process's steps alone, the
+prefilling process's prompts alone, then both at once - the decoder stepping without pause while the
+prefiller runs its prompts back to back. A prefill's time beside the decoder over its time alone, and a decode
+step's beside the prefiller over its time alone, are the cost model's `share_prefill_slowdown` and
+`share_decode_slowdown` (sims.gpu_share); under MPS the two differ a lot (a prefill's GEMMs take the SMs from
+the decode steps far more than the other way round), time-sliced they are near 2, on a CPU with a core each
+near 1. Step and prefill intervals come from time.monotonic (one clock for every process of the machine).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from scheduler.fleet import Arch
+from sims.profiles.measurements import SharePoints
+
+SPIN_STEPS = 400  # decode steps the decoder runs on one batch before it takes a fresh one (its KV headroom)
+
+
+@dataclass(frozen=True)
+class ShareSetup:
+    """What the two processes run: one shape, a prompt length for the prefiller, a batch and context for the
+    decoder, how many of each are timed alone and beside."""
+
+    shape: str
+    arch: Arch
+    device: str
+    prefill_tokens: int
+    decode_batch: int
+    decode_context: int
+    prefills: int
+    steps: int
+    seed: int = 0
+
+    @classmethod
+    def default(cls, shape: str, arch: Arch, device: str, quick: bool, seed: int = 0) -> ShareSetup:
+        if device.startswith("cuda"):
+            return cls(shape, arch, device, 2048, 16, 512, 6 if quick else 12, 20 if quick else 40, seed)
+        return cls(shape, arch, device, 64 if quick else 256, 4, 64, 6 if quick else 10, 12 if quick else 30, seed)
+
+
+def measure_share(setup: ShareSetup, mps_env: dict[str, str] | None = None, timeout_s: float = 900.0) -> SharePoints:
+    """Time the two processes alone and side by side (`mps_env`: the client environment of an MPS daemon, when
+    the device is a GPU serve would share under MPS)."""
+    ctx = multiprocessing.get_context("spawn")  # a fresh interpreter each, as serve's engine processes
+    env = dict(mps_env or {})
+    workers = {}
+    for role in ("decode", "prefill"):
+        parent, child = ctx.Pipe()
+        process = ctx.Process(target=_worker, args=(role, child, setup, env), name=f"modelpool-share-{role}",
+                              daemon=True)
+        process.start()
+        child.close()
+        workers[role] = (process, parent)
+    try:
+        for role, (_, conn) in workers.items():
+            _expect(conn, "ready", timeout_s, role)
+        dec, pre = workers["decode"][1], workers["prefill"][1]
+        dec.send(("alone", setup.steps))
+        decode_alone = _durations(_expect(dec, "done", timeout_s, "decode"))
+        pre.send(("run", setup.prefills))
+        prefill_alone = _durations(_expect(pre, "done", timeout_s, "prefill"))
+        for prefills in (setup.prefills, 4 * setup.prefills):  # again, longer, if too few steps fell inside
+            dec.send(("spin", 0))
+            _expect(dec, "spinning", timeout_s, "decode")
+            pre.send(("run", prefills))
+            beside = _expect(pre, "done", timeout_s, "prefill")
+            dec.send(("stop", 0))
+            steps = _expect(dec, "done", timeout_s, "decode")
+            begin, end = beside[0][0], beside[-1][1]
+            inside = [e - s for s, e in steps if s >= begin and e <= end]
+            if len(inside) >= 3:
+                break
+        else:
+            raise RuntimeError(f"the decoder ran {len(inside)} whole steps during {prefills} prefills of "
+                               f"{setup.prefill_tokens} tokens: too few to time (a longer prompt would do)")
+    finally:
+        for process, conn in workers.values():
+            try:
+                conn.send(("exit", 0))
+            except (BrokenPipeError, OSError):
+                pass
+            process.join(30)
+            if process.is_alive():
+                process.kill()
+    return SharePoints(shape=setup.shape, prefill_tokens=setup.prefill_tokens, decode_batch=setup.decode_batch,
+                       mps=bool(env), prefill_alone_s=prefill_alone, prefill_beside_s=_durations(beside),
+                       decode_alone_s=decode_alone, decode_beside_s=inside)
+
+
+def _durations(intervals: list[tuple[float, float]]) -> list[float]:
+    return [round(end - start, 7) for start, end in intervals]
+
+
+def _expect(conn: Any, what: str, timeout_s: float, role: str) -> Any:
+    if not conn.poll(timeout_s):
+        raise RuntimeError(f"the {role} process of the share benchmark said nothing for {timeout_s:g} s")
+    try:
+        said, value = conn.recv()
+    except EOFError:
+        raise RuntimeError(f"the {role} process of the share benchmark exited") from None
+    if said == "error":
+        raise RuntimeError(f"the {role} process of the share benchmark failed: {value}")
+    if said != what:
+        raise RuntimeError(f"the {role} process of the share benchmark said {said!r}, expected {what!r}")
+    return value
+
+
+def _worker(role: str, conn: Any, setup: ShareSetup, env: dict[str, str]) -> None:
+    """One engine process: build the engine, then time what the parent asks for."""
+    os.environ.update(env)  # an MPS client: before CUDA is touched
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        bench = _Bench(role, setup)
+        conn.send(("ready", None))
+        while True:
+            command, count = conn.recv()
+            if command == "exit":
+                return
+            if command == "alone":
+                conn.send(("done", [bench.decode_step() for _ in range(count)]))
+            elif command == "run":
+                conn.send(("done", [bench.prefill() for _ in range(count)]))
+            elif command == "spin":
+                conn.send(("spinning", None))
+                steps = []
+                while not conn.poll():
+                    steps.append(bench.decode_step())
+                conn.recv()  # the stop
+                conn.send(("done", steps))
+    except Exception as exc:  # noqa: BLE001 - said to the parent, which raises it with the role
+        try:
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        except (BrokenPipeError, OSError):
+            pass
+
+
+class _Bench:
+    """The engine of one process (modelpool.measure's, one shape) and its timed calls, each an interval."""
+
+    def __init__(self, role: str, setup: ShareSetup) -> None:
+        from modelpool.measure import Calibration, MeasurePlan
+
+        self.setup = setup
+        plan = MeasurePlan(prefill_lengths=(setup.prefill_tokens,), prefill_batches=(1,),
+                           decode_batches=(setup.decode_batch,), decode_contexts=(setup.decode_context + SPIN_STEPS,),
+                           decode_steps=1, repeats=1, switch_repeats=1, kv_batches=(1,), kv_contexts=(16,))
+        self.cal = Calibration({setup.shape: setup.arch}, setup.device, plan, seed=setup.seed)
+        cal = self.cal
+        cal.images[setup.shape] = cal.cache.add_random(setup.shape, _hf_config(setup.arch), cal.dtype,
+                                                       seed=setup.seed, device=cal.device)
+        cal.engine = cal._engine(cal._kv_bytes())
+        cal._warm_up(lambda _: None)
+        cal.engine.activate(setup.shape)
+        self.ids: list[str] = []
+        self.stepped = 0
+        if role == "decode":
+            self._fresh_batch()
+            self.decode_step()
+        else:
+            self.prefill()  # a first prompt: allocator growth, GEMM heuristics
+
+    def _fresh_batch(self) -> None:
+        engine = self.cal.engine
+        assert engine is not None
+        if self.ids:
+            engine.release(self.ids)
+        requests = self.cal._requests(self.setup.shape, self.setup.decode_batch, self.setup.decode_context)
+        self.cal._admit(requests)
+        self.ids, self.stepped = [r.request_id for r in requests], 0
+
+    def decode_step(self) -> tuple[float, float]:
+        engine = self.cal.engine
+        assert engine is not None
+        if self.stepped >= SPIN_STEPS:
+            self._fresh_batch()
+        return self._interval(lambda: engine.decode_step(self.ids), stepped=True)
+
+    def prefill(self) -> tuple[float, float]:
+        engine = self.cal.engine
+        assert engine is not None
+        requests = self.cal._requests(self.setup.shape, 1, self.setup.prefill_tokens)
+        interval = self._interval(lambda: engine.prefill(requests))
+        engine.release([r.request_id for r in requests])
+        return interval
+
+    def _interval(self, fn: Any, stepped: bool = False) -> tuple[float, float]:
+        self.cal._sync()
+        start = time.monotonic()
+        fn()
+        self.cal._sync()
+        end = time.monotonic()
+        if stepped:
+            self.stepped += 1
+        return start, end
+
+
+def _hf_config(arch: Arch) -> Any:
+    from modelpool.measure import hf_config
+
+    return hf_config(arch)
