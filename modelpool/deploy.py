@@ -183,6 +183,18 @@ def _finish(dep: Deployment, engine: str, time_scale: float = 1.0) -> Deployment
 VLLM_KV_SHARE = 0.75  # of a vLLM engine's KV cache its requests can count on (it keeps some back)
 
 
+def engine_regions(dep: Deployment) -> list[InstanceSpec]:
+    """The deployment's instances with the KV and model regions their engines are configured with
+    (`kv_bytes`; the rest of `memory_bytes` holds weights): the memory split the live pool's scheduler plans
+    with once the engines report it (pool.served.plan_kv), for a simulation of the same pool. Unchanged where the
+    engine takes no KV size (the sim engine without one)."""
+    kv = dep.engine.options.get("kv_bytes")
+    if not kv:
+        return list(dep.instances)
+    return [dataclasses.replace(spec, kv_bytes=float(kv), weight_bytes=float(spec.memory_bytes - int(kv)))
+            for spec in dep.instances]
+
+
 def _vllm_kv_for_torch_context(dep: Deployment) -> int:
     """KV per vLLM engine that gives every model at least the context the torch engine gives it on a CPU slot
     (the instance's KV, in whole 128-token blocks): a third of the slot each cut the demo's context to 1024 tokens

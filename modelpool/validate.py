@@ -143,10 +143,12 @@ class SimLayout:
 
 
 def sim_layout(fleet_path: Path, num_gpus: int, profile: str | None) -> SimLayout:
-    """The layout `modelpool serve` builds for this fleet on `num_gpus` GPUs (CPU slots when 0), costed by
-    `profile` (default: the cost model's own)."""
+    """The layout `modelpool serve` builds for this fleet on `num_gpus` GPUs (CPU slots when 0), each instance
+    with the KV and model regions its engine is given (what the live scheduler plans with: without them the
+    simulated scheduler sized them by the fleet's load figures instead), costed by `profile` (default: the cost
+    model's own)."""
     from modelpool.config import load_fleet
-    from modelpool.deploy import fleet_deployment
+    from modelpool.deploy import engine_regions, fleet_deployment
     from sims.costmodel import RooflineCostModel
     from sims.profiles import load_profile
 
@@ -155,7 +157,7 @@ def sim_layout(fleet_path: Path, num_gpus: int, profile: str | None) -> SimLayou
     gpu_of = {spec.instance_id: int(dep.devices.get(spec.instance_id, "cuda:0").partition(":")[2] or 0)
               for spec in dep.instances}
     costs = RooflineCostModel(fleet, profile=load_profile(profile) if profile else None, gpus_per_host_link=1)
-    return SimLayout(fleet, list(dep.instances), gpu_of, costs, profile or "default")
+    return SimLayout(fleet, engine_regions(dep), gpu_of, costs, profile or "default")
 
 
 def simulated(layout: SimLayout, workload: Workload) -> tuple[list[dict[str, Any]], int]:
@@ -351,7 +353,8 @@ def validate_scenario(name: str, profile: str | None, duration_s: float | None, 
         "profile": layout.profile, "duration_s": duration_s, "seed": seed, "knee_rps": knee,
         "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "max_output_tokens": spec.max_output_tokens,
         "quick": quick, "tiny": num_gpus == 0,
-        "layout": {"instances": [[i.instance_id, i.tp, i.memory_bytes, i.role] for i in layout.instances],
+        "layout": {"instances": [[i.instance_id, i.tp, i.memory_bytes, i.role, i.kv_bytes, i.weight_bytes]
+                                 for i in layout.instances],
                    "gpu_of": layout.gpu_of},
         "loads": {load: {"rate_rps": rates[load], "requests": len(workloads[load]),
                          "notes": list(workloads[load].notes), "live_switches": live[load]["switches"],
@@ -385,6 +388,16 @@ def simulate_report(report: dict[str, Any], layout: SimLayout, workloads: Mappin
     return report
 
 
+def recorded_instance(row: Sequence[Any]) -> Any:
+    """An instance of a report's layout: [id, tp, memory, role], then (recorded since session 22) the KV and model
+    regions of its engine (older reports: none, and the simulated scheduler sizes them itself)."""
+    from scheduler import InstanceSpec
+
+    iid, tp, memory, role, *regions = row
+    kv, weights = (list(regions) + [None, None])[:2]
+    return InstanceSpec(iid, tp, memory, role, kv_bytes=kv, weight_bytes=weights)
+
+
 def resimulate(recorded: Path, profile: str | None, out_dir: Path, traces_dir: Path | None = None) -> dict[str, Any]:
     """The simulated side again, with `profile` (default: the one recorded), for a recorded live run: the same
     requests (the scenario's workload regenerated from its rate, duration and seed), the same instance layout.
@@ -392,7 +405,6 @@ def resimulate(recorded: Path, profile: str | None, out_dir: Path, traces_dir: P
     from dataclasses import replace
 
     from modelpool.config import load_fleet
-    from scheduler import InstanceSpec
     from sims.costmodel import RooflineCostModel
     from sims.profiles import load_profile
     from sims.scenarios import scenario as find
@@ -404,8 +416,7 @@ def resimulate(recorded: Path, profile: str | None, out_dir: Path, traces_dir: P
     else:
         fleet = spec.fleet_spec().fleet(report["gpu"])
     profile = profile or (None if report["profile"] == "default" else report["profile"])
-    layout = SimLayout(fleet, [InstanceSpec(iid, tp, memory, role) for iid, tp, memory, role in
-                               report["layout"]["instances"]],
+    layout = SimLayout(fleet, [recorded_instance(row) for row in report["layout"]["instances"]],
                        {k: int(v) for k, v in report["layout"]["gpu_of"].items()},
                        RooflineCostModel(fleet, profile=load_profile(profile) if profile else None,
                                          gpus_per_host_link=1), profile or "default")

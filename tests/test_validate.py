@@ -3,6 +3,7 @@ whole command on tiny CPU shapes (serve, replay through the gateway, simulate, s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -166,3 +167,48 @@ def test_the_index_rows_bold_what_meets_its_target_and_keep_the_files_layout() -
     assert row[-1] == "TTFT p50"
     text = (ROOT / "benchmarks" / "index" / "fidelity.json").read_text()
     assert dump_area(json.loads(text)) == text
+
+
+def test_the_simulated_layout_plans_with_the_engines_own_kv_and_model_regions(tmp_path: Path) -> None:
+    """The live scheduler plans each instance's weights and KV with the regions its engine reports (plan_kv); the
+    simulated one must get the same regions, not size them by the fleet's load figures: on one H100 (a prefill and
+    a decode instance) the eight fleet's engines hold every model, so near the knee no model's weights are copied
+    onto an instance twice - sized by load (as before), the decode instance kept 0-3 models and copied again and
+    again (201 copies where the live pool made none, H100 eight-poisson knee)."""
+    import io
+
+    from modelpool.deploy import fleet_deployment
+    from modelpool.validate import recorded_instance, sim_layout
+    from scheduler.instance import ModelSlots
+
+    path = build_fleet(FLEETS["eight"], tmp_path / "eight", "h100", tiny=False)
+    dep = fleet_deployment(path, "torch", 1, None, "token-level", None)
+    layout = sim_layout(path, 1, None)
+    kv = dep.engine.options["kv_bytes"]
+    assert [(s.instance_id, s.role) for s in layout.instances] == [(s.instance_id, s.role) for s in dep.instances]
+    for spec in layout.instances:
+        assert spec.kv_bytes == kv and spec.weight_bytes == spec.memory_bytes - kv
+        row = [spec.instance_id, spec.tp, spec.memory_bytes, spec.role, spec.kv_bytes, spec.weight_bytes]
+        assert recorded_instance(row) == spec  # a report's layout simulates again as it was
+    assert recorded_instance(row[:4]).kv_bytes is None  # reports before the regions were recorded
+
+    def copies(instances: list) -> int:
+        log = io.StringIO()
+        simulate(layout.fleet, SCENARIOS["eight-poisson"].workload(21.0, 10.0, seed=0), "token-level",
+                 instances=instances, gpu_of=layout.gpu_of, costs=layout.costs, plan_log=log)
+        slots: dict[str, ModelSlots] = {}
+        count = 0
+        for line in log.getvalue().splitlines():
+            plan = json.loads(line)
+            for iid, actions in plan["actions"].items():
+                held = slots.setdefault(iid, ModelSlots())
+                for a in actions:
+                    if a["op"] == "Switch":
+                        count += held.switch(a["model"], plan["at"], a.get("evict", True), a.get("keep"))[0]
+                    elif a["op"] == "Prefetch":
+                        count += held.prefetch(a["model"], plan["at"], a.get("keep"))
+        return count
+
+    assert copies(layout.instances) <= 2 * len(FLEETS["eight"].names)  # each model onto each instance once at most
+    by_load = [dataclasses.replace(s, kv_bytes=None, weight_bytes=None) for s in layout.instances]
+    assert copies(by_load) > 4 * len(FLEETS["eight"].names)  # the old layout: copied over and over
