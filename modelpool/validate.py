@@ -94,8 +94,11 @@ def attained(row: Row, ttft_slo_s: float, tpot_slo_s: float) -> bool:
 
 
 def side_figures(rows: Sequence[Row], num_requests: int, slo: Callable[[str], tuple[float, float]],
-                 switches: int) -> dict[str, Any]:
-    """Attainment over every request (failed ones miss), TTFT and TPOT p50/p90 over the served ones, switches."""
+                 switches: int, weight_copies: int | None = None) -> dict[str, Any]:
+    """Attainment over every request (failed ones miss), TTFT and TPOT p50/p90 over the served ones, switches
+    (Switch actions the plans order: changes of the model an instance computes with, free where its weights are
+    held) and weight copies (models' weights copied onto an instance by a switch or a prefetch, as
+    scheduler.instance.ModelSlots rules: the engines' count live, the simulated devices' count)."""
     served = [r for r in rows if r.get("served")]
     ttft = [r["ttft_s"] for r in served]
     tpot = [r["tpot_s"] for r in served if r.get("tpot_s") is not None]
@@ -107,7 +110,8 @@ def side_figures(rows: Sequence[Row], num_requests: int, slo: Callable[[str], tu
     return {"requests": num_requests, "served": len(served),
             "slo_attainment": hits / num_requests if num_requests else None,
             "ttft_p50_s": pct(ttft, 50), "ttft_p90_s": pct(ttft, 90),
-            "tpot_p50_s": pct(tpot, 50), "tpot_p90_s": pct(tpot, 90), "switches": switches}
+            "tpot_p50_s": pct(tpot, 50), "tpot_p90_s": pct(tpot, 90), "switches": switches,
+            "weight_copies": weight_copies}
 
 
 def compare(live: Mapping[str, Any], sim: Mapping[str, Any], targets: Targets = Targets()) -> list[dict[str, Any]]:
@@ -115,7 +119,7 @@ def compare(live: Mapping[str, Any], sim: Mapping[str, Any], targets: Targets = 
     whether it is within its target."""
     out = []
     for key, unit in (("slo_attainment", "points"), ("ttft_p50_s", "rel"), ("ttft_p90_s", "rel"),
-                      ("tpot_p50_s", "rel"), ("tpot_p90_s", "rel"), ("switches", "rel")):
+                      ("tpot_p50_s", "rel"), ("tpot_p90_s", "rel"), ("switches", "rel"), ("weight_copies", "rel")):
         a, b = live.get(key), sim.get(key)
         if a is None or b is None:
             error, ok = None, a is None and b is None
@@ -124,7 +128,7 @@ def compare(live: Mapping[str, Any], sim: Mapping[str, Any], targets: Targets = 
             ok = abs(error) <= targets.attainment_points
         else:
             error = (b - a) / a if a else (0.0 if b == 0 else float("inf"))
-            limit = targets.switches_rel if key == "switches" else targets.latency_rel
+            limit = targets.switches_rel if key in ("switches", "weight_copies") else targets.latency_rel
             ok = abs(error) <= limit
         out.append({"figure": key, "live": a, "sim": b, "error": error, "unit": unit, "ok": ok})
     return out
@@ -160,13 +164,20 @@ def sim_layout(fleet_path: Path, num_gpus: int, profile: str | None) -> SimLayou
     return SimLayout(fleet, engine_regions(dep), gpu_of, costs, profile or "default")
 
 
-def simulated(layout: SimLayout, workload: Workload) -> tuple[list[dict[str, Any]], int]:
-    """Each request's TTFT and TPOT as the simulator gives them (rows in workload order), and its switches."""
+def simulated(layout: SimLayout, workload: Workload,
+              plan_log: Path | None = None) -> tuple[list[dict[str, Any]], int, int]:
+    """Each request's TTFT and TPOT as the simulator gives them (rows in workload order), its switches and its
+    weight copies (side_figures); every Plan into `plan_log` where given."""
     from sims.run import simulate
     from sims.workload import request_id
 
-    result = simulate(layout.fleet, workload, "token-level", instances=layout.instances, gpu_of=layout.gpu_of,
-                      costs=layout.costs)
+    log = plan_log.open("w") if plan_log is not None else None
+    try:
+        result = simulate(layout.fleet, workload, "token-level", instances=layout.instances, gpu_of=layout.gpu_of,
+                          costs=layout.costs, plan_log=log)
+    finally:
+        if log is not None:
+            log.close()
     rows = []
     names = workload.models
     for k, index in enumerate(workload.model_index.tolist()):
@@ -178,7 +189,7 @@ def simulated(layout: SimLayout, workload: Workload) -> tuple[list[dict[str, Any
                        tpot_s=((record.finished_at - record.first_token_at) / (record.generated - 1)
                                if record.generated > 1 else None))
         rows.append(row)
-    return rows, int(result.metrics["num_switches"])
+    return rows, int(result.metrics["num_switches"]), int(result.metrics["num_weight_copies"])
 
 
 def clip_lengths(workload: Workload, max_input: int, max_output: int) -> Workload:
@@ -203,7 +214,7 @@ def knee_rate(scenario: Scenario, layout: SimLayout, duration_s: float, seed: in
 
     def attainment(rate: float) -> float:
         workload = scenario.workload(rate, duration_s, seed, traces_dir)
-        rows, switches = simulated(layout, workload)
+        rows, switches, _ = simulated(layout, workload)
         return float(side_figures(rows, len(workload), slo, switches)["slo_attainment"] or 0.0)
 
     low, high = 0.0, 1.0
@@ -250,13 +261,17 @@ def live_runs(fleet_path: Path, workloads: Mapping[str, Workload], out_dir: Path
         for load, workload in workloads.items():
             rows = [{"timestamp_s": r.arrival_at, "model": r.model, "input_tokens": r.input_tokens,
                      "output_tokens": r.output_tokens} for r in workload.requests()]
-            before = httpx.get(f"{url}/pool/status", timeout=30).json()
+            before = fresh_status(url)
             started = time.monotonic()
             results, _ = asyncio.run(replay(url, rows, PROMPT_VOCAB, seed, request_timeout_s))
             wall_s = time.monotonic() - started
-            after = httpx.get(f"{url}/pool/status", timeout=30).json()
+            after = fresh_status(url)
+            copies = [side.get("weight_copies") for side in (before, after)]
             runs[load] = {"rows": per_request(results), "wall_s": wall_s,
                           "switches": int((after.get("switches") or 0) - (before.get("switches") or 0)),
+                          "weight_copies": int(copies[1] - copies[0]) if before["fresh"] and after["fresh"]
+                          and None not in copies else None,  # None: an engine's stats came late
+                          "plans": [before.get("plans"), after.get("plans")],  # this load's lines of the plan log
                           "restarts": after.get("restarts")}
             log(f"  {load}: {len(rows)} requests replayed in {wall_s:.0f} s")
             if proc.poll() is not None:
@@ -266,6 +281,21 @@ def live_runs(fleet_path: Path, workloads: Mapping[str, Workload], out_dir: Path
         stop_server(proc)
         signal.signal(signal.SIGTERM, previous)
     return runs
+
+
+def fresh_status(url: str, timeout_s: float = 15.0) -> dict[str, Any]:
+    """/pool/status once every engine's stats (its weight copies) are from after this call (`fresh`; False when
+    they did not come within `timeout_s`): the pool asks its engines every `stats_interval_s` (2 s), so counts
+    read at once could miss the last copies."""
+    import httpx
+
+    asked = time.time()
+    while True:
+        status = httpx.get(f"{url}/pool/status", timeout=30).json()
+        status["fresh"] = (status.get("stats_at") or 0.0) >= asked
+        if status["fresh"] or time.time() - asked > timeout_s:
+            return status
+        time.sleep(0.25)
 
 
 def _exit_on_term(signum: int, frame: Any) -> None:
@@ -358,6 +388,7 @@ def validate_scenario(name: str, profile: str | None, duration_s: float | None, 
                    "gpu_of": layout.gpu_of},
         "loads": {load: {"rate_rps": rates[load], "requests": len(workloads[load]),
                          "notes": list(workloads[load].notes), "live_switches": live[load]["switches"],
+                         "live_weight_copies": live[load]["weight_copies"], "live_plans": live[load]["plans"],
                          "live_wall_s": round(live[load]["wall_s"], 1), "live_restarts": live[load]["restarts"],
                          "live_rows": [{k: v for k, v in row.items() if k != "itl_s"} for row in live[load]["rows"]]}
                   for load in loads}}
@@ -375,9 +406,11 @@ def simulate_report(report: dict[str, Any], layout: SimLayout, workloads: Mappin
     for load, workload in workloads.items():
         part = report["loads"][load]
         live_rows = part["live_rows"]
-        sim_rows, sim_switches = simulated(layout, workload)
-        part["live"] = side_figures(live_rows, len(workload), slo, part["live_switches"])
-        part["sim"] = side_figures(sim_rows, len(workload), slo, sim_switches)
+        sim_rows, sim_switches, sim_copies = simulated(layout, workload, path.parent / f"sim-{load}.plans.jsonl")
+        part["live"] = side_figures(live_rows, len(workload), slo, part["live_switches"],
+                                    part.get("live_weight_copies"))
+        part["sim"] = side_figures(sim_rows, len(workload), slo, sim_switches,
+                                   sim_copies if part.get("live_weight_copies") is not None else None)
         part["errors"] = compare(part["live"], part["sim"])
         part["requests_side_by_side"] = [
             {"index": k, "model": a["model"], "live_ttft_s": a.get("ttft_s"), "sim_ttft_s": b.get("ttft_s"),

@@ -656,7 +656,10 @@ class LivePool:
                 "tick_errors": self.num_tick_errors, "lost_instances": sorted(controller.lost),
                 "kv_refusals": controller.num_kv_refusals,
                 "restarts": sum(self.restarts.num_restarts.values()),
-                "switches": sum(self.num_switches.values()), "recent_switches": list(self.recent_switches)}
+                "switches": sum(self.num_switches.values()), "recent_switches": list(self.recent_switches),
+                # weights copied onto the devices, as the engines count them (their latest stats, of `stats_at`)
+                "weight_copies": sum(int(e.get("num_weight_copies") or 0) for e in self.engine_stats.values()),
+                "stats_at": min((e["at"] for e in self.engine_stats.values()), default=None)}
 
 
 def _call_sink(sink: Callable[[TokenOut | BaseException], None], item: TokenOut | BaseException) -> None:

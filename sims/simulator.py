@@ -126,7 +126,8 @@ class _Device:
     kv: dict[str, float] = field(default_factory=dict)  # request -> device KV bytes
     turn: _Turn | None = None
     busy_s: float = 0.0
-    num_switches: int = 0
+    num_switches: int = 0  # Switch actions (a change of the model computed with; free where it is held)
+    num_weight_copies: int = 0  # models' weights copied onto it (scheduler.instance.ModelSlots: switch or prefetch)
     switch_s: float = 0.0
     switch_s_by_model: dict[str, list[float]] = field(default_factory=dict)  # each switch's wait, by model
     kv_moved_bytes: float = 0.0
@@ -395,6 +396,7 @@ class Simulator:
         except RefusedAction as err:
             raise InvariantViolation(f"{iid}: {err}") from None
         if copy:
+            dev.num_weight_copies += 1
             took = self.costs.switch_s(action.model)
             if self.links is not None:
                 took = self.links.copy_end_at(iid, True, t, took, self.now) - t
@@ -410,6 +412,7 @@ class Simulator:
         except RefusedAction as err:
             raise InvariantViolation(f"{iid}: {err}") from None
         if copying:
+            dev.num_weight_copies += 1
             dev.slots.set_ready(action.model, self._copy_end(iid, True, t, self.costs.switch_s(action.model)))
         return t
 

@@ -46,11 +46,12 @@ def test_attainment_is_counted_as_the_simulator_counts_it() -> None:
     """side_figures' rule over the simulated rows gives the simulator's own slo_attainment (one rule both sides)."""
     layout = catalogue_layout("mixed", 2)
     workload = SCENARIOS["mixed-onoff"].workload(6.0, 60.0, seed=2)
-    rows, switches = simulated(layout, workload)
+    rows, switches, copies = simulated(layout, workload)
     result = simulate(layout.fleet, workload, "token-level", instances=layout.instances, costs=layout.costs)
-    figures = side_figures(rows, len(workload), slo_of(layout.fleet), switches)
+    figures = side_figures(rows, len(workload), slo_of(layout.fleet), switches, copies)
     assert figures["slo_attainment"] == pytest.approx(result.metrics["slo_attainment"])
     assert switches == result.metrics["num_switches"] and figures["served"] == len(workload)
+    assert figures["weight_copies"] == copies == result.metrics["num_weight_copies"]
     assert figures["ttft_p50_s"] <= figures["ttft_p90_s"]
 
 
@@ -71,7 +72,7 @@ def test_the_knee_is_where_the_simulated_attainment_crosses_ninety_percent() -> 
 
     def attainment(rate: float) -> float:
         workload = scenario.workload(rate, 60.0, seed=1)
-        rows, switches = simulated(layout, workload)
+        rows, switches, _ = simulated(layout, workload)
         return side_figures(rows, len(workload), slo_of(layout.fleet), switches)["slo_attainment"]
 
     assert 0.05 < knee < 64
@@ -136,7 +137,11 @@ def test_validate_serves_replays_and_simulates_a_scenario_on_cpu(tmp_path: Path)
     assert part["requests"] >= 1
     assert part["live"]["served"] == part["sim"]["served"] == part["requests"]
     assert [r["figure"] for r in part["errors"]] == ["slo_attainment", "ttft_p50_s", "ttft_p90_s", "tpot_p50_s",
-                                                      "tpot_p90_s", "switches"]
+                                                      "tpot_p90_s", "switches", "weight_copies"]
+    # weight copies counted on both sides (the engines' stats live, fresh after the replay); the plan logs of both
+    assert isinstance(part["live"]["weight_copies"], int) and isinstance(part["sim"]["weight_copies"], int)
+    assert (out / "serve.plans.jsonl").is_file() and (out / "sim-light.plans.jsonl").stat().st_size > 0
+    assert part["live_plans"][0] < part["live_plans"][1]
     sides = part["requests_side_by_side"]
     assert len(sides) == part["requests"] and all(r["live_ttft_s"] > 0 and r["sim_ttft_s"] > 0 for r in sides)
     assert any("--quick" in note for note in part["notes"])
@@ -193,9 +198,10 @@ def test_the_simulated_layout_plans_with_the_engines_own_kv_and_model_regions(tm
     assert recorded_instance(row[:4]).kv_bytes is None  # reports before the regions were recorded
 
     def copies(instances: list) -> int:
+        """The simulator's weight copies, checked against its plans replayed through the instance model's rule."""
         log = io.StringIO()
-        simulate(layout.fleet, SCENARIOS["eight-poisson"].workload(21.0, 10.0, seed=0), "token-level",
-                 instances=instances, gpu_of=layout.gpu_of, costs=layout.costs, plan_log=log)
+        result = simulate(layout.fleet, SCENARIOS["eight-poisson"].workload(21.0, 10.0, seed=0), "token-level",
+                          instances=instances, gpu_of=layout.gpu_of, costs=layout.costs, plan_log=log)
         slots: dict[str, ModelSlots] = {}
         count = 0
         for line in log.getvalue().splitlines():
@@ -207,6 +213,7 @@ def test_the_simulated_layout_plans_with_the_engines_own_kv_and_model_regions(tm
                         count += held.switch(a["model"], plan["at"], a.get("evict", True), a.get("keep"))[0]
                     elif a["op"] == "Prefetch":
                         count += held.prefetch(a["model"], plan["at"], a.get("keep"))
+        assert result.metrics["num_weight_copies"] == count
         return count
 
     assert copies(layout.instances) <= 2 * len(FLEETS["eight"].names)  # each model onto each instance once at most
