@@ -94,11 +94,12 @@ def attained(row: Row, ttft_slo_s: float, tpot_slo_s: float) -> bool:
 
 
 def side_figures(rows: Sequence[Row], num_requests: int, slo: Callable[[str], tuple[float, float]],
-                 switches: int, weight_copies: int | None = None) -> dict[str, Any]:
+                 switches: int | None, weight_copies: int | None = None) -> dict[str, Any]:
     """Attainment over every request (failed ones miss), TTFT and TPOT p50/p90 over the served ones, switches
-    (Switch actions the plans order: changes of the model an instance computes with, free where its weights are
-    held) and weight copies (models' weights copied onto an instance by a switch or a prefetch, as
-    scheduler.instance.ModelSlots rules: the engines' count live, the simulated devices' count)."""
+    (model switches: plans that changed the models an instance computes with, scheduler.instance.resident_after;
+    free where the weights are held; not Switch actions, of which a joint decode turn planned step by step orders
+    two a step and changes nothing) and weight copies (models' weights copied onto an instance by a switch or a
+    prefetch, as scheduler.instance.ModelSlots rules: the engines' count live, the simulated devices' count)."""
     served = [r for r in rows if r.get("served")]
     ttft = [r["ttft_s"] for r in served]
     tpot = [r["tpot_s"] for r in served if r.get("tpot_s") is not None]
@@ -189,7 +190,7 @@ def simulated(layout: SimLayout, workload: Workload,
                        tpot_s=((record.finished_at - record.first_token_at) / (record.generated - 1)
                                if record.generated > 1 else None))
         rows.append(row)
-    return rows, int(result.metrics["num_switches"]), int(result.metrics["num_weight_copies"])
+    return rows, int(result.metrics["num_model_switches"]), int(result.metrics["num_weight_copies"])
 
 
 def clip_lengths(workload: Workload, max_input: int, max_output: int) -> Workload:
@@ -268,7 +269,8 @@ def live_runs(fleet_path: Path, workloads: Mapping[str, Workload], out_dir: Path
             after = fresh_status(url)
             copies = [side.get("weight_copies") for side in (before, after)]
             runs[load] = {"rows": per_request(results), "wall_s": wall_s,
-                          "switches": int((after.get("switches") or 0) - (before.get("switches") or 0)),
+                          "switches": int((after.get("model_switches") or 0) - (before.get("model_switches") or 0)),
+                          "switch_actions": int((after.get("switches") or 0) - (before.get("switches") or 0)),
                           "weight_copies": int(copies[1] - copies[0]) if before["fresh"] and after["fresh"]
                           and None not in copies else None,  # None: an engine's stats came late
                           "plans": [before.get("plans"), after.get("plans")],  # this load's lines of the plan log
@@ -389,6 +391,7 @@ def validate_scenario(name: str, profile: str | None, duration_s: float | None, 
         "loads": {load: {"rate_rps": rates[load], "requests": len(workloads[load]),
                          "notes": list(workloads[load].notes), "live_switches": live[load]["switches"],
                          "live_weight_copies": live[load]["weight_copies"], "live_plans": live[load]["plans"],
+                         "live_switch_actions": live[load]["switch_actions"],
                          "live_wall_s": round(live[load]["wall_s"], 1), "live_restarts": live[load]["restarts"],
                          "live_rows": [{k: v for k, v in row.items() if k != "itl_s"} for row in live[load]["rows"]]}
                   for load in loads}}
@@ -409,7 +412,8 @@ def simulate_report(report: dict[str, Any], layout: SimLayout, workloads: Mappin
         sim_rows, sim_switches, sim_copies = simulated(layout, workload, path.parent / f"sim-{load}.plans.jsonl")
         part["live"] = side_figures(live_rows, len(workload), slo, part["live_switches"],
                                     part.get("live_weight_copies"))
-        part["sim"] = side_figures(sim_rows, len(workload), slo, sim_switches,
+        part["sim"] = side_figures(sim_rows, len(workload), slo,
+                                   sim_switches if part["live_switches"] is not None else None,
                                    sim_copies if part.get("live_weight_copies") is not None else None)
         part["errors"] = compare(part["live"], part["sim"])
         part["requests_side_by_side"] = [
@@ -462,6 +466,9 @@ def resimulate(recorded: Path, profile: str | None, out_dir: Path, traces_dir: P
             raise TraceError(f"{recorded}: the {load} load regenerates {len(workload)} requests, the run had "
                              f"{part['requests']} (another version of the scenario?)")
         part.setdefault("live_switches", part.get("live", {}).get("switches", 0))
+        if "live_switch_actions" not in part:  # recorded before session 22: its switches were Switch actions
+            part["live_switch_actions"] = part.pop("live_switches")
+            part["live_switches"] = None
         workloads[load] = workload
     out_dir.mkdir(parents=True, exist_ok=True)
     return simulate_report(report, layout, workloads, out_dir / recorded.name)

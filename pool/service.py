@@ -60,6 +60,7 @@ from pool.runner import LiveRequest
 from pool.served import (ModelInfo, ServedModel, load_tokenizer, model_infos, plan_kv, served_model,
                          slot_instances)
 from scheduler import CostModel, InstanceSpec, Plan, SwapIn, SwapOut, Switch, make_scheduler, staging_instances
+from scheduler.instance import resident_after
 
 # the served-model helpers lived here before pool.served; callers may still import them from pool.service
 __all__ = ["LivePool", "ModelInfo", "PoolBusy", "PoolClosed", "QueueFull", "ServedModel", "served_model",
@@ -117,6 +118,9 @@ class LivePool:
         self.num_rejected: Counter[tuple[str, str]] = Counter()  # (model, reason) -> count
         # what the Plans and the engines report (written by the loop thread)
         self.num_switches: Counter[tuple[str, str]] = Counter()  # (instance, model) -> Switch actions planned
+        # plans that changed the models an instance computes with (scheduler.instance.resident_after), and those
+        self.num_model_switches = 0
+        self._resident: dict[str, frozenset[str]] = {}
         self.num_kv_moves: Counter[str] = Counter()  # 'swap_out' / 'swap_in' -> requests moved
         self.recent_switches: deque[dict[str, Any]] = deque(maxlen=config.num_recent_switches)
         self.engine_stats: dict[str, dict[str, Any]] = {}
@@ -549,6 +553,9 @@ class LivePool:
     def _tally(self, plan: Plan) -> None:
         """Count the model switches and KV moves a Plan orders (metrics, /pool/status)."""
         for instance_id, actions in plan.actions.items():
+            before = self._resident.get(instance_id, frozenset())
+            after = self._resident[instance_id] = resident_after(before, actions)
+            self.num_model_switches += after != before
             for action in actions:
                 if isinstance(action, Switch):
                     self.num_switches[(instance_id, action.model)] += 1
@@ -657,6 +664,7 @@ class LivePool:
                 "kv_refusals": controller.num_kv_refusals,
                 "restarts": sum(self.restarts.num_restarts.values()),
                 "switches": sum(self.num_switches.values()), "recent_switches": list(self.recent_switches),
+                "model_switches": self.num_model_switches,  # plans that changed an instance's models (not actions)
                 # weights copied onto the devices, as the engines count them (their latest stats, of `stats_at`)
                 "weight_copies": sum(int(e.get("num_weight_copies") or 0) for e in self.engine_stats.values()),
                 "stats_at": min((e["at"] for e in self.engine_stats.values()), default=None)}

@@ -35,10 +35,31 @@ callers turn it into their own error (EngineError, InvariantViolation).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Hashable, Mapping, Sequence
+from collections.abc import Collection, Hashable, Iterable, Mapping, Sequence
 
 from scheduler.costs import CostModel
 from scheduler.errors import NoKvRoom, RefusedAction
+from scheduler.plan import Switch
+
+
+def switched(resident: frozenset[str], model: str, evict: bool) -> frozenset[str]:
+    """The models an instance computes with after a Switch to `model`: that one alone with `evict`, else it joins
+    `resident`."""
+    return frozenset((model,)) if evict else resident | {model}
+
+
+def resident_after(resident: frozenset[str], actions: Iterable[object]) -> frozenset[str]:
+    """The models an instance computes with after one plan's `actions`, given those it computed with before.
+
+    A *model switch* is a plan after which they differ: one, however many Switch actions it took (a joint
+    decode turn planned step by step switches its models back in at every step and changes nothing), whether or
+    not weights are copied (those are `ModelSlots`' copies). The live pool (pool.service) and the simulator
+    (sims.simulator) count model switches by this rule."""
+    out = resident
+    for action in actions:
+        if isinstance(action, Switch):
+            out = switched(out, action.model, action.evict)
+    return out
 
 
 class ModelSlots:
@@ -86,7 +107,7 @@ class ModelSlots:
             copy = True
         if keep is not None:
             self._require_held(keep, f"switch to {model!r}")
-        old, resident = self.active, (self.resident | {model}) if not evict else {model}
+        old, resident = self.active, set(switched(frozenset(self.resident), model, evict))
         cached = {m: ready for m, ready in self.cached.items() if m != model}
         if keep is not None:
             if evict:  # the models that stop being resident stay cached where `keep` says

@@ -35,7 +35,7 @@ from typing import IO, Final
 from scheduler import (Action, Decode, Event, InstanceLost, KvMoved, Plan, Prefetch, Prefill, Request, Scheduler,
                        StepDone, Stop, SwapIn, SwapOut, Switch, SwitchDone)
 from scheduler.errors import RefusedAction
-from scheduler.instance import ModelSlots, kv_fits, kv_held_bytes, kv_move_s, prefill_s
+from scheduler.instance import ModelSlots, kv_fits, kv_held_bytes, kv_move_s, prefill_s, resident_after
 from scheduler.policies.base import PolicyBase
 from sims.costmodel import CopyLinks, GpuShares, SimCosts, kv_device_move_s
 from sims.errors import InvariantViolation
@@ -127,6 +127,7 @@ class _Device:
     turn: _Turn | None = None
     busy_s: float = 0.0
     num_switches: int = 0  # Switch actions (a change of the model computed with; free where it is held)
+    num_model_switches: int = 0  # plans that changed the models it computes with (scheduler.instance.resident_after)
     num_weight_copies: int = 0  # models' weights copied onto it (scheduler.instance.ModelSlots: switch or prefetch)
     switch_s: float = 0.0
     switch_s_by_model: dict[str, list[float]] = field(default_factory=dict)  # each switch's wait, by model
@@ -369,6 +370,8 @@ class Simulator:
             self._stop(instance_id, dev, now)
             return
         t = start = max(now, dev.free_at)
+        before = frozenset(dev.slots.resident)
+        dev.num_model_switches += resident_after(before, actions) != before
         for action in actions:
             if isinstance(action, Decode):
                 t = self._decode(instance_id, dev, action, t)

@@ -50,7 +50,8 @@ def test_attainment_is_counted_as_the_simulator_counts_it() -> None:
     result = simulate(layout.fleet, workload, "token-level", instances=layout.instances, costs=layout.costs)
     figures = side_figures(rows, len(workload), slo_of(layout.fleet), switches, copies)
     assert figures["slo_attainment"] == pytest.approx(result.metrics["slo_attainment"])
-    assert switches == result.metrics["num_switches"] and figures["served"] == len(workload)
+    assert switches == result.metrics["num_model_switches"] <= result.metrics["num_switches"]
+    assert figures["served"] == len(workload)
     assert figures["weight_copies"] == copies == result.metrics["num_weight_copies"]
     assert figures["ttft_p50_s"] <= figures["ttft_p90_s"]
 
@@ -219,3 +220,26 @@ def test_the_simulated_layout_plans_with_the_engines_own_kv_and_model_regions(tm
     assert copies(layout.instances) <= 2 * len(FLEETS["eight"].names)  # each model onto each instance once at most
     by_load = [dataclasses.replace(s, kv_bytes=None, weight_bytes=None) for s in layout.instances]
     assert copies(by_load) > 4 * len(FLEETS["eight"].names)  # the old layout: copied over and over
+
+
+def test_a_model_switch_is_a_plan_that_changes_the_models_an_instance_computes_with() -> None:
+    """One rule (scheduler.instance.resident_after) on both sides: a joint decode turn planned step by step orders
+    two Switch actions a step and changes nothing; a switch to another model, or a model joining, is one."""
+    from pool.service import LivePool
+    from scheduler import Decode, Plan, Switch
+    from scheduler.instance import resident_after
+
+    joint = (Switch("a", "due first"), Switch("b", "joint turn", evict=False), Decode(("r1", "r2"), 1, "joint"))
+    both = frozenset({"a", "b"})
+    assert resident_after(frozenset(), joint) == both and resident_after(both, joint) == both
+    assert resident_after(both, (Switch("c", "head group"),)) == {"c"}
+    assert resident_after(frozenset({"a"}), (Switch("b", "co-locate", evict=False),)) == both
+    # the live pool's tally: three plans of the joint turn, then a switch to c: 2 model switches, 7 Switch actions
+    from collections import Counter, deque
+
+    pool = LivePool.__new__(LivePool)  # its tally alone (no engines), on the state its __init__ gives it
+    pool.num_switches, pool.num_kv_moves, pool.recent_switches = Counter(), Counter(), deque()
+    pool.num_model_switches, pool._resident = 0, {}
+    for actions in (joint, joint, joint, (Switch("c", "head group"),)):
+        pool._tally(Plan(0.0, {"slot0": actions}))
+    assert pool.num_model_switches == 2 and sum(pool.num_switches.values()) == 7
