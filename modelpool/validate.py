@@ -267,12 +267,13 @@ def live_runs(fleet_path: Path, workloads: Mapping[str, Workload], out_dir: Path
             results, _ = asyncio.run(replay(url, rows, PROMPT_VOCAB, seed, request_timeout_s))
             wall_s = time.monotonic() - started
             after = fresh_status(url)
-            copies = [side.get("weight_copies") for side in (before, after)]
+            fresh = before["fresh"] and after["fresh"] and None not in (before.get("weight_copies"),
+                                                                         after.get("weight_copies"))
             runs[load] = {"rows": per_request(results), "wall_s": wall_s,
                           "switches": int((after.get("model_switches") or 0) - (before.get("model_switches") or 0)),
                           "switch_actions": int((after.get("switches") or 0) - (before.get("switches") or 0)),
-                          "weight_copies": int(copies[1] - copies[0]) if before["fresh"] and after["fresh"]
-                          and None not in copies else None,  # None: an engine's stats came late
+                          "weight_copies": int(after["weight_copies"]) - int(before["weight_copies"]) if fresh
+                          else None,  # None: an engine's stats came late
                           "plans": [before.get("plans"), after.get("plans")],  # this load's lines of the plan log
                           "restarts": after.get("restarts")}
             log(f"  {load}: {len(rows)} requests replayed in {wall_s:.0f} s")
