@@ -257,8 +257,10 @@ class ThreadBackend:
     def kill(self, instance_id: str) -> None:
         self.engines[instance_id] = None  # type: ignore[assignment]
 
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Stop every worker; each closes its engine after the call it is running (waits `timeout_s` in all)."""
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Stop every worker; each closes its engine after the call it is running. Waits `timeout_s` in all: a
+        worker inside a long call (a warm-up that Ctrl-C cut short) closes its engine when that call returns,
+        if the process still runs."""
         for work in self._work.values():
             work.put(None)
         deadline = time.monotonic() + timeout_s
