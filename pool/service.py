@@ -59,8 +59,8 @@ from pool.restarts import Restarts
 from pool.runner import LiveRequest
 from pool.served import (ModelInfo, ServedModel, load_tokenizer, model_infos, plan_kv, served_model,
                          slot_instances)
-from scheduler import CostModel, InstanceSpec, Plan, SwapIn, SwapOut, Switch, make_scheduler, staging_instances
-from scheduler.instance import resident_after
+from scheduler import (CostModel, InstanceSpec, Plan, SwapIn, SwapOut, Switch, make_scheduler, resident_after,
+                       staging_instances)
 
 # the served-model helpers lived here before pool.served; callers may still import them from pool.service
 __all__ = ["LivePool", "ModelInfo", "PoolBusy", "PoolClosed", "QueueFull", "ServedModel", "served_model",

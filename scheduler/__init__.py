@@ -18,7 +18,7 @@ from scheduler.clock import Clock, ManualClock
 from scheduler.costs import CostModel, InstanceSpec, ModelProfile, make_instances, model_profiles, padded_prefill_tokens
 from scheduler import instance
 from scheduler.errors import IllegalTransition, RefusedAction
-from scheduler.instance import KvPlaces, ModelSlots, staging_instances
+from scheduler.instance import KvPlaces, ModelSlots, resident_after, staging_instances
 from scheduler.plan import (Action, Cancelled, Decode, Event, InstanceAdded, InstanceLost, KvMoved, KvRefused, Plan,
                             Prefetch, Prefill, StepDone, Stop, SwapIn, SwapOut, Switch, SwitchDone)
 from scheduler.policies import POLICIES
@@ -67,5 +67,5 @@ __all__ = [
     "InstanceLost", "InstanceSpec", "InstanceView", "KvMoved", "KvRefused", "ManualClock", "ModelProfile", "POLICIES", "Plan",
     "Prefetch", "Prefill", "Request", "RequestStatus", "RequestView", "Scheduler", "SchedulerView", "StepDone",
     "Stop", "SwapIn", "SwapOut", "Switch", "SwitchDone", "TERMINAL", "decode_quotas", "make_instances",
-    "make_scheduler", "model_profiles", "padded_prefill_tokens", "transition",
+    "make_scheduler", "model_profiles", "padded_prefill_tokens", "resident_after", "transition",
 ]
