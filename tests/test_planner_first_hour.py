@@ -321,7 +321,7 @@ HEADLESS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--
 
 def probe_in_chromium(page: str, probe: str, folder: pathlib.Path) -> dict:
     """Lay `page` out in headless Chromium at a laptop's size with the `probe` script appended (it writes JSON into
-    a <pre id="probe">); what the probe measured."""
+    a <pre id="probe">): nothing may run off the page; what the probe measured."""
     import html
     import json
     import subprocess
@@ -332,7 +332,15 @@ def probe_in_chromium(page: str, probe: str, folder: pathlib.Path) -> dict:
     run = subprocess.run([CHROMIUM, *HEADLESS, f"--user-data-dir={folder / 'profile'}", "--dump-dom",
                           probed.as_uri()], capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stderr[-2000:]
-    return json.loads(html.unescape(run.stdout.split("<pre id=\"probe\">", 1)[1].split("</pre>", 1)[0]))
+    probed = json.loads(html.unescape(run.stdout.split("<pre id=\"probe\">", 1)[1].split("</pre>", 1)[0]))
+    assert probed["innerWidth"] == 1366
+    assert probed["scrollWidth"] <= probed["innerWidth"], probed  # the page never scrolls sideways
+    assert probed["wideTables"] == [], probed  # nor does any table overflow its box
+    return probed
+
+
+needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="no headless Chromium here (scripts/setup.sh installs "
+                                                             "it under CI; apt-get install chromium)")
 
 
 # appended to a copy of the report (the report itself runs no script): what a reader's browser lays out
@@ -428,17 +436,13 @@ def _generic_trace(folder: pathlib.Path) -> pathlib.Path:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(CHROMIUM is None, reason="no headless Chromium here (scripts/setup.sh installs it under CI; "
-                                             "apt-get install chromium)")
+@needs_chromium
 def test_the_report_in_a_laptop_browser_shows_every_models_slo_result_and_nothing_runs_off(
         tight_report: pathlib.Path, tmp_path: pathlib.Path) -> None:
     import json
     import subprocess
 
     probe = probe_in_chromium((tight_report / "report.html").read_text(), PROBE, tmp_path / "profile-a")
-    assert probe["innerWidth"] == 1366
-    assert probe["scrollWidth"] <= probe["innerWidth"], probe  # no sideways scrolling of the page
-    assert probe["wideTables"] == [], probe  # and no table wider than the page's column
     assert probe["stability"].startswith("Stability: 3 of 3 models get fewer than 100 requests")
     assert probe["perModelRows"] == 3
     assert set(probe["misses"]) == {"small-c"} and len(probe["misses"]) == 4  # its cell under each policy
