@@ -84,7 +84,7 @@ from scheduler.plan import Action, Decode, Event, KvMoved, Prefetch, StepDone, S
 from scheduler.policies.base import InstanceState, PolicyBase
 from scheduler.policies.token_decode import DecodeSide
 from scheduler.policies.kv_tiers import tiers_admit
-from scheduler.policies.token_prefill import Group, PrefillSide
+from scheduler.policies.token_prefill import Group, Head, PrefillSide
 from scheduler.policies.token_weights import MemoryPlan, ResidentSet, plan_memory
 from scheduler.request import PREFILLING, RUNNING, SWAPPED, Request, transition
 
@@ -275,7 +275,7 @@ class TokenLevelPolicy(PolicyBase):
             if acts:
                 return self._cut(acts, late, now)
         # due: half its TTFT SLO left (or its late start passed, when that comes first)
-        due = head is not None and (head[1] - now <= head[2] / 2 or (late is not None and late <= now))
+        due = head is not None and (head.start_by - now <= head.ttft_slo_s / 2 or (late is not None and late <= now))
         if head is not None and (self.decode.at_boundary(iid) or due) and self._prefill_first(inst, now, head, due):
             acts = self.prefill.step(inst)
         if acts:
@@ -285,19 +285,18 @@ class TokenLevelPolicy(PolicyBase):
             return self.prefill.step(inst)
         if head is None or self.mixed_chunk_tpot <= 0:
             return acts
-        at = head[1] - head[2] / 2  # the turn stops in time to weigh the head again before it is due
+        at = head.start_by - head.ttft_slo_s / 2  # the turn stops in time to weigh the head again before it is due
         return self._cut(acts, late if late is not None and late < at else at, now)
 
-    def _late_start(self, inst: InstanceState, head: tuple[str, float, float, float] | None) -> float | None:
+    def _late_start(self, inst: InstanceState, head: Head | None) -> float | None:
         """The latest start of a head group of a model not resident that keeps its TTFT SLO: its latest start
         less its switch and one TPOT SLO (a step in flight). Prompts of the resident models go in chunks before
         it until then, and none after, not even one started: a steady stream of them kept such a group from its
         prefill for good (one live Plan log showed a group prefilled 26 s after it arrived). None for no such
         head."""
-        if head is None or head[0] in inst.resident:
+        if head is None or head.model in inst.resident:
             return None
-        model = head[0]
-        return head[1] - self.switch_cost_s(inst.instance_id, model) - self.models[model].tpot_slo_s
+        return head.start_by - self.switch_cost_s(inst.instance_id, head.model) - self.models[head.model].tpot_slo_s
 
     def _cut(self, acts: list[Action], at: float | None, now: float) -> list[Action]:
         """A prompt waits here: the decode turn stops by `at` (None: it need not) to weigh it again."""
@@ -431,16 +430,15 @@ class TokenLevelPolicy(PolicyBase):
         transition(req, PREFILLING)
         inst.prefilling[rid] = req.context_tokens
 
-    def _prefill_first(self, inst: InstanceState, now: float, head: tuple[str, float, float, float],
+    def _prefill_first(self, inst: InstanceState, now: float, head: Head,
                        due: bool) -> bool:
         if due:
             return True
         if self.mixed_chunk_tpot <= 0:
             return not self.decode.behind_pace(inst, now)
         # the whole prefill (and its switch) must end before any decode batch here owes its next token
-        model, _, _, prefill_s = head
-        switch_s = 0.0 if inst.active == model else self.switch_cost_s(inst.instance_id, model)
-        return self.decode.slack_s(inst, now) >= switch_s + prefill_s
+        switch_s = 0.0 if inst.active == head.model else self.switch_cost_s(inst.instance_id, head.model)
+        return self.decode.slack_s(inst, now) >= switch_s + head.prefill_s
 
     # ---- actions both sides plan ----------------------------------------------------
     def use_model(self, inst: InstanceState, model: str, why: str) -> list[Action]:

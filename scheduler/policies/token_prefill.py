@@ -15,7 +15,7 @@ instance the KV stays where it was prefilled.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, NamedTuple
 
 from scheduler.plan import Action, Decode, Prefill, Switch
 from scheduler.policies.base import InstanceState
@@ -34,6 +34,16 @@ class Group:
     def __init__(self, model: str) -> None:
         self.model = model
         self.ids: list[str] = []
+
+
+class Head(NamedTuple):
+    """The first group with requests on a mixed instance, priced: its model, the latest start that keeps its TTFT
+    SLO, that SLO, and its predicted prefill time."""
+
+    model: str
+    start_by: float
+    ttft_slo_s: float
+    prefill_s: float
 
 
 class PrefillSide:
@@ -213,16 +223,15 @@ class PrefillSide:
             return [Decode(ids_now, steps, reason=f"first {steps + 1} tokens before the hand-off")]
         return [policy.swap_out(live, "hand the KV over to a decode instance")]
 
-    def head(self, inst: InstanceState) -> tuple[str, float, float, float] | None:
-        """The first group with requests on a mixed instance: (its model, the latest start that keeps its TTFT
-        SLO, that SLO, its predicted prefill time); None without one."""
+    def head(self, inst: InstanceState) -> Head | None:
+        """The first group with requests on a mixed instance, priced; None without one."""
         head = next((g for g in self.groups[inst.instance_id] if g.ids), None)
         if head is None:
             return None
         reqs = [self.policy.requests[rid] for rid in head.ids]
         prefill_s = self.policy.costs.prefill_s(head.model, sum(r.context_tokens for r in reqs), len(reqs))
         ttft = self.policy.models[head.model].ttft_slo_s
-        return head.model, min(r.arrival_at for r in reqs) + ttft - prefill_s, ttft, prefill_s
+        return Head(head.model, min(r.arrival_at for r in reqs) + ttft - prefill_s, ttft, prefill_s)
 
     def planned(self, inst: InstanceState, acts: list[Action], now: float) -> None:
         """Note when the planned work should end (dispatch predicts queues from it)."""
