@@ -123,11 +123,8 @@ class CostModel:
         token-level policy sizes chunks by it, the simulator charges it (the sum's order is part of it)."""
         total = 0.0
         for model, (size, context) in decoding.items():
-            taken = chunks.get(model)
-            if taken is None:
-                total += self.mixed_step_s(model, size, context, 0, 0)
-            else:
-                total += self.mixed_step_s(model, size, context, taken[0], taken[1])
+            tokens, prompts = chunks.get(model, (0, 0))
+            total += self.mixed_step_s(model, size, context, tokens, prompts)
         for model, (tokens, prompts) in chunks.items():
             if model not in decoding:
                 total += self.prefill_s(model, tokens, prompts)

@@ -566,9 +566,7 @@ class Simulator:
             totals[0] += tokens
             totals[1] += 1
         self._check_kv(iid, dev)
-        decoding: dict[str, list[int]] = {}  # model -> [batch size, context tokens], in the batch's order
-        for group in batch.groups:
-            decoding[group.model] = [group.size, group.context]
+        decoding = {g.model: [g.size, g.context] for g in batch.groups}  # [batch size, context], the batch's order
         took = self.costs.mixed_iteration_s(decoding, chunks)  # a model's chunks share its decode step's weight read
         if self.gpus is not None:  # one iteration: all of it device work, its prefill chunks beside a peer's decode
             took = self.gpus.work_end_at(iid, t, took, self.now, "prefill") - t
