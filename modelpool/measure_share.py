@@ -76,7 +76,7 @@ def measure_share(setup: ShareSetup, mps_env: dict[str, str] | None = None, time
             dec.send(("stop", 0))
             steps = _expect(dec, "done", timeout_s, "decode")
             begin, end = beside[0][0], beside[-1][1]
-            inside = [e - s for s, e in steps if s >= begin and e <= end]
+            inside = _durations([(s, e) for s, e in steps if s >= begin and e <= end])
             if len(inside) >= 3:
                 break
         else:
@@ -150,7 +150,7 @@ class _Bench:
     """The engine of one process (modelpool.measure's, one shape) and its timed calls, each an interval."""
 
     def __init__(self, role: str, setup: ShareSetup) -> None:
-        from modelpool.measure import Calibration, MeasurePlan
+        from modelpool.measure import Calibration, MeasurePlan, hf_config
 
         self.setup = setup
         plan = MeasurePlan(prefill_lengths=(setup.prefill_tokens,), prefill_batches=(1,),
@@ -158,7 +158,7 @@ class _Bench:
                            decode_steps=1, repeats=1, switch_repeats=1, kv_batches=(1,), kv_contexts=(16,))
         self.cal = Calibration({setup.shape: setup.arch}, setup.device, plan, seed=setup.seed)
         cal = self.cal
-        cal.images[setup.shape] = cal.cache.add_random(setup.shape, _hf_config(setup.arch), cal.dtype,
+        cal.images[setup.shape] = cal.cache.add_random(setup.shape, hf_config(setup.arch), cal.dtype,
                                                        seed=setup.seed, device=cal.device)
         cal.engine = cal._engine(cal._kv_bytes())
         cal._warm_up(lambda _: None)
@@ -205,8 +205,3 @@ class _Bench:
             self.stepped += 1
         return start, end
 
-
-def _hf_config(arch: Arch) -> Any:
-    from modelpool.measure import hf_config
-
-    return hf_config(arch)
