@@ -17,12 +17,18 @@ from collections.abc import Iterable
 from pathlib import Path
 
 
+PREFIX = "modelpool-tp-"  # then rank 0's pid, '-', a unique part
+
+
+def _folder() -> Path:
+    return Path("/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir())
+
+
 def store_stem(pid: int) -> str:
     """Where the rendezvous files of TP instances whose rank 0 runs in process `pid` start (in /dev/shm when
     there is one). `close()` removes its own; the process that started `pid` removes what a killed one left
     (`remove_stores`)."""
-    folder = Path("/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir())
-    return str(folder / f"modelpool-tp-{pid}-")
+    return str(_folder() / f"{PREFIX}{pid}-")
 
 
 def remove_stores(pid: int) -> int:
@@ -34,14 +40,11 @@ def remove_stores(pid: int) -> int:
 def sweep_dead() -> int:
     """Remove the rendezvous files on this machine whose rank-0 process is gone; how many. A file of a live
     process (another pool's, or a pid reused since) is left alone."""
-    stem = Path(store_stem(0))
-    prefix = stem.name[:-2]  # 'modelpool-tp-'
-
     def dead(path: Path) -> bool:
-        pid = path.name[len(prefix):].split("-", 1)[0]
+        pid = path.name[len(PREFIX):].split("-", 1)[0]
         return pid.isdigit() and not _alive(int(pid))
 
-    return _remove(path for path in stem.parent.glob(prefix + "*") if dead(path))
+    return _remove(path for path in _folder().glob(PREFIX + "*") if dead(path))
 
 
 def _remove(paths: Iterable[Path]) -> int:

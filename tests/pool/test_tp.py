@@ -25,7 +25,7 @@ import torch
 from pool.engines.base import GenRequest, SamplingParams
 from pool.engines.torch_engine import TorchEngineConfig
 from pool.engines.tp import RankLost, TpEngine, join_kv, rank_config, split_kv
-from pool.engines.tp_files import store_stem, sweep_dead
+from pool.engines.tp_files import PREFIX, store_stem, sweep_dead
 from pool.engines.weights import ModelImage
 from pool.config import PoolConfig
 from pool.service import LivePool, served_model, slot_instances
@@ -342,10 +342,9 @@ def test_modelpool_serve_fleet_serves_a_tp2_model_on_cpu_ranks(demo_models, tmp_
 
 def dead_tp_files() -> list[str]:
     """TP rendezvous files on this machine whose rank-0 process is gone (other sessions' live pools ignored)."""
-    stem = Path(store_stem(0))
-    prefix = stem.name[:-2]
-    return sorted(p.name for p in stem.parent.glob(prefix + "*")
-                  if not Path(f"/proc/{p.name[len(prefix):].split('-')[0]}").exists())
+    folder = Path(store_stem(0)).parent
+    return sorted(p.name for p in folder.glob(PREFIX + "*")
+                  if not Path(f"/proc/{p.name[len(PREFIX):].split('-')[0]}").exists())
 
 
 def test_sweep_removes_the_files_of_dead_processes_only():
