@@ -171,18 +171,15 @@ class DecodeSide:
             return self._run_turn(inst, state, turn, f"joint turn of {len(batches)} resident models' batches",
                                   f"{joint.model}'s batch is due first")
         if fixed is not None:
-            kind, steps = FIXED, fixed
+            turn = Turn(batch, FIXED, fixed)
         elif len(batches) == 1:
-            kind, steps = OPEN_ENDED, self.policy.decode_steps(tuple(batch.ids))
+            turn = Turn(batch, OPEN_ENDED, self.policy.decode_steps(tuple(batch.ids)))
         else:
-            kind, steps = QUOTA, 0
-        if kind == QUOTA:
             steps, floor, step_s = self._first_quota_steps(inst, batches)
-            state.turn = turn = Turn(batch, kind, steps, self.policy._now, step_s, floor)  # _now: this plan's time
-        else:
-            state.turn = turn = Turn(batch, kind, steps)
+            turn = Turn(batch, QUOTA, steps, self.policy._now, step_s, floor)  # _now: this plan's time
+        state.turn = turn
         state.next_model = batches[1].model if len(batches) > 1 else None
-        label = "open-ended" if kind == OPEN_ENDED else f"quota {steps} steps"
+        label = "open-ended" if turn.kind == OPEN_ENDED else f"quota {turn.steps_left} steps"
         return self._run_turn(inst, state, turn, f"{batch.model} turn ({label}), due first of {len(batches)}",
                               f"{batch.model}'s batch is due first")
 
