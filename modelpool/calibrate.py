@@ -96,12 +96,14 @@ def _measure_share(shapes: dict[str, Any], device: str, cuda: bool, quick: bool,
     setup = ShareSetup.default(shape, shapes[shape], device, quick, seed)
     daemon, env = None, None
     if cuda:
+        daemon = MpsDaemon()
         try:
-            daemon = MpsDaemon()
             env = daemon.start()
+            daemon.check_client()  # as serve's default: where no CUDA client runs under it, time-sliced
         except MpsError as exc:
-            daemon = None
-            console.print(f"[yellow]the share benchmark runs time-sliced: {exc}[/]")
+            daemon.stop()
+            daemon, env = None, None
+            console.print(f"[yellow]the share benchmark runs time-sliced, as serve would: {exc}[/]")
     try:
         return measure_share(setup, env)
     finally:
