@@ -2,7 +2,8 @@
 
 Microbenchmarks only, nothing fitted to a loaded run: the torch engine on random weights of several shapes
 across qwen2, qwen3 and llama (modelpool.measure: prefill, decode steps, weight copies, KV moves), and the
-live pool's own host costs on an idle pool with a zero-time engine (modelpool.measure_live). The terms are
+live pool's own host costs on an idle pool with a zero-time engine, on the backend `modelpool serve` would
+run the engines on here (modelpool.measure_live; `--backend` for another). The terms are
 fitted with each shape's leave-one-out error (sims.profiles.measurements) and written as one versioned
 measurements file that `simulate`, `capacity`, `estimate` and `serve` read with `--profile FILE`.
 
@@ -35,8 +36,14 @@ console = Console()
 def calibrate_command(
     out: Path = typer.Option(Path("measurements.json"), "--out", "-o", help="Measurements file to write."),
     device: str = typer.Option("cuda", "--device", help="cpu | cuda | cuda:N (the torch device to measure)."),
-    quick: bool = typer.Option(False, "--quick", help="A smoke run: five smaller shapes, fewer points and repeats."),
+    quick: bool = typer.Option(False, "--quick", help="A smoke run: five smaller shapes, fewer points and repeats "
+                               "(the host costs on processes where serve's default is Ray: no cluster to start)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random weights and prompts."),
+    backend: str | None = typer.Option(None, "--backend", help="ray | processes | threads: where the idle pool's "
+                                       "engine calls run while its host costs are measured. Default: serve's "
+                                       "(ray, or processes where Ray is not installed; processes for --quick), so "
+                                       "the terms are what `modelpool serve` pays; give serve's --backend if you "
+                                       "serve with another."),
 ) -> None:
     """Microbenchmark the engine and the pool on this device; write one measurements file."""
     started = time.perf_counter()
@@ -47,6 +54,7 @@ def calibrate_command(
         from modelpool.measure_live import measure_host
     except ModuleNotFoundError as exc:  # a planner's install: no serve extra
         _fail(f"modelpool calibrate runs the engine and needs {exc.name}, not installed here: {SERVE_EXTRA}")
+    host_backend = pick_host_backend(backend, quick)
     cuda = device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
         _fail(f"--device {device}: torch sees no CUDA device here (torch {torch.__version__}); use --device cpu")
@@ -56,14 +64,18 @@ def calibrate_command(
     gpu, spec = _device_spec(name, device, cuda, quick)
     shapes = shapes_for(cuda, quick)
     calibration = Calibration(shapes, device, plan_for(cuda, quick), seed=seed)
-    console.print(f"[bold]modelpool calibrate[/]: {len(shapes)} shapes on {name} (GPU type {gpu})"
-                  f"{', quick' if quick else ''}")
+    console.print(f"[bold]modelpool calibrate[/]: {len(shapes)} shapes on {name} (GPU type {gpu}), the pool's host "
+                  f"costs on the {host_backend} backend{', quick' if quick else ''}")
+    if host_backend != pick_host_backend(backend):
+        console.print(f"[yellow]serve's default backend here is {pick_host_backend(backend)}: a --quick run measures "
+                      f"the host costs on {host_backend} (no cluster to start); --backend "
+                      f"{pick_host_backend(backend)} for serve's[/]")
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True) as bar:
         task = bar.add_task("building random weights", total=calibration.num_steps + 2)
         measured = calibration.run(lambda what: bar.update(task, advance=1, description=what))
-        bar.update(task, description="the idle pool's host costs")
-        host = measure_host(probes=8 if quick else 30, tokens=16 if quick else 48)
+        bar.update(task, description=f"the idle pool's host costs ({host_backend} backend)")
+        host = measure_host(host_backend, probes=8 if quick else 30, tokens=16 if quick else 48)
         bar.update(task, advance=1, description="two instances' processes on the device")
         share = _measure_share(shapes, device, cuda, quick, seed)
         bar.update(task, advance=1)
@@ -71,7 +83,8 @@ def calibrate_command(
                     kv_move=measured["kv_move"], host=host, share=share)
     figures = {key: float(value) for key, value in measured["figures"].items()}
     command = " ".join(["modelpool calibrate", "--device", device, "--out", shlex.quote(str(out))]
-                       + (["--quick"] if quick else []) + ([f"--seed {seed}"] if seed else []))
+                       + (["--quick"] if quick else []) + ([f"--seed {seed}"] if seed else [])
+                       + ([f"--backend {backend}"] if backend else []))
     measurements = build(
         points, shapes, spec, device=name, gpu=gpu, command=command, quick=quick,
         measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -83,6 +96,17 @@ def calibrate_command(
     console.print(_terms_table(measurements))
     console.print(f"wrote {out} in {time.perf_counter() - started:.0f} s; use it with "
                   f"`modelpool simulate --profile {out}` or `modelpool capacity --profile {out}`")
+
+
+def pick_host_backend(backend: str | None, quick: bool = False) -> str:
+    """The backend the idle pool's host costs are measured on: the one asked for, else the one `modelpool serve`
+    runs the torch engine on here (one rule: `modelpool.serve.pick_backend`) - except that a --quick run takes
+    processes for Ray: engines in other processes too, without a cluster to start (~10 s more on 2 cores), though
+    Ray's hop costs more than a pipe's (the file names the backend measured)."""
+    from modelpool.serve import pick_backend
+
+    chosen = pick_backend(backend, "torch", ("ray", "processes", "threads"))
+    return "processes" if quick and backend is None and chosen == "ray" else chosen
 
 
 def _measure_share(shapes: dict[str, Any], device: str, cuda: bool, quick: bool, seed: int) -> Any:

@@ -1,31 +1,37 @@
 """The live pool's own host costs, measured on an idle pool whose engine takes no time (no GPU needed).
 
-One mixed instance of `pool.service.LivePool` (threads backend, `request-level` policy) runs a
-`pool.engines.sim_engine.SimEngine` at time scale 0: every engine call returns at once, so what a request
-waits for is the pool itself. Each engine call is timed where the backend makes it; each token where its
-request's stream gets it. Measured (`sims.profiles.measurements.HostPoints`):
+One mixed instance of `pool.service.LivePool` (`request-level` policy) runs the `sim` engine
+(`pool.engines.sim_engine.SimEngine`) at time scale 0 on the backend serve runs its engines on
+(`modelpool.serve.default_backend`: in Ray actors or OS processes, or threads here): every engine call returns
+at once, so what a request waits for is the pool itself. Each engine call is timed where the pool makes it, in
+this process: issued when the controller hands it to the backend, answered when the backend's poll gives its
+result back - so a call to an engine in another process includes the hop (pickling, the pipe or Ray's object
+store) that serve pays. Each token is timed where its request's stream gets it. Measured
+(`sims.profiles.measurements.HostPoints`, which names the backend):
 
-- admission: one request at a time, submit to its prefill call's start (`admit_s`), and that call's return
+- admission: one request at a time, submit to its prefill call's issue (`admit_s`), and that call's answer
   to the token at the stream (`deliver_s`);
 - per decode batch size, the median time between consecutive decode calls of that batch: the pool's time
   per engine call and per token it delivers (fitted as host_call_s + host_token_s x batch);
 - hand-offs: on a token-level pair of a prefill and a decode instance (zero-time engines too), one request at a
-  time, the return of its last call there to its first decode call on the other instance (`handoff_s`: the pool's KV
-  moves' host time, `kv_call_host_s`).
+  time, the answer of its last call there to its first decode call's issue on the other instance (`handoff_s`:
+  the pool's KV moves' host time, `kv_call_host_s`).
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pool.actor import EngineSpec
 from pool.config import PoolConfig
-from pool.engines.base import GenRequest, SamplingParams, TokenOut
-from pool.engines.sim_engine import SimEngine
+from pool.engines.base import SamplingParams, TokenOut
 from pool.served import ServedModel
 from pool.service import LivePool
 from scheduler import InstanceSpec, ModelProfile
@@ -38,48 +44,61 @@ HANDOFF_TOKENS = 32  # past token-level's first tokens on the prefill instance: 
 MODEL = "host-probe"
 _ARCH = Arch(family="llama", num_layers=1, hidden_size=64, num_heads=1, num_kv_heads=1, intermediate_size=64,
              vocab_size=256, max_context=4096)
+_TIMED = frozenset({"prefill", "decode_step"})  # the engine calls a request's tokens come from
 
 
-class _TimedEngine:
-    """The engine, with the start and end of each prefill and decode_step call recorded (in the worker thread)."""
+@dataclass(slots=True)
+class _Call:
+    instance_id: str
+    name: str
+    request_ids: tuple[str, ...]
+    issued: float
+    answered: float | None = None
 
-    def __init__(self, engine: Any) -> None:
-        self._engine = engine
-        self.prefills: list[tuple[float, float]] = []  # (start, end)
-        self.last_end: dict[str, float] = {}  # request id -> the end of the last prefill or decode call it was in
-        self.decodes: list[tuple[int, float]] = []  # (batch, start)
-        self.first_decode: dict[str, float] = {}  # request id -> the start of its first decode call here
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
+class _TimedBackend:
+    """The pool's backend, with each prefill and decode call timed in the pool's process: issued as the
+    controller hands it over, answered when a poll gives its result back (the loop thread writes, the probe
+    reads a copy once its requests have ended)."""
 
-    def prefill(self, requests: Sequence[GenRequest]) -> Any:
-        started = time.perf_counter()
-        out = self._engine.prefill(requests)
-        ended = time.perf_counter()
-        self.prefills.append((started, ended))
-        self.last_end.update((r.request_id, ended) for r in requests)
+    def __init__(self, backend: Any) -> None:
+        self._backend = backend
+        self.log: list[_Call] = []
+        self._by_handle: dict[int, _Call] = {}
+
+    def __getattr__(self, name: str) -> Any:  # in_flight, unresponsive, retire, kill, replace, close
+        return getattr(self._backend, name)
+
+    def call(self, instance_id: str, call: Any) -> int:
+        issued = time.perf_counter()
+        handle = self._backend.call(instance_id, call)
+        if call.name in _TIMED:
+            timed = _Call(instance_id, call.name, tuple(call.request_ids), issued)
+            self._by_handle[handle] = timed
+            self.log.append(timed)
+        return handle
+
+    def poll(self, timeout_s: float) -> list[tuple[int, Any]]:
+        out = self._backend.poll(timeout_s)
+        answered = time.perf_counter()
+        for handle, _ in out:
+            timed = self._by_handle.pop(handle, None)
+            if timed is not None:
+                timed.answered = answered
         return out
 
-    def decode_step(self, request_ids: Sequence[str]) -> Any:
-        started = time.perf_counter()
-        self.decodes.append((len(request_ids), started))
-        for rid in request_ids:
-            self.first_decode.setdefault(rid, started)
-        out = self._engine.decode_step(request_ids)
-        self.last_end.update(dict.fromkeys(request_ids, time.perf_counter()))
-        return out
+    def calls(self, since: int = 0) -> list[_Call]:
+        return list(self.log[since:])
 
 
-class _GivenEnginePool(LivePool):
-    """A LivePool whose instances run the engines built here (instance id -> engine)."""
+class _TimedPool(LivePool):
+    """A LivePool whose backend is timed (`_TimedBackend`)."""
 
-    def __init__(self, engines: dict[str, Any], *args: Any, **kwargs: Any) -> None:
-        self._given = engines
-        super().__init__(*args, **kwargs)
+    timed: _TimedBackend
 
-    def _new_engine(self, instance_id: str) -> Any:
-        return self._given[instance_id]
+    def _start_backend(self, ids: Sequence[str]) -> Any:
+        self.timed = _TimedBackend(super()._start_backend(ids))
+        return self.timed
 
 
 class _Client:
@@ -112,74 +131,101 @@ class _Client:
             raise RuntimeError(f"idle-pool probe: the pool failed a request: {self.errors[0]!r}")
 
 
-def _zero_time_engine(costs: RooflineCostModel) -> _TimedEngine:
-    engine = _TimedEngine(SimEngine(costs, kv_bytes=1 << 30, time_scale=0.0,
-                                    kv_bytes_per_token={MODEL: _ARCH.kv_bytes_per_token}))
-    engine.load(MODEL, None)
-    return engine
-
-
-def measure_host(probes: int = 20, batches: Sequence[int] = (1, 4, 16), tokens: int = 32) -> HostPoints:
-    """The idle pool's host costs: `probes` single requests for admission and delivery, then per batch size
-    `tokens` decode steps, then `probes` hand-offs on a prefill/decode pair."""
+def _zero_time_pool(backend: str, instances: Sequence[InstanceSpec], policy: str) -> _TimedPool:
+    """A pool of `instances` serving one model on the sim engine at time scale 0, on `backend`."""
     costs = RooflineCostModel.for_models({MODEL: (_ARCH, 1)}, "h200")  # paces nothing: the engine's scale is 0
     profile = ModelProfile(MODEL, 1, _ARCH.weight_bytes, _ARCH.kv_bytes_per_token, _ARCH.max_context, 60.0, 1.0)
-    served = [ServedModel(MODEL, Path("zero-time") / MODEL, profile)]
-    engine = _zero_time_engine(costs)
-    pool = _GivenEnginePool({"host0": engine}, served, [InstanceSpec("host0", 1, float(1 << 31), "mixed")],
-                            "request-level", costs, PoolConfig(backend="threads"))
+    engine = EngineSpec("sim", {"costs": costs, "kv_bytes": 1 << 30, "time_scale": 0.0,
+                                "kv_bytes_per_token": {MODEL: _ARCH.kv_bytes_per_token}})
+    return _TimedPool([ServedModel(MODEL, Path("zero-time") / MODEL, profile)], instances, policy, costs,
+                      PoolConfig(engine=engine, backend=backend))  # type: ignore[arg-type]
+
+
+def measure_host(backend: str, probes: int = 20, batches: Sequence[int] = (1, 4, 16), tokens: int = 32) -> HostPoints:
+    """The idle pool's host costs on `backend` (ray, processes or threads): `probes` single requests for
+    admission and delivery, then per batch size `tokens` decode steps, then `probes` hand-offs on a
+    prefill/decode pair. On Ray, where no cluster is joined yet, an embedded one is started for it (its actors
+    on CPU: a zero-time engine needs no GPU, and two of them may not share one) and shut down after."""
+    started = backend == "ray" and _start_ray()
+    try:
+        by_batch, admit, deliver = _measure_mixed(backend, probes, batches, tokens)
+        handoffs = measure_handoffs(backend, probes)
+    finally:
+        if started:
+            import ray
+
+            ray.shutdown()
+    return HostPoints(backend=backend, step_s_by_batch=by_batch, admit_s=admit,  # type: ignore[arg-type]
+                      deliver_s=deliver, handoff_s=handoffs)
+
+
+def _start_ray() -> bool:
+    """An embedded Ray cluster for the probe's actors, on CPU (True), unless one is joined already (False)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    ray.init(include_dashboard=False, log_to_driver=False, num_cpus=max(os.cpu_count() or 1, 2), num_gpus=0)
+    return True
+
+
+def _measure_mixed(backend: str, probes: int, batches: Sequence[int],
+                   tokens: int) -> tuple[dict[int, float], list[float], list[float]]:
+    pool = _zero_time_pool(backend, [InstanceSpec("host0", 1, float(1 << 31), "mixed")], "request-level")
     client, counter = _Client(), [0]
 
-    def submit(to: LivePool, max_tokens: int) -> str:
+    def submit(max_tokens: int) -> str:
         counter[0] += 1
         rid = f"host{counter[0]}"
-        to.submit(rid, MODEL, list(range(16)), SamplingParams(max_tokens=max_tokens, ignore_eos=True), client.sink(rid))
+        pool.submit(rid, MODEL, list(range(16)), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                    client.sink(rid))
         return rid
 
     admit, deliver = [], []
     by_batch: dict[int, float] = {}
     with pool:
-        client.wait([submit(pool, 4)])  # warm-up: the model's first switch, the threads' first calls
+        client.wait([submit(4)])  # warm-up: the model's first switch, the first calls through the backend
         for _ in range(probes):
-            calls = len(engine.prefills)
+            since = len(pool.timed.log)
             submitted = time.perf_counter()
-            rid = submit(pool, 1)
+            rid = submit(1)
             client.wait([rid])
-            started, ended = engine.prefills[calls]
-            admit.append(started - submitted)
-            deliver.append(client.times[rid][0] - ended)
+            prefill = next(c for c in pool.timed.calls(since) if c.name == "prefill" and rid in c.request_ids)
+            if prefill.answered is None:  # a poll gives the result back before the controller sends the token on
+                raise RuntimeError(f"idle-pool probe: request {rid}'s token came before its prefill's answer")
+            admit.append(round(prefill.issued - submitted, 7))
+            deliver.append(round(client.times[rid][0] - prefill.answered, 7))
         for batch in batches:
-            first = len(engine.decodes)
-            client.wait([submit(pool, tokens) for _ in range(batch)])
-            starts = [at for size, at in engine.decodes[first:] if size == batch]
+            since = len(pool.timed.log)
+            client.wait([submit(tokens) for _ in range(batch)])
+            starts = [c.issued for c in pool.timed.calls(since)
+                      if c.name == "decode_step" and len(c.request_ids) == batch]
             gaps = [b - a for a, b in zip(starts, starts[1:])]
             if gaps:
                 by_batch[batch] = round(statistics.median(gaps), 7)
-    return HostPoints(step_s_by_batch=by_batch, admit_s=[round(x, 7) for x in admit],
-                      deliver_s=[round(x, 7) for x in deliver], handoff_s=measure_handoffs(probes))
+    return by_batch, admit, deliver
 
 
-def measure_handoffs(probes: int) -> list[float]:
+def measure_handoffs(backend: str, probes: int) -> list[float]:
     """Per request, one at a time, on an idle token-level pool of a prefill and a decode instance (zero-time
-    engines, threads backend): the return of its last call on the prefill instance (which decodes its first
-    tokens) to its first decode call's start on the decode instance (the pool's SwapOut, SwapIn and the ticks
-    between them, and the decode call's own host time)."""
-    costs = RooflineCostModel.for_models({MODEL: (_ARCH, 1)}, "h200")
-    profile = ModelProfile(MODEL, 1, _ARCH.weight_bytes, _ARCH.kv_bytes_per_token, _ARCH.max_context, 60.0, 1.0)
-    engines = {"pre0": _zero_time_engine(costs), "dec0": _zero_time_engine(costs)}
+    engines on `backend`): the answer of its last call on the prefill instance (which decodes its first tokens)
+    to its first decode call's issue on the decode instance (the pool's SwapOut, SwapIn and the ticks between
+    them, and the decode call's own host time)."""
     instances = [InstanceSpec("pre0", 1, float(1 << 31), "prefill"), InstanceSpec("dec0", 1, float(1 << 31), "decode")]
-    pool = _GivenEnginePool(engines, [ServedModel(MODEL, Path("zero-time") / MODEL, profile)], instances,
-                            "token-level", costs, PoolConfig(backend="threads"))
+    pool = _zero_time_pool(backend, instances, "token-level")
     client, gaps = _Client(), []
     with pool:
-        for k in range(probes + 1):  # the first one warms the threads up
+        for k in range(probes + 1):  # the first one warms the backend up
             rid = f"handoff{k}"
+            since = len(pool.timed.log)
             pool.submit(rid, MODEL, list(range(16)), SamplingParams(max_tokens=HANDOFF_TOKENS, ignore_eos=True),
                         client.sink(rid))
             client.wait([rid])
-            prefilled, decoded = engines["pre0"].last_end.get(rid), engines["dec0"].first_decode.get(rid)
-            if prefilled is None or decoded is None:
+            calls = [c for c in pool.timed.calls(since) if rid in c.request_ids]
+            prefilled = [c.answered for c in calls if c.instance_id == "pre0" and c.answered is not None]
+            decoded = [c.issued for c in calls if c.instance_id == "dec0" and c.name == "decode_step"]
+            if not prefilled or not decoded:
                 raise RuntimeError(f"idle-pool probe: request {rid} was not handed from pre0 to dec0")
             if k:
-                gaps.append(round(decoded - prefilled, 7))
+                gaps.append(round(decoded[0] - max(prefilled), 7))
     return gaps

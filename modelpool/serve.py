@@ -166,9 +166,15 @@ def check_choices(engine: str, gpu: str | None, fleet_path: Path | None, layout:
         raise typer.BadParameter("--layout is for a fleet file's pool (--fleet)", param_hint="--layout")
 
 
+def default_backend(engine: str) -> str:
+    """Where serve runs `engine`'s calls unless told: Ray actors, OS processes where Ray is not installed, threads
+    for the sim engine. `modelpool calibrate` measures the pool's host costs on this backend too."""
+    return "threads" if engine == "sim" else "ray" if installed("ray") else "processes"
+
+
 def pick_backend(backend: str | None, engine: str, choices: Sequence[str]) -> str:
-    """The backend asked for, else ray (processes where Ray is not installed; threads for the sim engine)."""
-    backend = backend or ("threads" if engine == "sim" else "ray" if installed("ray") else "processes")
+    """The backend asked for, else serve's default for `engine` (`default_backend`)."""
+    backend = backend or default_backend(engine)
     if backend not in choices:
         raise typer.BadParameter(f"unknown backend {backend!r}; choose {', '.join(choices)}", param_hint="--backend")
     if backend == "ray" and not installed("ray"):

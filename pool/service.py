@@ -146,30 +146,7 @@ class LivePool:
         self._stats_at = float("-inf")
         self._placements = Placements()
         self.restarts = self._restarts()
-        if self.config.backend == "ray":
-            import ray
-
-            if not ray.is_initialized():
-                # an embedded cluster counts a CPU per instance rank at least (a TP instance's ranks are actors)
-                ranks = sum(spec.tp for spec in self.instances)
-                cpus = None if self.config.address else max(os.cpu_count() or 1, ranks)
-                ray.init(address=self.config.address, include_dashboard=False, log_to_driver=False,
-                         ignore_reinit_error=True, num_cpus=cpus)
-            self._use_gpus = float(ray.cluster_resources().get("GPU", 0)) > 0
-            self._actors = start_actors({spec.instance_id: spec.tp for spec in self.instances}, self._ray_engine(),
-                                        self._paths(), use_gpus=self._use_gpus, gpu_share=self.config.gpu_share,
-                                        max_tokens=self.max_tokens, placements=self._placements,
-                                        placement_timeout_s=self.config.placement_timeout_s,
-                                        beat_s=self.config.heartbeat_interval_s)
-            self.nodes = dict(zip(self._actors, ray.get([actor.node.remote() for actor in self._actors.values()])))
-            backend: Any = RayBackend(self._actors)
-        elif self.config.backend == "processes":
-            backend = ProcessBackend(start_workers({iid: self._engine_spec(iid) for iid in ids}, self._paths(),
-                                                   max_tokens=self.max_tokens,
-                                                   beat_s=self.config.heartbeat_interval_s))
-        else:
-            engines = {iid: self._new_engine(iid) for iid in ids}
-            backend = InProcessBackend(engines) if self.config.backend == "inprocess" else ThreadBackend(engines)
+        backend = self._start_backend(ids)
         # the scheduler plans with the KV each engine reports, not the configured figure (block and slab rounding)
         self.planned_instances, profiles = plan_kv(self.instances, {n: m.profile for n, m in self.models.items()},
                                                    self._kv_reports(backend, ids))
@@ -186,6 +163,31 @@ class LivePool:
                                         daemon=True)
         self._thread.start()
         return self
+
+    def _start_backend(self, ids: Sequence[str]) -> Any:
+        """The config's backend with every instance's engine started (Ray actors, processes or engines here)."""
+        if self.config.backend == "ray":
+            import ray
+
+            if not ray.is_initialized():
+                # an embedded cluster counts a CPU per instance rank at least (a TP instance's ranks are actors)
+                ranks = sum(spec.tp for spec in self.instances)
+                cpus = None if self.config.address else max(os.cpu_count() or 1, ranks)
+                ray.init(address=self.config.address, include_dashboard=False, log_to_driver=False,
+                         ignore_reinit_error=True, num_cpus=cpus)
+            self._use_gpus = float(ray.cluster_resources().get("GPU", 0)) > 0
+            self._actors = start_actors({spec.instance_id: spec.tp for spec in self.instances}, self._ray_engine(),
+                                        self._paths(), use_gpus=self._use_gpus, gpu_share=self.config.gpu_share,
+                                        max_tokens=self.max_tokens, placements=self._placements,
+                                        placement_timeout_s=self.config.placement_timeout_s,
+                                        beat_s=self.config.heartbeat_interval_s)
+            self.nodes = dict(zip(self._actors, ray.get([actor.node.remote() for actor in self._actors.values()])))
+            return RayBackend(self._actors)
+        if self.config.backend == "processes":
+            return ProcessBackend(start_workers({iid: self._engine_spec(iid) for iid in ids}, self._paths(),
+                                                max_tokens=self.max_tokens, beat_s=self.config.heartbeat_interval_s))
+        engines = {iid: self._new_engine(iid) for iid in ids}
+        return InProcessBackend(engines) if self.config.backend == "inprocess" else ThreadBackend(engines)
 
     def _kv_reports(self, backend: Any, ids: Sequence[str], timeout_s: float = 600.0) -> dict[str, KvCapacity]:
         """Every engine's `kv_capacity()`, asked through the backend before the loop runs."""

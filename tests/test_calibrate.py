@@ -22,6 +22,7 @@ def _calibrate(*args: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.slow
 def test_calibrate_on_a_cpu_measures_every_term_with_no_gpu_entry(tmp_path: Path) -> None:
+    from modelpool.calibrate import pick_host_backend
     from sims.costmodel import RooflineCostModel
     from sims.profiles import load_profile
     from sims.profiles.measurements import Measurements
@@ -39,6 +40,7 @@ def test_calibrate_on_a_cpu_measures_every_term_with_no_gpu_entry(tmp_path: Path
     for term in ("eff_compute", "eff_mem", "decode_fixed_s", "eff_pcie", "kv_move_fixed_s"):
         entry = measured.terms[term]
         assert entry.basis == "measured" and entry.points >= 5 and entry.loo_error is not None, term
+    assert measured.points.host.backend == pick_host_backend(None, quick=True)  # serve's (quick: no Ray cluster)
     for term in ("host_call_s", "request_admit_s", "token_deliver_s", "kv_call_host_s"):  # the idle pool's own time
         assert measured.terms[term].points > 0 and 0 < float(measured.terms[term].value) < 0.5, term
     assert measured.terms["eff_nvlink"].basis == "assumed"
@@ -61,6 +63,12 @@ def test_calibrate_refuses_cuda_where_there_is_none(tmp_path: Path) -> None:
         pytest.skip("a CUDA device is here")
     done = _calibrate("--device", "cuda", "--out", str(tmp_path / "x.json"))
     assert done.returncode == 1 and "torch sees no CUDA device here" in done.stderr and "--device cpu" in done.stderr
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_calibrate_refuses_a_backend_serve_does_not_run_on_before_measuring(tmp_path: Path) -> None:
+    done = _calibrate("--device", "cpu", "--backend", "inprocess", "--out", str(tmp_path / "x.json"))
+    assert done.returncode == 2 and "unknown backend 'inprocess'" in done.stderr and "--backend" in done.stderr
     assert not (tmp_path / "x.json").exists()
 
 

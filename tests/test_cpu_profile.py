@@ -55,17 +55,21 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_calibrate_on_this_cpu_then_simulate_and_size_the_cpu_fleet_with_it(tmp_path: pathlib.Path) -> None:
-    """The whole path a CPU user takes; 12-22 s on 2 cores (calibrate --quick is most of it), so not `slow`."""
+    """The whole path a CPU user takes; 16-26 s on 2 cores (calibrate --quick is most of it), so not `slow`."""
+    from modelpool.calibrate import pick_host_backend
     from modelpool.config import load_fleet
     from modelpool.estimate import estimate_report
     from sims.costmodel import RooflineCostModel
     from sims.profiles import load_profile
+    from sims.profiles.measurements import Measurements
 
     measured = tmp_path / "cpu.json"
     done = _cli("calibrate", "--device", "cpu", "--quick", "--out", str(measured))
     assert done.returncode == 0, done.stderr[-3000:]
     profile = load_profile(measured)
     assert profile.calibration is not None and profile.calibration.gpu == "cpu" and profile.device_spec is not None
+    host = Measurements.model_validate_json(measured.read_text()).points.host
+    assert host.backend == pick_host_backend(None, quick=True) and host.handoff_s  # serve's (no Ray cluster: quick)
 
     done = _cli("simulate", "--fleet", str(CPU_FLEET), "--profile", str(measured), "--duration", "120",
                 "--out", str(tmp_path / "sim"))

@@ -87,10 +87,14 @@ class KvMovePoint(_Frozen):
 
 
 class HostPoints(_Frozen):
-    """The live pool's own time on an idle pool whose engine takes none (pool.engines.sim_engine at time scale 0):
-    per decode batch size the median time between its engine calls; per request the time from submit to its first
-    engine call (`admit_s`) and from that call's return to the token at the request's stream (`deliver_s`)."""
+    """The live pool's own time on an idle pool whose engine takes none (pool.engines.sim_engine at time scale 0),
+    on `backend`, each engine call timed in the pool's process: per decode batch size the median time between its
+    engine calls; per request the time from submit to its first engine call (`admit_s`) and from that call's
+    answer to the token at the request's stream (`deliver_s`)."""
 
+    backend: Literal["ray", "processes", "threads"] = Field(
+        "threads", description="Where the engine calls ran (pool.config.PoolConfig.backend): serve's default on "
+        "the device measured (modelpool.serve.default_backend). Files written before the field: threads.")
     step_s_by_batch: dict[int, float] = Field(default_factory=dict)
     admit_s: list[float] = Field(default_factory=list)
     deliver_s: list[float] = Field(default_factory=list)
@@ -321,7 +325,8 @@ def build(points: Points, shapes: Mapping[str, Arch], spec: GpuSpec, *, device: 
                            loo_error=round(statistics.median(held), 4) if held else None,
                            loo_max_error=round(max(held), 4) if held else None)
     for term, (value, count) in host_terms(points.host).items():
-        terms[term] = Term(value=value, unit="s", how=_HOW[term], points=count)
+        terms[term] = Term(value=value, unit="s", how=f"{_HOW[term]}; engine calls on the {points.host.backend} "
+                           "backend", points=count)
     for term, (value, count) in share_terms(points.share).items():
         mps = " under MPS" if points.share is not None and points.share.mps else ""
         terms[term] = Term(value=value, unit="ratio", how=_HOW[term] + mps, points=count)

@@ -73,6 +73,21 @@ def test_the_fit_recovers_the_terms_that_made_the_points_and_predicts_held_out_s
     assert measured.terms["request_admit_s"].value == 4e-4 and measured.terms["token_deliver_s"].value == 2e-5
 
 
+def test_the_file_names_the_backend_its_host_costs_were_measured_on() -> None:
+    points = _points(_truth_costs())
+    measured = _build(points.model_copy(update={"host": points.host.model_copy(update={"backend": "processes"})}))
+    assert measured.points.host.backend == "processes"
+    for term in ("host_call_s", "host_token_s", "request_admit_s", "token_deliver_s"):
+        assert "on the processes backend" in measured.terms[term].how, term
+    again = type(measured).model_validate_json(measured.model_dump_json(by_alias=True))
+    assert again.points.host.backend == "processes"
+    older = json.loads(measured.model_dump_json(by_alias=True))  # a file written before the field: threads
+    del older["points"]["host"]["backend"]
+    assert type(measured).model_validate(older).points.host.backend == "threads"
+    with pytest.raises(ValueError):
+        HostPoints(backend="inprocess")  # tests' backend: never what serve runs
+
+
 def test_the_held_out_error_shows_a_shape_that_departs_from_the_others() -> None:
     exact = held_out_errors(_build(_points(_truth_costs())))
     off = held_out_errors(_build(_points(_truth_costs(), noise=0.2)))  # every other shape 20% slower
