@@ -208,6 +208,20 @@ def set_engine_options(dep: Deployment, backend: str, sim_time_scale: float, asy
         dep.engine = dataclasses.replace(dep.engine, options={**dep.engine.options, "time_scale": sim_time_scale})
     dep.engine = with_async_decode(dep.engine, async_decode)
     dep.backend = backend
+    note = host_backend_note(dep.costs, backend)
+    if note:
+        dep.notes.append(note)
+
+
+def host_backend_note(costs: Any, backend: str) -> str | None:
+    """A note where the cost model's profile (--profile) measured the pool's host terms on another backend than
+    `backend`: the plans then count that backend's hop per engine call, not this one's."""
+    run = getattr(getattr(costs, "profile", None), "calibration", None)
+    if run is None or run.backend in (None, backend):
+        return None
+    return (f"the profile's host terms (host_call_s, request_admit_s, token_deliver_s, kv_call_host_s) were "
+            f"measured on the {run.backend} backend, but serve runs {backend}: the plans count {run.backend}'s "
+            f"time per engine call (`modelpool calibrate --backend {backend}` measures this one's)")
 
 
 def gateway_settings(dep: Deployment, *, api_key: list[str], api_key_file: Path | None, admin_key: list[str],

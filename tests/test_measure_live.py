@@ -88,3 +88,25 @@ def test_an_idle_pool_on_ray_starts_its_own_cluster_and_stops_it() -> None:
     host = measure_host("ray", probes=2, batches=(1, 2), tokens=4)
     assert host.backend == "ray" and set(host.step_s_by_batch) == {1, 2} and len(host.handoff_s) == 2
     assert not ray.is_initialized()
+
+
+def test_serve_notes_a_profile_whose_host_terms_were_measured_on_another_backend() -> None:
+    from modelpool.serve import host_backend_note
+    from sims.costmodel import RooflineCostModel
+    from sims.profiles import load_profile
+    from tests.sims.test_measurements import SHAPES, _build, _points, _truth_costs
+
+    points = _points(_truth_costs())
+    measured = _build(points.model_copy(update={"host": points.host.model_copy(update={"backend": "processes"})}))
+    profile = measured.profile()
+    assert profile.calibration is not None and profile.calibration.backend == "processes"
+    costs = RooflineCostModel.for_models({name: (arch, 1) for name, arch in SHAPES.items()}, "h200", profile)
+    assert host_backend_note(costs, "processes") is None  # measured where serve runs
+    note = host_backend_note(costs, "ray")
+    assert note is not None and "measured on the processes backend, but serve runs ray" in note
+    assert "calibrate --backend ray" in note
+    unmeasured = _build(points.model_copy(update={"host": type(points.host)()}))  # no host points: nothing to say
+    assert unmeasured.profile().calibration.backend is None  # type: ignore[union-attr]
+    assert host_backend_note(RooflineCostModel.for_models({"m": (SHAPES["qwen3-4b"], 1)}, "h200"), "ray") is None
+    shipped = load_profile("h200-measured")  # measured before the field: on threads
+    assert shipped.calibration is not None and shipped.calibration.backend == "threads"

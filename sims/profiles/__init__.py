@@ -128,6 +128,9 @@ class CalibrationRun(_Frozen):
     wall_s: float = Field(default=0.0, ge=0, description="Seconds the calibration took.")
     figures: dict[str, float] = Field(default_factory=dict, description="Figures measured alongside that are not "
                                                                         "cost-model terms (graph capture time ...).")
+    backend: str | None = Field(default=None, description="Where the idle pool's engine calls ran while its host "
+                                "terms were measured (serve's --backend: ray, processes, threads); None: no host "
+                                "terms measured.")
 
 
 class CalibrationProfile(_Frozen):

@@ -172,7 +172,8 @@ class Measurements(_Frozen):
                                           source=f"{entry.how} ({entry.points} points{held_out}; {where})")
         run = CalibrationRun(command=self.command, device=self.device, gpu=self.gpu, measured_at=self.measured_at,
                              software=self.software, quick=self.quick, shapes=tuple(self.shapes), wall_s=self.wall_s,
-                             figures=self.figures)
+                             figures=self.figures,
+                             backend=self.points.host.backend if self.points.host.step_s_by_batch else None)
         return CalibrationProfile(
             name=name or f"{self.gpu}-measured", terms=ProfileTerms.model_validate(
                 {term: entry.value for term, entry in self.terms.items()}),
