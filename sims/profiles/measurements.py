@@ -11,8 +11,8 @@ One versioned JSON format (`SCHEMA`), written only by `modelpool calibrate` and 
 - `shapes`: the model shapes microbenchmarked (random weights), by name, as `scheduler.fleet.Arch` fields;
 - `points`: every timed point - prefill (shape, tokens per prompt, prompts), decode steps (shape, batch,
   context per request, CUDA graphs or not), weight copies (shape, bytes), KV moves (shape, requests, bytes,
-  out and back), and the idle pool's host costs (a zero-time engine: per engine call by batch, admission,
-  delivery);
+  out and back), and the idle pool's host costs (a zero-time engine on the backend `backend` names - serve's
+  default where calibrate ran: per engine call by batch, admission, delivery, hand-offs);
 - `terms`: per cost-model term its value, unit, how it was measured, the points behind it and, for the
   engine terms, the leave-one-shape-out error: each shape's points predicted by the terms fitted without
   that shape (the median and the largest |predicted / measured - 1| over those points). A term nothing
