@@ -11,6 +11,10 @@ store) that serve pays. Each token is timed where its request's stream gets it. 
 
 - admission: one request at a time, submit to its prefill call's issue (`admit_s`), and that call's answer
   to the token at the stream (`deliver_s`);
+- the same through the gateway, as clients measure (`gateway_points`): requests of 16, 512 and 4096 prompt
+  tokens one at a time from a streaming client in another process through the gateway app under uvicorn, the
+  client's send to the pool's submit and each token from the pool's stream to the client's read (the terms
+  `request_admit_s`, `request_prompt_token_s` and `token_deliver_s` come from these);
 - per decode batch size, the median time between consecutive decode calls of that batch: the pool's time
   per engine call and per token it delivers (fitted as host_call_s + host_token_s x batch);
 - hand-offs: on a token-level pair of a prefill and a decode instance (zero-time engines too), one request at a
@@ -20,8 +24,12 @@ store) that serve pays. Each token is timed where its request's stream gets it. 
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -29,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from modelpool.replay import request_body, stream_completion
 from pool.actor import EngineSpec
 from pool.config import PoolConfig
 from pool.engines.base import SamplingParams, TokenOut
@@ -37,13 +46,16 @@ from pool.service import LivePool
 from scheduler import InstanceSpec, ModelProfile
 from scheduler.fleet import Arch
 from sims.costmodel import RooflineCostModel
-from sims.profiles.measurements import HostPoints
+from sims.profiles.measurements import GatewayPoint, HostPoints
 
 WAIT_S = 120.0
 HANDOFF_TOKENS = 32  # past token-level's first tokens on the prefill instance: the rest decode after the hand-off
 MODEL = "host-probe"
 _ARCH = Arch(family="llama", num_layers=1, hidden_size=64, num_heads=1, num_kv_heads=1, intermediate_size=64,
-             vocab_size=256, max_context=4096)
+             vocab_size=2048, max_context=8192)
+GATEWAY_PROMPTS = (16, 512, 4096)  # prompt tokens of the gateway probe's requests (the gateway's work grows with them)
+GATEWAY_TOKENS = 8  # tokens each streams: the first one's path, and the per-token path of the rest
+PROMPT_VOCAB = 2000  # prompt ids drawn below it, as modelpool.validate's replay draws them
 _TIMED = frozenset({"prefill", "decode_step"})  # the engine calls a request's tokens come from
 
 
@@ -92,13 +104,32 @@ class _TimedBackend:
 
 
 class _TimedPool(LivePool):
-    """A LivePool whose backend is timed (`_TimedBackend`)."""
+    """A LivePool whose backend is timed (`_TimedBackend`), and each request's submit and the arrival of each of
+    its tokens at its sink (on the pool's loop thread, before the sink - the gateway's queue - takes it)."""
 
     timed: _TimedBackend
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.submitted: dict[str, float] = {}
+        self.streamed: dict[str, list[float]] = {}
 
     def _start_backend(self, ids: Sequence[str]) -> Any:
         self.timed = _TimedBackend(super()._start_backend(ids))
         return self.timed
+
+    def submit(self, request_id: str, model: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
+               sink: Any) -> None:
+        times: list[float] = []
+
+        def timed(item: TokenOut | BaseException) -> None:
+            if not isinstance(item, BaseException):
+                times.append(time.perf_counter())
+            sink(item)
+
+        self.streamed[request_id] = times
+        self.submitted[request_id] = time.perf_counter()
+        super().submit(request_id, model, prompt_token_ids, sampling, timed)
 
 
 class _Client:
@@ -148,7 +179,7 @@ def measure_host(backend: str, probes: int = 20, batches: Sequence[int] = (1, 4,
     on CPU: a zero-time engine needs no GPU, and two of them may not share one) and shut down after."""
     started = backend == "ray" and _start_ray()
     try:
-        by_batch, admit, deliver = _measure_mixed(backend, probes, batches, tokens)
+        by_batch, admit, deliver, gateway = _measure_mixed(backend, probes, batches, tokens)
         handoffs = measure_handoffs(backend, probes)
     finally:
         if started:
@@ -156,7 +187,7 @@ def measure_host(backend: str, probes: int = 20, batches: Sequence[int] = (1, 4,
 
             ray.shutdown()
     return HostPoints(backend=backend, step_s_by_batch=by_batch, admit_s=admit,  # type: ignore[arg-type]
-                      deliver_s=deliver, handoff_s=handoffs)
+                      deliver_s=deliver, handoff_s=handoffs, gateway=gateway)
 
 
 def _start_ray() -> bool:
@@ -169,9 +200,13 @@ def _start_ray() -> bool:
     return True
 
 
+def _mixed_pool(backend: str) -> _TimedPool:
+    return _zero_time_pool(backend, [InstanceSpec("host0", 1, float(1 << 31), "mixed")], "request-level")
+
+
 def _measure_mixed(backend: str, probes: int, batches: Sequence[int],
-                   tokens: int) -> tuple[dict[int, float], list[float], list[float]]:
-    pool = _zero_time_pool(backend, [InstanceSpec("host0", 1, float(1 << 31), "mixed")], "request-level")
+                   tokens: int) -> tuple[dict[int, float], list[float], list[float], list[GatewayPoint]]:
+    pool = _mixed_pool(backend)
     client, counter = _Client(), [0]
 
     def submit(max_tokens: int) -> str:
@@ -203,7 +238,8 @@ def _measure_mixed(backend: str, probes: int, batches: Sequence[int],
             gaps = [b - a for a, b in zip(starts, starts[1:])]
             if gaps:
                 by_batch[batch] = round(statistics.median(gaps), 7)
-    return by_batch, admit, deliver
+        gateway = gateway_points(pool, probes)
+    return by_batch, admit, deliver, gateway
 
 
 def measure_handoffs(backend: str, probes: int) -> list[float]:
@@ -229,3 +265,86 @@ def measure_handoffs(backend: str, probes: int) -> list[float]:
             if k:
                 gaps.append(round(decoded[0] - max(prefilled), 7))
     return gaps
+
+
+def measure_gateway(backend: str, probes: int, prompts: Sequence[int] = GATEWAY_PROMPTS,
+                    tokens: int = GATEWAY_TOKENS) -> list[GatewayPoint]:
+    """`gateway_points` on a fresh idle zero-time pool (mixed, request-level) on `backend`."""
+    with _mixed_pool(backend) as pool:
+        return gateway_points(pool, probes, prompts, tokens)
+
+
+def gateway_points(pool: _TimedPool, probes: int, prompts: Sequence[int] = GATEWAY_PROMPTS,
+                   tokens: int = GATEWAY_TOKENS) -> list[GatewayPoint]:
+    """The gateway's own time, per request, one at a time: the idle zero-time `pool` (running) behind the gateway
+    app (`pool.gateway.app.create_app`) under uvicorn on a loopback port, as serve runs it, and a client in its
+    own process, as `modelpool validate`'s is (`modelpool.replay.stream_completion`: httpx, /v1/completions with
+    the prompt as token ids, streamed). `probes` requests of each prompt length in `prompts` (after one warm-up),
+    `tokens` tokens each. Both processes read one clock (CLOCK_MONOTONIC).
+
+    Per request (`GatewayPoint`): the client's send to the pool's submit (`in_s`: HTTP, the body's parsing and
+    checks, the prompt's ids), and per token the pool's sink to the client's read of its SSE line (`out_s`: the
+    hop onto the event loop, the chunk's JSON, the socket, the client's parsing); beside them, what the pool's
+    own terms measure on the same request (`admit_s`, `deliver_s`) and the client's TTFT."""
+    from pool.gateway.app import create_app
+    from pool.gateway.server import BackgroundServer
+
+    rng = random.Random(0)
+    plan = [(16, 2)] + [(n, tokens) for n in prompts for _ in range(probes)]  # the first one warms up
+    bodies = [request_body(MODEL, [rng.randrange(10, PROMPT_VOCAB) for _ in range(n)], m) for n, m in plan]
+    with BackgroundServer(create_app(pool)) as server:
+        results = _client_process(server.url, bodies)
+    out = []
+    for (n, _), result in list(zip(plan, results))[1:]:
+        rid = result.get("id")
+        if result.get("error") is not None or rid not in pool.submitted or not result["token_s"]:
+            raise RuntimeError(f"gateway probe: a request of {n} prompt tokens failed: {result.get('error')}")
+        streamed, client = pool.streamed[rid], result["token_s"]
+        if len(client) != len(streamed):
+            raise RuntimeError(f"gateway probe: request {rid} streamed {len(streamed)} tokens, its client read "
+                               f"{len(client)}")
+        prefill = next(c for c in pool.timed.log if c.name == "prefill" and rid in c.request_ids)
+        if prefill.answered is None:
+            raise RuntimeError(f"gateway probe: request {rid}'s token came before its prefill's answer")
+        submitted = pool.submitted[rid]
+        out.append(GatewayPoint(prompt_tokens=n, in_s=round(submitted - result["sent_s"], 7),
+                                out_s=[round(c - s, 7) for c, s in zip(client, streamed)],
+                                admit_s=round(prefill.issued - submitted, 7),
+                                deliver_s=round(streamed[0] - prefill.answered, 7),
+                                ttft_s=round(client[0] - result["sent_s"], 7),
+                                client_gap_s=[round(b - a, 7) for a, b in zip(client, client[1:])],
+                                pool_gap_s=[round(b - a, 7) for a, b in zip(streamed, streamed[1:])]))
+    return out
+
+
+def _client_process(url: str, bodies: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`bodies` sent one after the other by a client in a fresh Python process (its own interpreter and GIL, as
+    validate's client is): per request the send time and each token's read time, on CLOCK_MONOTONIC."""
+    code = ("import json, sys; from modelpool.measure_live import client_main; "
+            "json.dump(client_main(json.load(sys.stdin)), sys.stdout)")
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", code], input=json.dumps({"url": url, "bodies": list(bodies)}),
+                          capture_output=True, text=True, timeout=WAIT_S, env=env, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"gateway probe: the client process failed ({done.returncode}): {done.stderr[-2000:]}")
+    return json.loads(done.stdout)
+
+
+def client_main(job: dict[str, Any]) -> list[dict[str, Any]]:
+    """The gateway probe's client (in its own process): each body of `job` streamed in turn from `job["url"]`;
+    times in seconds on CLOCK_MONOTONIC (time.monotonic, which is time.perf_counter on Linux)."""
+    import asyncio
+
+    import httpx
+
+    async def run() -> list[dict[str, Any]]:
+        results = []
+        async with httpx.AsyncClient(base_url=job["url"], timeout=httpx.Timeout(WAIT_S)) as client:
+            for body in job["bodies"]:
+                out: dict[str, Any] = {"token_s": [], "error": None, "usage": None, "sent_s": time.monotonic()}
+                await stream_completion(client, body, out, 0.0)
+                results.append(out)
+        return results
+
+    return asyncio.run(run())

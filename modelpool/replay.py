@@ -141,30 +141,44 @@ async def replay(url: str, rows: Sequence[Mapping[str, Any]], vocab: int, seed: 
             out = results[k] = {"index": k, "model": row["model"], "input_tokens": row["input_tokens"],
                                 "max_tokens": row["output_tokens"], "arrival_s": row["timestamp_s"],
                                 "sent_s": time.monotonic() - t0, "token_s": [], "error": None, "usage": None}
-            body = {"model": row["model"], "prompt": prompts[k], "max_tokens": int(row["output_tokens"]),
-                    "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-            try:
-                async with client.stream("POST", "/v1/completions", json=body) as response:
-                    if response.status_code != 200:
-                        out["error"] = f"HTTP {response.status_code}: {(await response.aread())[:300]!r}"
-                        return
-                    async for line in response.aiter_lines():
-                        if not line.startswith("data: ") or line == "data: [DONE]":
-                            continue
-                        now = time.monotonic() - t0
-                        event = json.loads(line[6:])
-                        if "error" in event:
-                            out["error"] = event["error"]
-                        elif event.get("usage"):
-                            out["usage"] = event["usage"]
-                        if event.get("choices"):
-                            out["token_s"].append(now)
-            except Exception as exc:  # a broken stream is a failed request, not a crashed run
-                out["error"] = repr(exc)
-            out["end_s"] = time.monotonic() - t0
+            await stream_completion(client, request_body(row["model"], prompts[k], int(row["output_tokens"])),
+                                    out, t0)
 
         await asyncio.gather(*(one(k) for k in range(len(rows))))
     return results, t0
+
+
+def request_body(model: str, prompt: Sequence[int], max_tokens: int) -> dict[str, Any]:
+    """A replayed request: its prompt as token ids, exactly `max_tokens` tokens streamed, usage at the end."""
+    return {"model": model, "prompt": list(prompt), "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+
+
+async def stream_completion(client: Any, body: Mapping[str, Any], out: dict[str, Any], t0: float) -> None:
+    """POST `body` to /v1/completions on `client` (an httpx.AsyncClient) and read its SSE stream: into `out`, each
+    token chunk's time (`token_s`, seconds on the monotonic clock after `t0`, as the line is read), the request id
+    (`id`), the usage and any error; `end_s` when the stream ends."""
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                out["error"] = f"HTTP {response.status_code}: {(await response.aread())[:300]!r}"
+                return
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                now = time.monotonic() - t0
+                event = json.loads(line[6:])
+                if "error" in event:
+                    out["error"] = event["error"]
+                elif event.get("usage"):
+                    out["usage"] = event["usage"]
+                if event.get("choices"):
+                    out["token_s"].append(now)
+                    out.setdefault("id", event.get("id"))
+    except Exception as exc:  # a broken stream is a failed request, not a crashed run
+        out["error"] = repr(exc)
+    finally:
+        out["end_s"] = time.monotonic() - t0
 
 
 def per_request(results: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

@@ -190,6 +190,10 @@ class SimCosts(CostModel):
         """Time from a request's arrival to its scheduler having it (a live pool's gateway and loop). None here."""
         return 0.0
 
+    def request_prompt_token_s(self) -> float:
+        """Time a live pool's way in adds per prompt token (the gateway parsing the prompt). None here."""
+        return 0.0
+
     def token_deliver_s(self) -> float:
         """Time from a step producing a token to its client having it (a live pool's way out). None here."""
         return 0.0
@@ -350,6 +354,9 @@ class RooflineCostModel(SimCosts):
 
     def request_admit_s(self) -> float:
         return self.terms.request_admit_s
+
+    def request_prompt_token_s(self) -> float:
+        return self.terms.request_prompt_token_s
 
     def token_deliver_s(self) -> float:
         return self.terms.token_deliver_s

@@ -181,8 +181,12 @@ class Simulator:
         self.gpus = gpus  # shared GPUs (costs.gpu_shares), or None: every instance's steps at their time alone
         self.staging = frozenset(staging)  # instances that hand off through device memory (staging_instances)
         # a live pool's way in and out (cost model terms; 0 unless a profile measured them): each request reaches
-        # the scheduler admit_s after its arrival, each token its client deliver_s after its step
+        # the scheduler admit_s after its arrival, each token its client deliver_s after its step, and a request's
+        # first and last tokens prompt_token_s per prompt token later still (the gateway parsing the prompt before
+        # the live pool has it: a fraction of a millisecond, charged on the client's times rather than on the
+        # admission, so the scheduler sees requests in arrival order)
         self.admit_s, self.deliver_s = costs.request_admit_s(), costs.token_deliver_s()
+        self.prompt_token_s = costs.request_prompt_token_s()
         self.kv_call_host_s = costs.kv_call_host_s()
         self._staged: set[str] = set()  # requests whose KV waits staged on a staging instance, until their SwapIn
         self._arrivals = iter(requests)
@@ -326,10 +330,11 @@ class Simulator:
             record.segments.append(segment)
         for record in tail:
             if record.first_token_at is None:
-                record.first_token_at = first_at + self.deliver_s
+                record.first_token_at = first_at + self.deliver_s + self.prompt_token_s * record.prompt_tokens
         if event.finished_ids:
             for rid in event.finished_ids:
-                self.records[rid].finished_at = now + self.deliver_s
+                done = self.records[rid]
+                done.finished_at = now + self.deliver_s + self.prompt_token_s * done.prompt_tokens
             if batch is not None:
                 self._shrink(batch, event.finished_ids)
 

@@ -12,7 +12,7 @@ import typer
 import modelpool.serve
 from modelpool.calibrate import pick_host_backend
 from modelpool.extras import installed
-from modelpool.measure_live import _TimedBackend, measure_host
+from modelpool.measure_live import GATEWAY_PROMPTS, _TimedBackend, measure_gateway, measure_host
 from modelpool.serve import default_backend, pick_backend
 from pool.calls import DecodeStep, GetStats
 
@@ -78,6 +78,36 @@ def test_an_idle_pool_on_each_backend_gives_every_host_point_and_names_the_backe
     assert set(host.step_s_by_batch) == {1, 4} and all(0 < s < 0.5 for s in host.step_s_by_batch.values())
     assert len(host.admit_s) == len(host.deliver_s) == len(host.handoff_s) == 3
     assert all(0 <= s < 0.5 for s in host.admit_s + host.deliver_s + host.handoff_s)
+    assert sorted({p.prompt_tokens for p in host.gateway}) == list(GATEWAY_PROMPTS)  # through the gateway too
+    assert len(host.gateway) == 3 * len(GATEWAY_PROMPTS)
+
+
+def test_the_gateway_probe_times_the_gateways_way_in_and_out_apart_from_the_pools(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests go from a client in another process through the real gateway app under uvicorn: a gateway made
+    slower on its way in (the prompt's checks) and on its way out (each SSE chunk) shows in the client's times
+    and in in_s / out_s, and not in the pool's own admission and delivery of the same requests."""
+    import pool.gateway.app as app
+
+    def slowed(fn, delay_s):  # type: ignore[no-untyped-def]
+        def slow(*args, **kwargs):  # type: ignore[no-untyped-def]
+            time.sleep(delay_s)
+            return fn(*args, **kwargs)
+        return slow
+
+    fast = measure_gateway("threads", probes=2, prompts=(16, 512), tokens=4)
+    monkeypatch.setattr(app, "prepare", slowed(app.prepare, 0.03))
+    monkeypatch.setattr(app, "sse", slowed(app.sse, 0.02))
+    slow = measure_gateway("threads", probes=2, prompts=(16, 512), tokens=4)
+    for points in (fast, slow):
+        assert [p.prompt_tokens for p in points] == [16, 16, 512, 512]
+        for p in points:
+            assert len(p.out_s) == 4 and len(p.client_gap_s) == len(p.pool_gap_s) == 3
+            # the client's TTFT holds the gateway's way in, the pool's admission and delivery and the way out
+            assert p.ttft_s >= p.in_s + p.admit_s + p.deliver_s + p.out_s[0] > 0
+    assert min(p.in_s for p in slow) >= 0.03 > max(p.in_s for p in fast)
+    assert min(p.out_s[0] for p in slow) >= 0.02 > max(p.out_s[0] for p in fast)
+    assert max(p.admit_s + p.deliver_s for p in slow) < 0.02  # the pool's own part did not take the delay
 
 
 @pytest.mark.slow

@@ -74,12 +74,19 @@ class ProfileTerms(_Frozen):
     host_token_s: Seconds = Field(default=0.0, description="Host time the live pool adds to an engine call per "
                                   "token it delivers (per request of a decode step's batch): the token out of the "
                                   "engine, through the backend and the controller to the request's stream.")
-    request_admit_s: Seconds = Field(default=0.0, description="Time from a request reaching the pool to the engine "
-                                     "call it starts on an idle instance: the simulator hands each request to the "
-                                     "scheduler that long after its arrival.")
+    request_admit_s: Seconds = Field(default=0.0, description="Time from a client sending a request to the engine "
+                                     "call it starts on an idle instance (the gateway's way in, the pool's "
+                                     "admission): the simulator hands each request to the scheduler that long after "
+                                     "its arrival.")
+    request_prompt_token_s: Seconds = Field(default=0.0, description="Time the way in adds per prompt token (the "
+                                            "gateway parsing and checking the prompt's ids): the simulator counts a "
+                                            "request's first and last tokens that much later per prompt token (a "
+                                            "fraction of a millisecond at thousands of tokens, spent before the "
+                                            "live pool has the request: charged on the client's times, the "
+                                            "scheduler's order kept).")
     token_deliver_s: Seconds = Field(default=0.0, description="Time from an engine call returning a token to the "
-                                     "request's stream having it: the simulator counts each token that long after "
-                                     "its step.")
+                                     "request's client having it (the pool's stream, the gateway's SSE line, the "
+                                     "client's read): the simulator counts each token that long after its step.")
     kv_call_host_s: Seconds = Field(default=0.0, description="Host time the live pool adds to each KV move (a "
                                     "SwapOut or SwapIn: its export, import, save or restore calls and the ticks "
                                     "between them), after the move's own time: measured from hand-offs on an idle "

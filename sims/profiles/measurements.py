@@ -86,6 +86,22 @@ class KvMovePoint(_Frozen):
     restore_s: float = Field(gt=0)
 
 
+class GatewayPoint(_Frozen):
+    """One request through the gateway on the idle zero-time pool (`modelpool.measure_live.measure_gateway`), its
+    client in another process: the client's send to the pool's submit (`in_s`), and per streamed token the pool's
+    sink to the client's read (`out_s`); beside them the pool's own admission and delivery of this request, the
+    client's TTFT and the gaps between its tokens at the client and at the pool's sink."""
+
+    prompt_tokens: int = Field(gt=0)
+    in_s: float
+    out_s: list[float] = Field(min_length=1)
+    admit_s: float
+    deliver_s: float
+    ttft_s: float
+    client_gap_s: list[float] = Field(default_factory=list)
+    pool_gap_s: list[float] = Field(default_factory=list)
+
+
 class HostPoints(_Frozen):
     """The live pool's own time on an idle pool whose engine takes none (pool.engines.sim_engine at time scale 0),
     on `backend`, each engine call timed in the pool's process: per decode batch size the median time between its
@@ -100,6 +116,8 @@ class HostPoints(_Frozen):
     deliver_s: list[float] = Field(default_factory=list)
     handoff_s: list[float] = Field(default_factory=list, description="per request on an idle prefill/decode pool: "
                                    "its prefill call's return to its first decode call's start on the other instance")
+    gateway: list[GatewayPoint] = Field(default_factory=list, description="requests through the gateway, one at "
+                                        "a time (files written before the field: none)")
 
 
 class SharePoints(_Frozen):
@@ -221,9 +239,14 @@ _HOW = {
     "kv_move_fixed_s": "KV moves: the intercept (per move)",
     "host_call_s": "an idle live pool on a zero-time engine: time between engine calls, intercept over batch size",
     "host_token_s": "an idle live pool on a zero-time engine: time between engine calls, slope per request",
-    "request_admit_s": "an idle live pool on a zero-time engine: submit to the first engine call (median)",
-    "token_deliver_s": "an idle live pool on a zero-time engine: the call's return to the token at the stream "
-                       "(median)",
+    "request_admit_s": "requests one at a time through the gateway (a client in another process, streaming) to an "
+                       "idle live pool on a zero-time engine: the client's send to the first engine call, the "
+                       "intercept of its medians over prompt lengths (files before the gateway probe: the pool's "
+                       "submit to the first engine call)",
+    "request_prompt_token_s": "requests through the gateway to an idle zero-time pool: the client's send to the "
+                              "first engine call, the slope of its medians over prompt lengths (16 to 4096 tokens)",
+    "token_deliver_s": "requests through the gateway to an idle zero-time pool: the first call's return to the "
+                       "token read by the client (median; files before the gateway probe: to the pool's stream)",
     "kv_call_host_s": "an idle prefill/decode pool on zero-time engines: a hand-off's prefill return to its first "
                       "decode call (median), less host_call_s, over its two KV moves",
     "share_prefill_slowdown": "two engine processes on the device (a prefill and a decode instance, as serve places "
@@ -267,22 +290,46 @@ def host_terms(host: HostPoints) -> dict[str, tuple[float, int]]:
     out: dict[str, tuple[float, int]] = {}
     steps = sorted(host.step_s_by_batch.items())
     if len(steps) >= 2:
-        batches, seconds = [float(b) for b, _ in steps], [s for _, s in steps]
-        mean_b, mean_s = statistics.fmean(batches), statistics.fmean(seconds)
-        slope = sum((b - mean_b) * (s - mean_s) for b, s in zip(batches, seconds)) / sum((b - mean_b) ** 2 for b in batches)
-        slope = max(0.0, slope)
+        call, slope = _line([float(b) for b, _ in steps], [s for _, s in steps])
         out["host_token_s"] = (sig(slope), len(steps))
-        out["host_call_s"] = (sig(max(0.0, mean_s - slope * mean_b)), len(steps))
+        out["host_call_s"] = (sig(call), len(steps))
     elif steps:
         out["host_call_s"] = (sig(steps[0][1]), 1)
-    if host.admit_s:
-        out["request_admit_s"] = (sig(statistics.median(host.admit_s)), len(host.admit_s))
-    if host.deliver_s:
-        out["token_deliver_s"] = (sig(statistics.median(host.deliver_s)), len(host.deliver_s))
+    if host.gateway:  # through the gateway, as clients measure: its way in and out with the pool's own
+        out |= gateway_terms(host.gateway)
+    else:  # files written before the gateway probe: the pool's own way in and out
+        if host.admit_s:
+            out["request_admit_s"] = (sig(statistics.median(host.admit_s)), len(host.admit_s))
+        if host.deliver_s:
+            out["token_deliver_s"] = (sig(statistics.median(host.deliver_s)), len(host.deliver_s))
     if host.handoff_s:  # a hand-off is a SwapOut and a SwapIn, then the decode call (host_call_s) that follows
         call = out.get("host_call_s", (0.0, 0))[0]
         out["kv_call_host_s"] = (sig(max(0.0, (statistics.median(host.handoff_s) - call) / 2)), len(host.handoff_s))
     return out
+
+
+def _line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Least squares a + b x with b >= 0 (a time never falls as work grows: a negative slope is noise) and a >= 0."""
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    slope = max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread) if spread else 0.0
+    return max(0.0, mean_y - slope * mean_x), slope
+
+
+def gateway_terms(points: Sequence[GatewayPoint]) -> dict[str, tuple[float, int]]:
+    """The way in and out of a request as its client sees it (value, points), from requests through the gateway:
+    per prompt length the median of the client's send to the prefill call's issue (the gateway's way in, then the
+    pool's admission), a line over prompt tokens (`request_admit_s` its intercept, `request_prompt_token_s` its
+    slope: the body's ids parsed and checked); `token_deliver_s` the median of the prefill call's answer to the
+    first token read by the client (the pool's delivery, then the gateway's way out)."""
+    by_length: dict[int, list[float]] = {}
+    for point in points:
+        by_length.setdefault(point.prompt_tokens, []).append(point.in_s + point.admit_s)
+    lengths = sorted(by_length)
+    intercept, slope = _line([float(n) for n in lengths], [statistics.median(by_length[n]) for n in lengths])
+    return {"request_admit_s": (sig(intercept), len(points)),
+            "request_prompt_token_s": (sig(slope), len(points)),
+            "token_deliver_s": (sig(statistics.median(p.deliver_s + p.out_s[0] for p in points)), len(points))}
 
 
 def share_terms(share: SharePoints | None) -> dict[str, tuple[float, int]]:

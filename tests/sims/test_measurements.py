@@ -11,8 +11,8 @@ import pytest
 from scheduler.fleet import ARCHS, GPUS, Arch
 from sims.costmodel import RooflineCostModel
 from sims.profiles import load_profile
-from sims.profiles.measurements import (SCHEMA, CopyPoint, DecodePoint, HostPoints, KvMovePoint, Points,
-                                        PrefillPoint, build, held_out_errors, host_terms)
+from sims.profiles.measurements import (SCHEMA, CopyPoint, DecodePoint, GatewayPoint, HostPoints, KvMovePoint,
+                                        Points, PrefillPoint, build, held_out_errors, host_terms)
 
 SHAPES = {key: Arch.model_validate({**ARCHS[key], "total_params": None})
           for key in ("qwen2.5-0.5b", "llama-3.2-1b", "qwen3-1.7b", "qwen2.5-3b", "qwen3-4b")}
@@ -101,6 +101,49 @@ def test_host_terms_are_the_line_through_the_idle_pools_step_times() -> None:
     assert "request_admit_s" not in terms  # nothing measured, nothing claimed
     flat = host_terms(HostPoints(step_s_by_batch={1: 0.002, 4: 0.0019}))
     assert flat["host_token_s"][0] == 0.0  # never negative
+
+
+def _through_gateway(prompt_tokens: int, in_s: float, out_s: float = 6e-4) -> GatewayPoint:
+    return GatewayPoint(prompt_tokens=prompt_tokens, in_s=in_s, out_s=[out_s, 5e-4], admit_s=2e-4, deliver_s=1e-5,
+                        ttft_s=in_s + 2e-4 + 1e-5 + out_s + 8e-4)
+
+
+def test_through_the_gateway_the_way_in_is_a_line_over_prompt_tokens_and_the_way_out_the_first_tokens() -> None:
+    # the client's send to the first engine call: 1.2 ms + 0.25 us per prompt token (in_s + the pool's 0.2 ms),
+    # one outlier per length that the medians ignore; the way out: the pool's 10 us then 0.6 ms to the client
+    points = [_through_gateway(n, 1e-3 + 2.5e-7 * n + extra, out)
+              for n in (16, 512, 4096) for extra, out in ((0.0, 6e-4), (0.0, 6e-4), (0.05, 9e-3))]
+    old = HostPoints(step_s_by_batch={1: 0.0011, 2: 0.0012}, admit_s=[3e-4], deliver_s=[2e-5])
+    terms = host_terms(old.model_copy(update={"gateway": points}))
+    assert terms["request_admit_s"] == (pytest.approx(1.2e-3), 9)
+    assert terms["request_prompt_token_s"] == (pytest.approx(2.5e-7), 9)
+    assert terms["token_deliver_s"] == (pytest.approx(6.1e-4), 9)
+    flat = host_terms(HostPoints(gateway=[_through_gateway(16, 2e-3), _through_gateway(4096, 1.9e-3)]))
+    assert flat["request_prompt_token_s"][0] == 0.0  # never negative
+    # without gateway points (a file written before the probe): the pool's own way in and out, no prompt term
+    before = host_terms(old)
+    assert before["request_admit_s"] == (3e-4, 1) and before["token_deliver_s"] == (2e-5, 1)
+    assert "request_prompt_token_s" not in before
+
+
+def test_a_file_written_before_the_gateway_probe_reads_with_its_terms_as_written(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    measured = _build(_points(_truth_costs()))
+    older = json.loads(measured.model_dump_json(by_alias=True))
+    del older["points"]["host"]["gateway"]
+    assert "request_prompt_token_s" not in older["terms"]
+    path = tmp_path / "h200-older.json"
+    path.write_text(json.dumps(older))
+    profile = load_profile(path)
+    assert profile.terms.request_admit_s == 4e-4 and profile.terms.request_prompt_token_s == 0.0
+    assert profile.provenance["request_prompt_token_s"].status == "estimated"  # not measured: says so
+    points = _points(_truth_costs())
+    through = _build(points.model_copy(update={"host": points.host.model_copy(update={
+        "gateway": [_through_gateway(n, 1e-3 + 2.5e-7 * n) for n in (16, 512, 4096)]})}))
+    path.write_text(through.model_dump_json(by_alias=True))
+    profile = load_profile(path)
+    assert profile.terms.request_prompt_token_s == pytest.approx(2.5e-7)
+    assert profile.terms.request_admit_s == pytest.approx(1.2e-3)
+    assert "through the gateway" in through.terms["request_prompt_token_s"].how
 
 
 def test_kv_call_host_is_half_of_what_a_hand_off_adds_beyond_its_decode_call() -> None:

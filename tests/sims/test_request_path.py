@@ -23,6 +23,14 @@ class _PathCosts(LinearCosts):
         return DELIVER
 
 
+PROMPT_TOKEN = 2e-6
+
+
+class _PromptCosts(_PathCosts):
+    def request_prompt_token_s(self) -> float:
+        return PROMPT_TOKEN
+
+
 class _KvCallCosts(LinearCosts):
     def kv_call_host_s(self) -> float:
         return KV_CALL
@@ -53,6 +61,19 @@ def test_each_request_reaches_the_scheduler_admit_s_late_and_its_tokens_the_clie
         [line.split('"at":')[0] for line in plain_log.splitlines()]
 
 
+def test_each_requests_client_times_move_by_the_way_ins_time_per_prompt_token() -> None:
+    path, path_log = _run(_PathCosts())
+    prompt, prompt_log = _run(_PromptCosts())
+    for rid, before in path.items():
+        after = prompt[rid]
+        late = PROMPT_TOKEN * after.prompt_tokens  # 300 tokens: 0.6 ms
+        assert after.first_token_at - after.arrival_at == pytest.approx(
+            before.first_token_at - before.arrival_at + late, abs=1e-9)  # the TTFT holds it
+        assert after.finished_at == pytest.approx(before.finished_at + late, abs=1e-9)
+        assert after.finished_at - after.first_token_at == pytest.approx(before.finished_at - before.first_token_at)
+    assert prompt_log == path_log  # the scheduler's view (and so every plan) is unchanged
+
+
 def test_the_profile_terms_reach_the_simulator_through_the_roofline_and_default_to_nothing() -> None:
     base = load_profile("default")
     assert base.terms.request_admit_s == base.terms.token_deliver_s == 0.0
@@ -63,6 +84,9 @@ def test_the_profile_terms_reach_the_simulator_through_the_roofline_and_default_
         update={"request_admit_s": 0.00398, "token_deliver_s": 0.0011})})
     costs = RooflineCostModel.for_models({}, "h200", profile=measured)
     assert (costs.request_admit_s(), costs.token_deliver_s()) == (0.00398, 0.0011)
+    assert RooflineCostModel.for_models({}, "h200", profile=base).request_prompt_token_s() == 0.0
+    with_prompt = base.model_copy(update={"terms": base.terms.model_copy(update={"request_prompt_token_s": 3e-7})})
+    assert RooflineCostModel.for_models({}, "h200", profile=with_prompt).request_prompt_token_s() == 3e-7
     assert RooflineCostModel.for_models({}, "h200", profile=base).kv_call_host_s() == 0.0
     with_kv = base.model_copy(update={"terms": base.terms.model_copy(update={"kv_call_host_s": 2e-4})})
     assert RooflineCostModel.for_models({}, "h200", profile=with_kv).kv_call_host_s() == 2e-4
