@@ -320,31 +320,13 @@ def gateway_points(pool: _TimedPool, probes: int, prompts: Sequence[int] = GATEW
 def _client_process(url: str, bodies: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """`bodies` sent one after the other by a client in a fresh Python process (its own interpreter and GIL, as
     validate's client is): per request the send time and each token's read time, on CLOCK_MONOTONIC."""
-    code = ("import json, sys; from modelpool.measure_live import client_main; "
-            "json.dump(client_main(json.load(sys.stdin)), sys.stdout)")
+    code = ("import json, sys; from modelpool.replay import one_by_one; "
+            "json.dump(one_by_one(**json.load(sys.stdin)), sys.stdout)")
     root = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-c", code], input=json.dumps({"url": url, "bodies": list(bodies)}),
+    job = {"url": url, "bodies": list(bodies), "timeout_s": WAIT_S}
+    done = subprocess.run([sys.executable, "-c", code], input=json.dumps(job),
                           capture_output=True, text=True, timeout=WAIT_S, env=env, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"gateway probe: the client process failed ({done.returncode}): {done.stderr[-2000:]}")
     return json.loads(done.stdout)
-
-
-def client_main(job: dict[str, Any]) -> list[dict[str, Any]]:
-    """The gateway probe's client (in its own process): each body of `job` streamed in turn from `job["url"]`;
-    times in seconds on CLOCK_MONOTONIC (time.monotonic, which is time.perf_counter on Linux)."""
-    import asyncio
-
-    import httpx
-
-    async def run() -> list[dict[str, Any]]:
-        results = []
-        async with httpx.AsyncClient(base_url=job["url"], timeout=httpx.Timeout(WAIT_S)) as client:
-            for body in job["bodies"]:
-                out: dict[str, Any] = {"token_s": [], "error": None, "usage": None, "sent_s": time.monotonic()}
-                await stream_completion(client, body, out, 0.0)
-                results.append(out)
-        return results
-
-    return asyncio.run(run())

@@ -181,6 +181,24 @@ async def stream_completion(client: Any, body: Mapping[str, Any], out: dict[str,
         out["end_s"] = time.monotonic() - t0
 
 
+def one_by_one(url: str, bodies: Sequence[Mapping[str, Any]], timeout_s: float) -> list[dict[str, Any]]:
+    """Each of `bodies` streamed from `url` in turn, the next once the last has ended (a probe's client: see
+    modelpool.measure_live.gateway_points): per request its send time (`sent_s`) and each token's read time
+    (`token_s`), in seconds on the monotonic clock (CLOCK_MONOTONIC on Linux, as time.perf_counter)."""
+    import httpx
+
+    async def run() -> list[dict[str, Any]]:
+        results = []
+        async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(timeout_s)) as client:
+            for body in bodies:
+                out: dict[str, Any] = {"token_s": [], "error": None, "usage": None, "sent_s": time.monotonic()}
+                await stream_completion(client, body, out, 0.0)
+                results.append(out)
+        return results
+
+    return asyncio.run(run())
+
+
 def per_request(results: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """TTFT, TPOT (mean of the tokens after the first) and ITL of every request that finished cleanly."""
     out = []
