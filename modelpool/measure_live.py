@@ -270,7 +270,8 @@ def measure_handoffs(backend: str, probes: int) -> list[float]:
 def measure_gateway(backend: str, probes: int, prompts: Sequence[int] = GATEWAY_PROMPTS,
                     tokens: int = GATEWAY_TOKENS) -> list[GatewayPoint]:
     """`gateway_points` on a fresh idle zero-time pool (mixed, request-level) on `backend`."""
-    with _mixed_pool(backend) as pool:
+    pool = _mixed_pool(backend)
+    with pool:
         return gateway_points(pool, probes, prompts, tokens)
 
 

@@ -5,6 +5,7 @@ every term says where it comes from."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -126,7 +127,7 @@ def test_through_the_gateway_the_way_in_is_a_line_over_prompt_tokens_and_the_way
     assert "request_prompt_token_s" not in before
 
 
-def test_a_file_written_before_the_gateway_probe_reads_with_its_terms_as_written(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_file_written_before_the_gateway_probe_reads_with_its_terms_as_written(tmp_path: Path) -> None:
     measured = _build(_points(_truth_costs()))
     older = json.loads(measured.model_dump_json(by_alias=True))
     del older["points"]["host"]["gateway"]
