@@ -70,6 +70,11 @@ def test_calibrate_on_this_cpu_then_simulate_and_size_the_cpu_fleet_with_it(tmp_
     assert profile.calibration is not None and profile.calibration.gpu == "cpu" and profile.device_spec is not None
     host = Measurements.model_validate_json(measured.read_text()).points.host
     assert host.backend == pick_host_backend(None, quick=True) and host.handoff_s  # serve's (no Ray cluster: quick)
+    # the way in and out as clients measure it: through the gateway, its terms from those requests
+    assert {p.prompt_tokens for p in host.gateway} == {16, 512, 4096}
+    assert "through the gateway" in Measurements.model_validate_json(measured.read_text()).terms[
+        "request_prompt_token_s"].how
+    assert profile.terms.request_admit_s > 0 and profile.terms.token_deliver_s > 0
 
     done = _cli("simulate", "--fleet", str(CPU_FLEET), "--profile", str(measured), "--duration", "120",
                 "--out", str(tmp_path / "sim"))
