@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from modelpool.replay import request_body, stream_completion
+from modelpool.validate import PROMPT_VOCAB  # prompt ids drawn as validate's replay draws them
 from pool.actor import EngineSpec
 from pool.config import PoolConfig
 from pool.engines.base import SamplingParams, TokenOut
@@ -55,7 +56,6 @@ _ARCH = Arch(family="llama", num_layers=1, hidden_size=64, num_heads=1, num_kv_h
              vocab_size=2048, max_context=8192)
 GATEWAY_PROMPTS = (16, 512, 4096)  # prompt tokens of the gateway probe's requests (the gateway's work grows with them)
 GATEWAY_TOKENS = 8  # tokens each streams: the first one's path, and the per-token path of the rest
-PROMPT_VOCAB = 2000  # prompt ids drawn below it, as modelpool.validate's replay draws them
 _TIMED = frozenset({"prefill", "decode_step"})  # the engine calls a request's tokens come from
 
 
