@@ -11,7 +11,12 @@ A `Turn` is one batch's hold on the instance, and the one place its length lives
                 QUOTA       one of several: q_i / d_i steps from `decode_quotas`, at least `min_turn_tpot`
                             TPOT SLO periods of the round (see token_level's docstring)
                 FIXED       the test knob `fixed_turn_steps`
-    steps_left  decode steps the turn may still take; `ran(n)` counts the reported steps down; `over` at 0
+    steps_left  decode steps the turn may still take; `ran(n)` counts the reported steps down; `over` at 0.
+                On a mixed instance an iteration that carries prompt chunks beside the batch's step (Sarathi)
+                takes longer than a step: `carries(s, more)` says the one in flight is predicted to take `s`
+                seconds (CostModel.mixed_iteration_s) and whether its prompt has chunks left; a quota turn
+                counts it as the steps of its time, so it holds the instance for its quota's time, not for as
+                many iterations as its quota has steps, and it does not end before its prompt's last chunk
     stop        why the Decode in flight should stop at the next token, or "" while it runs:
                 CUT_IN   a newcomer of the batch's model joined the batch (the turn goes on with it)
                 PREEMPT  an open-ended turn must end (another model's newcomer, or a prompt on a mixed
@@ -85,13 +90,29 @@ class Turn:
         self.step_s = step_s
         self.floor = floor
         self.steps_run = 0
+        self.iteration_s = 0.0  # predicted time of the chunked iteration in flight (0: plain decode steps)
+        self.prompt_goes_on = False  # its prompt has chunks left
 
     @property
     def over(self) -> bool:
         return self.steps_left <= 0
 
+    def carries(self, iteration_s: float, prompt_goes_on: bool) -> None:
+        """The Decode in flight is one iteration with prompt chunks, predicted to take `iteration_s`;
+        `prompt_goes_on`: its prompt has chunks left after it."""
+        self.iteration_s = iteration_s
+        self.prompt_goes_on = prompt_goes_on
+
     def ran(self, num_steps: int) -> None:
-        self.steps_left -= num_steps
+        """`num_steps` steps were reported; a quota turn counts a chunked iteration as the steps of its time, but
+        does not end before the prompt's last chunk (switched away from, its rest would be prefilled whole,
+        stalling every batch here)."""
+        floor = 0
+        if self.iteration_s > 0 and self.kind == QUOTA and self.step_s > 0:
+            num_steps = max(num_steps, round(self.iteration_s / self.step_s))
+            floor = min(1, self.steps_left) if self.prompt_goes_on else 0
+        self.iteration_s = 0.0
+        self.steps_left = max(self.steps_left - num_steps, floor)
         self.steps_run += num_steps
 
     def end_by(self, at: float) -> None:

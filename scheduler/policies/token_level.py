@@ -62,10 +62,20 @@ from then no chunk goes before it, not even one of a prompt already started (a
 steady stream of resident prompts kept it out for good: issue 37; sending it
 at half its TTFT SLO left instead, tried first, stalled the decode batches with
 whole prefills and took the shipped fleet from 16 to 22 H20s). Dispatch keeps
-a prompt on a mixed instance that holds its model's weights while its prefill
-there is predicted to end within `mixed_affinity` (0.3) of its TTFT SLO: its
-decode stays there, and elsewhere each turn of it may copy weights. A prompt arriving ends an open-ended turn.
-Measured: the shipped fleet 22 -> 16 H20s (BENCHMARKS.md, issue 35).
+a prompt on a mixed instance that holds its model's weights, where its decode
+joins the round without switches (the models decoding there and it fit the
+weights together), while its prefill there is predicted to end within
+`mixed_affinity` (1.0) of its TTFT SLO, the prediction stretched by the
+instance's decode share: elsewhere each turn of it may copy weights. A prompt
+arriving ends an open-ended turn. A quota turn counts a chunked iteration as
+the decode steps of its predicted time (mixed_iteration_s; counted as one
+step, an 80 ms iteration beside a 13 ms step on the shipped fleet's TP2 class,
+a turn held the instance for several times its quota while the other batches
+waited), but runs on to its prompt's last chunk. Measured: the shipped fleet
+22 -> 16 H20s (BENCHMARKS.md, issue 35); seeds 0-7 from 16/18/16/18/16/16/18/18
+to 16/16/18/16/16/16/16/16 (the TP2 class's two mixed instances: the held-only
+rule at 0.3, unstretched, spread the four TP2 models over both instances, so
+nearly every round switched weights).
 
 The code reads in three parts: this module plans each instance by its role and
 routes events; `token_prefill.PrefillSide` holds the groups, dispatch and the
@@ -102,7 +112,7 @@ class TokenLevelPolicy(PolicyBase):
                  max_group_size: int = 8, max_quota_s: float = 2.0, round_target_s: float = 0.5,
                  switch_aversion: float = 1.0, first_tokens: int = 8, min_turn_tpot: float = 1.0,
                  fixed_turn_steps: int | None = None, joint_turns: bool = True, mixed_chunk_tpot: float = 0.8,
-                 mixed_affinity: float = 0.3,
+                 mixed_affinity: float = 1.0,
                  # PolicyBase's keywords spelled out, not **kwargs: mypyc miscompiles **kwargs beside int defaults
                  max_batch_size: int = 256, max_prefill_tokens: int = 8192,
                  chunked_prefill_tokens: int | None = None, keep_ended: bool = True) -> None:
@@ -335,6 +345,9 @@ class TokenLevelPolicy(PolicyBase):
         tokens = sum(take for _, take in chunks)
         step = Decode(ids, 1, prefill_chunks=tuple(chunks),
                       reason=f"iteration: decode {len(ids)}, {tokens} prompt tokens of {len(chunks)}")
+        turn = self.decode.states[inst.instance_id].turn
+        if turn is not None and ids:  # the turn counts the iteration by its time (Turn.carries)
+            turn.carries(self.iteration_s(ids, step.prefill_chunks), bool(inst.prefilling))
         return acts[:-1] + [step] if acts else [step]
 
     def _chunks(self, inst: InstanceState, ids: tuple[str, ...]) -> list[tuple[str, int]]:

@@ -7,6 +7,10 @@ at the tail, whose switch counts `1 + switch_aversion` times. An instance prefil
 up to a token budget), switching when the group's model is not loaded, and prefetches the next group's
 model while it computes.
 
+On a mixed instance the prediction counts its decode batches' share of the time (`_stretch`), and a prompt
+stays on a mixed instance holding its model, in time for its TTFT SLO, where its decode joins the round
+without switches (`_fits_round`).
+
 On a prefill instance the prompt's KV then goes to host memory for a decode instance; with
 `first_tokens` > 1 the instance first decodes that many tokens where weights and KV already are (the
 *hand-off*: decode, then move), so the move hides behind time banked against the TPOT SLO. On a mixed
@@ -106,12 +110,15 @@ class PrefillSide:
     def _pick_instance(self, req: Request, now: float,
                        ends: dict[str, list[float]]) -> tuple[str, Group | None] | None:
         """The instance (and group to join, None = a new one at the tail) where `req`'s prefill is predicted
-        to finish first: joining a group of its model saves a switch, a shorter queue saves waiting."""
+        to finish first: joining a group of its model saves a switch, a shorter queue saves waiting. A mixed
+        instance that holds the model, where its decode joins the round without switches (`_fits_round`), keeps
+        it while its prefill there is predicted to end within `mixed_affinity` of its TTFT SLO."""
         policy = self.policy
         model = req.model
         own_s = policy.costs.prefill_s(model, req.context_tokens)
         best_at, best_id, best_group = _INF, None, None  # the earliest end, ties to the first instance
-        held_at, held_id, held_group = _INF, None, None  # the same among mixed instances holding the model
+        held_at, held_id, held_group = _INF, None, None  # the same among mixed instances holding the model, where
+        # its decode joins the round without switches
         for inst in self.by_tp.get(policy.models[model].tp, []):
             if inst.lost:
                 continue
@@ -120,13 +127,15 @@ class PrefillSide:
             inst_ends = ends.get(iid)
             if inst_ends is None:
                 inst_ends = ends[iid] = self._group_ends(inst, now)
-            index = -1  # the first group of the model with room (loops, not next(genexpr): once per request and instance)
+            prefill_s = own_s * self._stretch(inst)
+            # the first group of the model with room (loops, not next(genexpr): once per request and instance)
+            index = -1
             for k, candidate in enumerate(groups):
                 if candidate.model == model and len(candidate.ids) < policy.max_group_size:
                     index = k
                     break
             if index >= 0:
-                done_at, group = inst_ends[index] + own_s, groups[index]
+                done_at, group = inst_ends[index] + prefill_s, groups[index]
             else:
                 tail_model = inst.active
                 for candidate in reversed(groups):
@@ -136,10 +145,11 @@ class PrefillSide:
                 tail_at = inst_ends[-1] if inst_ends else max(now, self.busy_until.get(iid, now))
                 free = tail_model == model or (not groups and inst.prefetched == model)
                 switch_s = 0.0 if free else policy.switch_cost_s(iid, model)
-                done_at, group = tail_at + (1.0 + policy.switch_aversion) * switch_s + own_s, None
+                done_at, group = tail_at + (1.0 + policy.switch_aversion) * switch_s + prefill_s, None
             if best_id is None or done_at < best_at:
                 best_at, best_id, best_group = done_at, iid, group
             if inst.spec.role == "mixed" and (model in policy.weights[iid] or inst.active == model) \
+                    and self._fits_round(iid, model) \
                     and (held_id is None or done_at < held_at):
                 held_at, held_id, held_group = done_at, iid, group
         if held_id is not None and held_id != best_id \
@@ -147,10 +157,35 @@ class PrefillSide:
             return held_id, held_group  # a mixed instance holding the model, in time: its decode stays switch-free
         return None if best_id is None else (best_id, best_group)
 
+    def _fits_round(self, instance_id: str, model: str) -> bool:
+        """Whether `model`'s decode joins the round on the mixed instance without switches: it decodes there, or
+        the models decoding there and it fit the instance's weights together. A held model whose round does not
+        fit makes every turn there copy weights (quota turns of up to `max_quota_s` each, which the mean TPOT of
+        a short answer cannot absorb): the prompt goes where its prefill ends first instead."""
+        policy = self.policy
+        mix = policy.decode.states[instance_id].mix
+        if model in mix:
+            return True
+        held = policy.weights[instance_id]
+        return held.sizes[model] + sum(held.sizes[m] for m in mix) <= held.budget_bytes
+
+    def _stretch(self, inst: InstanceState) -> float:
+        """How much longer a prefill takes on the instance than alone: on a mixed one its decode batches take
+        their share of every TPOT period (the sum of their step times over the strictest TPOT SLO, as
+        `DecodeSide` counts load) beside it, in chunks or between turns; at most 10x."""
+        if inst.spec.role != "mixed":
+            return 1.0
+        state = self.policy.decode.states[inst.instance_id]
+        if not state.mix:
+            return 1.0
+        tpot = min(self.policy.models[m].tpot_slo_s for m in state.mix)
+        return 1.0 / max(0.1, 1.0 - state.load_s / tpot)
+
     def _group_ends(self, inst: InstanceState, now: float) -> list[float]:
         """Predicted finish of each queued group (a switch is hidden as far as the previous prefill lasts)."""
         costs, requests = self.policy.costs, self.policy.requests
         t = max(now, self.busy_until.get(inst.instance_id, now))
+        stretch = self._stretch(inst)
         model, previous_s, out = inst.active, 0.0, []
         for group in self.groups[inst.instance_id]:
             if group.ids:
@@ -159,7 +194,7 @@ class PrefillSide:
                     model = group.model
                 tokens = sum(requests[rid].context_tokens for rid in group.ids)
                 previous_s = costs.prefill_s(group.model, tokens, len(group.ids))
-                t += previous_s
+                t += previous_s * stretch
             out.append(t)
         return out
 

@@ -166,3 +166,48 @@ def test_a_waiting_prompt_caps_the_turn_when_queued_prompts_cannot_go_in_chunks(
     cut = [a for plan in _plans(log) if plan["at"] > 1.05 for a in plan["actions"].get("i0", ())
            if a["op"] == "Decode" and "a prompt waits" in a["reason"]]
     assert cut
+
+
+def test_a_quota_turn_counts_its_chunked_iterations_by_their_time():
+    """A quota turn on a mixed instance holds it for its quota's time: an iteration that carries prompt chunks
+    beside the batch's step (0.08 s here) counts as the decode steps of its time (4 of 0.02 s), not as one step.
+    Three models that do not fit the weights together, so turns are quota turns (c0 > 0) of ~2 s; m0's prompts
+    stream in and go in chunks during m0's turns. (Counted as one step each, an m0 turn of 98 steps ran 32
+    chunked iterations: 2.6 s of compute, 4.2 s wall, while m1's and m2's batches waited.) Only the prompt in
+    flight when the quota is spent may run on to its last chunk (switched away, its rest would be prefilled
+    whole, stalling every batch)."""
+    import re
+
+    from tests.factories import make_instances
+    step_s, tpot = 0.02, 0.1
+    models = make_models(3, tpot_s=tpot, ttft_s=10.0, weight_gb=30.0)  # two fit the 60 GB of weights, not three
+    instances = make_instances(1, roles=["mixed"])
+    requests = [make_request(r, m, at, 100, 3000) for r, m, at in (("a", "m0", 0.0), ("b", "m1", 0.05),
+                                                                     ("c", "m2", 0.1))]
+    requests += [make_request(f"p{k}", "m0", 5.0 + 0.5 * k, 2000, 3) for k in range(16)]
+    costs = LinearCosts(step_s=step_s)
+    log = io.StringIO()
+    sim, _ = run_sim("token-level", models, instances, requests, costs, plan_log=log)
+    turns: list[tuple[int, float]] = []  # per quota turn of m0: its quota in steps, the compute its Decodes took
+    current: list | None = None
+    for plan in _plans(log):
+        for a in plan["actions"].get("i0", ()):
+            if a["op"] != "Decode":
+                continue
+            started = re.search(r"(\w+) turn \(quota (\d+) steps\)", a["reason"])
+            if started or "due first" in a["reason"] or a["reason"].startswith("joint"):
+                current = [int(started.group(2)), 0.0] if started and started.group(1) == "m0" else None
+                if current is not None:
+                    turns.append(current)  # type: ignore[arg-type]
+            if current is None:
+                continue
+            chunks = a.get("prefill_chunks") or ()
+            tokens = sum(t for _, t in chunks)
+            one = costs.mixed_step_s("m0", len(a["request_ids"]), 0, tokens, len(chunks)) if chunks else step_s
+            current[1] += one * a["max_steps"]
+    chunked = [(quota, took) for quota, took in turns if took > quota * step_s / 2]
+    assert chunked, "m0's turns should carry its prompts' chunks"
+    prompt_s = 5 * 0.8 * tpot  # a 2,000-token prompt's chunks: 4 iterations of 0.08 s (and a short fifth)
+    for quota, took in chunked:
+        assert took <= quota * step_s + prompt_s, (quota, took)
+    assert all(sim.records[r].finished_at is not None for r in "abc")
