@@ -65,17 +65,20 @@ whole prefills and took the shipped fleet from 16 to 22 H20s). Dispatch keeps
 a prompt on a mixed instance that holds its model's weights, where its decode
 joins the round without switches (the models decoding there and it fit the
 weights together), while its prefill there is predicted to end within
-`mixed_affinity` (1.0) of its TTFT SLO, the prediction stretched by the
-instance's decode share: elsewhere each turn of it may copy weights. A prompt
+`mixed_affinity` (1.0) of its TTFT SLO - the prediction counting the started
+prompts' chunks left and stretched by the instance's decode share, not the
+whole of the decode turn running there (a prompt ends an open-ended turn or
+goes beside it in chunks) - its KV fits and no group queued there is pushed
+past its TTFT SLO: elsewhere each turn of it may copy weights. A prompt
 arriving ends an open-ended turn. A quota turn counts a chunked iteration as
 the decode steps of its predicted time (mixed_iteration_s; counted as one
 step, an 80 ms iteration beside a 13 ms step on the shipped fleet's TP2 class,
 a turn held the instance for several times its quota while the other batches
 waited), but runs on to its prompt's last chunk. Measured: the shipped fleet
 22 -> 16 H20s (BENCHMARKS.md, issue 35); seeds 0-7 from 16/18/16/18/16/16/18/18
-to 16/16/18/16/16/16/16/16 (the TP2 class's two mixed instances: the held-only
-rule at 0.3, unstretched, spread the four TP2 models over both instances, so
-nearly every round switched weights).
+to 16 on every seed (the TP2 class's two mixed instances: a mixed instance
+looked busy for the whole of its open-ended turn, so dispatch spread the four
+TP2 models over both instances and nearly every round switched weights).
 
 The code reads in three parts: this module plans each instance by its role and
 routes events; `token_prefill.PrefillSide` holds the groups, dispatch and the

@@ -7,9 +7,11 @@ at the tail, whose switch counts `1 + switch_aversion` times. An instance prefil
 up to a token budget), switching when the group's model is not loaded, and prefetches the next group's
 model while it computes.
 
-On a mixed instance the prediction counts its decode batches' share of the time (`_stretch`), and a prompt
-stays on a mixed instance holding its model, in time for its TTFT SLO, where its decode joins the round
-without switches (`_fits_round`).
+On a mixed instance the prediction counts the chunks left of the prompts it has started and its decode
+batches' share of the time (`_stretch`), not the whole decode turn planned there (a prompt ends an open-ended
+turn or goes beside it in chunks), and a prompt stays on a mixed instance holding its model, in time
+for its TTFT SLO, where its decode joins the round without switches (`_fits_round`), its KV fits and no
+group queued there is pushed past its TTFT SLO.
 
 On a prefill instance the prompt's KV then goes to host memory for a decode instance; with
 `first_tokens` > 1 the instance first decodes that many tokens where weights and KV already are (the
@@ -111,8 +113,10 @@ class PrefillSide:
                        ends: dict[str, list[float]]) -> tuple[str, Group | None] | None:
         """The instance (and group to join, None = a new one at the tail) where `req`'s prefill is predicted
         to finish first: joining a group of its model saves a switch, a shorter queue saves waiting. A mixed
-        instance that holds the model, where its decode joins the round without switches (`_fits_round`), keeps
-        it while its prefill there is predicted to end within `mixed_affinity` of its TTFT SLO."""
+        instance that holds the model keeps it while its prefill there is predicted to end within `mixed_affinity`
+        of its TTFT SLO, where its decode joins the round without switches (`_fits_round`), its KV fits beside the
+        prompts queued there (`_kv_room`) and the groups it would delay still keep their TTFT SLOs
+        (`_keeps_deadlines`)."""
         policy = self.policy
         model = req.model
         own_s = policy.costs.prefill_s(model, req.context_tokens)
@@ -149,13 +153,36 @@ class PrefillSide:
             if best_id is None or done_at < best_at:
                 best_at, best_id, best_group = done_at, iid, group
             if inst.spec.role == "mixed" and (model in policy.weights[iid] or inst.active == model) \
-                    and self._fits_round(iid, model) \
-                    and (held_id is None or done_at < held_at):
+                    and self._fits_round(iid, model) and (held_id is None or done_at < held_at) \
+                    and (index < 0 or self._keeps_deadlines(iid, inst_ends, index, prefill_s)) \
+                    and self._kv_room(inst, req):
                 held_at, held_id, held_group = done_at, iid, group
         if held_id is not None and held_id != best_id \
                 and held_at - req.arrival_at <= policy.mixed_affinity * policy.models[model].ttft_slo_s:
             return held_id, held_group  # a mixed instance holding the model, in time: its decode stays switch-free
         return None if best_id is None else (best_id, best_group)
+
+    def _kv_room(self, inst: InstanceState, req: Request) -> bool:
+        """Whether the instance's free device KV holds `req` beside the prompts queued there."""
+        policy = self.policy
+        need = policy.kv_need_bytes(req)
+        for group in self.groups[inst.instance_id]:
+            for rid in group.ids:
+                need += policy.kv_need_bytes(policy.requests[rid])
+        return need <= inst.kv_free_bytes
+
+    def _keeps_deadlines(self, instance_id: str, inst_ends: list[float], index: int, extra_s: float) -> bool:
+        """Whether the groups queued behind group `index` still end within their TTFT SLOs when it takes
+        `extra_s` more."""
+        policy = self.policy
+        groups = self.groups[instance_id]
+        for k in range(index + 1, len(groups)):
+            group = groups[k]
+            if group.ids:
+                first = min(policy.requests[rid].arrival_at for rid in group.ids)
+                if inst_ends[k] + extra_s > first + policy.models[group.model].ttft_slo_s:
+                    return False
+        return True
 
     def _fits_round(self, instance_id: str, model: str) -> bool:
         """Whether `model`'s decode joins the round on the mixed instance without switches: it decodes there, or
@@ -171,21 +198,30 @@ class PrefillSide:
 
     def _stretch(self, inst: InstanceState) -> float:
         """How much longer a prefill takes on the instance than alone: on a mixed one its decode batches take
-        their share of every TPOT period (the sum of their step times over the strictest TPOT SLO, as
-        `DecodeSide` counts load) beside it, in chunks or between turns; at most 10x."""
+        their share of every TPOT period (the sum of their step times, a model's members cut into batches of
+        `max_batch_size`, over the strictest TPOT SLO) beside it, in chunks or between turns; at most 10x."""
         if inst.spec.role != "mixed":
             return 1.0
         state = self.policy.decode.states[inst.instance_id]
         if not state.mix:
             return 1.0
-        tpot = min(self.policy.models[m].tpot_slo_s for m in state.mix)
-        return 1.0 / max(0.1, 1.0 - state.load_s / tpot)
+        policy = self.policy
+        tpot, share = _INF, 0.0
+        for model, (count, context, step_s) in state.mix.items():
+            tpot = min(tpot, policy.models[model].tpot_slo_s)
+            batches = -(-count // policy.max_batch_size)
+            share += step_s if batches == 1 else batches * policy.costs.decode_step_s(model, count // batches,
+                                                                                      context // batches)
+        return 1.0 / max(0.1, 1.0 - share / tpot)
 
     def _group_ends(self, inst: InstanceState, now: float) -> list[float]:
-        """Predicted finish of each queued group (a switch is hidden as far as the previous prefill lasts)."""
+        """Predicted finish of each queued group (a switch is hidden as far as the previous prefill lasts), after
+        the chunks left of the prompts a mixed instance has started."""
         costs, requests = self.policy.costs, self.policy.requests
         t = max(now, self.busy_until.get(inst.instance_id, now))
         stretch = self._stretch(inst)
+        for rid, left in inst.prefilling.items():  # a mixed instance's started prompts: their chunks go first
+            t += costs.prefill_s(requests[rid].model, left) * stretch
         model, previous_s, out = inst.active, 0.0, []
         for group in self.groups[inst.instance_id]:
             if group.ids:
@@ -287,8 +323,10 @@ class PrefillSide:
                 took += self.policy.iteration_s(act.request_ids, act.prefill_chunks)
             elif isinstance(act, Decode):
                 ctx = sum(requests[rid].context_tokens for rid in act.request_ids)
-                took += act.max_steps * costs.decode_step_s(requests[act.request_ids[0]].model,
-                                                            len(act.request_ids), ctx)
+                # on a mixed instance a prompt goes beside the next step or ends the turn: its decode share is
+                # in the prediction's stretch (_stretch), not a wait for the whole turn
+                steps = 1 if inst.spec.role == "mixed" else act.max_steps
+                took += steps * costs.decode_step_s(requests[act.request_ids[0]].model, len(act.request_ids), ctx)
         return took
 
     # ---- events ----------------------------------------------------------------

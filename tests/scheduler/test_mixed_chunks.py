@@ -211,3 +211,33 @@ def test_a_quota_turn_counts_its_chunked_iterations_by_their_time():
     for quota, took in chunked:
         assert took <= quota * step_s + prompt_s, (quota, took)
     assert all(sim.records[r].finished_at is not None for r in "abc")
+
+
+def test_dispatch_predicts_a_mixed_instance_by_its_prompts_not_its_open_ended_turn():
+    """Dispatch predicts when a prompt's prefill would end on a mixed instance from the prompts ahead of it,
+    the chunks left of the one started included, not from the decode turn running there (a prompt ends an
+    open-ended turn or goes in chunks beside it; the decode's share stretches the prediction). b (26,000 tokens)
+    arrives while i0, holding m0, decodes d: it stays on i0 and goes in chunks (~3.8 s) beside d. q (10,000
+    tokens) arrives while b's chunks go: behind them it would take its first token ~5 s after arriving, so it
+    goes to i1 (a switch, then a whole prefill). (i0 used to look busy for the whole of d's open-ended turn,
+    2,999 steps, so b went to i1 and pulled m0's weights there.)"""
+    from tests.factories import make_instances
+    models = make_models(1, tpot_s=0.1, ttft_s=4.0)
+    instances = make_instances(2, roles=["mixed", "mixed"])
+    requests = [make_request("d", "m0", 0.0, 100, 3000), make_request("b", "m0", 1.0, 26000, 5),
+                make_request("q", "m0", 1.1, 10000, 5)]
+    log = io.StringIO()
+    sim, _ = run_sim("token-level", models, instances, requests, LinearCosts(step_s=0.02), plan_log=log)
+    where: dict[str, set[str]] = {}
+    for plan in _plans(log):
+        for iid, acts in plan["actions"].items():
+            for a in acts:
+                for rid in a.get("request_ids", ()) if a["op"] == "Prefill" else ():
+                    where.setdefault(rid, set()).add(iid)
+                for rid, _ in a.get("prefill_chunks") or ():
+                    where.setdefault(rid, set()).add(iid)
+    assert where["d"] == where["b"] == {"i0"}
+    assert where["q"] == {"i1"}
+    for rid in ("b", "q"):
+        record = sim.records[rid]
+        assert record.first_token_at is not None and record.first_token_at - record.arrival_at <= 4.0, rid
