@@ -10,9 +10,11 @@ with real length distributions (ShareGPT pairs, or the production trace's own to
 
 It prints one table: GPUs per policy, the floor no policy gets under (prefill load + the best-batched decode
 load, sims.capacity_eval.ClassInfo.floor_instances) and whether token-level needs no more than every other
-policy. `--json PATH` writes the rows. CPU-heavy: `--duration 120` while iterating; the recorded run uses 600 s.
+policy (of those run: `--policies token-level` runs that column alone, to recheck it after a policy
+change against the others' recorded columns). `--json PATH` writes the rows. CPU-heavy: `--duration 120`
+while iterating; the recorded run uses 300 s.
 
-    PYTHONPATH=. python benchmarks/capacity_matrix.py --duration 600 --json benchmarks/out/capacity_matrix.json
+    PYTHONPATH=. python benchmarks/capacity_matrix.py --duration 300 --json benchmarks/out/capacity_matrix.json
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ def fleet_of(name: str, gpu: str):  # noqa: ANN201 - a scheduler.fleet.Fleet
     return FLEETS[name].fleet(gpu, num_gpus=8)
 
 
-def cell(fleet_name: str, arrivals: str, duration_s: float, seed: int, target: float) -> dict:
+def cell(fleet_name: str, arrivals: str, duration_s: float, seed: int, target: float,
+         policies: tuple[str, ...] = POLICIES) -> dict:
     gpu, rate = FLEET_LOADS[fleet_name]
     fleet = fleet_of(fleet_name, gpu)
     if rate == 0.0:  # the shipped fleet at its own traffic hints
@@ -56,18 +59,19 @@ def cell(fleet_name: str, arrivals: str, duration_s: float, seed: int, target: f
     goal = Goal(target)
     ctx = Context(fleet, workload, None, stop_below=target)
     started = time.perf_counter()
-    result = study(ctx, StudyConfig(POLICIES, (gpu,), goal, None), InlineEvaluator(lambda p: evaluate(ctx, p)),
+    result = study(ctx, StudyConfig(policies, (gpu,), goal, None), InlineEvaluator(lambda p: evaluate(ctx, p)),
                    lambda jobs: [run_pool(ctx, *job) for job in jobs])
     floor = sum(info.floor_instances * info.tp for info in class_infos(ctx, gpu).values())
     row = {"fleet": fleet_name, "arrivals": arrivals, "gpu": gpu, "rate_rps": round(rate, 3),
            "requests": len(workload), "floor": floor, "wall_s": round(time.perf_counter() - started, 1)}
-    for policy in POLICIES:
+    for policy in policies:
         answer = result.answer(policy)
         row[policy] = answer.gpus if answer is not None and answer.met else None
         if answer is not None and answer.met and policy == "token-level":
             row["token-level layout"] = " ".join(layout.label() for layout in answer.layouts)
-    others = [row[p] for p in POLICIES if p != "token-level" and row[p] is not None]
-    row["token-level <= others"] = row["token-level"] is not None and all(row["token-level"] <= n for n in others)
+    if "token-level" in policies:
+        others = [row[p] for p in policies if p != "token-level" and row[p] is not None]
+        row["token-level <= others"] = row["token-level"] is not None and all(row["token-level"] <= n for n in others)
     return row
 
 
@@ -78,29 +82,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", type=float, default=0.99, help="per-request SLO attainment target")
     parser.add_argument("--fleets", default=",".join(FLEET_LOADS))
     parser.add_argument("--arrivals", default=",".join(ARRIVALS))
+    parser.add_argument("--policies", default=",".join(POLICIES),
+                        help="comma-separated; one policy's column alone (e.g. token-level after a policy change)")
     parser.add_argument("--json", type=Path, help="write the rows here")
     args = parser.parse_args(argv)
+    policies = tuple(p for p in POLICIES if p in args.policies.split(","))
+    unknown = set(args.policies.split(",")) - set(POLICIES)
+    if unknown or not policies:
+        parser.error(f"--policies: unknown {sorted(unknown)}; choose from {', '.join(POLICIES)}")
+    tl = "token-level" in policies
     rows = []
-    header = f"{'fleet':8} {'arrivals':11} {'GPU':5} {'req/s':>6} " + " ".join(f"{p:>13}" for p in POLICIES) + \
-        f" {'floor':>6} {'TL/floor':>8}  TL<=all"
+    header = f"{'fleet':8} {'arrivals':11} {'GPU':5} {'req/s':>6} " + " ".join(f"{p:>13}" for p in policies) + \
+        f" {'floor':>6}" + (f" {'TL/floor':>8}  TL<=all" if tl else "")
     print(header)
     for fleet_name in args.fleets.split(","):
         for arrivals in args.arrivals.split(","):
             try:
-                row = cell(fleet_name, arrivals, args.duration, args.seed, args.target)
+                row = cell(fleet_name, arrivals, args.duration, args.seed, args.target, policies)
             except Exception as exc:  # noqa: BLE001 - a missing trace file skips its cells, named
                 print(f"{fleet_name:8} {arrivals:11} skipped: {exc}")
                 continue
             rows.append(row)
-            ratio = row["token-level"] / row["floor"] if row["token-level"] else math.nan
-            print(f"{fleet_name:8} {arrivals:11} {row['gpu']:5} {row['rate_rps']:6.1f} "
-                  + " ".join(f"{row[p] if row[p] is not None else 'unmet':>13}" for p in POLICIES)
-                  + f" {row['floor']:6d} {ratio:8.2f}  {'yes' if row['token-level <= others'] else 'NO'}",
-                  flush=True)
+            line = f"{fleet_name:8} {arrivals:11} {row['gpu']:5} {row['rate_rps']:6.1f} " \
+                + " ".join(f"{row[p] if row[p] is not None else 'unmet':>13}" for p in policies) + f" {row['floor']:6d}"
+            if tl:
+                ratio = row["token-level"] / row["floor"] if row["token-level"] else math.nan
+                line += f" {ratio:8.2f}  {'yes' if row['token-level <= others'] else 'NO'}"
+            print(line, flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"duration_s": args.duration, "seed": args.seed, "target": args.target,
-                                         "rows": rows}, indent=1) + "\n")
+                                         "policies": list(policies), "rows": rows}, indent=1) + "\n")
     return 0
 
 
