@@ -109,7 +109,7 @@ class HostPoints(_Frozen):
     answer to the token at the request's stream (`deliver_s`)."""
 
     backend: Literal["ray", "processes", "threads"] = Field(
-        "threads", description="Where the engine calls ran (pool.config.PoolConfig.backend): serve's default on "
+        default="threads", description="Where the engine calls ran (pool.config.PoolConfig.backend): serve's default on "
         "the device measured (modelpool.serve.default_backend). Files written before the field: threads.")
     step_s_by_batch: dict[int, float] = Field(default_factory=dict)
     admit_s: list[float] = Field(default_factory=list)
