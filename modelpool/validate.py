@@ -190,7 +190,8 @@ def simulated(layout: SimLayout, workload: Workload,
                        tpot_s=((record.finished_at - record.first_token_at) / (record.generated - 1)
                                if record.generated > 1 else None))
         rows.append(row)
-    return rows, int(result.metrics["num_model_switches"]), int(result.metrics["num_weight_copies"])
+    # weight copies past each instance's first of each model: the live pool's warm-up made those before the loads
+    return rows, int(result.metrics["num_model_switches"]), int(result.metrics["num_weight_recopies"])
 
 
 def clip_lengths(workload: Workload, max_input: int, max_output: int) -> Workload:

@@ -129,6 +129,8 @@ class _Device:
     num_switches: int = 0  # Switch actions (a change of the model computed with; free where it is held)
     num_model_switches: int = 0  # plans that changed the models it computes with (scheduler.instance.resident_after)
     num_weight_copies: int = 0  # models' weights copied onto it (scheduler.instance.ModelSlots: switch or prefetch)
+    copied: set[str] = field(default_factory=set)  # models copied onto it at least once (their first copy is cold)
+    num_weight_recopies: int = 0  # copies of a model it had held before (a live pool's warm-up makes the first)
     switch_s: float = 0.0
     switch_s_by_model: dict[str, list[float]] = field(default_factory=dict)  # each switch's wait, by model
     kv_moved_bytes: float = 0.0
@@ -404,7 +406,7 @@ class Simulator:
         except RefusedAction as err:
             raise InvariantViolation(f"{iid}: {err}") from None
         if copy:
-            dev.num_weight_copies += 1
+            self._count_copy(dev, action.model)
             took = self.costs.switch_s(action.model)
             if self.links is not None:
                 took = self.links.copy_end_at(iid, True, t, took, self.now) - t
@@ -414,13 +416,21 @@ class Simulator:
         self._push(t + took, COMPLETION, SwitchDone(iid, action.model), dev)
         return t + took
 
+    @staticmethod
+    def _count_copy(dev: _Device, model: str) -> None:
+        dev.num_weight_copies += 1
+        if model in dev.copied:
+            dev.num_weight_recopies += 1
+        else:
+            dev.copied.add(model)
+
     def _prefetch(self, iid: str, dev: _Device, action: Prefetch, t: float) -> float:
         try:
             copying = dev.slots.prefetch(action.model, t, action.keep)  # else resident or cached already
         except RefusedAction as err:
             raise InvariantViolation(f"{iid}: {err}") from None
         if copying:
-            dev.num_weight_copies += 1
+            self._count_copy(dev, action.model)
             dev.slots.set_ready(action.model, self._copy_end(iid, True, t, self.costs.switch_s(action.model)))
         return t
 
