@@ -18,6 +18,17 @@ queue while the requests admitted run on (back-pressure, never a cycle).
 Counted with each request's whole reservation (prompt plus `max_tokens`), as
 the device's budget is.
 
+A prefilled request handed over to a decode instance is admitted by the same
+rule, and its KV arrives in host memory (the engine imports it there before
+restoring it to the device), so that memory must take it beside what it holds
+(`in_host`); where no decode instance's tiers take it, it waits with its KV
+where it was prefilled and joins when room frees (token_decode). Before, every
+hand-off joined a decode instance unchecked: its homed KV grew without bound,
+its turn switches swapped out into a full host store and the engine refused
+(validate mixed-onoff at the knee on an H100: 2 and 6 refusals, 157 of 162 and
+218 of 228 prompts prefilled again, attainment 71.6% and 14.0% against 99.4%
+and 96.5% simulated).
+
 Unbounded host memory (None, the simulator's default) changes nothing.
 """
 
@@ -41,12 +52,24 @@ def host_kv_used(policy: PolicyBase, inst: InstanceState) -> float:
                and r.request_id not in on_device)
 
 
-def tiers_admit(policy: PolicyBase, inst: InstanceState, need_bytes: float) -> bool:
-    """Whether one more request of `need_bytes` keeps every request homed on `inst` within its larger KV tier."""
+def tiers_admit(policy: PolicyBase, inst: InstanceState, need_bytes: float, in_host: bool = False) -> bool:
+    """Whether one more request of `need_bytes` keeps every request homed on `inst` within its larger KV tier;
+    `in_host`: its KV arrives in host memory (a hand-off), which must take it too."""
     host = inst.spec.host_kv_bytes
     if host is None:
         return True
-    return inst.kv_used_bytes + host_kv_used(policy, inst) + need_bytes <= max(inst.kv_capacity_bytes, host)
+    used = host_kv_used(policy, inst)
+    if in_host and used + need_bytes > host:
+        return False
+    return inst.kv_used_bytes + used + need_bytes <= max(inst.kv_capacity_bytes, host)
+
+
+def tiers_ever_admit(inst: InstanceState, need_bytes: float, in_host: bool = False) -> bool:
+    """Whether `inst`'s tiers admit a request of `need_bytes` once nothing else is homed there."""
+    host = inst.spec.host_kv_bytes
+    if host is None:
+        return True
+    return (not in_host or need_bytes <= host) and need_bytes <= max(inst.kv_capacity_bytes, host)
 
 
 def host_takes(policy: PolicyBase, inst: InstanceState, request_ids: Iterable[str]) -> bool:

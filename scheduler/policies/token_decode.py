@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Final
 
 from scheduler.plan import Action, Decode, SwapIn
 from scheduler.policies.base import InstanceState
+from scheduler.policies.kv_tiers import tiers_admit, tiers_ever_admit
 from scheduler.quotas import first_decode_quota
 from scheduler.request import SWAPPED, Request
 
@@ -159,6 +160,8 @@ class DecodeSide:
         self.states: dict[str, DecodeState] = {}
         self.by_tp: dict[int, list[InstanceState]] = {}  # decode and mixed instances per TP, in order
         self.first_token_at: dict[str, float] = {}  # request -> when its prefill (first token) ended
+        # prefilled requests no decode instance's KV tiers take yet (kv_tiers), FCFS -> the instance holding their KV
+        self.waiting: dict[str, str | None] = {}
         for inst in policy.instances.values():
             if inst.spec.role in ("decode", "mixed"):
                 self.states[inst.instance_id] = DecodeState()
@@ -387,20 +390,27 @@ class DecodeSide:
         return out
 
     # ---- placing prefilled requests ------------------------------------------------
-    def join_decoder(self, req: Request) -> None:
-        """Place a prefilled request on the decode instance of its TP where it adds least load (ties by id)."""
+    def join_decoder(self, req: Request) -> bool:
+        """Place a prefilled request on the decode instance of its TP where it adds least load (ties by id), among
+        those whose KV tiers take it (kv_tiers: its KV arrives in host memory); where none does yet, it waits with
+        its KV where it is (`join_waiting` places it once room frees). Returns whether it was placed."""
         policy = self.policy
         model = req.model
+        need = policy.kv_need_bytes(req)
+        live = [inst for inst in self.by_tp.get(policy.models[model].tp, []) if not inst.lost]
+        takes = [inst for inst in live if tiers_admit(policy, inst, need, in_host=True)]
+        if not takes and any(tiers_ever_admit(inst, need, in_host=True) for inst in live):
+            self.waiting.setdefault(req.request_id, req.instance_id)
+            return False
         estimate = _context_estimate(req)
         # the load it adds where its model is not held yet: the same on every such instance
         fresh = policy.costs.decode_step_s(model, 1, estimate), \
             policy.costs.switch_s(model) * policy.models[model].tpot_slo_s / policy.round_target_s
         # the least load, ties to the smallest id; compared by hand, and due_at a loop, not min() over tuples or a
-        # generator: compiled, the two cost 3.5% of the event loop's CPU under token-level
+        # generator: compiled, the two cost 3.5% of the event loop's CPU under token-level. Where no instance would
+        # take it even empty, any instance may (as before: the engine decides)
         best_load, best_id = _INF, None
-        for inst in self.by_tp.get(policy.models[model].tp, []):
-            if inst.lost:
-                continue
+        for inst in takes or live:
             iid = inst.instance_id
             load = self._load_after(self.states[iid], model, estimate,
                                     fresh if model not in policy.weights[iid] else (fresh[0], 0.0))
@@ -409,8 +419,24 @@ class DecodeSide:
         if best_id is None:
             req.instance_id = None
             policy.fail(req, f"no decode instance of TP{policy.models[model].tp} left")
-            return
+            return True
+        self.waiting.pop(req.request_id, None)
         self.join(policy.instances[best_id], req)
+        return True
+
+    def join_waiting(self) -> None:
+        """Place the waiting prefilled requests that the decode instances' tiers take now, FCFS within a TP (a
+        request that still waits holds back the later ones of its TP); those re-queued or ended meanwhile go."""
+        policy = self.policy
+        held: set[int] = set()
+        for rid, home in list(self.waiting.items()):
+            req = policy.requests.get(rid)
+            if req is None or req.done or req.status is not SWAPPED or req.instance_id != home:
+                del self.waiting[rid]
+                continue
+            tp = policy.models[req.model].tp
+            if tp not in held and not self.join_decoder(req):
+                held.add(tp)
 
     def join(self, inst: InstanceState, req: Request) -> None:
         policy = self.policy

@@ -217,6 +217,8 @@ class TokenLevelPolicy(PolicyBase):
 
     def _plan(self, now: float) -> dict[str, list[Action]]:
         self._now = now
+        if self.decode.waiting:  # prefilled requests waiting for room on a decode instance (kv_tiers)
+            self.decode.join_waiting()
         if self._queued_news:
             self._queued_news = False
             self.prefill.dispatch(now)
