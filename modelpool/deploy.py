@@ -185,13 +185,18 @@ VLLM_KV_SHARE = 0.75  # of a vLLM engine's KV cache its requests can count on (i
 
 def engine_regions(dep: Deployment) -> list[InstanceSpec]:
     """The deployment's instances with the KV and model regions their engines are configured with
-    (`kv_bytes`; the rest of `memory_bytes` holds weights): the memory split the live pool's scheduler plans
-    with once the engines report it (pool.served.plan_kv), for a simulation of the same pool. Unchanged where the
-    engine takes no KV size (the sim engine without one)."""
+    (`kv_bytes`; the rest of `memory_bytes` holds weights) and the host KV store each engine may fill
+    (`max_host_kv_bytes`, as `host_kv_bytes`): the memory split and host bound the live pool's scheduler plans
+    with once the engines report them (pool.served.plan_kv, less the engine's slab and block rounding), for a
+    simulation of the same pool. Without the host bound the simulated decode instances took every hand-off, where
+    the live engines refused them (validate mixed-onoff at the knee). Unchanged where the engine takes no KV size
+    (the sim engine without one); host KV unbounded where the engine takes no bound (CPU slots)."""
     kv = dep.engine.options.get("kv_bytes")
     if not kv:
         return list(dep.instances)
-    return [dataclasses.replace(spec, kv_bytes=float(kv), weight_bytes=float(spec.memory_bytes - int(kv)))
+    host = dep.engine.options.get("max_host_kv_bytes")
+    return [dataclasses.replace(spec, kv_bytes=float(kv), weight_bytes=float(spec.memory_bytes - int(kv)),
+                                host_kv_bytes=float(host) if host else None)
             for spec in dep.instances]
 
 

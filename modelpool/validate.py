@@ -387,7 +387,8 @@ def validate_scenario(name: str, profile: str | None, duration_s: float | None, 
         "profile": layout.profile, "duration_s": duration_s, "seed": seed, "knee_rps": knee,
         "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "max_output_tokens": spec.max_output_tokens,
         "quick": quick, "tiny": num_gpus == 0,
-        "layout": {"instances": [[i.instance_id, i.tp, i.memory_bytes, i.role, i.kv_bytes, i.weight_bytes]
+        "layout": {"instances": [[i.instance_id, i.tp, i.memory_bytes, i.role, i.kv_bytes, i.weight_bytes,
+                                    i.host_kv_bytes]
                                  for i in layout.instances],
                    "gpu_of": layout.gpu_of},
         "loads": {load: {"rate_rps": rates[load], "requests": len(workloads[load]),
@@ -429,12 +430,13 @@ def simulate_report(report: dict[str, Any], layout: SimLayout, workloads: Mappin
 
 def recorded_instance(row: Sequence[Any]) -> Any:
     """An instance of a report's layout: [id, tp, memory, role], then (recorded since session 22) the KV and model
-    regions of its engine (older reports: none, and the simulated scheduler sizes them itself)."""
+    regions of its engine (older reports: none, and the simulated scheduler sizes them itself), then (since
+    session 23) its engine's host KV bound (older reports: none, unbounded as simulated then)."""
     from scheduler import InstanceSpec
 
     iid, tp, memory, role, *regions = row
-    kv, weights = (list(regions) + [None, None])[:2]
-    return InstanceSpec(iid, tp, memory, role, kv_bytes=kv, weight_bytes=weights)
+    kv, weights, host = (list(regions) + [None, None, None])[:3]
+    return InstanceSpec(iid, tp, memory, role, kv_bytes=kv, weight_bytes=weights, host_kv_bytes=host)
 
 
 def resimulate(recorded: Path, profile: str | None, out_dir: Path, traces_dir: Path | None = None) -> dict[str, Any]:

@@ -194,10 +194,13 @@ def test_the_simulated_layout_plans_with_the_engines_own_kv_and_model_regions(tm
     layout = sim_layout(path, 1, None)
     kv = dep.engine.options["kv_bytes"]
     assert [(s.instance_id, s.role) for s in layout.instances] == [(s.instance_id, s.role) for s in dep.instances]
+    host = dep.engine.options["max_host_kv_bytes"]  # the engines' host KV bound, as the live plan has it (plan_kv)
     for spec in layout.instances:
-        assert spec.kv_bytes == kv and spec.weight_bytes == spec.memory_bytes - kv
-        row = [spec.instance_id, spec.tp, spec.memory_bytes, spec.role, spec.kv_bytes, spec.weight_bytes]
+        assert spec.kv_bytes == kv and spec.weight_bytes == spec.memory_bytes - kv and spec.host_kv_bytes == host
+        row = [spec.instance_id, spec.tp, spec.memory_bytes, spec.role, spec.kv_bytes, spec.weight_bytes,
+               spec.host_kv_bytes]
         assert recorded_instance(row) == spec  # a report's layout simulates again as it was
+    assert recorded_instance(row[:6]).host_kv_bytes is None  # reports before the host bound was recorded
     assert recorded_instance(row[:4]).kv_bytes is None  # reports before the regions were recorded
 
     def copies(instances: list) -> int:
