@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from modelpool.validate import (SimLayout, Targets, build_fleet, compare, knee_rate, model_config, side_figures,
-                               simulated, slo_of)
+                               sim_layout, simulated, slo_of)
 from sims.costmodel import RooflineCostModel
 from sims.run import build_instances, simulate
 from sims.scenarios import FLEETS, KNEE_ATTAINMENT, SCENARIOS
@@ -231,6 +231,24 @@ def test_the_simulated_layout_plans_with_the_engines_own_kv_and_model_regions(tm
     assert copies(layout.instances) <= 2 * len(FLEETS["eight"].names)  # each model onto each instance once at most
     by_load = [dataclasses.replace(s, kv_bytes=None, weight_bytes=None) for s in layout.instances]
     assert copies(by_load) > 4 * len(FLEETS["eight"].names)  # the old layout: copied over and over
+
+
+@pytest.mark.parametrize("rate", [10.0, 12.0])
+def test_the_simulated_h100_pool_with_its_host_kv_bound_ends_every_request_at_the_mixed_onoff_knee(
+        tmp_path: Path, rate: float) -> None:
+    """The simulated layout carries the engines' host KV bound (16 GB on the H100 fleets), so its decode instance
+    takes hand-offs only while its tiers hold them (kv_tiers) and the rest wait on the prefill instance, holding
+    back its prompts there. Each hand-off that leaves for the decode instance must let those prompts go: when
+    that was not news to the prefill instance, 49 of 185 requests (10 req/s, seed 1) and 135 of 261 (12 req/s)
+    never ended."""
+    path = build_fleet(FLEETS["mixed"], tmp_path / "mixed", "h100", tiny=False)
+    layout = sim_layout(path, 1, None)
+    assert {s.role: s.host_kv_bytes for s in layout.instances} == {"prefill": 16e9, "decode": 16e9}
+    workload = dataclasses.replace(SCENARIOS["mixed-onoff"], max_output_tokens=512).workload(rate, 15.0, seed=1)
+    result = simulate(layout.fleet, workload, "token-level", instances=layout.instances, gpu_of=layout.gpu_of,
+                      costs=layout.costs)
+    assert len(result.records) == len(workload)
+    assert [rid for rid, r in result.records.items() if r.failed or r.finished_at is None] == []
 
 
 def test_a_model_switch_is_a_plan_that_changes_the_models_an_instance_computes_with() -> None:

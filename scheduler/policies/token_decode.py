@@ -435,7 +435,12 @@ class DecodeSide:
                 del self.waiting[rid]
                 continue
             tp = policy.models[req.model].tp
-            if tp not in held and not self.join_decoder(req):
+            if tp in held:
+                continue
+            if self.join_decoder(req):
+                if home is not None and home in policy.instances:
+                    policy.touch(home)  # its KV no longer counts there: prompts held back by it may go now
+            else:
                 held.add(tp)
 
     def join(self, inst: InstanceState, req: Request) -> None:

@@ -54,7 +54,9 @@ NUM, RATE, STEP = 200, 10.0, 0.05  # ~70 s of load; decode steps slow enough tha
 def _run(host_gb: float | None):
     models = make_models(2, weight_gb=4.0, tpot_s=0.2, ttft_s=30.0)
     prefill, decode = make_instances(2, memory_gb=24.0, roles=["prefill", "decode"])
-    decode = dataclasses.replace(decode, kv_bytes=4 * GB, host_kv_bytes=None if host_gb is None else host_gb * GB)
+    host = None if host_gb is None else host_gb * GB  # both engines' host stores bounded, as in the live pool
+    prefill = dataclasses.replace(prefill, kv_bytes=4 * GB, host_kv_bytes=host)
+    decode = dataclasses.replace(decode, kv_bytes=4 * GB, host_kv_bytes=host)
     requests = make_workload(NUM, list(models), rate=RATE, max_prompt=2000, max_output=300)
     sim, sched = make_sim("token-level", models, [prefill, decode], requests, LinearCosts(step_s=STEP))
     store = RefusingHostStore("i1", (host_gb or 0) * GB, lambda rid: sched.kv_need_bytes(sched.requests[rid]))
