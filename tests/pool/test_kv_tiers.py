@@ -67,3 +67,47 @@ def test_more_requests_than_device_and_host_hold_all_finish_without_a_refusal(de
     assert ended == {f"r{k}": "length" for k in range(num_requests)}, ended
     assert tokens == {f"r{k}": max_tokens for k in range(num_requests)}
     assert state["kv_refusals"] == 0 and not state["lost_instances"]
+
+
+@pytest.mark.slow  # ~25 s on 2 cores (CI runs it)
+def test_more_hand_offs_than_the_decode_instance_holds_all_finish_without_a_refusal(
+        demo_models: dict[str, Path]) -> None:
+    """A prefill and a decode instance (issue 34/37, mixed-onoff at the knee on an H100): before, every prefilled
+    request joined the decode instance whatever its KV tiers held, and its engine refused the KV it could not
+    take (`import_kv` / `save_kv`: no free host blocks), re-queueing every request there. Now a hand-off the
+    decode instance's tiers cannot take waits with its KV on the prefill side and joins once room frees."""
+    model = served_model("tiny-llama", demo_models["tiny-llama"], dtype="float32")
+    kv = 2 * MiB  # four requests of 200 + 64 tokens
+    spec = EngineSpec("torch", {"dtype": "float32", "kv_bytes": kv, "host_slab_bytes": 256 << 10,
+                                "max_host_kv_bytes": 2 * MiB})
+    pool = LivePool([model], slot_instances(2, [model], kv, roles=["prefill", "decode"]), "token-level",
+                    LinearCosts(), PoolConfig(engine=spec, backend="inprocess")).start()
+    assert [s.host_kv_bytes for s in pool.planned_instances] == [2 * MiB, 2 * MiB]
+    num_requests, max_tokens = 16, 64
+    tokens: dict[str, int] = {}
+    ended: dict[str, str | BaseException] = {}
+
+    def sink(rid: str):
+        def take(item: TokenOut | BaseException) -> None:
+            if isinstance(item, BaseException):
+                ended[rid] = item
+                return
+            tokens[rid] = tokens.get(rid, 0) + 1
+            if item.finished:
+                ended[rid] = str(item.finish_reason)
+        return take
+
+    try:
+        for k in range(num_requests):
+            rid = f"r{k}"
+            pool.submit(rid, "tiny-llama", [5 + k % 7] * 200, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                        sink(rid))
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and len(ended) < num_requests:
+            time.sleep(0.2)
+        state = pool.status()
+    finally:
+        pool.stop()
+    assert ended == {f"r{k}": "length" for k in range(num_requests)}, ended
+    assert tokens == {f"r{k}": max_tokens for k in range(num_requests)}
+    assert state["kv_refusals"] == 0 and not state["lost_instances"]
