@@ -19,15 +19,17 @@ Counted with each request's whole reservation (prompt plus `max_tokens`), as
 the device's budget is.
 
 A prefilled request handed over to a decode instance is admitted by the same
-rule, and its KV arrives in host memory (the engine imports it there before
-restoring it to the device), so that memory must take it beside what it holds
-(`in_host`); where no decode instance's tiers take it, it waits with its KV
-where it was prefilled and joins when room frees (token_decode). Before, every
-hand-off joined a decode instance unchecked: its homed KV grew without bound,
-its turn switches swapped out into a full host store and the engine refused
-(validate mixed-onoff at the knee on an H100: 2 and 6 refusals, 157 of 162 and
-218 of 228 prompts prefilled again, attainment 71.6% and 14.0% against 99.4%
-and 96.5% simulated).
+rule, and its KV arrives in host memory (the engine's `import_kv` puts it
+there before `restore_kv` moves it to the device; KV staged in device memory
+goes straight to the device, so counting it there too only errs on the safe
+side), so that memory must take it beside what it holds (`in_host`); where no
+decode instance's tiers take it, it waits with its KV where it was prefilled,
+counted in that instance's tiers (back-pressure on its prompts), and joins
+when room frees (token_decode). Before, every hand-off joined a decode
+instance unchecked: its homed KV grew without bound, its turn switches swapped
+out into a full host store and the engine refused (validate mixed-onoff at the
+knee on an H100: 2 and 6 refusals, 157 of 162 and 218 of 228 prompts prefilled
+again, attainment 71.6% and 14.0% against 99.4% and 96.5% simulated).
 
 Unbounded host memory (None, the simulator's default) changes nothing.
 """

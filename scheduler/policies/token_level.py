@@ -15,7 +15,9 @@ the TPOT SLO (short answers finish there).
 
 Decode instances take each prefilled request where it adds least to the sum
 of batch step times (the share of every TPOT period the instance decodes),
-a model not yet held there counting its switch spread over `round_target_s`.
+a model not yet held there counting its switch spread over `round_target_s`,
+among those whose KV tiers (device and host memory, kv_tiers) take it; where
+none does, it waits with its KV on the prefill instance until one does.
 Members form same-model batches that fit the device KV. At each turn
 boundary the batch *due first* goes (earliest next-token deadline: first
 token + tokens so far * TPOT SLO), for `q_i / d_i` steps from
