@@ -39,34 +39,7 @@ def test_more_requests_than_device_and_host_hold_all_finish_without_a_refusal(de
     # 16 requests of 264 tokens (~0.53 MiB of KV each): the device holds 3-4 and the larger host store 7 more, so
     # 5 or more must wait in their queue under either store size, the load that cycled through refusals (24 proved
     # no more, at 1.5x the time)
-    num_requests, max_tokens = 16, 64
-    tokens: dict[str, int] = {}  # request -> tokens received
-    ended: dict[str, str | BaseException] = {}  # request -> finish reason, or the error it ended with
-
-    def sink(rid: str):
-        def take(item: TokenOut | BaseException) -> None:
-            if isinstance(item, BaseException):
-                ended[rid] = item
-                return
-            tokens[rid] = tokens.get(rid, 0) + 1
-            if item.finished:
-                ended[rid] = str(item.finish_reason)
-        return take
-
-    try:
-        for k in range(num_requests):
-            rid = f"r{k}"
-            pool.submit(rid, "tiny-llama", [5 + k % 7] * 200, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                        sink(rid))
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and len(ended) < num_requests:
-            time.sleep(0.2)
-        state = pool.status()
-    finally:
-        pool.stop()
-    assert ended == {f"r{k}": "length" for k in range(num_requests)}, ended
-    assert tokens == {f"r{k}": max_tokens for k in range(num_requests)}
-    assert state["kv_refusals"] == 0 and not state["lost_instances"]
+    _all_finish_without_a_refusal(pool, num_requests=16, max_tokens=64)
 
 
 @pytest.mark.slow  # ~25 s on 2 cores (CI runs it)
@@ -83,9 +56,14 @@ def test_more_hand_offs_than_the_decode_instance_holds_all_finish_without_a_refu
     pool = LivePool([model], slot_instances(2, [model], kv, roles=["prefill", "decode"]), "token-level",
                     LinearCosts(), PoolConfig(engine=spec, backend="inprocess")).start()
     assert [s.host_kv_bytes for s in pool.planned_instances] == [2 * MiB, 2 * MiB]
-    num_requests, max_tokens = 16, 64
-    tokens: dict[str, int] = {}
-    ended: dict[str, str | BaseException] = {}
+    _all_finish_without_a_refusal(pool, num_requests=16, max_tokens=64)
+
+
+def _all_finish_without_a_refusal(pool: LivePool, num_requests: int, max_tokens: int) -> None:
+    """Submit `num_requests` prompts of 200 tokens, wait for them (stopping the pool), and check every one got all
+    its tokens with no KV refusal and no instance lost."""
+    tokens: dict[str, int] = {}  # request -> tokens received
+    ended: dict[str, str | BaseException] = {}  # request -> finish reason, or the error it ended with
 
     def sink(rid: str):
         def take(item: TokenOut | BaseException) -> None:
