@@ -306,7 +306,10 @@ def test_a_tp2_instance_lost_with_its_node_resumes_on_the_other_and_gives_its_gr
             counts = result.counts()
             print(f"\nTP2 instance {victim} lost with its node holding {len(held)} requests; outcomes {counts}")
             assert counts == {"identical": len(sinks), "clean_errors": 0, "wrong": 0, "hung": 0, "lost": 0}, result
-            assert held and pool.status()["lost_instances"] == [victim]
+            assert held
+            # the loss is noticed by a failed call or the heartbeat, whichever comes first: where the held requests'
+            # last tokens beat the node's removal (a loaded CI machine), only the heartbeat tells (once in CI)
+            wait_until(lambda: pool.status()["lost_instances"] == [victim], 30, f"{victim}'s loss noticed")
             wait_until(lambda: sum(g["state"] == "CREATED" for g in placement_group_table().values()) == 1, 30,
                        "the lost instance's group removed")
             assert not [g for g in placement_group_table().values() if g["state"] == "PENDING"]
