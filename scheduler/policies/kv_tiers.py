@@ -57,21 +57,23 @@ def host_kv_used(policy: PolicyBase, inst: InstanceState) -> float:
 def tiers_admit(policy: PolicyBase, inst: InstanceState, need_bytes: float, in_host: bool = False) -> bool:
     """Whether one more request of `need_bytes` keeps every request homed on `inst` within its larger KV tier;
     `in_host`: its KV arrives in host memory (a hand-off), which must take it too."""
-    host = inst.spec.host_kv_bytes
-    if host is None:
+    if inst.spec.host_kv_bytes is None:
         return True
-    used = host_kv_used(policy, inst)
-    if in_host and used + need_bytes > host:
-        return False
-    return inst.kv_used_bytes + used + need_bytes <= max(inst.kv_capacity_bytes, host)
+    return _within(inst, inst.kv_used_bytes, host_kv_used(policy, inst), need_bytes, in_host)
 
 
 def tiers_ever_admit(inst: InstanceState, need_bytes: float, in_host: bool = False) -> bool:
     """Whether `inst`'s tiers admit a request of `need_bytes` once nothing else is homed there."""
+    return inst.spec.host_kv_bytes is None or _within(inst, 0.0, 0.0, need_bytes, in_host)
+
+
+def _within(inst: InstanceState, device_used: float, host_used: float, need_bytes: float, in_host: bool) -> bool:
+    """The tiers' rule (host bounded): a request of `need_bytes` beside what the device and host hold."""
     host = inst.spec.host_kv_bytes
-    if host is None:
-        return True
-    return (not in_host or need_bytes <= host) and need_bytes <= max(inst.kv_capacity_bytes, host)
+    assert host is not None
+    if in_host and host_used + need_bytes > host:
+        return False
+    return device_used + host_used + need_bytes <= max(inst.kv_capacity_bytes, host)
 
 
 def host_takes(policy: PolicyBase, inst: InstanceState, request_ids: Iterable[str]) -> bool:
