@@ -254,7 +254,8 @@ def _device_figures(devices: Mapping[str, Any], span_s: float, num_gpus: int | N
         "num_switches": int(switches),
         "num_model_switches": int(sum(getattr(dev, "num_model_switches", 0) for dev in devices.values())),
         "num_weight_copies": int(sum(getattr(dev, "num_weight_copies", 0) for dev in devices.values())),
-        "num_weight_recopies": int(sum(getattr(dev, "num_weight_recopies", 0) for dev in devices.values())),
+        "num_weight_recopies": int(sum(getattr(dev, "num_weight_copies", 0) - len(getattr(dev, "copied", ()))
+                                       for dev in devices.values())),
         "switch_seconds": float(sum(dev.switch_s for dev in devices.values())),
         "kv_bytes_moved": float(sum(dev.kv_moved_bytes for dev in devices.values())),
         "switches_per_gpu_per_minute": switches / pool / (span_s / 60) if pool else 0.0,

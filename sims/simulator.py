@@ -129,8 +129,8 @@ class _Device:
     num_switches: int = 0  # Switch actions (a change of the model computed with; free where it is held)
     num_model_switches: int = 0  # plans that changed the models it computes with (scheduler.instance.resident_after)
     num_weight_copies: int = 0  # models' weights copied onto it (scheduler.instance.ModelSlots: switch or prefetch)
-    copied: set[str] = field(default_factory=set)  # models copied onto it at least once (their first copy is cold)
-    num_weight_recopies: int = 0  # copies of a model it had held before (a live pool's warm-up makes the first)
+    copied: set[str] = field(default_factory=set)  # models copied onto it at least once (a live pool's warm-up
+    # makes each one's first copy: the copies past those are num_weight_copies - len(copied))
     switch_s: float = 0.0
     switch_s_by_model: dict[str, list[float]] = field(default_factory=dict)  # each switch's wait, by model
     kv_moved_bytes: float = 0.0
@@ -419,10 +419,7 @@ class Simulator:
     @staticmethod
     def _count_copy(dev: _Device, model: str) -> None:
         dev.num_weight_copies += 1
-        if model in dev.copied:
-            dev.num_weight_recopies += 1
-        else:
-            dev.copied.add(model)
+        dev.copied.add(model)
 
     def _prefetch(self, iid: str, dev: _Device, action: Prefetch, t: float) -> float:
         try:
