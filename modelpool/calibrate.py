@@ -66,10 +66,10 @@ def calibrate_command(
     calibration = Calibration(shapes, device, plan_for(cuda, quick), seed=seed)
     console.print(f"[bold]modelpool calibrate[/]: {len(shapes)} shapes on {name} (GPU type {gpu}), the pool's host "
                   f"costs on the {host_backend} backend{', quick' if quick else ''}")
-    if host_backend != pick_host_backend(backend):
-        console.print(f"[yellow]serve's default backend here is {pick_host_backend(backend)}: a --quick run measures "
-                      f"the host costs on {host_backend} (no cluster to start); --backend "
-                      f"{pick_host_backend(backend)} for serve's[/]")
+    serves_on = pick_host_backend(backend)
+    if host_backend != serves_on:
+        console.print(f"[yellow]serve's default backend here is {serves_on}: a --quick run measures the host costs "
+                      f"on {host_backend} (no cluster to start); --backend {serves_on} for serve's[/]")
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True) as bar:
         task = bar.add_task("building random weights", total=calibration.num_steps + 2)
