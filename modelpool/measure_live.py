@@ -225,11 +225,9 @@ def _measure_mixed(backend: str, probes: int, batches: Sequence[int],
             submitted = time.perf_counter()
             rid = submit(1)
             client.wait([rid])
-            prefill = next(c for c in pool.timed.calls(since) if c.name == "prefill" and rid in c.request_ids)
-            if prefill.answered is None:  # a poll gives the result back before the controller sends the token on
-                raise RuntimeError(f"idle-pool probe: request {rid}'s token came before its prefill's answer")
-            admit.append(round(prefill.issued - submitted, 7))
-            deliver.append(round(client.times[rid][0] - prefill.answered, 7))
+            issued, answered = _prefill_times(pool, rid, since)
+            admit.append(round(issued - submitted, 7))
+            deliver.append(round(client.times[rid][0] - answered, 7))
         for batch in batches:
             since = len(pool.timed.log)
             client.wait([submit(tokens) for _ in range(batch)])
@@ -240,6 +238,15 @@ def _measure_mixed(backend: str, probes: int, batches: Sequence[int],
                 by_batch[batch] = round(statistics.median(gaps), 7)
         gateway = gateway_points(pool, probes)
     return by_batch, admit, deliver, gateway
+
+
+def _prefill_times(pool: _TimedPool, request_id: str, since: int = 0) -> tuple[float, float]:
+    """When `request_id`'s prefill call (among the calls from `since`) was issued and answered: a poll gives its
+    result back before the controller sends the token on, so a token without the answer is a broken probe."""
+    prefill = next(c for c in pool.timed.calls(since) if c.name == "prefill" and request_id in c.request_ids)
+    if prefill.answered is None:
+        raise RuntimeError(f"idle-pool probe: request {request_id}'s token came before its prefill's answer")
+    return prefill.issued, prefill.answered
 
 
 def measure_handoffs(backend: str, probes: int) -> list[float]:
@@ -304,14 +311,12 @@ def gateway_points(pool: _TimedPool, probes: int, prompts: Sequence[int] = GATEW
         if len(client) != len(streamed):
             raise RuntimeError(f"gateway probe: request {rid} streamed {len(streamed)} tokens, its client read "
                                f"{len(client)}")
-        prefill = next(c for c in pool.timed.log if c.name == "prefill" and rid in c.request_ids)
-        if prefill.answered is None:
-            raise RuntimeError(f"gateway probe: request {rid}'s token came before its prefill's answer")
+        issued, answered = _prefill_times(pool, rid)
         submitted = pool.submitted[rid]
         out.append(GatewayPoint(prompt_tokens=n, in_s=round(submitted - result["sent_s"], 7),
                                 out_s=[round(c - s, 7) for c, s in zip(client, streamed)],
-                                admit_s=round(prefill.issued - submitted, 7),
-                                deliver_s=round(streamed[0] - prefill.answered, 7),
+                                admit_s=round(issued - submitted, 7),
+                                deliver_s=round(streamed[0] - answered, 7),
                                 ttft_s=round(client[0] - result["sent_s"], 7),
                                 client_gap_s=[round(b - a, 7) for a, b in zip(client, client[1:])],
                                 pool_gap_s=[round(b - a, 7) for a, b in zip(streamed, streamed[1:])]))
