@@ -110,14 +110,15 @@ def pick_host_backend(backend: str | None, quick: bool = False) -> str:
 
 
 def _measure_share(shapes: dict[str, Any], device: str, cuda: bool, quick: bool, seed: int) -> Any:
-    """The largest shape in a prefilling and a decoding engine process side by side, as serve places a prefill
-    and a decode instance on one device (on a GPU as clients of a private MPS daemon, serve's default; time-sliced
-    where none can start, and the file says which)."""
+    """The smallest and the largest shape in prefilling and decoding engine processes side by side, each pair of
+    them, as serve places a prefill and a decode instance on one device (on a GPU as clients of a private MPS
+    daemon, serve's default; time-sliced where none can start, and the file says which)."""
     from modelpool.measure_share import ShareSetup, measure_share
     from pool.mps import MpsDaemon, MpsError
 
-    shape = max(shapes, key=lambda key: shapes[key].weight_bytes)
-    setup = ShareSetup.default(shape, shapes[shape], device, quick, seed)
+    by_size = sorted(shapes, key=lambda key: shapes[key].weight_bytes)
+    setups = [ShareSetup.default(shape, shapes[shape], device, quick, seed) for shape in dict.fromkeys(
+        (by_size[0], by_size[-1]))]
     daemon, env = None, None
     if cuda:
         daemon = MpsDaemon()
@@ -129,7 +130,7 @@ def _measure_share(shapes: dict[str, Any], device: str, cuda: bool, quick: bool,
             daemon, env = None, None
             console.print(f"[yellow]the share benchmark runs time-sliced, as serve would: {exc}[/]")
     try:
-        return measure_share(setup, env)
+        return measure_share(setups, env)
     finally:
         if daemon is not None:
             daemon.stop()

@@ -17,6 +17,7 @@ import multiprocessing
 import os
 import time
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 from scheduler.fleet import Arch
@@ -47,41 +48,37 @@ class ShareSetup:
         return cls(shape, arch, device, 64 if quick else 256, 4, 64, 6 if quick else 10, 12 if quick else 30, seed)
 
 
-def measure_share(setup: ShareSetup, mps_env: dict[str, str] | None = None, timeout_s: float = 900.0) -> SharePoints:
-    """Time the two processes alone and side by side (`mps_env`: the client environment of an MPS daemon, when
-    the device is a GPU serve would share under MPS)."""
+def measure_share(setups: Sequence[ShareSetup], mps_env: dict[str, str] | None = None,
+                  timeout_s: float = 900.0) -> list[SharePoints]:
+    """Time, for every pair of `setups`' shapes (a decoder of one beside a prefiller of the other, the same shape
+    first), the two processes alone and side by side (`mps_env`: the client environment of an MPS daemon, when the
+    device is a GPU serve would share under MPS). A process per role and shape, all built at once; each pair is
+    timed with the others idle."""
     ctx = multiprocessing.get_context("spawn")  # a fresh interpreter each, as serve's engine processes
     env = dict(mps_env or {})
-    workers = {}
-    for role in ("decode", "prefill"):
-        parent, child = ctx.Pipe()
-        process = ctx.Process(target=_worker, args=(role, child, setup, env), name=f"modelpool-share-{role}",
-                              daemon=True)
-        process.start()
-        child.close()
-        workers[role] = (process, parent)
+    workers: dict[tuple[str, str], tuple[Any, Any]] = {}
     try:
-        for role, (_, conn) in workers.items():
-            _expect(conn, "ready", timeout_s, role)
-        dec, pre = workers["decode"][1], workers["prefill"][1]
-        dec.send(("alone", setup.steps))
-        decode_alone = _durations(_expect(dec, "done", timeout_s, "decode"))
-        pre.send(("run", setup.prefills))
-        prefill_alone = _durations(_expect(pre, "done", timeout_s, "prefill"))
-        for prefills in (setup.prefills, 4 * setup.prefills):  # again, longer, if too few steps fell inside
-            dec.send(("spin", 0))
-            _expect(dec, "spinning", timeout_s, "decode")
-            pre.send(("run", prefills))
-            beside = _expect(pre, "done", timeout_s, "prefill")
-            dec.send(("stop", 0))
-            steps = _expect(dec, "done", timeout_s, "decode")
-            begin, end = beside[0][0], beside[-1][1]
-            inside = _durations([(s, e) for s, e in steps if s >= begin and e <= end])
-            if len(inside) >= 3:
-                break
-        else:
-            raise RuntimeError(f"the decoder ran {len(inside)} whole steps during {prefills} prefills of "
-                               f"{setup.prefill_tokens} tokens: too few to time (a longer prompt would do)")
+        for setup in setups:
+            for role in ("decode", "prefill"):
+                parent, child = ctx.Pipe()
+                process = ctx.Process(target=_worker, args=(role, child, setup, env),
+                                      name=f"modelpool-share-{role}-{setup.shape}", daemon=True)
+                process.start()
+                child.close()
+                workers[role, setup.shape] = (process, parent)
+        for (role, shape), (_, conn) in workers.items():
+            _expect(conn, "ready", timeout_s, f"{role} ({shape})")
+        alone = {}
+        for setup in setups:
+            dec, pre = workers["decode", setup.shape][1], workers["prefill", setup.shape][1]
+            dec.send(("alone", setup.steps))
+            decode_alone = _durations(_expect(dec, "done", timeout_s, "decode"))
+            pre.send(("run", setup.prefills))
+            alone[setup.shape] = (decode_alone, _durations(_expect(pre, "done", timeout_s, "prefill")))
+        pairs = [(d, p) for d in setups for p in setups if d is p] + [(d, p) for d in setups for p in setups
+                                                                        if d is not p]
+        return [_beside(d, p, workers["decode", d.shape][1], workers["prefill", p.shape][1], alone, env, timeout_s)
+                for d, p in pairs]
     finally:
         for process, conn in workers.values():
             try:
@@ -91,9 +88,30 @@ def measure_share(setup: ShareSetup, mps_env: dict[str, str] | None = None, time
             process.join(30)
             if process.is_alive():
                 process.kill()
-    return SharePoints(shape=setup.shape, prefill_tokens=setup.prefill_tokens, decode_batch=setup.decode_batch,
-                       mps=bool(env), prefill_alone_s=prefill_alone, prefill_beside_s=_durations(beside),
-                       decode_alone_s=decode_alone, decode_beside_s=inside)
+
+
+def _beside(decoder: ShareSetup, prefiller: ShareSetup, dec: Any, pre: Any,
+            alone: dict[str, tuple[list[float], list[float]]], env: dict[str, str], timeout_s: float) -> SharePoints:
+    """The decoder stepping without pause while the prefiller runs its prompts back to back."""
+    for prefills in (prefiller.prefills, 4 * prefiller.prefills):  # again, longer, if too few steps fell inside
+        dec.send(("spin", 0))
+        _expect(dec, "spinning", timeout_s, "decode")
+        pre.send(("run", prefills))
+        beside = _expect(pre, "done", timeout_s, "prefill")
+        dec.send(("stop", 0))
+        steps = _expect(dec, "done", timeout_s, "decode")
+        begin, end = beside[0][0], beside[-1][1]
+        inside = _durations([(s, e) for s, e in steps if s >= begin and e <= end])
+        if len(inside) >= 3:
+            break
+    else:
+        raise RuntimeError(f"the decoder ({decoder.shape}) ran {len(inside)} whole steps during {prefills} "
+                           f"prefills of {prefiller.prefill_tokens} tokens ({prefiller.shape}): too few to time (a "
+                           "longer prompt would do)")
+    return SharePoints(shape=decoder.shape, prefill_shape=prefiller.shape, prefill_tokens=prefiller.prefill_tokens,
+                       decode_batch=decoder.decode_batch, mps=bool(env), prefill_alone_s=alone[prefiller.shape][1],
+                       prefill_beside_s=_durations(beside), decode_alone_s=alone[decoder.shape][0],
+                       decode_beside_s=inside)
 
 
 def _durations(intervals: list[tuple[float, float]]) -> list[float]:

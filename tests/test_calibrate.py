@@ -44,8 +44,12 @@ def test_calibrate_on_a_cpu_measures_every_term_with_no_gpu_entry(tmp_path: Path
     for term in ("host_call_s", "request_admit_s", "token_deliver_s", "kv_call_host_s"):  # the idle pool's own time
         assert measured.terms[term].points > 0 and 0 < float(measured.terms[term].value) < 0.5, term
     assert measured.terms["eff_nvlink"].basis == "assumed"
-    share = measured.points.share  # two engine processes side by side, as serve places a prefill and a decode instance
-    assert share is not None and not share.mps and len(share.decode_beside_s) >= 3
+    share = measured.points.share  # engine processes side by side, as serve places a prefill and a decode instance
+    by_size = sorted(measured.shapes, key=lambda name: measured.shapes[name].weight_bytes)
+    small, large = by_size[0], by_size[-1]  # each pair of the smallest and the largest shape, the same first
+    assert [(pair.shape, pair.prefill_shape) for pair in share] == [(small, small), (large, large), (small, large),
+                                                                     (large, small)]
+    assert all(not pair.mps and len(pair.decode_beside_s) >= 3 for pair in share)
     for term in ("share_prefill_slowdown", "share_decode_slowdown"):
         entry = measured.terms[term]
         assert entry.unit == "ratio" and entry.points >= 6 and 1.0 <= float(entry.value) < 20, term

@@ -27,7 +27,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from scheduler.fleet import GPUS, Arch, GpuSpec
 from sims.profiles import CalibrationProfile, CalibrationRun, ProfileTerms, Provenance
@@ -121,11 +121,13 @@ class HostPoints(_Frozen):
 
 
 class SharePoints(_Frozen):
-    """Two engine processes of one shape on the device, as serve places a prefill and a decode instance (under a
-    private MPS daemon on a GPU, when `mps`): each prefill's time alone and while the other process decodes
-    without pause, each decode step's alone and while the other prefills without pause."""
+    """Two engine processes on the device, as serve places a prefill and a decode instance (under a private MPS
+    daemon on a GPU, when `mps`): a decoder of `shape` and a prefiller of `prefill_shape` (None: the same shape);
+    each prefill's time alone and while the other process decodes without pause, each decode step's alone and
+    while the other prefills without pause."""
 
     shape: str
+    prefill_shape: str | None = None
     prefill_tokens: int = Field(gt=0)
     decode_batch: int = Field(gt=0)
     mps: bool = False
@@ -141,7 +143,12 @@ class Points(_Frozen):
     swap: list[CopyPoint] = Field(default_factory=list)
     kv_move: list[KvMovePoint] = Field(default_factory=list)
     host: HostPoints = Field(default_factory=HostPoints)
-    share: SharePoints | None = None
+    share: list[SharePoints] = Field(default_factory=list)  # per (decoder, prefiller) pair, same shapes first
+
+    @field_validator("share", mode="before")
+    @classmethod
+    def _one_pair(cls, value: object) -> object:  # files before the pairs of shapes: one pair, or none
+        return [] if value is None else [value] if isinstance(value, dict) else value
 
 
 class Term(_Frozen):
@@ -332,19 +339,22 @@ def gateway_terms(points: Sequence[GatewayPoint]) -> dict[str, tuple[float, int]
             "token_deliver_s": (sig(statistics.median(p.deliver_s + p.out_s[0] for p in points)), len(points))}
 
 
-def share_terms(share: SharePoints | None) -> dict[str, tuple[float, int]]:
-    """How the two processes slowed each other (value, points): medians beside over medians alone, at least 1 (a
-    ratio under 1 is noise: a process is never helped by another's work)."""
-    if share is None:
+def share_terms(share: Sequence[SharePoints]) -> dict[str, tuple[float, int]]:
+    """How two processes slowed each other (value, points): medians beside over medians alone, at least 1 (a ratio
+    under 1 is noise: a process is never helped by another's work); from the pair of the largest shape measured
+    beside itself (the first pair of files before the pairs of shapes)."""
+    same = [pair for pair in share if pair.prefill_shape in (None, pair.shape)]
+    if not same:
         return {}
+    pair = same[-1]
 
     def ratio(beside: list[float], alone: list[float]) -> float:
         return sig(max(1.0, statistics.median(beside) / statistics.median(alone)))
 
-    return {"share_prefill_slowdown": (ratio(share.prefill_beside_s, share.prefill_alone_s),
-                                       len(share.prefill_alone_s) + len(share.prefill_beside_s)),
-            "share_decode_slowdown": (ratio(share.decode_beside_s, share.decode_alone_s),
-                                      len(share.decode_alone_s) + len(share.decode_beside_s))}
+    return {"share_prefill_slowdown": (ratio(pair.prefill_beside_s, pair.prefill_alone_s),
+                                       len(pair.prefill_alone_s) + len(pair.prefill_beside_s)),
+            "share_decode_slowdown": (ratio(pair.decode_beside_s, pair.decode_alone_s),
+                                      len(pair.decode_alone_s) + len(pair.decode_beside_s))}
 
 
 def build(points: Points, shapes: Mapping[str, Arch], spec: GpuSpec, *, device: str, gpu: str, measured_at: str,
@@ -376,7 +386,7 @@ def build(points: Points, shapes: Mapping[str, Arch], spec: GpuSpec, *, device: 
         terms[term] = Term(value=value, unit="s", how=f"{_HOW[term]}; engine calls on the {points.host.backend} "
                            "backend", points=count)
     for term, (value, count) in share_terms(points.share).items():
-        mps = " under MPS" if points.share is not None and points.share.mps else ""
+        mps = " under MPS" if points.share and points.share[0].mps else ""
         terms[term] = Term(value=value, unit="ratio", how=_HOW[term] + mps, points=count)
     return Measurements.model_validate({
         "schema": SCHEMA, "device": device, "gpu": gpu, "measured_at": measured_at, "command": command,
