@@ -49,7 +49,7 @@ from mypy_extensions import mypyc_attr
 
 from scheduler.costs import CostModel, InstanceSpec, padded_prefill_tokens
 from scheduler.fleet import GPUS, Arch, Fleet, GpuSpec
-from sims.gpu_share import GpuTimeSharing, gpu_peers
+from sims.gpu_share import GpuTimeSharing, ShareTable, gpu_peers
 from sims.links import HostLinks, link_spans
 from sims.profiles import CalibrationProfile, ProfileTerms, load_profile
 
@@ -159,10 +159,11 @@ class GpuShares(Protocol):
     the work its peers on that GPU have in flight."""
 
     def work_end_at(self, instance_id: str, start_at: float, alone_s: float, now: float,
-                    kind: str = "prefill") -> float:
+                    kind: str = "prefill", models: Sequence[str] = ()) -> float:
         """The end of device work of `instance_id` that takes `alone_s` alone and starts at `start_at`
         (>= `now`, the simulated time of the call); `kind` "decode" (a decode turn) or "prefill" (a prefill or a
-        mixed iteration): a GPU's peers slow a decode step and a prefill differently."""
+        mixed iteration): a GPU's peers slow a decode step and a prefill differently; `models`: the models the
+        work runs (a peer's work slows it by their size and its own)."""
         ...
 
     def cut(self, instance_id: str, at: float) -> None:
@@ -369,8 +370,12 @@ class RooflineCostModel(SimCosts):
         peers = gpu_peers(instances, gpu_of)
         if not peers:
             return None
+        pairs = self.profile.share_pairs
+        table = ShareTable([(p.decode_bytes, p.prefill_bytes, p.decode_slowdown, p.prefill_slowdown)
+                            for p in pairs]) if pairs else None
         return GpuTimeSharing(peers, SHARED_GPU_SLOWDOWN, decode_slowdown=self.terms.share_decode_slowdown,
-                              prefill_slowdown=self.terms.share_prefill_slowdown)
+                              prefill_slowdown=self.terms.share_prefill_slowdown, table=table,
+                              model_bytes={name: c.weight_bytes / c.tp for name, c in self._models.items()})
 
     # ---- turns: many steps at once ---------------------------------------------------------------
     def decode_turn_s(self, model: str, batch_size: int, context_tokens: int, num_steps: int) -> float:

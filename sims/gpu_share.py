@@ -13,8 +13,11 @@ term). Work beside a peer of the other kind may slow by a measured figure of its
 prefill (or mixed iteration) by `decode_slowdown`, prefill beside a peer's decode by `prefill_slowdown` (under
 MPS a prefill's large GEMMs take the SMs from the decode steps beside them far more than the other way round);
 `modelpool calibrate` measures both (two engine processes on one device, as serve places a prefill and a decode
-instance), a profile without them leaves them at `slowdown`. Beside several peers the largest applicable
-slowdown counts. Each booking carries its kind ("prefill": prefills and mixed iterations; "decode": turns).
+instance), a profile without them leaves them at `slowdown`. Measured at pairs of shapes (a `ShareTable`: a
+decoder of one size beside a prefiller of another), the two slowdowns follow the sizes of the work's model and of
+the peer's (per-GPU weight bytes; bilinear in their logarithms between the sizes measured, the nearest measured
+size's figure beyond them). Beside several peers the largest applicable slowdown counts. Each booking carries
+its kind ("prefill": prefills and mixed iterations; "decode": turns) and its model's size.
 
 The executor books each step's device work here (`work_end_at`) when it starts it, and a step's end is
 fixed then (its completion is already scheduled). So a step is charged for the sharing its peers will impose
@@ -63,17 +66,67 @@ def gpu_peers(instances: Sequence[InstanceSpec], gpu_of: Mapping[str, int] | Non
     return out
 
 
+class ShareTable:
+    """The two cross-kind slowdowns measured at pairs of sizes (per-GPU weight bytes of the decoding and of the
+    prefilling model): rows (decode_bytes, prefill_bytes, decode_slowdown, prefill_slowdown) that cover every
+    decoder size measured beside every prefiller size measured. Between those sizes a slowdown is bilinear in
+    the logarithms of the two sizes; beyond them the nearest measured size's figure holds (nothing extrapolated)."""
+
+    def __init__(self, rows: Sequence[tuple[float, float, float, float]]) -> None:
+        if not rows:
+            raise ValueError("a share table needs at least one measured pair")
+        for row in rows:
+            if not (row[0] > 0 and row[1] > 0 and row[2] >= 1.0 and row[3] >= 1.0):
+                raise ValueError(f"a share table row needs sizes > 0 and slowdowns >= 1, got {row}")
+        self._decoders = sorted({row[0] for row in rows})
+        self._prefillers = sorted({row[1] for row in rows})
+        grid = {(row[0], row[1]): (row[2], row[3]) for row in rows}
+        missing = [(d, p) for d in self._decoders for p in self._prefillers if (d, p) not in grid]
+        if missing:
+            raise ValueError(f"a share table needs every decoder size beside every prefiller size; missing "
+                             f"(decode_bytes, prefill_bytes): {missing}")
+        self._grid = grid
+        self._log_d = [math.log(d) for d in self._decoders]
+        self._log_p = [math.log(p) for p in self._prefillers]
+
+    def decode_slowdown(self, decode_bytes: float, prefill_bytes: float) -> float:
+        """How much longer a decode step of a model of `decode_bytes` takes beside a prefill of `prefill_bytes`."""
+        return self._at(decode_bytes, prefill_bytes, 0)
+
+    def prefill_slowdown(self, decode_bytes: float, prefill_bytes: float) -> float:
+        """How much longer a prefill of a model of `prefill_bytes` takes beside decode steps of `decode_bytes`."""
+        return self._at(decode_bytes, prefill_bytes, 1)
+
+    def _at(self, decode_bytes: float, prefill_bytes: float, which: int) -> float:
+        (d0, d1, wd), (p0, p1, wp) = (_bracket(self._decoders, self._log_d, decode_bytes),
+                                      _bracket(self._prefillers, self._log_p, prefill_bytes))
+        grid = self._grid
+        low = grid[d0, p0][which] * (1 - wp) + grid[d0, p1][which] * wp
+        high = grid[d1, p0][which] * (1 - wp) + grid[d1, p1][which] * wp
+        return low * (1 - wd) + high * wd
+
+
+def _bracket(sizes: list[float], logs: list[float], size: float) -> tuple[float, float, float]:
+    """The measured sizes around `size` and its weight toward the upper one (log-linear; clamped at the ends)."""
+    if size <= sizes[0]:
+        return sizes[0], sizes[0], 0.0
+    if size >= sizes[-1]:
+        return sizes[-1], sizes[-1], 0.0
+    upper = next(k for k, s in enumerate(sizes) if s >= size)
+    return sizes[upper - 1], sizes[upper], (math.log(size) - logs[upper - 1]) / (logs[upper] - logs[upper - 1])
+
+
 class _Booking:
     """One step's device work as booked: its interval, the owed work (or credit) it paid first, and the peers it
     counted on staying busy, each with the time up to which that guess is settled; `gain`: the rate it runs
     faster at (a share of its rate alone) while one of them idles instead."""
 
-    __slots__ = ("begin", "end", "owed_s", "counted", "gain", "kind")
+    __slots__ = ("begin", "end", "owed_s", "counted", "gain", "kind", "size")
 
     def __init__(self, begin: float, end: float, owed_s: float, counted: dict[str, float], gain: float,
-                 kind: str) -> None:
+                 kind: str, size: float) -> None:
         self.begin, self.end, self.owed_s, self.counted, self.gain = begin, end, owed_s, counted, gain
-        self.kind = kind
+        self.kind, self.size = kind, size  # what it runs: its kind, its model's per-GPU weight bytes (0: unknown)
 
     def idle_credit(self, since: float, until: float) -> float:
         """The work this step ran ahead of its booking while a peer it counted on idled from `since` to `until`."""
@@ -85,7 +138,11 @@ class GpuTimeSharing:
     """The device work of one simulation's instances on shared GPUs (a `sims.costmodel.GpuShares`)."""
 
     def __init__(self, peers: Mapping[str, tuple[str, ...]], slowdown: float,
-                 decode_slowdown: float | None = None, prefill_slowdown: float | None = None) -> None:
+                 decode_slowdown: float | None = None, prefill_slowdown: float | None = None,
+                 table: ShareTable | None = None, model_bytes: Mapping[str, float] | None = None) -> None:
+        """`table`: the cross-kind slowdowns by the sizes of the two models (`model_bytes`: per-GPU weight bytes by
+        model), in place of `decode_slowdown` and `prefill_slowdown` (which then only count for work of a model
+        `model_bytes` does not know)."""
         for name, value in (("slowdown", slowdown), ("decode_slowdown", decode_slowdown),
                             ("prefill_slowdown", prefill_slowdown)):
             if value is not None and not value >= 1.0:
@@ -94,30 +151,37 @@ class GpuTimeSharing:
         self.slowdown = slowdown
         self.decode_slowdown = decode_slowdown if decode_slowdown is not None else slowdown
         self.prefill_slowdown = prefill_slowdown if prefill_slowdown is not None else slowdown
-        self._kind: dict[str, str] = {iid: "prefill" for iid in self.peers}  # of its latest booking
+        self.table = table
+        self.model_bytes = dict(model_bytes or {})
+        self._kind: dict[str, tuple[str, float]] = {iid: ("prefill", 0.0) for iid in self.peers}  # its latest booking
         self._booked: dict[str, list[_Booking]] = {iid: [] for iid in self.peers}
         self._owed: dict[str, float] = {iid: 0.0 for iid in self.peers}  # < 0: a credit
         self._booked_to: dict[str, float] = {iid: 0.0 for iid in self.peers}  # the end of its latest booking
 
-    def rate(self, kind: str, beside: list[str]) -> float:
-        """The rate (a share of its rate alone) of work of `kind` while peers doing the kinds `beside` are busy."""
-        return share(1 + len(beside), max((self._pair(kind, other) for other in beside), default=self.slowdown))
+    def rate(self, kind: str, beside: list[tuple[str, float]], size: float = 0.0) -> float:
+        """The rate (a share of its rate alone) of work of `kind` (of a model of `size` per-GPU weight bytes; 0:
+        unknown) while peers doing the work `beside` (each its kind and its model's size) are busy."""
+        return share(1 + len(beside), max((self._pair(kind, size, other, other_size) for other, other_size in beside),
+                                          default=self.slowdown))
 
-    def _pair(self, kind: str, other: str) -> float:
-        """How much longer work of `kind` takes beside one busy peer doing `other`."""
+    def _pair(self, kind: str, size: float, other: str, other_size: float) -> float:
+        """How much longer work of `kind` takes beside one busy peer doing `other` (sizes as in `rate`)."""
+        table = self.table if size > 0 and other_size > 0 else None
         if kind == "decode" and other == "prefill":
-            return self.decode_slowdown
+            return table.decode_slowdown(size, other_size) if table is not None else self.decode_slowdown
         if kind == "prefill" and other == "decode":
-            return self.prefill_slowdown
+            return table.prefill_slowdown(other_size, size) if table is not None else self.prefill_slowdown
         return self.slowdown
 
     def work_end_at(self, instance_id: str, start_at: float, alone_s: float, now: float,
-                    kind: str = "prefill") -> float:
+                    kind: str = "prefill", models: Sequence[str] = ()) -> float:
         """When device work of `instance_id` that takes `alone_s` alone, started at `start_at` (>= `now`), ends;
-        `kind`: "decode" for a decode turn, "prefill" for a prefill or a mixed iteration."""
+        `kind`: "decode" for a decode turn, "prefill" for a prefill or a mixed iteration; `models`: those it runs
+        (the largest sets its size)."""
         peers = self.peers.get(instance_id)
         if peers is None:  # a GPU of its own
             return start_at + alone_s
+        size = max((self.model_bytes.get(model, 0.0) for model in models), default=0.0)
         for iid in (instance_id, *peers):
             self._prune(iid, now)
         self._settle(instance_id, start_at)
@@ -126,33 +190,34 @@ class GpuTimeSharing:
         left = max(0.0, alone_s + owed)
         t = start_at
         while left > _DONE:
-            busy: dict[str, str] = {}  # each busy peer, the kind of its work at t (past its booked end: its latest)
+            busy: dict[str, tuple[str, float]] = {}  # each busy peer, its work at t (past its booked end: its latest)
             for p in peers:
                 booking = _at(self._booked[p], t)
                 if booking is not None or (p in staying and t >= self._booked_to[p]):
-                    busy[p] = booking.kind if booking is not None else self._kind[p]
-            rate = self.rate(kind, list(busy.values()))
+                    busy[p] = (booking.kind, booking.size) if booking is not None else self._kind[p]
+            rate = self.rate(kind, list(busy.values()), size)
             boundary = min((edge for p in peers for b in self._booked[p] for edge in (b.begin, b.end) if edge > t),
                            default=math.inf)
             run = min(left / rate, boundary - t)
             for p in busy:  # each busy peer slows down from its rate beside the others to its rate beside this
                 booking = _at(self._booked[p], t)  # work too: it owes the difference, unless it counted on this
                 if booking is not None and instance_id not in booking.counted:  # instance staying busy
-                    others = [b.kind for q in self.peers[p] if q != instance_id
+                    others = [(b.kind, b.size) for q in self.peers[p] if q != instance_id
                               for b in (_at(self._booked[q], t),) if b is not None]
-                    self._owed[p] += run * (self.rate(booking.kind, others) - self.rate(booking.kind, others + [kind]))
+                    self._owed[p] += run * (self.rate(booking.kind, others, booking.size)
+                                            - self.rate(booking.kind, [*others, (kind, size)], booking.size))
             left = 0.0 if run == left / rate else left - run * rate
             t += run
         for p in peers:  # this work, up to t, is what the peers' steps that counted on it expected
             for booking in self._booked[p]:
                 if instance_id in booking.counted:
                     booking.counted[instance_id] = max(booking.counted[instance_id], t)
-        kinds = [b.kind for p in staying for b in (_at(self._booked[p], start_at),) if b is not None]
-        gain = self.rate(kind, kinds[1:]) - self.rate(kind, kinds)  # while one of them idles instead
+        kinds = [(b.kind, b.size) for p in staying for b in (_at(self._booked[p], start_at),) if b is not None]
+        gain = self.rate(kind, kinds[1:], size) - self.rate(kind, kinds, size)  # while one of them idles instead
         self._booked[instance_id].append(_Booking(start_at, t, owed, {p: self._booked_to[p] for p in staying}, gain,
-                                                  kind))
+                                                  kind, size))
         self._booked_to[instance_id] = t
-        self._kind[instance_id] = kind
+        self._kind[instance_id] = (kind, size)
         return t
 
     def cut(self, instance_id: str, at: float) -> None:

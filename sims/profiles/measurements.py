@@ -30,7 +30,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from scheduler.fleet import GPUS, Arch, GpuSpec
-from sims.profiles import CalibrationProfile, CalibrationRun, ProfileTerms, Provenance
+from sims.profiles import CalibrationProfile, CalibrationRun, ProfileTerms, Provenance, SharePair
 from sims.profiles.fitting import Anchor, fit, predict, sig
 
 SCHEMA = "modelpool.measurements/1"
@@ -203,6 +203,7 @@ class Measurements(_Frozen):
             name=name or f"{self.gpu}-measured", terms=ProfileTerms.model_validate(
                 {term: entry.value for term, entry in self.terms.items()}),
             provenance=provenance, calibration=run, device_spec=None if self.gpu in GPUS else self.spec,
+            share_pairs=share_pairs(self.points.share, self.shapes),
             description=f"Measured by `{self.command}` on {self.device} ({self.measured_at[:10]}).")
 
     def anchors(self, shapes: Sequence[str] | None = None) -> list[Anchor]:
@@ -339,22 +340,43 @@ def gateway_terms(points: Sequence[GatewayPoint]) -> dict[str, tuple[float, int]
             "token_deliver_s": (sig(statistics.median(p.deliver_s + p.out_s[0] for p in points)), len(points))}
 
 
-def share_terms(share: Sequence[SharePoints]) -> dict[str, tuple[float, int]]:
-    """How two processes slowed each other (value, points): medians beside over medians alone, at least 1 (a ratio
-    under 1 is noise: a process is never helped by another's work); from the pair of the largest shape measured
-    beside itself (the first pair of files before the pairs of shapes)."""
-    same = [pair for pair in share if pair.prefill_shape in (None, pair.shape)]
-    if not same:
-        return {}
-    pair = same[-1]
+def share_slowdowns(pair: SharePoints) -> tuple[float, float]:
+    """A pair's (decode, prefill) slowdowns: medians beside over medians alone, at least 1 (a ratio under 1 is
+    noise: a process is never helped by another's work)."""
 
     def ratio(beside: list[float], alone: list[float]) -> float:
         return sig(max(1.0, statistics.median(beside) / statistics.median(alone)))
 
-    return {"share_prefill_slowdown": (ratio(pair.prefill_beside_s, pair.prefill_alone_s),
-                                       len(pair.prefill_alone_s) + len(pair.prefill_beside_s)),
-            "share_decode_slowdown": (ratio(pair.decode_beside_s, pair.decode_alone_s),
-                                      len(pair.decode_alone_s) + len(pair.decode_beside_s))}
+    return ratio(pair.decode_beside_s, pair.decode_alone_s), ratio(pair.prefill_beside_s, pair.prefill_alone_s)
+
+
+def share_terms(share: Sequence[SharePoints]) -> dict[str, tuple[float, int]]:
+    """The share terms (value, points): the slowdowns of the largest shape measured beside itself (the first pair
+    of files before the pairs of shapes); the pairs themselves are the profile's `share_pairs`."""
+    same = [pair for pair in share if pair.prefill_shape in (None, pair.shape)]
+    if not same:
+        return {}
+    pair = same[-1]
+    decode, prefill = share_slowdowns(pair)
+    return {"share_prefill_slowdown": (prefill, len(pair.prefill_alone_s) + len(pair.prefill_beside_s)),
+            "share_decode_slowdown": (decode, len(pair.decode_alone_s) + len(pair.decode_beside_s))}
+
+
+def share_pairs(share: Sequence[SharePoints], shapes: Mapping[str, Arch]) -> list[SharePair]:
+    """The profile's share table: each measured pair's slowdowns with its two shapes' weight bytes; none where the
+    pairs do not cover every decoder shape beside every prefiller shape (files with one pair: the terms say it)."""
+    pairs = []
+    for pair in share:
+        prefill_shape = pair.prefill_shape or pair.shape
+        decode, prefill = share_slowdowns(pair)
+        pairs.append(SharePair(decode_shape=pair.shape, prefill_shape=prefill_shape,
+                               decode_bytes=shapes[pair.shape].weight_bytes,
+                               prefill_bytes=shapes[prefill_shape].weight_bytes,
+                               decode_slowdown=decode, prefill_slowdown=prefill))
+    covered = {(p.decode_shape, p.prefill_shape) for p in pairs}
+    decoders, prefillers = {p.decode_shape for p in pairs}, {p.prefill_shape for p in pairs}
+    full = len(covered) == len(decoders) * len(prefillers) and len(pairs) > 1
+    return pairs if full else []
 
 
 def build(points: Points, shapes: Mapping[str, Arch], spec: GpuSpec, *, device: str, gpu: str, measured_at: str,

@@ -13,7 +13,7 @@ from scheduler.fleet import ARCHS, GPUS, Arch
 from sims.costmodel import RooflineCostModel
 from sims.profiles import load_profile
 from sims.profiles.measurements import (SCHEMA, CopyPoint, DecodePoint, GatewayPoint, HostPoints, KvMovePoint,
-                                        Points, PrefillPoint, build, held_out_errors, host_terms)
+                                        Points, PrefillPoint, SharePoints, build, held_out_errors, host_terms)
 
 SHAPES = {key: Arch.model_validate({**ARCHS[key], "total_params": None})
           for key in ("qwen2.5-0.5b", "llama-3.2-1b", "qwen3-1.7b", "qwen2.5-3b", "qwen3-4b")}
@@ -197,3 +197,34 @@ def test_the_shipped_measurements_load_as_profiles_that_say_where_they_were_meas
         assert run is not None and name == f"{run.gpu}-measured" and run.command.startswith("modelpool calibrate")
         assert profile.basis("eff_mem", run.gpu) == "measured" and profile.basis("eff_nvlink", run.gpu) == "assumed"
         assert "leave-one-shape-out" in profile.provenance["decode_fixed_s"].source
+
+
+def _pair(decoder: str, prefiller: str | None, decode_beside: float, prefill_beside: float) -> SharePoints:
+    """A decoder's steps of 5 ms alone and a prefill of 30 ms alone, each that much longer beside the other."""
+    return SharePoints(shape=decoder, prefill_shape=prefiller, prefill_tokens=2048, decode_batch=16, mps=True,
+                       prefill_alone_s=[0.030, 0.031, 0.029], prefill_beside_s=[0.030 * prefill_beside] * 3,
+                       decode_alone_s=[0.005, 0.0049, 0.0051], decode_beside_s=[0.005 * decode_beside] * 4)
+
+
+def test_share_pairs_of_two_shapes_make_the_profiles_table_and_the_largest_beside_itself_the_terms(
+        tmp_path: Path) -> None:
+    small, large = "qwen2.5-0.5b", "qwen3-4b"
+    points = _points(_truth_costs()).model_copy(update={"share": [
+        _pair(small, small, 2.0, 1.1), _pair(large, large, 3.5, 1.2), _pair(small, large, 4.0, 1.0),
+        _pair(large, small, 1.5, 0.9)]})  # a ratio under 1 is noise: 1
+    measured = _build(points)
+    assert measured.terms["share_decode_slowdown"].value == 3.5  # the largest shape beside itself
+    assert measured.terms["share_prefill_slowdown"].value == 1.2
+    path = tmp_path / "h200-pairs.json"
+    path.write_text(measured.model_dump_json(by_alias=True))
+    table = {(p.decode_shape, p.prefill_shape): (p.decode_slowdown, p.prefill_slowdown)
+             for p in load_profile(path).share_pairs}
+    assert table == {(small, small): (2.0, 1.1), (large, large): (3.5, 1.2), (small, large): (4.0, 1.0),
+                     (large, small): (1.5, 1.0)}
+    one = _build(points.model_copy(update={"share": [_pair(large, None, 3.0, 1.1)]}))  # a file of one pair
+    path.write_text(one.model_dump_json(by_alias=True))
+    assert load_profile(path).share_pairs == [] and one.terms["share_decode_slowdown"].value == 3.0
+    older = json.loads(one.model_dump_json(by_alias=True))
+    older["points"]["share"] = older["points"]["share"][0]  # written before the pairs: one object, not a list
+    path.write_text(json.dumps(older))
+    assert load_profile(path).terms.share_decode_slowdown == 3.0
