@@ -165,10 +165,43 @@ def sim_layout(fleet_path: Path, num_gpus: int, profile: str | None) -> SimLayou
     return SimLayout(fleet, engine_regions(dep), gpu_of, costs, profile or "default")
 
 
+WARM_UP_S = 60.0  # simulated seconds the warm-up gets before the first request (it takes a few)
+
+
 def simulated(layout: SimLayout, workload: Workload,
               plan_log: Path | None = None) -> tuple[list[dict[str, Any]], int, int]:
     """Each request's TTFT and TPOT as the simulator gives them (rows in workload order), its switches and its
-    weight copies (side_figures); every Plan into `plan_log` where given."""
+    weight copies (side_figures); every Plan into `plan_log` where given.
+
+    The simulated pool starts as the live one does: `modelpool serve` warms up with one short request per model
+    (modelpool.serve.warm_up: a one-token prompt, two tokens out, all at once) before any client's, which copies
+    every model onto the instances. Here those requests come WARM_UP_S before the workload's (its times shifted
+    that much), and the switches and weight copies they make are left out of the counts, as the live pool's
+    Plan log ranges leave them out."""
+    count = len(workload.models)
+    _, warm_switches, warm_copies = _simulated(layout, _after_warm_up(workload, with_requests=False), None, count)
+    rows, switches, copies = _simulated(layout, _after_warm_up(workload), plan_log, count)
+    return rows, switches - warm_switches, copies - warm_copies
+
+
+def _after_warm_up(workload: Workload, with_requests: bool = True) -> Workload:
+    """`workload` WARM_UP_S later, after one warm-up request per model (its first rows); only those without
+    `with_requests`."""
+    from dataclasses import replace
+
+    count, kept = len(workload.models), slice(None) if with_requests else slice(0)
+    warmed = Workload.from_columns(
+        np.concatenate([np.zeros(count), workload.arrival_s[kept] + WARM_UP_S]),
+        np.concatenate([np.arange(count), workload.model_index[kept]]),
+        np.concatenate([np.ones(count, dtype=np.int64), workload.input_tokens[kept]]),
+        np.concatenate([np.full(count, 2, dtype=np.int64), workload.output_tokens[kept]]),
+        models=workload.models, source=workload.source, duration_s=workload.duration_s + WARM_UP_S)
+    return replace(warmed, notes=workload.notes)
+
+
+def _simulated(layout: SimLayout, workload: Workload, plan_log: Path | None,
+               skip: int) -> tuple[list[dict[str, Any]], int, int]:
+    """Rows for the workload's requests past its first `skip` (the warm-up's)."""
     from sims.run import simulate
     from sims.workload import request_id
 
@@ -181,8 +214,8 @@ def simulated(layout: SimLayout, workload: Workload,
             log.close()
     rows = []
     names = workload.models
-    for k, index in enumerate(workload.model_index.tolist()):
-        record = result.records.get(request_id(k))
+    for k, index in enumerate(workload.model_index.tolist()[skip:]):
+        record = result.records.get(request_id(skip + k))
         row: dict[str, Any] = {"index": k, "model": names[index], "served": False}
         if record is not None and record.first_token_at is not None and not record.failed \
                 and record.finished_at is not None:

@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from modelpool.validate import (SimLayout, Targets, build_fleet, compare, knee_rate, model_config, side_figures,
-                               sim_layout, simulated, slo_of)
+from modelpool.validate import (WARM_UP_S, SimLayout, Targets, _after_warm_up, _simulated, build_fleet, compare,
+                               knee_rate, model_config, side_figures, sim_layout, simulated, slo_of)
 from sims.costmodel import RooflineCostModel
 from sims.run import build_instances, simulate
 from sims.scenarios import FLEETS, KNEE_ATTAINMENT, SCENARIOS
+from sims.workload import request_id
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,7 +47,7 @@ def test_attainment_is_counted_as_the_simulator_counts_it() -> None:
     """side_figures' rule over the simulated rows gives the simulator's own slo_attainment (one rule both sides)."""
     layout = catalogue_layout("mixed", 2)
     workload = SCENARIOS["mixed-onoff"].workload(6.0, 60.0, seed=2)
-    rows, switches, copies = simulated(layout, workload)
+    rows, switches, copies = _simulated(layout, workload, None, 0)  # no warm-up: the simulator's own run
     result = simulate(layout.fleet, workload, "token-level", instances=layout.instances, costs=layout.costs)
     figures = side_figures(rows, len(workload), slo_of(layout.fleet), switches, copies)
     assert figures["slo_attainment"] == pytest.approx(result.metrics["slo_attainment"])
@@ -56,6 +57,26 @@ def test_attainment_is_counted_as_the_simulator_counts_it() -> None:
     assert figures["weight_copies"] == copies == result.metrics["num_weight_recopies"]
     assert copies < result.metrics["num_weight_copies"]
     assert figures["ttft_p50_s"] <= figures["ttft_p90_s"]
+
+
+def test_the_simulated_pool_starts_warmed_up_as_serve_leaves_the_live_one() -> None:
+    """serve's warm-up (a short request per model) copies every model before the first client's request; the
+    simulated pool does the same, so a model's first request pays no whole-model copy, and the warm-up's own
+    switches and copies are left out of the counts as the live Plan log ranges leave them out."""
+    layout = catalogue_layout("large", 2)
+    workload = SCENARIOS["large-poisson"].workload(0.5, 30.0, seed=1)
+    rows, switches, copies = simulated(layout, workload)
+    cold_rows, cold_switches, _ = _simulated(layout, workload, None, 0)
+    first = rows[0]["model"]
+    assert rows[0]["ttft_s"] + 0.5 * layout.costs.switch_s(first) < cold_rows[0]["ttft_s"]  # no cold copy
+    assert [r["model"] for r in rows] == [r["model"] for r in cold_rows] and all(r["served"] for r in rows)
+    assert copies == 0  # three 6-7B models fit beside each other on both instances: copied once, in the warm-up
+    assert 0 < switches <= cold_switches  # switches between models held on the device: as many as the run needs
+    warmed = simulate(layout.fleet, _after_warm_up(workload), "token-level", instances=layout.instances,
+                      costs=layout.costs)
+    assert len(warmed.records) == len(workload) + len(workload.models)  # one warm-up request per model
+    assert warmed.records[request_id(0)].arrival_at == 0.0 < WARM_UP_S == warmed.records[request_id(3)].arrival_at \
+        - workload.arrival_s[0]
 
 
 def test_a_failed_request_misses_and_the_quantiles_skip_it() -> None:
