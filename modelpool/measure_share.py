@@ -28,8 +28,9 @@ SPIN_STEPS = 400  # decode steps the decoder runs on one batch before it takes a
 
 @dataclass(frozen=True)
 class ShareSetup:
-    """What the two processes run: one shape, a prompt length for the prefiller, a batch and context for the
-    decoder, how many of each are timed alone and beside."""
+    """What the two processes run: one shape, the prompt lengths for the prefiller (`prefill_tokens`, and
+    `short_tokens` where > 0: a short prompt's GEMMs leave more SMs to a decode beside it, and take fewer from
+    it), a batch and context for the decoder, how many of each are timed alone and beside."""
 
     shape: str
     arch: Arch
@@ -40,18 +41,24 @@ class ShareSetup:
     prefills: int
     steps: int
     seed: int = 0
+    short_tokens: int = 0
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        return (self.prefill_tokens, self.short_tokens) if self.short_tokens else (self.prefill_tokens,)
 
     @classmethod
     def default(cls, shape: str, arch: Arch, device: str, quick: bool, seed: int = 0) -> ShareSetup:
         if device.startswith("cuda"):
-            return cls(shape, arch, device, 2048, 16, 512, 6 if quick else 12, 20 if quick else 40, seed)
-        return cls(shape, arch, device, 64 if quick else 256, 4, 64, 6 if quick else 10, 12 if quick else 30, seed)
+            return cls(shape, arch, device, 2048, 16, 512, 6 if quick else 12, 20 if quick else 40, seed, 256)
+        return cls(shape, arch, device, 64 if quick else 256, 4, 64, 6 if quick else 10, 12 if quick else 30, seed,
+                   16 if quick else 64)
 
 
 def measure_share(setups: Sequence[ShareSetup], mps_env: dict[str, str] | None = None,
                   timeout_s: float = 900.0) -> list[SharePoints]:
     """Time, for every pair of `setups`' shapes (a decoder of one beside a prefiller of the other, the same shape
-    first), the two processes alone and side by side (`mps_env`: the client environment of an MPS daemon, when the
+    first) and each prompt length (the long one first), the two processes alone and side by side (`mps_env`: the client environment of an MPS daemon, when the
     device is a GPU serve would share under MPS). A process per role and shape, all built at once; each pair is
     timed with the others idle."""
     ctx = multiprocessing.get_context("spawn")  # a fresh interpreter each, as serve's engine processes
@@ -68,17 +75,19 @@ def measure_share(setups: Sequence[ShareSetup], mps_env: dict[str, str] | None =
                 workers[role, setup.shape] = (process, parent)
         for (role, shape), (_, conn) in workers.items():
             _expect(conn, "ready", timeout_s, f"{role} ({shape})")
-        alone = {}
+        decode_alone, prefill_alone = {}, {}
         for setup in setups:
             dec, pre = workers["decode", setup.shape][1], workers["prefill", setup.shape][1]
             dec.send(("alone", setup.steps))
-            decode_alone = _durations(_expect(dec, "done", timeout_s, "decode"))
-            pre.send(("run", setup.prefills))
-            alone[setup.shape] = (decode_alone, _durations(_expect(pre, "done", timeout_s, "prefill")))
+            decode_alone[setup.shape] = _durations(_expect(dec, "done", timeout_s, "decode"))
+            for tokens in setup.lengths:
+                pre.send(("run", (setup.prefills, tokens)))
+                prefill_alone[setup.shape, tokens] = _durations(_expect(pre, "done", timeout_s, "prefill"))
         pairs = [(d, p) for d in setups for p in setups if d is p] + [(d, p) for d in setups for p in setups
                                                                         if d is not p]
-        return [_beside(d, p, workers["decode", d.shape][1], workers["prefill", p.shape][1], alone, env, timeout_s)
-                for d, p in pairs]
+        return [_beside(d, p, tokens, workers["decode", d.shape][1], workers["prefill", p.shape][1],
+                        decode_alone[d.shape], prefill_alone[p.shape, tokens], env, timeout_s)
+                for tokens in setups[0].lengths for d, p in pairs]
     finally:
         for process, conn in workers.values():
             try:
@@ -90,13 +99,13 @@ def measure_share(setups: Sequence[ShareSetup], mps_env: dict[str, str] | None =
                 process.kill()
 
 
-def _beside(decoder: ShareSetup, prefiller: ShareSetup, dec: Any, pre: Any,
-            alone: dict[str, tuple[list[float], list[float]]], env: dict[str, str], timeout_s: float) -> SharePoints:
-    """The decoder stepping without pause while the prefiller runs its prompts back to back."""
+def _beside(decoder: ShareSetup, prefiller: ShareSetup, tokens: int, dec: Any, pre: Any, decode_alone: list[float],
+            prefill_alone: list[float], env: dict[str, str], timeout_s: float) -> SharePoints:
+    """The decoder stepping without pause while the prefiller runs its prompts of `tokens` back to back."""
     for prefills in (prefiller.prefills, 4 * prefiller.prefills):  # again, longer, if too few steps fell inside
         dec.send(("spin", 0))
         _expect(dec, "spinning", timeout_s, "decode")
-        pre.send(("run", prefills))
+        pre.send(("run", (prefills, tokens)))
         beside = _expect(pre, "done", timeout_s, "prefill")
         dec.send(("stop", 0))
         steps = _expect(dec, "done", timeout_s, "decode")
@@ -106,12 +115,11 @@ def _beside(decoder: ShareSetup, prefiller: ShareSetup, dec: Any, pre: Any,
             break
     else:
         raise RuntimeError(f"the decoder ({decoder.shape}) ran {len(inside)} whole steps during {prefills} "
-                           f"prefills of {prefiller.prefill_tokens} tokens ({prefiller.shape}): too few to time (a "
+                           f"prefills of {tokens} tokens ({prefiller.shape}): too few to time (a "
                            "longer prompt would do)")
-    return SharePoints(shape=decoder.shape, prefill_shape=prefiller.shape, prefill_tokens=prefiller.prefill_tokens,
-                       decode_batch=decoder.decode_batch, mps=bool(env), prefill_alone_s=alone[prefiller.shape][1],
-                       prefill_beside_s=_durations(beside), decode_alone_s=alone[decoder.shape][0],
-                       decode_beside_s=inside)
+    return SharePoints(shape=decoder.shape, prefill_shape=prefiller.shape, prefill_tokens=tokens,
+                       decode_batch=decoder.decode_batch, mps=bool(env), prefill_alone_s=prefill_alone,
+                       prefill_beside_s=_durations(beside), decode_alone_s=decode_alone, decode_beside_s=inside)
 
 
 def _durations(intervals: list[tuple[float, float]]) -> list[float]:
@@ -149,7 +157,8 @@ def _worker(role: str, conn: Any, setup: ShareSetup, env: dict[str, str]) -> Non
             if command == "alone":
                 conn.send(("done", [bench.decode_step() for _ in range(count)]))
             elif command == "run":
-                conn.send(("done", [bench.prefill() for _ in range(count)]))
+                prompts, tokens = count
+                conn.send(("done", [bench.prefill(tokens) for _ in range(prompts)]))
             elif command == "spin":
                 conn.send(("spinning", None))
                 steps = []
@@ -187,7 +196,8 @@ class _Bench:
             self._fresh_batch()
             self.decode_step()
         else:
-            self.prefill()  # a first prompt: allocator growth, GEMM heuristics
+            for tokens in setup.lengths:  # a first prompt of each length: allocator growth, GEMM heuristics
+                self.prefill(tokens)
 
     def _fresh_batch(self) -> None:
         engine = self.cal.engine
@@ -205,10 +215,10 @@ class _Bench:
             self._fresh_batch()
         return self._interval(lambda: engine.decode_step(self.ids), stepped=True)
 
-    def prefill(self) -> tuple[float, float]:
+    def prefill(self, tokens: int) -> tuple[float, float]:
         engine = self.cal.engine
         assert engine is not None
-        requests = self.cal._requests(self.setup.shape, 1, self.setup.prefill_tokens)
+        requests = self.cal._requests(self.setup.shape, 1, tokens)
         interval = self._interval(lambda: engine.prefill(requests))
         engine.release([r.request_id for r in requests])
         return interval

@@ -47,8 +47,9 @@ def test_calibrate_on_a_cpu_measures_every_term_with_no_gpu_entry(tmp_path: Path
     share = measured.points.share  # engine processes side by side, as serve places a prefill and a decode instance
     by_size = sorted(measured.shapes, key=lambda name: measured.shapes[name].weight_bytes)
     small, large = by_size[0], by_size[-1]  # each pair of the smallest and the largest shape, the same first
-    assert [(pair.shape, pair.prefill_shape) for pair in share] == [(small, small), (large, large), (small, large),
-                                                                     (large, small)]
+    pairs = [(small, small), (large, large), (small, large), (large, small)]
+    assert [(pair.shape, pair.prefill_shape, pair.prefill_tokens) for pair in share] == \
+        [(d, p, 64) for d, p in pairs] + [(d, p, 16) for d, p in pairs]  # the long prompts first, then short ones
     assert all(not pair.mps and len(pair.decode_beside_s) >= 3 for pair in share)
     for term in ("share_prefill_slowdown", "share_decode_slowdown"):
         entry = measured.terms[term]

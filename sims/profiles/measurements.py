@@ -353,7 +353,8 @@ def share_slowdowns(pair: SharePoints) -> tuple[float, float]:
 def share_terms(share: Sequence[SharePoints]) -> dict[str, tuple[float, int]]:
     """The share terms (value, points): the slowdowns of the largest shape measured beside itself (the first pair
     of files before the pairs of shapes); the pairs themselves are the profile's `share_pairs`."""
-    same = [pair for pair in share if pair.prefill_shape in (None, pair.shape)]
+    longest = max((pair.prefill_tokens for pair in share), default=0)
+    same = [pair for pair in share if pair.prefill_shape in (None, pair.shape) and pair.prefill_tokens == longest]
     if not same:
         return {}
     pair = same[-1]
@@ -363,10 +364,12 @@ def share_terms(share: Sequence[SharePoints]) -> dict[str, tuple[float, int]]:
 
 
 def share_pairs(share: Sequence[SharePoints], shapes: Mapping[str, Arch]) -> list[SharePair]:
-    """The profile's share table: each measured pair's slowdowns with its two shapes' weight bytes; none where the
-    pairs do not cover every decoder shape beside every prefiller shape (files with one pair: the terms say it)."""
+    """The profile's share table: each measured pair's slowdowns (at the longest prompt measured) with its two
+    shapes' weight bytes; none where the pairs do not cover every decoder shape beside every prefiller shape (files
+    with one pair: the terms say it)."""
     pairs = []
-    for pair in share:
+    longest = max((pair.prefill_tokens for pair in share), default=0)
+    for pair in (pair for pair in share if pair.prefill_tokens == longest):
         prefill_shape = pair.prefill_shape or pair.shape
         decode, prefill = share_slowdowns(pair)
         pairs.append(SharePair(decode_shape=pair.shape, prefill_shape=prefill_shape,

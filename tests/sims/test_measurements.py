@@ -199,9 +199,10 @@ def test_the_shipped_measurements_load_as_profiles_that_say_where_they_were_meas
         assert "leave-one-shape-out" in profile.provenance["decode_fixed_s"].source
 
 
-def _pair(decoder: str, prefiller: str | None, decode_beside: float, prefill_beside: float) -> SharePoints:
+def _pair(decoder: str, prefiller: str | None, decode_beside: float, prefill_beside: float,
+          tokens: int = 2048) -> SharePoints:
     """A decoder's steps of 5 ms alone and a prefill of 30 ms alone, each that much longer beside the other."""
-    return SharePoints(shape=decoder, prefill_shape=prefiller, prefill_tokens=2048, decode_batch=16, mps=True,
+    return SharePoints(shape=decoder, prefill_shape=prefiller, prefill_tokens=tokens, decode_batch=16, mps=True,
                        prefill_alone_s=[0.030, 0.031, 0.029], prefill_beside_s=[0.030 * prefill_beside] * 3,
                        decode_alone_s=[0.005, 0.0049, 0.0051], decode_beside_s=[0.005 * decode_beside] * 4)
 
@@ -211,7 +212,8 @@ def test_share_pairs_of_two_shapes_make_the_profiles_table_and_the_largest_besid
     small, large = "qwen2.5-0.5b", "qwen3-4b"
     points = _points(_truth_costs()).model_copy(update={"share": [
         _pair(small, small, 2.0, 1.1), _pair(large, large, 3.5, 1.2), _pair(small, large, 4.0, 1.0),
-        _pair(large, small, 1.5, 0.9)]})  # a ratio under 1 is noise: 1
+        _pair(large, small, 1.5, 0.9),  # a ratio under 1 is noise: 1
+        _pair(small, small, 1.2, 2.0, 256), _pair(large, large, 2.0, 1.9, 256)]})  # short prompts: kept, not used
     measured = _build(points)
     assert measured.terms["share_decode_slowdown"].value == 3.5  # the largest shape beside itself
     assert measured.terms["share_prefill_slowdown"].value == 1.2
