@@ -191,14 +191,16 @@ def live_requests(part: Mapping[str, Any], lines: Sequence[str], prompts: Sequen
 
 
 def sim_requests(part: Mapping[str, Any], arrivals: Sequence[float], prompts: Sequence[int],
-                 outputs: Sequence[int]) -> dict[str, Request]:
+                 outputs: Sequence[int], skip: int = 0, shift_s: float = 0.0) -> dict[str, Request]:
+    """The simulated requests by their ids in the simulated Plan log: `skip` warm-up requests came first, and the
+    workload `shift_s` after them (modelpool.validate.simulated)."""
     out = {}
     for row in part["requests_side_by_side"]:
         if row.get("sim_ttft_s") is None:
             continue
         k = row["index"]
-        out[f"r{k + 1:07d}"] = Request(k, row["model"], arrivals[k], row["sim_ttft_s"], row.get("sim_tpot_s"),
-                                       outputs[k], prompts[k])
+        out[f"r{skip + k + 1:07d}"] = Request(k, row["model"], arrivals[k] + shift_s, row["sim_ttft_s"],
+                                              row.get("sim_tpot_s"), outputs[k], prompts[k])
     return out
 
 
@@ -345,7 +347,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     lines = (args.serve_logs / "serve.plans.jsonl").read_text().splitlines()[lo:hi]
     live_log, sim_log = read_plans(lines), read_plans(args.sim_plans.read_text().splitlines())
     live = live_requests(part, lines, prompts)
-    sim = sim_requests(part, arrivals, prompts, outputs)
+    from modelpool.validate import WARM_UP_S  # the simulated pool is warmed up first, as serve warms the live one
+
+    sim = sim_requests(part, arrivals, prompts, outputs, len(workload.models), WARM_UP_S)
     attach(live, live_log)
     attach(sim, sim_log)
     move_to_server_clock(live)
