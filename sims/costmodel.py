@@ -159,11 +159,12 @@ class GpuShares(Protocol):
     the work its peers on that GPU have in flight."""
 
     def work_end_at(self, instance_id: str, start_at: float, alone_s: float, now: float,
-                    kind: str = "prefill", models: Sequence[str] = ()) -> float:
+                    kind: str = "prefill", models: Sequence[str] = (), tokens: int = 0) -> float:
         """The end of device work of `instance_id` that takes `alone_s` alone and starts at `start_at`
         (>= `now`, the simulated time of the call); `kind` "decode" (a decode turn) or "prefill" (a prefill or a
         mixed iteration): a GPU's peers slow a decode step and a prefill differently; `models`: the models the
-        work runs (a peer's work slows it by their size and its own)."""
+        work runs and `tokens` its prompt tokens (a peer's work slows it by their size, its own and the prompt's
+        length)."""
         ...
 
     def cut(self, instance_id: str, at: float) -> None:
@@ -371,8 +372,8 @@ class RooflineCostModel(SimCosts):
         if not peers:
             return None
         pairs = self.profile.share_pairs
-        table = ShareTable([(p.decode_bytes, p.prefill_bytes, p.decode_slowdown, p.prefill_slowdown)
-                            for p in pairs]) if pairs else None
+        table = ShareTable([(p.decode_bytes, p.prefill_bytes, p.prompt_tokens, p.decode_slowdown,
+                             p.prefill_slowdown) for p in pairs]) if pairs else None
         return GpuTimeSharing(peers, SHARED_GPU_SLOWDOWN, decode_slowdown=self.terms.share_decode_slowdown,
                               prefill_slowdown=self.terms.share_prefill_slowdown, table=table,
                               model_bytes={name: c.weight_bytes / c.tp for name, c in self._models.items()})

@@ -14,10 +14,11 @@ prefill (or mixed iteration) by `decode_slowdown`, prefill beside a peer's decod
 MPS a prefill's large GEMMs take the SMs from the decode steps beside them far more than the other way round);
 `modelpool calibrate` measures both (two engine processes on one device, as serve places a prefill and a decode
 instance), a profile without them leaves them at `slowdown`. Measured at pairs of shapes (a `ShareTable`: a
-decoder of one size beside a prefiller of another), the two slowdowns follow the sizes of the work's model and of
-the peer's (per-GPU weight bytes; bilinear in their logarithms between the sizes measured, the nearest measured
-size's figure beyond them). Beside several peers the largest applicable slowdown counts. Each booking carries
-its kind ("prefill": prefills and mixed iterations; "decode": turns) and its model's size.
+decoder of one size beside a prefiller of another, prompts of more than one length), the two slowdowns follow the
+sizes of the work's model and of the peer's (per-GPU weight bytes) and the prefill's prompt tokens (multilinear in
+their logarithms between the values measured, the nearest measured value's figure beyond them). Beside several
+peers the largest applicable slowdown counts. Each booking carries its work: its kind ("prefill": prefills and
+mixed iterations; "decode": turns), its model's size and its prompt tokens.
 
 The executor books each step's device work here (`work_end_at`) when it starts it, and a step's end is
 fixed then (its completion is already scheduled). So a step is charged for the sharing its peers will impose
@@ -38,6 +39,7 @@ Peers are the instances that share any GPU with one (tensor-parallel instances s
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 
@@ -67,53 +69,60 @@ def gpu_peers(instances: Sequence[InstanceSpec], gpu_of: Mapping[str, int] | Non
 
 
 class ShareTable:
-    """The two cross-kind slowdowns measured at pairs of sizes (per-GPU weight bytes of the decoding and of the
-    prefilling model): rows (decode_bytes, prefill_bytes, decode_slowdown, prefill_slowdown) that cover every
-    decoder size measured beside every prefiller size measured. Between those sizes a slowdown is bilinear in
-    the logarithms of the two sizes; beyond them the nearest measured size's figure holds (nothing extrapolated)."""
+    """The two cross-kind slowdowns measured at points of a grid: the per-GPU weight bytes of the decoding model,
+    those of the prefilling model, and the prefill's prompt tokens. Rows (decode_bytes, prefill_bytes,
+    prompt_tokens, decode_slowdown, prefill_slowdown) cover every combination of the values measured on each
+    axis. Between those values a slowdown is multilinear in their logarithms; beyond them the nearest measured
+    value's figure holds (nothing extrapolated)."""
 
-    def __init__(self, rows: Sequence[tuple[float, float, float, float]]) -> None:
+    def __init__(self, rows: Sequence[tuple[float, float, float, float, float]]) -> None:
         if not rows:
             raise ValueError("a share table needs at least one measured pair")
         for row in rows:
-            if not (row[0] > 0 and row[1] > 0 and row[2] >= 1.0 and row[3] >= 1.0):
-                raise ValueError(f"a share table row needs sizes > 0 and slowdowns >= 1, got {row}")
-        self._decoders = sorted({row[0] for row in rows})
-        self._prefillers = sorted({row[1] for row in rows})
-        grid = {(row[0], row[1]): (row[2], row[3]) for row in rows}
-        missing = [(d, p) for d in self._decoders for p in self._prefillers if (d, p) not in grid]
+            if not (min(row[:3]) > 0 and min(row[3:]) >= 1.0):
+                raise ValueError(f"a share table row needs sizes and tokens > 0 and slowdowns >= 1, got {row}")
+        self._axes = [sorted({row[axis] for row in rows}) for axis in range(3)]
+        self._logs = [[math.log(value) for value in axis] for axis in self._axes]
+        self._grid = {(d, p, n): (dec, pre) for d, p, n, dec, pre in rows}
+        missing = [corner for corner in itertools.product(*self._axes) if corner not in self._grid]
         if missing:
-            raise ValueError(f"a share table needs every decoder size beside every prefiller size; missing "
-                             f"(decode_bytes, prefill_bytes): {missing}")
-        self._grid = grid
-        self._log_d = [math.log(d) for d in self._decoders]
-        self._log_p = [math.log(p) for p in self._prefillers]
+            raise ValueError(f"a share table needs every decoder size beside every prefiller size at every prompt "
+                             f"length measured; missing (decode_bytes, prefill_bytes, prompt_tokens): {missing}")
 
-    def decode_slowdown(self, decode_bytes: float, prefill_bytes: float) -> float:
-        """How much longer a decode step of a model of `decode_bytes` takes beside a prefill of `prefill_bytes`."""
-        return self._at(decode_bytes, prefill_bytes, 0)
+    def decode_slowdown(self, decode_bytes: float, prefill_bytes: float, prompt_tokens: float) -> float:
+        """How much longer a decode step of a model of `decode_bytes` takes beside a prefill of `prompt_tokens`
+        of a model of `prefill_bytes`."""
+        return self._at((decode_bytes, prefill_bytes, prompt_tokens), 0)
 
-    def prefill_slowdown(self, decode_bytes: float, prefill_bytes: float) -> float:
-        """How much longer a prefill of a model of `prefill_bytes` takes beside decode steps of `decode_bytes`."""
-        return self._at(decode_bytes, prefill_bytes, 1)
+    def prefill_slowdown(self, decode_bytes: float, prefill_bytes: float, prompt_tokens: float) -> float:
+        """How much longer a prefill of `prompt_tokens` of a model of `prefill_bytes` takes beside decode steps of
+        a model of `decode_bytes`."""
+        return self._at((decode_bytes, prefill_bytes, prompt_tokens), 1)
 
-    def _at(self, decode_bytes: float, prefill_bytes: float, which: int) -> float:
-        (d0, d1, wd), (p0, p1, wp) = (_bracket(self._decoders, self._log_d, decode_bytes),
-                                      _bracket(self._prefillers, self._log_p, prefill_bytes))
-        grid = self._grid
-        low = grid[d0, p0][which] * (1 - wp) + grid[d0, p1][which] * wp
-        high = grid[d1, p0][which] * (1 - wp) + grid[d1, p1][which] * wp
-        return low * (1 - wd) + high * wd
+    def _at(self, point: tuple[float, float, float], which: int) -> float:
+        (d0, d1, wd), (p0, p1, wp), (n0, n1, wn) = (_bracket(axis, logs, value) for axis, logs, value
+                                                    in zip(self._axes, self._logs, point))
+        total = 0.0
+        for d, w_d in ((d0, 1.0 - wd), (d1, wd)):
+            for p, w_p in ((p0, 1.0 - wp), (p1, wp)):
+                for n, w_n in ((n0, 1.0 - wn), (n1, wn)):
+                    if w_d * w_p * w_n:
+                        total += w_d * w_p * w_n * self._grid[d, p, n][which]
+        return total
 
 
-def _bracket(sizes: list[float], logs: list[float], size: float) -> tuple[float, float, float]:
-    """The measured sizes around `size` and its weight toward the upper one (log-linear; clamped at the ends)."""
-    if size <= sizes[0]:
-        return sizes[0], sizes[0], 0.0
-    if size >= sizes[-1]:
-        return sizes[-1], sizes[-1], 0.0
-    upper = next(k for k, s in enumerate(sizes) if s >= size)
-    return sizes[upper - 1], sizes[upper], (math.log(size) - logs[upper - 1]) / (logs[upper] - logs[upper - 1])
+def _bracket(values: list[float], logs: list[float], value: float) -> tuple[float, float, float]:
+    """The measured values around `value` and its weight toward the upper one (log-linear; clamped at the ends)."""
+    if value <= values[0]:
+        return values[0], values[0], 0.0
+    if value >= values[-1]:
+        return values[-1], values[-1], 0.0
+    upper = next(k for k, v in enumerate(values) if v >= value)
+    return values[upper - 1], values[upper], (math.log(value) - logs[upper - 1]) / (logs[upper] - logs[upper - 1])
+
+
+Work = tuple[str, float, int]  # what a step runs: its kind, its model's per-GPU weight bytes (0: unknown), and
+# its prompt tokens (a prefill's or a mixed iteration's chunks; 0 for a decode turn)
 
 
 class _Booking:
@@ -121,12 +130,12 @@ class _Booking:
     counted on staying busy, each with the time up to which that guess is settled; `gain`: the rate it runs
     faster at (a share of its rate alone) while one of them idles instead."""
 
-    __slots__ = ("begin", "end", "owed_s", "counted", "gain", "kind", "size")
+    __slots__ = ("begin", "end", "owed_s", "counted", "gain", "work")
 
     def __init__(self, begin: float, end: float, owed_s: float, counted: dict[str, float], gain: float,
-                 kind: str, size: float) -> None:
+                 work: Work) -> None:
         self.begin, self.end, self.owed_s, self.counted, self.gain = begin, end, owed_s, counted, gain
-        self.kind, self.size = kind, size  # what it runs: its kind, its model's per-GPU weight bytes (0: unknown)
+        self.work = work
 
     def idle_credit(self, since: float, until: float) -> float:
         """The work this step ran ahead of its booking while a peer it counted on idled from `since` to `until`."""
@@ -153,35 +162,38 @@ class GpuTimeSharing:
         self.prefill_slowdown = prefill_slowdown if prefill_slowdown is not None else slowdown
         self.table = table
         self.model_bytes = dict(model_bytes or {})
-        self._kind: dict[str, tuple[str, float]] = {iid: ("prefill", 0.0) for iid in self.peers}  # its latest booking
+        self._latest: dict[str, Work] = {iid: ("prefill", 0.0, 0) for iid in self.peers}  # its latest booking's
         self._booked: dict[str, list[_Booking]] = {iid: [] for iid in self.peers}
         self._owed: dict[str, float] = {iid: 0.0 for iid in self.peers}  # < 0: a credit
         self._booked_to: dict[str, float] = {iid: 0.0 for iid in self.peers}  # the end of its latest booking
 
-    def rate(self, kind: str, beside: list[tuple[str, float]], size: float = 0.0) -> float:
-        """The rate (a share of its rate alone) of work of `kind` (of a model of `size` per-GPU weight bytes; 0:
-        unknown) while peers doing the work `beside` (each its kind and its model's size) are busy."""
-        return share(1 + len(beside), max((self._pair(kind, size, other, other_size) for other, other_size in beside),
-                                          default=self.slowdown))
+    def rate(self, work: Work, beside: list[Work]) -> float:
+        """The rate (a share of its rate alone) of `work` while peers doing the work `beside` are busy."""
+        return share(1 + len(beside), max((self._pair(work, other) for other in beside), default=self.slowdown))
 
-    def _pair(self, kind: str, size: float, other: str, other_size: float) -> float:
-        """How much longer work of `kind` takes beside one busy peer doing `other` (sizes as in `rate`)."""
+    def _pair(self, work: Work, other: Work) -> float:
+        """How much longer `work` takes beside one busy peer doing `other`."""
+        (kind, size, tokens), (other_kind, other_size, other_tokens) = work, other
         table = self.table if size > 0 and other_size > 0 else None
-        if kind == "decode" and other == "prefill":
-            return table.decode_slowdown(size, other_size) if table is not None else self.decode_slowdown
-        if kind == "prefill" and other == "decode":
-            return table.prefill_slowdown(other_size, size) if table is not None else self.prefill_slowdown
+        if kind == "decode" and other_kind == "prefill":
+            if table is not None and other_tokens > 0:
+                return table.decode_slowdown(size, other_size, other_tokens)
+            return self.decode_slowdown
+        if kind == "prefill" and other_kind == "decode":
+            if table is not None and tokens > 0:
+                return table.prefill_slowdown(other_size, size, tokens)
+            return self.prefill_slowdown
         return self.slowdown
 
     def work_end_at(self, instance_id: str, start_at: float, alone_s: float, now: float,
-                    kind: str = "prefill", models: Sequence[str] = ()) -> float:
+                    kind: str = "prefill", models: Sequence[str] = (), tokens: int = 0) -> float:
         """When device work of `instance_id` that takes `alone_s` alone, started at `start_at` (>= `now`), ends;
         `kind`: "decode" for a decode turn, "prefill" for a prefill or a mixed iteration; `models`: those it runs
-        (the largest sets its size)."""
+        (the largest sets its size); `tokens`: a prefill's prompt tokens (a mixed iteration's chunks)."""
         peers = self.peers.get(instance_id)
         if peers is None:  # a GPU of its own
             return start_at + alone_s
-        size = max((self.model_bytes.get(model, 0.0) for model in models), default=0.0)
+        work: Work = (kind, max((self.model_bytes.get(model, 0.0) for model in models), default=0.0), tokens)
         for iid in (instance_id, *peers):
             self._prune(iid, now)
         self._settle(instance_id, start_at)
@@ -190,34 +202,33 @@ class GpuTimeSharing:
         left = max(0.0, alone_s + owed)
         t = start_at
         while left > _DONE:
-            busy: dict[str, tuple[str, float]] = {}  # each busy peer, its work at t (past its booked end: its latest)
+            busy: dict[str, Work] = {}  # each busy peer, its work at t (past its booked end: its latest)
             for p in peers:
                 booking = _at(self._booked[p], t)
                 if booking is not None or (p in staying and t >= self._booked_to[p]):
-                    busy[p] = (booking.kind, booking.size) if booking is not None else self._kind[p]
-            rate = self.rate(kind, list(busy.values()), size)
+                    busy[p] = booking.work if booking is not None else self._latest[p]
+            rate = self.rate(work, list(busy.values()))
             boundary = min((edge for p in peers for b in self._booked[p] for edge in (b.begin, b.end) if edge > t),
                            default=math.inf)
             run = min(left / rate, boundary - t)
             for p in busy:  # each busy peer slows down from its rate beside the others to its rate beside this
                 booking = _at(self._booked[p], t)  # work too: it owes the difference, unless it counted on this
                 if booking is not None and instance_id not in booking.counted:  # instance staying busy
-                    others = [(b.kind, b.size) for q in self.peers[p] if q != instance_id
+                    others = [b.work for q in self.peers[p] if q != instance_id
                               for b in (_at(self._booked[q], t),) if b is not None]
-                    self._owed[p] += run * (self.rate(booking.kind, others, booking.size)
-                                            - self.rate(booking.kind, [*others, (kind, size)], booking.size))
+                    self._owed[p] += run * (self.rate(booking.work, others) - self.rate(booking.work, [*others, work]))
             left = 0.0 if run == left / rate else left - run * rate
             t += run
         for p in peers:  # this work, up to t, is what the peers' steps that counted on it expected
             for booking in self._booked[p]:
                 if instance_id in booking.counted:
                     booking.counted[instance_id] = max(booking.counted[instance_id], t)
-        kinds = [(b.kind, b.size) for p in staying for b in (_at(self._booked[p], start_at),) if b is not None]
-        gain = self.rate(kind, kinds[1:], size) - self.rate(kind, kinds, size)  # while one of them idles instead
+        works = [b.work for p in staying for b in (_at(self._booked[p], start_at),) if b is not None]
+        gain = self.rate(work, works[1:]) - self.rate(work, works)  # while one of them idles instead
         self._booked[instance_id].append(_Booking(start_at, t, owed, {p: self._booked_to[p] for p in staying}, gain,
-                                                  kind, size))
+                                                  work))
         self._booked_to[instance_id] = t
-        self._kind[instance_id] = (kind, size)
+        self._latest[instance_id] = work
         return t
 
     def cut(self, instance_id: str, at: float) -> None:

@@ -488,8 +488,8 @@ class Simulator:
         self._check_kv(iid, dev)
         if self.gpus is not None:  # the host's part after the GPU's does not share it
             host_s = sum(self.costs.prefill_host_s(model, len(group)) for model, group in _by_model(records).items())
-            took = (self.gpus.work_end_at(iid, t, took - host_s, self.now, "prefill", [r.model for r in records])
-                    - t + host_s)
+            took = (self.gpus.work_end_at(iid, t, took - host_s, self.now, "prefill", [r.model for r in records],
+                                          sum(r.prompt_tokens + r.generated for r in records)) - t + host_s)
         if move_s and self.links is not None:
             move_s = self.links.copy_end_at(iid, False, t + took, move_s, self.now) - (t + took)
         move_s += self.kv_call_host_s if moves else 0.0  # the save_kv call after the prefill's, as in _swap
@@ -582,7 +582,8 @@ class Simulator:
         decoding = {g.model: [g.size, g.context] for g in batch.groups}  # [batch size, context], the batch's order
         took = self.costs.mixed_iteration_s(decoding, chunks)  # a model's chunks share its decode step's weight read
         if self.gpus is not None:  # one iteration: all of it device work, its prefill chunks beside a peer's decode
-            took = self.gpus.work_end_at(iid, t, took, self.now, "prefill", [*decoding, *chunks]) - t
+            took = self.gpus.work_end_at(iid, t, took, self.now, "prefill", [*decoding, *chunks],
+                                         sum(tokens for tokens, _ in chunks.values())) - t
         may_finish = batch.left <= 1
         if completed:
             records = records + completed

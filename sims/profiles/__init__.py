@@ -141,13 +141,15 @@ class CalibrationRun(_Frozen):
 
 
 class SharePair(_Frozen):
-    """The two cross-kind slowdowns measured with a decoder of one shape beside a prefiller of another (two engine
-    processes on one device, as serve places a prefill and a decode instance: `modelpool calibrate`)."""
+    """The two cross-kind slowdowns measured with a decoder of one shape beside a prefiller of another running
+    prompts of `prompt_tokens` (two engine processes on one device, as serve places a prefill and a decode
+    instance: `modelpool calibrate`)."""
 
     decode_shape: str
     prefill_shape: str
     decode_bytes: float = Field(gt=0, description="The decoding shape's weight bytes.")
     prefill_bytes: float = Field(gt=0, description="The prefilling shape's weight bytes.")
+    prompt_tokens: int = Field(gt=0, description="The prefills' prompt length.")
     decode_slowdown: float = Field(ge=1.0, description="A decode step's median time beside the prefills, over alone.")
     prefill_slowdown: float = Field(ge=1.0, description="A prefill's median time beside the decode steps, over alone.")
 
@@ -165,10 +167,10 @@ class CalibrationProfile(_Frozen):
     calibration: CalibrationRun | None = Field(
         default=None, description="How the profile was measured, when `modelpool calibrate` wrote it.")
     share_pairs: list[SharePair] = Field(
-        default_factory=list, description="The share slowdowns measured at pairs of shapes (every decoder size "
-        "beside every prefiller size measured): where given, the simulator takes a shared GPU's slowdowns from them "
-        "by the sizes of the two models (sims.gpu_share.ShareTable), in place of share_decode_slowdown and "
-        "share_prefill_slowdown.")
+        default_factory=list, description="The share slowdowns measured at pairs of shapes and prompt lengths "
+        "(every decoder size beside every prefiller size at every length measured): where given, the simulator "
+        "takes a shared GPU's slowdowns from them by the sizes of the two models and the prompt's length "
+        "(sims.gpu_share.ShareTable), in place of share_decode_slowdown and share_prefill_slowdown.")
     device_spec: GpuSpec | None = Field(
         default=None, description="The figures of the device measured that its efficiencies are shares of, where the "
                                   "GPU catalogue has none (a CPU: its peak rates as calibrate measured them).")

@@ -364,21 +364,20 @@ def share_terms(share: Sequence[SharePoints]) -> dict[str, tuple[float, int]]:
 
 
 def share_pairs(share: Sequence[SharePoints], shapes: Mapping[str, Arch]) -> list[SharePair]:
-    """The profile's share table: each measured pair's slowdowns (at the longest prompt measured) with its two
-    shapes' weight bytes; none where the pairs do not cover every decoder shape beside every prefiller shape (files
-    with one pair: the terms say it)."""
+    """The profile's share table: each measured pair's slowdowns with its two shapes' weight bytes and its prompt
+    length; none where the pairs do not cover every decoder shape beside every prefiller shape at every length
+    (files with one pair: the terms say it)."""
     pairs = []
-    longest = max((pair.prefill_tokens for pair in share), default=0)
-    for pair in (pair for pair in share if pair.prefill_tokens == longest):
+    for pair in share:
         prefill_shape = pair.prefill_shape or pair.shape
         decode, prefill = share_slowdowns(pair)
         pairs.append(SharePair(decode_shape=pair.shape, prefill_shape=prefill_shape,
                                decode_bytes=shapes[pair.shape].weight_bytes,
-                               prefill_bytes=shapes[prefill_shape].weight_bytes,
+                               prefill_bytes=shapes[prefill_shape].weight_bytes, prompt_tokens=pair.prefill_tokens,
                                decode_slowdown=decode, prefill_slowdown=prefill))
-    covered = {(p.decode_shape, p.prefill_shape) for p in pairs}
-    decoders, prefillers = {p.decode_shape for p in pairs}, {p.prefill_shape for p in pairs}
-    full = len(covered) == len(decoders) * len(prefillers) and len(pairs) > 1
+    covered = {(p.decode_shape, p.prefill_shape, p.prompt_tokens) for p in pairs}
+    axes = [{key[axis] for key in covered} for axis in range(3)]
+    full = len(covered) == len(axes[0]) * len(axes[1]) * len(axes[2]) and len(pairs) > 1
     return pairs if full else []
 
 

@@ -19,6 +19,7 @@ from tests.factories import LinearCosts, make_instances, make_models, make_sim
 
 S = 1.774  # the H200 probe's median
 PAIR = {"p": ("d",), "d": ("p",)}
+PREFILL, DECODE = ("prefill", 0.0, 0), ("decode", 0.0, 0)  # work of a model of unknown size
 
 
 def test_share_is_processor_sharing_of_what_two_together_deliver() -> None:
@@ -49,11 +50,11 @@ def test_measured_cross_kind_slowdowns_apply_by_kind_and_same_kinds_split_the_bu
     """Under MPS a prefill barely slows beside a decoding peer while the decode steps slow a lot (calibrate's
     share benchmark measures both): each kind takes its own figure beside the other, the same kinds the budget's 2."""
     gpus = GpuTimeSharing(PAIR, 2.0, decode_slowdown=3.0, prefill_slowdown=1.1)
-    assert gpus.rate("prefill", [("decode", 0.0)]) == pytest.approx(1 / 1.1)
-    assert gpus.rate("decode", [("prefill", 0.0)]) == pytest.approx(1 / 3.0)
-    assert gpus.rate("decode", [("decode", 0.0)]) == gpus.rate("prefill", [("prefill", 0.0)]) == 0.5
+    assert gpus.rate(PREFILL, [DECODE]) == pytest.approx(1 / 1.1)
+    assert gpus.rate(DECODE, [PREFILL]) == pytest.approx(1 / 3.0)
+    assert gpus.rate(DECODE, [DECODE]) == gpus.rate(PREFILL, [PREFILL]) == 0.5
     # beside several peers the largest slowdown applies
-    assert gpus.rate("prefill", [("decode", 0.0), ("prefill", 0.0)]) == pytest.approx(2 / (3 * 2.0))
+    assert gpus.rate(PREFILL, [DECODE, PREFILL]) == pytest.approx(2 / (3 * 2.0))
     assert gpus.work_end_at("d", 0.0, 10.0, 0.0, kind="decode") == 10.0
     assert gpus.work_end_at("p", 1.0, 0.1, 1.0) == pytest.approx(1.0 + 0.1 * 1.1)
     with pytest.raises(ValueError, match="prefill_slowdown"):
@@ -70,10 +71,10 @@ def test_a_profile_with_measured_share_terms_gives_the_simulator_those_slowdowns
     arch = Arch.model_validate(ARCHS["qwen2.5-7b"])
     unmeasured = RooflineCostModel.for_models({"m": (arch, 1)}, "h200", base).gpu_shares(instances, {"p": 0, "d": 0})
     shares = RooflineCostModel.for_models({"m": (arch, 1)}, "h200", measured).gpu_shares(instances, {"p": 0, "d": 0})
-    assert isinstance(unmeasured, GpuTimeSharing) and unmeasured.rate("prefill", [("decode", 0.0)]) == 0.5
+    assert isinstance(unmeasured, GpuTimeSharing) and unmeasured.rate(PREFILL, [DECODE]) == 0.5
     assert isinstance(shares, GpuTimeSharing)
-    assert shares.rate("prefill", [("decode", 0.0)]) == pytest.approx(1 / 1.07)
-    assert shares.rate("decode", [("prefill", 0.0)]) == pytest.approx(1 / 3.07)
+    assert shares.rate(PREFILL, [DECODE]) == pytest.approx(1 / 1.07)
+    assert shares.rate(DECODE, [PREFILL]) == pytest.approx(1 / 3.07)
 
 
 def test_owed_work_runs_on_in_an_idle_gap() -> None:
@@ -253,35 +254,42 @@ def test_the_simulator_books_decode_turns_as_decode_work() -> None:
 
 
 GB = 1e9
-TABLE = ShareTable([(1 * GB, 1 * GB, 2.0, 1.1), (8 * GB, 8 * GB, 3.5, 1.2),  # the same shape beside itself
-                    (1 * GB, 8 * GB, 4.0, 1.0), (8 * GB, 1 * GB, 1.5, 1.4)])  # a decoder beside the other shape
+# a decoder of 1 or 8 GB beside a prefiller of 1 or 8 GB, prompts of 2048 and of 256 tokens: every combination
+TABLE = ShareTable([(d * GB, p * GB, n, dec, pre) for (d, p), by_length in {
+    (1, 1): {2048: (2.0, 1.1), 256: (1.5, 2.0)}, (8, 8): {2048: (3.5, 1.2), 256: (2.5, 1.8)},
+    (1, 8): {2048: (4.0, 1.0), 256: (3.0, 1.6)}, (8, 1): {2048: (1.5, 1.4), 256: (1.2, 2.2)}}.items()
+    for n, (dec, pre) in by_length.items()])
 
 
-def test_a_share_table_gives_the_measured_pairs_and_interpolates_between_sizes_only() -> None:
-    assert TABLE.decode_slowdown(1 * GB, 8 * GB) == 4.0 and TABLE.prefill_slowdown(8 * GB, 1 * GB) == 1.4
-    # halfway in log size between the two decoders, beside the large prefiller: halfway between 4.0 and 3.5
-    assert TABLE.decode_slowdown(math.sqrt(8) * GB, 8 * GB) == pytest.approx(3.75)
-    assert TABLE.decode_slowdown(math.sqrt(8) * GB, math.sqrt(8) * GB) == pytest.approx((2.0 + 3.5 + 4.0 + 1.5) / 4)
-    assert TABLE.decode_slowdown(0.1 * GB, 20 * GB) == 4.0  # beyond the sizes measured: the nearest pair's figure
-    assert ShareTable([(1 * GB, 1 * GB, 3.0, 1.2)]).decode_slowdown(9 * GB, 0.2 * GB) == 3.0  # one pair: everywhere
-    with pytest.raises(ValueError, match=r"missing \(decode_bytes, prefill_bytes\)"):
-        ShareTable([(1 * GB, 1 * GB, 2.0, 1.1), (8 * GB, 8 * GB, 3.5, 1.2)])  # no pair of one beside the other
+def test_a_share_table_gives_the_measured_points_and_interpolates_between_them_only() -> None:
+    assert TABLE.decode_slowdown(1 * GB, 8 * GB, 2048) == 4.0 and TABLE.prefill_slowdown(8 * GB, 1 * GB, 256) == 2.2
+    # halfway in log size between the two decoders, beside the large prefiller's long prompts: between 4.0 and 3.5
+    assert TABLE.decode_slowdown(math.sqrt(8) * GB, 8 * GB, 2048) == pytest.approx(3.75)
+    assert TABLE.decode_slowdown(math.sqrt(8) * GB, math.sqrt(8) * GB, 2048) == pytest.approx((2 + 3.5 + 4 + 1.5) / 4)
+    assert TABLE.prefill_slowdown(1 * GB, 1 * GB, 512) == pytest.approx(2.0 - (2.0 - 1.1) / 3)  # 512: 1/3 up in log
+    assert TABLE.decode_slowdown(0.1 * GB, 20 * GB, 9000) == 4.0  # beyond the values measured: the nearest figure
+    assert TABLE.prefill_slowdown(1 * GB, 1 * GB, 16) == 2.0
+    one = ShareTable([(1 * GB, 1 * GB, 2048, 3.0, 1.2)])
+    assert one.decode_slowdown(9 * GB, 0.2 * GB, 100) == 3.0  # one point: everywhere
+    with pytest.raises(ValueError, match=r"missing \(decode_bytes, prefill_bytes, prompt_tokens\)"):
+        ShareTable([(1 * GB, 1 * GB, 2048, 2.0, 1.1), (8 * GB, 8 * GB, 2048, 3.5, 1.2)])  # no 1 GB beside 8 GB
     with pytest.raises(ValueError, match="slowdowns >= 1"):
-        ShareTable([(1 * GB, 1 * GB, 0.9, 1.1)])
+        ShareTable([(1 * GB, 1 * GB, 2048, 0.9, 1.1)])
 
 
-def test_time_sharing_with_a_table_slows_each_step_by_the_sizes_of_its_model_and_its_peers() -> None:
+def test_time_sharing_with_a_table_slows_each_step_by_the_sizes_and_the_prompt() -> None:
     sizes = {"small": 1 * GB, "large": 8 * GB}
     gpus = GpuTimeSharing(PAIR, 2.0, decode_slowdown=3.0, prefill_slowdown=1.1, table=TABLE, model_bytes=sizes)
-    assert gpus.rate("decode", [("prefill", 8 * GB)], 1 * GB) == pytest.approx(1 / 4.0)
-    assert gpus.rate("prefill", [("decode", 8 * GB)], 1 * GB) == pytest.approx(1 / 1.4)
-    assert gpus.rate("decode", [("prefill", 0.0)], 1 * GB) == pytest.approx(1 / 3.0)  # a size unknown: the terms
-    assert gpus.work_end_at("p", 0.0, 10.0, 0.0, "prefill", ["large"]) == 10.0  # a long prefill, booked first
+    assert gpus.rate(("decode", 1 * GB, 0), [("prefill", 8 * GB, 2048)]) == pytest.approx(1 / 4.0)
+    assert gpus.rate(("prefill", 1 * GB, 2048), [("decode", 8 * GB, 0)]) == pytest.approx(1 / 1.4)
+    assert gpus.rate(("prefill", 1 * GB, 256), [("decode", 8 * GB, 0)]) == pytest.approx(1 / 2.2)
+    assert gpus.rate(("decode", 1 * GB, 0), [("prefill", 0.0, 2048)]) == pytest.approx(1 / 3.0)  # size unknown
+    assert gpus.work_end_at("p", 0.0, 10.0, 0.0, "prefill", ["large"], 2048) == 10.0  # a long prefill, booked first
     # a small model's decode turn beside it: 4x as long as alone (the table), not the terms' 3x
     assert gpus.work_end_at("d", 1.0, 0.5, 1.0, "decode", ["small"]) == pytest.approx(1.0 + 0.5 * 4.0)
     other = GpuTimeSharing(PAIR, 2.0, table=TABLE, model_bytes=sizes)
-    other.work_end_at("p", 0.0, 10.0, 0.0, "prefill", ["small"])
-    assert other.work_end_at("d", 1.0, 0.5, 1.0, "decode", ["small", "large"]) == pytest.approx(1.0 + 0.5 * 1.5)
+    other.work_end_at("p", 0.0, 10.0, 0.0, "prefill", ["small"], 256)
+    assert other.work_end_at("d", 1.0, 0.5, 1.0, "decode", ["small", "large"]) == pytest.approx(1.0 + 0.5 * 1.2)
 
 
 def test_a_profile_with_measured_share_pairs_gives_the_simulator_the_table() -> None:
@@ -290,7 +298,7 @@ def test_a_profile_with_measured_share_pairs_gives_the_simulator_the_table() -> 
     base = load_profile("default")
     small, large = Arch.model_validate(ARCHS["qwen2.5-0.5b"]), Arch.model_validate(ARCHS["qwen2.5-7b"])
     pairs = [SharePair(decode_shape=d, prefill_shape=p, decode_bytes=a.weight_bytes, prefill_bytes=b.weight_bytes,
-                       decode_slowdown=ds, prefill_slowdown=1.0)
+                       prompt_tokens=2048, decode_slowdown=ds, prefill_slowdown=1.0)
              for (d, a), (p, b), ds in ((("s", small), ("s", small), 1.5), (("l", large), ("l", large), 3.5),
                                         (("s", small), ("l", large), 5.0), (("l", large), ("s", small), 1.2))]
     profile = base.model_copy(update={"share_pairs": pairs})
@@ -299,4 +307,5 @@ def test_a_profile_with_measured_share_pairs_gives_the_simulator_the_table() -> 
     shares = costs.gpu_shares(instances, {"p": 0, "d": 0})
     assert isinstance(shares, GpuTimeSharing) and shares.table is not None
     assert shares.model_bytes == {"tiny": small.weight_bytes, "big": large.weight_bytes / 2}  # per GPU
-    assert shares.rate("decode", [("prefill", large.weight_bytes)], small.weight_bytes) == pytest.approx(1 / 5.0)
+    assert shares.rate(("decode", small.weight_bytes, 0), [("prefill", large.weight_bytes, 100)]) == \
+        pytest.approx(1 / 5.0)

@@ -213,16 +213,22 @@ def test_share_pairs_of_two_shapes_make_the_profiles_table_and_the_largest_besid
     points = _points(_truth_costs()).model_copy(update={"share": [
         _pair(small, small, 2.0, 1.1), _pair(large, large, 3.5, 1.2), _pair(small, large, 4.0, 1.0),
         _pair(large, small, 1.5, 0.9),  # a ratio under 1 is noise: 1
-        _pair(small, small, 1.2, 2.0, 256), _pair(large, large, 2.0, 1.9, 256)]})  # short prompts: kept, not used
+        _pair(small, small, 1.2, 2.0, 256), _pair(large, large, 2.0, 1.9, 256)]})
     measured = _build(points)
     assert measured.terms["share_decode_slowdown"].value == 3.5  # the largest shape beside itself
     assert measured.terms["share_prefill_slowdown"].value == 1.2
     path = tmp_path / "h200-pairs.json"
     path.write_text(measured.model_dump_json(by_alias=True))
-    table = {(p.decode_shape, p.prefill_shape): (p.decode_slowdown, p.prefill_slowdown)
+    assert load_profile(path).share_pairs == []  # short prompts for two pairs only: no whole grid, the terms hold
+    points = points.model_copy(update={"share": [*points.share, _pair(small, large, 3.0, 1.5, 256),
+                                                 _pair(large, small, 1.1, 2.1, 256)]})
+    path.write_text(_build(points).model_dump_json(by_alias=True))
+    table = {(p.decode_shape, p.prefill_shape, p.prompt_tokens): (p.decode_slowdown, p.prefill_slowdown)
              for p in load_profile(path).share_pairs}
-    assert table == {(small, small): (2.0, 1.1), (large, large): (3.5, 1.2), (small, large): (4.0, 1.0),
-                     (large, small): (1.5, 1.0)}
+    assert table == {(small, small, 2048): (2.0, 1.1), (large, large, 2048): (3.5, 1.2),
+                     (small, large, 2048): (4.0, 1.0), (large, small, 2048): (1.5, 1.0),
+                     (small, small, 256): (1.2, 2.0), (large, large, 256): (2.0, 1.9),
+                     (small, large, 256): (3.0, 1.5), (large, small, 256): (1.1, 2.1)}
     one = _build(points.model_copy(update={"share": [_pair(large, None, 3.0, 1.1)]}))  # a file of one pair
     path.write_text(one.model_dump_json(by_alias=True))
     assert load_profile(path).share_pairs == [] and one.terms["share_decode_slowdown"].value == 3.0
