@@ -7,7 +7,8 @@
 3. serves the fleet with `modelpool serve` on this machine (the layout serve gives one GPU: a prefill and a
    decode instance; on CPU two slots) and replays each load's requests through the gateway as streaming
    clients, recording every token's time;
-4. simulates the very same requests on the very same layout with the profile, nothing refitted;
+4. simulates the very same requests on the very same layout with the profile, nothing refitted, after the
+   warm-up serve runs first (one short request per model, `simulated`);
 5. prints live and simulated side by side - SLO attainment, TTFT and TPOT p50/p90, switches - with the error
    of each against the targets (attainment within 3 points, the rest within 15%), and writes the comparison
    as JSON (default under ./out/validate, which git ignores).
