@@ -85,6 +85,17 @@ def build_fleet(spec: FleetSpec, folder: Path, gpu: str, tiny: bool,
     return path
 
 
+def served_fleet(spec: FleetSpec, gpu: str) -> Any:
+    """The fleet of `spec`'s real shapes as `build_fleet` serves them: each model's shape read back from the config
+    written for it (`model_config`). The catalogue's own figures differ by up to 0.3% in weight bytes (published
+    parameter counts, rounded), enough that twelve small models no longer fit the shared weights region the
+    engines laid out for the served ones, and the simulation evicted and copied models the live pool never did."""
+    from scheduler.fleet import Fleet, arch_from_hf_config
+
+    archs = {name: arch_from_hf_config(model_config(spec, key, False).to_dict()) for name, key in spec.models}
+    return Fleet.model_validate(spec.fleet_dict(gpu, archs=archs))
+
+
 # ---- one side's figures ------------------------------------------------------------------------------------
 Row = Mapping[str, Any]  # one request: served, ttft_s, tpot_s (None for one token)
 
@@ -476,7 +487,7 @@ def recorded_instance(row: Sequence[Any]) -> Any:
 def resimulate(recorded: Path, profile: str | None, out_dir: Path, traces_dir: Path | None = None) -> dict[str, Any]:
     """The simulated side again, with `profile` (default: the one recorded), for a recorded live run: the same
     requests (the scenario's workload regenerated from its rate, duration and seed), the same instance layout.
-    On a real-shape run the fleet is the catalogue's shapes (the served configs' own, to 0.3% in weight bytes)."""
+    On a real-shape run the fleet's shapes are the served configs' (`served_fleet`)."""
     from dataclasses import replace
 
     from modelpool.config import load_fleet
@@ -489,7 +500,7 @@ def resimulate(recorded: Path, profile: str | None, out_dir: Path, traces_dir: P
     if report.get("tiny"):
         fleet = load_fleet(recorded.parent / f"models-{spec.fleet}" / "fleet.yaml")
     else:
-        fleet = spec.fleet_spec().fleet(report["gpu"])
+        fleet = served_fleet(spec.fleet_spec(), report["gpu"])
     profile = profile or (None if report["profile"] == "default" else report["profile"])
     layout = SimLayout(fleet, [recorded_instance(row) for row in report["layout"]["instances"]],
                        {k: int(v) for k, v in report["layout"]["gpu_of"].items()},

@@ -8,12 +8,14 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
 from modelpool.validate import (WARM_UP_S, SimLayout, Targets, _after_warm_up, _simulated, build_fleet, compare,
-                               knee_rate, model_config, side_figures, sim_layout, simulated, slo_of)
+                               knee_rate, model_config, recorded_instance, side_figures, sim_layout, simulated,
+                               slo_of)
 from sims.costmodel import RooflineCostModel
 from sims.run import build_instances, simulate
 from sims.scenarios import FLEETS, KNEE_ATTAINMENT, SCENARIOS
@@ -77,6 +79,27 @@ def test_the_simulated_pool_starts_warmed_up_as_serve_leaves_the_live_one() -> N
     assert len(warmed.records) == len(workload) + len(workload.models)  # one warm-up request per model
     assert warmed.records[request_id(0)].arrival_at == 0.0 < WARM_UP_S == warmed.records[request_id(3)].arrival_at \
         - workload.arrival_s[0]
+
+
+def test_a_recorded_real_shape_run_is_simulated_with_the_served_shapes_its_weights_region_was_laid_out_for() -> None:
+    """A shared weights region holds every served model once (the engines lay it out from the served configs); the
+    catalogue's rounded parameter counts make the twelve small models 0.2% larger than that region, and a
+    simulation with them evicted and re-copied models the live pool never copied again."""
+    from modelpool.validate import served_fleet
+
+    spec = FLEETS["small"]
+    served, catalogue = served_fleet(spec, "h100"), spec.fleet("h100")
+    region = sum(m.arch.weight_bytes for m in served.models)  # what the engines' shared region held live
+    assert sum(m.arch.weight_bytes for m in catalogue.models) > region
+    instances = [recorded_instance(["slot0", 1, 42.2e9, "prefill", 24.4e9, region, None]),
+                 recorded_instance(["slot1", 1, 42.2e9, "decode", 24.4e9, region, None])]
+    workload = SCENARIOS["small-poisson"].workload(20.0, 30.0, seed=0)
+
+    def copies(fleet: Any) -> int:
+        layout = SimLayout(fleet, instances, {"slot0": 0, "slot1": 0}, RooflineCostModel(fleet), "default")
+        return simulated(layout, workload)[2]
+
+    assert copies(served) == 0 < copies(catalogue)
 
 
 def test_a_failed_request_misses_and_the_quantiles_skip_it() -> None:
