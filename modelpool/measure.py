@@ -194,6 +194,13 @@ class Calibration:
         extra = self.engine.stats().extra  # a graph miss ran eagerly: the "graph" steps were not all graphs
         self.result["figures"].update({key: extra[key] for key in ("graph_captures", "graph_misses", "graph_replays")
                                        if isinstance(extra.get(key), (int, float))})
+        # the device memory back before what follows (the share benchmark's four engine processes on one GPU ran
+        # out of memory beside this process's engine on an 80 GB H100)
+        self.engine.close()
+        self.engine = None
+        self.images.clear()
+        if self.cuda:
+            torch.cuda.empty_cache()
         return self.result
 
     # ---- engines ---------------------------------------------------------------------------------
