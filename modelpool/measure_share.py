@@ -1,14 +1,17 @@
 """How two instances on one device slow each other: the share microbenchmark of `modelpool calibrate`.
 
 serve places a prefill and a decode instance on a GPU, each in an engine process of its own (clients of a
-private MPS daemon there, pool.mps). Two such processes, each a TorchEngine of one shape on random weights, one
-thread each as serve's engine processes run, are timed here: the decoding process's steps alone, the
-prefilling process's prompts alone, then both at once - the decoder stepping without pause while the
-prefiller runs its prompts back to back. A prefill's time beside the decoder over its time alone, and a decode
-step's beside the prefiller over its time alone, are the cost model's `share_prefill_slowdown` and
-`share_decode_slowdown` (sims.gpu_share); under MPS the two differ a lot (a prefill's GEMMs take the SMs from
-the decode steps far more than the other way round), time-sliced they are near 2, on a CPU with a core each
-near 1. Step and prefill intervals come from time.monotonic (one clock for every process of the machine).
+private MPS daemon there, pool.mps). Such processes, each a TorchEngine of one shape on random weights, one
+thread each as serve's engine processes run, are timed here - a decoding and a prefilling one per shape given
+(calibrate gives the smallest and the largest): each decoder's steps alone, each prefiller's prompts alone, then
+every decoder beside every prefiller, one pair at a time - the decoder stepping without pause while the
+prefiller runs its prompts back to back - at a long and a short prompt length. A prefill's time beside the
+decoder over its time alone, and a decode step's beside the prefiller over its time alone, are the pair's
+slowdowns: the profile's share grid (sims.gpu_share.ShareTable), and for the largest shape beside itself the
+terms `share_prefill_slowdown` and `share_decode_slowdown`. Under MPS the two differ a lot (a prefill's GEMMs
+take the SMs from the decode steps far more than the other way round; a large model's and a long prompt's
+more than a small one's), time-sliced they are near 2, on a CPU with a core each near 1. Step and prefill
+intervals come from time.monotonic (one clock for every process of the machine).
 """
 
 from __future__ import annotations
