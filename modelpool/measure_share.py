@@ -19,8 +19,8 @@ from __future__ import annotations
 import multiprocessing
 import os
 import time
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from scheduler.fleet import Arch
@@ -61,9 +61,9 @@ class ShareSetup:
 def measure_share(setups: Sequence[ShareSetup], mps_env: dict[str, str] | None = None,
                   timeout_s: float = 900.0) -> list[SharePoints]:
     """Time, for every pair of `setups`' shapes (a decoder of one beside a prefiller of the other, the same shape
-    first) and each prompt length (the long one first), the two processes alone and side by side (`mps_env`: the client environment of an MPS daemon, when the
-    device is a GPU serve would share under MPS). A process per role and shape, all built at once; each pair is
-    timed with the others idle."""
+    first) and each prompt length (the long one first), the two processes alone and side by side (`mps_env`: the
+    client environment of an MPS daemon, when the device is a GPU serve would share under MPS). A process per
+    role and shape, all built at once; each pair is timed with the others idle."""
     ctx = multiprocessing.get_context("spawn")  # a fresh interpreter each, as serve's engine processes
     env = dict(mps_env or {})
     workers: dict[tuple[str, str], tuple[Any, Any]] = {}
@@ -86,8 +86,7 @@ def measure_share(setups: Sequence[ShareSetup], mps_env: dict[str, str] | None =
             for tokens in setup.lengths:
                 pre.send(("run", (setup.prefills, tokens)))
                 prefill_alone[setup.shape, tokens] = _durations(_expect(pre, "done", timeout_s, "prefill"))
-        pairs = [(d, p) for d in setups for p in setups if d is p] + [(d, p) for d in setups for p in setups
-                                                                        if d is not p]
+        pairs = [(s, s) for s in setups] + [(d, p) for d in setups for p in setups if d is not p]
         return [_beside(d, p, tokens, workers["decode", d.shape][1], workers["prefill", p.shape][1],
                         decode_alone[d.shape], prefill_alone[p.shape, tokens], env, timeout_s)
                 for tokens in setups[0].lengths for d, p in pairs]
