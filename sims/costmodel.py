@@ -49,7 +49,7 @@ from mypy_extensions import mypyc_attr
 
 from scheduler.costs import CostModel, InstanceSpec, padded_prefill_tokens
 from scheduler.fleet import GPUS, Arch, Fleet, GpuSpec
-from sims.gpu_share import GpuTimeSharing, ShareTable, gpu_peers
+from sims.gpu_share import GpuTimeSharing, gpu_peers, share_table
 from sims.links import HostLinks, link_spans
 from sims.profiles import CalibrationProfile, ProfileTerms, load_profile
 
@@ -371,11 +371,9 @@ class RooflineCostModel(SimCosts):
         peers = gpu_peers(instances, gpu_of)
         if not peers:
             return None
-        pairs = self.profile.share_pairs
-        table = ShareTable([(p.decode_bytes, p.prefill_bytes, p.prompt_tokens, p.decode_slowdown,
-                             p.prefill_slowdown) for p in pairs]) if pairs else None
         return GpuTimeSharing(peers, SHARED_GPU_SLOWDOWN, decode_slowdown=self.terms.share_decode_slowdown,
-                              prefill_slowdown=self.terms.share_prefill_slowdown, table=table,
+                              prefill_slowdown=self.terms.share_prefill_slowdown,
+                              table=share_table(self.profile.share_pairs),
                               model_bytes={name: c.weight_bytes / c.tp for name, c in self._models.items()})
 
     # ---- turns: many steps at once ---------------------------------------------------------------

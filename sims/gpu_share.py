@@ -42,6 +42,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from scheduler.costs import InstanceSpec
 from sims.links import gpus_of
@@ -109,6 +110,15 @@ class ShareTable:
                     if w_d * w_p * w_n:
                         total += w_d * w_p * w_n * self._grid[d, p, n][which]
         return total
+
+
+def share_table(pairs: Sequence[Any]) -> ShareTable | None:
+    """The table of a profile's `share_pairs` (sims.profiles.SharePair: sizes, prompt tokens, the two slowdowns),
+    None for none; a ValueError where they do not cover the grid."""
+    if not pairs:
+        return None
+    return ShareTable([(p.decode_bytes, p.prefill_bytes, p.prompt_tokens, p.decode_slowdown, p.prefill_slowdown)
+                       for p in pairs])
 
 
 def _bracket(values: list[float], logs: list[float], value: float) -> tuple[float, float, float]:

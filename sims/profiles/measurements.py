@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from scheduler.fleet import GPUS, Arch, GpuSpec
 from sims.profiles import CalibrationProfile, CalibrationRun, ProfileTerms, Provenance, SharePair
+from sims.gpu_share import share_table
 from sims.profiles.fitting import Anchor, fit, predict, sig
 
 SCHEMA = "modelpool.measurements/1"
@@ -375,10 +376,13 @@ def share_pairs(share: Sequence[SharePoints], shapes: Mapping[str, Arch]) -> lis
                                decode_bytes=shapes[pair.shape].weight_bytes,
                                prefill_bytes=shapes[prefill_shape].weight_bytes, prompt_tokens=pair.prefill_tokens,
                                decode_slowdown=decode, prefill_slowdown=prefill))
-    covered = {(p.decode_shape, p.prefill_shape, p.prompt_tokens) for p in pairs}
-    axes = [{key[axis] for key in covered} for axis in range(3)]
-    full = len(covered) == len(axes[0]) * len(axes[1]) * len(axes[2]) and len(pairs) > 1
-    return pairs if full else []
+    if len(pairs) < 2:
+        return []
+    try:
+        share_table(pairs)  # the simulator's rule for a whole grid
+    except ValueError:
+        return []
+    return pairs
 
 
 def build(points: Points, shapes: Mapping[str, Arch], spec: GpuSpec, *, device: str, gpu: str, measured_at: str,
