@@ -474,7 +474,8 @@ class Simulator:
             if record.model not in resident:
                 raise InvariantViolation(f"{iid}: prefill of {record.request_id} ({record.model}) while "
                                          f"{sorted(resident)} resident")
-        took = prefill_s(self.costs, [(r.model, r.prompt_tokens + r.generated) for r in records])
+        prompts = [(r.model, r.prompt_tokens + r.generated) for r in records]
+        took = prefill_s(self.costs, prompts)
         finished = []
         moves: list[tuple[str, int]] = []  # kv_to_host: the KV of prompt and first token goes to host memory
         for record in records:  # before the step is done
@@ -488,8 +489,8 @@ class Simulator:
         self._check_kv(iid, dev)
         if self.gpus is not None:  # the host's part after the GPU's does not share it
             host_s = sum(self.costs.prefill_host_s(model, len(group)) for model, group in _by_model(records).items())
-            took = (self.gpus.work_end_at(iid, t, took - host_s, self.now, "prefill", [r.model for r in records],
-                                          sum(r.prompt_tokens + r.generated for r in records)) - t + host_s)
+            took = (self.gpus.work_end_at(iid, t, took - host_s, self.now, "prefill", [m for m, _ in prompts],
+                                          sum(n for _, n in prompts)) - t + host_s)
         if move_s and self.links is not None:
             move_s = self.links.copy_end_at(iid, False, t + took, move_s, self.now) - (t + took)
         move_s += self.kv_call_host_s if moves else 0.0  # the save_kv call after the prefill's, as in _swap
