@@ -49,9 +49,9 @@ class MeasurePlan:
 def plan_for(cuda: bool, quick: bool) -> MeasurePlan:
     """The default grid: on CUDA sized for the six shapes of SHAPES in a few minutes on an H100/H200."""
     if cuda and not quick:
-        return MeasurePlan((128, 512, 2048), (1, 4), (1, 8, 32), (256, 2048), 12, 5, 3, (1, 8), (512, 2048))
-    if cuda:  # decode batches to 32: the live pool's decode instances run batches of 16-64
-        return MeasurePlan((256, 2048), (1, 4), (1, 8, 32), (512, 2048), 8, 2, 2, (1, 8), (512, 2048))
+        return MeasurePlan((128, 512, 2048), (1, 4), (1, 8, 32, 64), (256, 2048), 12, 5, 3, (1, 8), (512, 2048))
+    if cuda:  # decode batches to 64: the live pool's decode instances run batches of 16-64 (the scenarios' cap)
+        return MeasurePlan((256, 2048), (1, 4), (1, 8, 32, 64), (512, 2048), 8, 2, 2, (1, 8), (512, 2048))
     if quick:
         return MeasurePlan((16, 64), (1, 2), (1, 4), (32, 96), 4, 1, 2, (1, 4), (24, 48))
     return MeasurePlan((32, 128, 512), (1, 4), (1, 4, 16), (64, 256, 1024), 10, 3, 3, (1, 4), (64, 256))
