@@ -51,7 +51,7 @@ from scheduler.costs import CostModel, InstanceSpec, padded_prefill_tokens
 from scheduler.fleet import GPUS, Arch, Fleet, GpuSpec
 from sims.gpu_share import GpuTimeSharing, gpu_peers, share_table
 from sims.links import HostLinks, link_spans
-from sims.profiles import CalibrationProfile, ProfileTerms, load_profile
+from sims.profiles import CalibrationProfile, ProfileTerms, load_profile, shape_key
 
 Bound = Literal["memory", "compute", "launch"]
 # Instances on one GPU share its budget: while k are busy each runs at 2 / (k * this) = 1/k of its rate alone
@@ -264,6 +264,9 @@ class RooflineCostModel(SimCosts):
         self.gpu_name, self.gpu = (gpu if isinstance(gpu, str) else gpu_name).lower(), spec
         self.terms = self.profile.terms_for(self.gpu_name)
         self._models = {name: model_constants(arch, tp, spec, self.terms) for name, (arch, tp) in models.items()}
+        scales = self.profile.prefill_scales(self.gpu_name)  # a shape calibrate timed here: its own points
+        self._prefill_scale = {name: scales.get(shape_key(arch), 1.0) if tp == 1 else 1.0
+                               for name, (arch, tp) in models.items()}
         self.gpus_per_host_link = gpus_per_host_link or 0
         self._shapes: dict[str, list[_DecodeShape | None]] = {}  # model -> shape by batch size, built on demand
 
@@ -279,7 +282,8 @@ class RooflineCostModel(SimCosts):
 
     # ---- CostModel -------------------------------------------------------------------------------
     def prefill_s(self, model: str, num_tokens: int, num_requests: int = 1) -> float:
-        """max(compute, memory) + all-reduces + overheads, at least the launch floor without graphs."""
+        """max(compute, memory) + all-reduces + overheads, at least the launch floor without graphs; times the
+        shape's own scale where calibrate timed it on this GPU (CalibrationProfile.shape_scales)."""
         if num_tokens <= 0:
             return 0.0
         c = self._models[model]
@@ -291,7 +295,7 @@ class RooflineCostModel(SimCosts):
         memory = c.stream_static_s + experts * c.stream_expert_s + run * c.kv_write_s_per_token
         gpu = (max(compute, memory) + c.allreduce_fixed_s + run * c.allreduce_s_per_token + c.prefill_overhead_s
                + requests * c.prefill_request_s)
-        return max(gpu, c.prefill_floor_s) + c.host_call_s + requests * c.host_token_s
+        return (max(gpu, c.prefill_floor_s) + c.host_call_s + requests * c.host_token_s) * self._prefill_scale[model]
 
     def decode_step_s(self, model: str, batch_size: int, context_tokens: int) -> float:
         if batch_size <= 0:

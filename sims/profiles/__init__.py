@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from scheduler.fleet import GpuSpec
+from scheduler.fleet import Arch, GpuSpec
 
 Fraction = Annotated[float, Field(gt=0, le=1)]
 Seconds = Annotated[float, Field(ge=0)]
@@ -154,6 +154,27 @@ class SharePair(_Frozen):
     prefill_slowdown: float = Field(ge=1.0, description="A prefill's median time beside the decode steps, over alone.")
 
 
+def shape_key(arch: Arch) -> tuple[object, ...]:
+    """What sets a model's step costs: its architecture less its name-like fields (published parameter count,
+    context limit), so a fleet's model and a shape calibrate timed match when they have the same layers."""
+    return (arch.family, arch.num_layers, arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.dim,
+            arch.intermediate_size, arch.vocab_size, arch.tie_embeddings, arch.qkv_bias, arch.num_experts,
+            arch.experts_per_token, arch.dtype)
+
+
+class ShapeScale(_Frozen):
+    """A shape `modelpool calibrate` timed, and how its own prefill points stand to the cost model's formula:
+    the median over them of measured / predicted (the terms fitted to every shape). A model of this shape, at
+    tensor-parallel size 1 on the GPU the profile was measured on, takes its prefill time from the formula times
+    this figure: its own microbenchmark, where the formula (one line across shapes) leaves a shape-specific
+    cost out - small shapes' eager prefills are bound by the host's kernel launches, which differ by shape."""
+
+    shape: str
+    arch: Arch
+    prefill: float = Field(gt=0, description="Median of the shape's prefill points' measured / predicted time.")
+    points: int = Field(ge=1, description="The prefill points behind it.")
+
+
 class CalibrationProfile(_Frozen):
     """Roofline terms, per-GPU overrides and the provenance of every number."""
 
@@ -171,6 +192,9 @@ class CalibrationProfile(_Frozen):
         "(every decoder size beside every prefiller size at every length measured): where given, the simulator "
         "takes a shared GPU's slowdowns from them by the sizes of the two models and the prompt's length "
         "(sims.gpu_share.ShareTable), in place of share_decode_slowdown and share_prefill_slowdown.")
+    shape_scales: list[ShapeScale] = Field(
+        default_factory=list, description="Per shape calibrate timed, its prefill points over the formula's "
+        "figure (median): a model of that shape on the GPU measured takes its prefill time from its own points.")
     device_spec: GpuSpec | None = Field(
         default=None, description="The figures of the device measured that its efficiencies are shares of, where the "
                                   "GPU catalogue has none (a CPU: its peak rates as calibrate measured them).")
@@ -207,6 +231,13 @@ class CalibrationProfile(_Frozen):
         if missing or extra:
             raise ValueError(f"provenance: missing {missing}, unexpected {extra}")
         return self
+
+    def prefill_scales(self, gpu: str) -> dict[tuple[object, ...], float]:
+        """By `shape_key`, the prefill scale of every shape measured on GPU type `gpu` (none on another GPU: a
+        shape's own points count where they were timed)."""
+        if self.calibration is None or self.calibration.gpu.lower() != gpu.lower():
+            return {}
+        return {shape_key(scale.arch): scale.prefill for scale in self.shape_scales}
 
     def terms_for(self, gpu: str) -> ProfileTerms:
         """The terms on GPU type `gpu` (its override applied)."""

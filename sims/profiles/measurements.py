@@ -30,7 +30,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from scheduler.fleet import GPUS, Arch, GpuSpec
-from sims.profiles import CalibrationProfile, CalibrationRun, ProfileTerms, Provenance, SharePair
+from sims.profiles import CalibrationProfile, CalibrationRun, ProfileTerms, Provenance, SharePair, ShapeScale
 from sims.gpu_share import share_table
 from sims.profiles.fitting import Anchor, fit, predict, sig
 
@@ -200,12 +200,14 @@ class Measurements(_Frozen):
                              software=self.software, quick=self.quick, shapes=tuple(self.shapes), wall_s=self.wall_s,
                              figures=self.figures,
                              backend=self.points.host.backend if self.points.host.step_s_by_batch else None)
-        return CalibrationProfile(
+        profile = CalibrationProfile(
             name=name or f"{self.gpu}-measured", terms=ProfileTerms.model_validate(
                 {term: entry.value for term, entry in self.terms.items()}),
             provenance=provenance, calibration=run, device_spec=None if self.gpu in GPUS else self.spec,
             share_pairs=share_pairs(self.points.share, self.shapes),
             description=f"Measured by `{self.command}` on {self.device} ({self.measured_at[:10]}).")
+        return profile.model_copy(update={"shape_scales": shape_scales(self.points, self.shapes, self.spec,
+                                                                       self.gpu, profile)})
 
     def anchors(self, shapes: Sequence[str] | None = None) -> list[Anchor]:
         return anchors_of(self.points, shapes)
@@ -292,6 +294,18 @@ def leave_one_shape_out(points: Points, shapes: Mapping[str, Arch], spec: GpuSpe
         for anchor, check in zip(anchors, predict(profile, anchors, spec, gpu, shapes.__getitem__)):
             errors[anchor.kind].append(abs(check.error))
     return errors
+
+
+def shape_scales(points: Points, shapes: Mapping[str, Arch], spec: GpuSpec, gpu: str,
+                 profile: CalibrationProfile) -> list[ShapeScale]:
+    """Per shape with prefill points, the median of measured / predicted by `profile` (its formula, no scales)."""
+    anchors = [a for a in anchors_of(points) if a.kind == "prefill"]
+    ratios: dict[str, list[float]] = {}
+    for anchor, check in zip(anchors, predict(profile, anchors, spec, gpu, shapes.__getitem__)):
+        if check.predicted_s > 0:
+            ratios.setdefault(anchor.arch, []).append(anchor.measured_s / check.predicted_s)
+    return [ShapeScale(shape=shape, arch=shapes[shape], prefill=sig(statistics.median(values)), points=len(values))
+            for shape, values in ratios.items()]
 
 
 def host_terms(host: HostPoints) -> dict[str, tuple[float, int]]:

@@ -236,3 +236,27 @@ def test_share_pairs_of_two_shapes_make_the_profiles_table_and_the_largest_besid
     older["points"]["share"] = older["points"]["share"][0]  # written before the pairs: one object, not a list
     path.write_text(json.dumps(older))
     assert load_profile(path).terms.share_decode_slowdown == 3.0
+
+
+def test_a_shape_whose_prefills_depart_from_the_formula_is_predicted_from_its_own_points() -> None:
+    points = _points(_truth_costs())
+    slow = "qwen2.5-0.5b"  # its prefills 1.7x what the truth's formula says (a host-bound shape, say)
+    points = points.model_copy(update={"prefill": [p.model_copy(update={"seconds": p.seconds * 1.7})
+                                                   if p.shape == slow else p for p in points.prefill]})
+    profile = _build(points).profile()
+    scales = {scale.shape: scale.prefill for scale in profile.shape_scales}
+    assert set(scales) == set(SHAPES) and all(scale.points == 3 for scale in profile.shape_scales)
+    assert scales[slow] > 1.2 and all(0.8 < scales[name] < 1.2 for name in SHAPES if name != slow)
+    named = Arch.model_validate({**ARCHS[slow], "max_context": 4096})  # the same layers under another name
+    fleet = {"mine": (named, 1), "mine-tp2": (named, 2)}
+    here = RooflineCostModel.for_models(fleet, "h200", profile)
+    bare = RooflineCostModel.for_models(fleet, "h200", profile.model_copy(update={"shape_scales": []}))
+    elsewhere = RooflineCostModel.for_models(fleet, "h100", profile)
+    mine = [p for p in points.prefill if p.shape == slow]
+    errors = sorted(abs(here.prefill_s("mine", p.tokens, 1) / p.seconds - 1) for p in mine)
+    formula = max(abs(bare.prefill_s("mine", p.tokens, 1) / p.seconds - 1) for p in mine)
+    assert errors[0] < 0.01 and errors[-1] < formula / 2  # its median point exact; the formula 20-33% off
+    assert here.prefill_s("mine", 512) == pytest.approx(scales[slow] * bare.prefill_s("mine", 512))
+    assert here.prefill_s("mine-tp2", 512) == bare.prefill_s("mine-tp2", 512)  # timed at tp 1 only
+    assert elsewhere.prefill_s("mine", 512) == RooflineCostModel.for_models(
+        fleet, "h100", profile.model_copy(update={"shape_scales": []})).prefill_s("mine", 512)  # timed on an H200
