@@ -77,10 +77,10 @@ def calibrate_command(
         bar.update(task, description=f"the idle pool's host costs ({host_backend} backend)")
         host = measure_host(host_backend, probes=8 if quick else 30, tokens=16 if quick else 48)
         bar.update(task, advance=1, description="two instances' processes on the device")
-        share = _measure_share(shapes, device, cuda, quick, seed)
+        share, share_decode = _measure_share(shapes, device, cuda, quick, seed)
         bar.update(task, advance=1)
     points = Points(prefill=measured["prefill"], decode=measured["decode"], swap=measured["swap"],
-                    kv_move=measured["kv_move"], host=host, share=share)
+                    kv_move=measured["kv_move"], host=host, share=share, share_decode=share_decode)
     figures = {key: float(value) for key, value in measured["figures"].items()}
     command = " ".join(["modelpool calibrate", "--device", device, "--out", shlex.quote(str(out))]
                        + (["--quick"] if quick else []) + ([f"--seed {seed}"] if seed else [])
@@ -112,7 +112,8 @@ def pick_host_backend(backend: str | None, quick: bool = False) -> str:
 def _measure_share(shapes: dict[str, Any], device: str, cuda: bool, quick: bool, seed: int) -> Any:
     """The smallest and the largest shape in prefilling and decoding engine processes side by side, each pair of
     them, as serve places a prefill and a decode instance on one device (on a GPU as clients of a private MPS
-    daemon, serve's default; time-sliced where none can start, and the file says which)."""
+    daemon, serve's default; time-sliced where none can start, and the file says which): the decoder beside the
+    prefiller, then beside it decoding too (a hand-off's first decode steps). Both lists of points."""
     from modelpool.measure_share import ShareSetup, measure_share
     from pool.mps import MpsDaemon, MpsError
 

@@ -10,8 +10,12 @@ decoder over its time alone, and a decode step's beside the prefiller over its t
 slowdowns: the profile's share grid (sims.gpu_share.ShareTable), and for the largest shape beside itself the
 terms `share_prefill_slowdown` and `share_decode_slowdown`. Under MPS the two differ a lot (a prefill's GEMMs
 take the SMs from the decode steps far more than the other way round; a large model's and a long prompt's
-more than a small one's), time-sliced they are near 2, on a CPU with a core each near 1. Step and prefill
-intervals come from time.monotonic (one clock for every process of the machine).
+more than a small one's), time-sliced they are near 2, on a CPU with a core each near 1. Then decode beside
+decode, as a prefill instance runs a hand-off's first decode steps while the decode instance beside it decodes:
+each prefilling process decodes a batch of its own (its steps timed alone first), and every decoder steps beside
+every such second decoder, both without pause - each one's steps over its steps alone is its slowdown beside the
+other's decode steps (the profile's `decode_pairs`, sims.gpu_share.DecodeShareTable). Step and prefill intervals
+come from time.monotonic (one clock for every process of the machine).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from scheduler.fleet import Arch
-from sims.profiles.measurements import SharePoints
+from sims.profiles.measurements import DecodeSharePoints, SharePoints
 
 SPIN_STEPS = 400  # decode steps the decoder runs on one batch before it takes a fresh one (its KV headroom)
 
@@ -59,11 +63,12 @@ class ShareSetup:
 
 
 def measure_share(setups: Sequence[ShareSetup], mps_env: dict[str, str] | None = None,
-                  timeout_s: float = 900.0) -> list[SharePoints]:
+                  timeout_s: float = 900.0) -> tuple[list[SharePoints], list[DecodeSharePoints]]:
     """Time, for every pair of `setups`' shapes (a decoder of one beside a prefiller of the other, the same shape
     first) and each prompt length (the long one first), the two processes alone and side by side (`mps_env`: the
-    client environment of an MPS daemon, when the device is a GPU serve would share under MPS). A process per
-    role and shape, all built at once; each pair is timed with the others idle."""
+    client environment of an MPS daemon, when the device is a GPU serve would share under MPS); then, for every
+    pair in the same order, the decoder beside the prefilling process of the other shape decoding too (both
+    sides timed). A process per role and shape, all built at once; each pair is timed with the others idle."""
     ctx = multiprocessing.get_context("spawn")  # a fresh interpreter each, as serve's engine processes
     env = dict(mps_env or {})
     workers: dict[tuple[str, str], tuple[Any, Any]] = {}
@@ -87,9 +92,22 @@ def measure_share(setups: Sequence[ShareSetup], mps_env: dict[str, str] | None =
                 pre.send(("run", (setup.prefills, tokens)))
                 prefill_alone[setup.shape, tokens] = _durations(_expect(pre, "done", timeout_s, "prefill"))
         pairs = [(s, s) for s in setups] + [(d, p) for d in setups for p in setups if d is not p]
-        return [_beside(d, p, tokens, workers["decode", d.shape][1], workers["prefill", p.shape][1],
-                        decode_alone[d.shape], prefill_alone[p.shape, tokens], env, timeout_s)
-                for tokens in setups[0].lengths for d, p in pairs]
+        share = [_beside(d, p, tokens, workers["decode", d.shape][1], workers["prefill", p.shape][1],
+                         decode_alone[d.shape], prefill_alone[p.shape, tokens], env, timeout_s)
+                 for tokens in setups[0].lengths for d, p in pairs]
+        peer_alone = {}  # the prefilling processes decode now: after their prefills, a batch of their own
+        for setup in setups:
+            peer = workers["prefill", setup.shape][1]
+            _fresh(peer, timeout_s, "second decode")
+            peer.send(("alone", setup.steps))
+            peer_alone[setup.shape] = _durations(_expect(peer, "done", timeout_s, "second decode"))
+        decode_share = [_decode_beside(d, p, workers["decode", d.shape][1], workers["prefill", p.shape][1],
+                                       decode_alone[d.shape], peer_alone[p.shape], env, timeout_s) for d, p in pairs]
+        for setup in setups:  # their batches released: the KV back to the prefills they are for
+            peer = workers["prefill", setup.shape][1]
+            peer.send(("release", 0))
+            _expect(peer, "done", timeout_s, "second decode")
+        return share, decode_share
     finally:
         for process, conn in workers.values():
             try:
@@ -111,8 +129,7 @@ def _beside(decoder: ShareSetup, prefiller: ShareSetup, tokens: int, dec: Any, p
         beside = _expect(pre, "done", timeout_s, "prefill")
         dec.send(("stop", 0))
         steps = _expect(dec, "done", timeout_s, "decode")
-        begin, end = beside[0][0], beside[-1][1]
-        inside = _durations([(s, e) for s, e in steps if s >= begin and e <= end])
+        inside = _durations(_within(steps, beside[0][0], beside[-1][1]))
         if len(inside) >= 3:
             break
     else:
@@ -122,6 +139,41 @@ def _beside(decoder: ShareSetup, prefiller: ShareSetup, tokens: int, dec: Any, p
     return SharePoints(shape=decoder.shape, prefill_shape=prefiller.shape, prefill_tokens=tokens,
                        decode_batch=decoder.decode_batch, mps=bool(env), prefill_alone_s=prefill_alone,
                        prefill_beside_s=_durations(beside), decode_alone_s=decode_alone, decode_beside_s=inside)
+
+
+def _decode_beside(decoder: ShareSetup, peer: ShareSetup, dec: Any, other: Any, decode_alone: list[float],
+                   peer_alone: list[float], env: dict[str, str], timeout_s: float) -> DecodeSharePoints:
+    """The decoder stepping without pause while the second process (the prefilling one of `peer`'s shape) runs
+    its decode steps back to back: each one's steps that fell wholly inside the other's stepping."""
+    for steps in (peer.steps, 4 * peer.steps):  # again, longer, if too few of the decoder's steps fell inside
+        _fresh(dec, timeout_s, "decode")  # both with the headroom of a fresh batch: no batch admitted (a prefill)
+        _fresh(other, timeout_s, "second decode")  # while the other steps beside it
+        dec.send(("spin", 0))
+        _expect(dec, "spinning", timeout_s, "decode")
+        other.send(("alone", steps))
+        beside = _expect(other, "done", timeout_s, "second decode")
+        dec.send(("stop", 0))
+        spun = _expect(dec, "done", timeout_s, "decode")
+        inside = _durations(_within(spun, beside[0][0], beside[-1][1]))
+        peer_inside = _durations(_within(beside, spun[0][0], spun[-1][1]))
+        if min(len(inside), len(peer_inside)) >= 3:
+            break
+    else:
+        raise RuntimeError(f"the decoder ({decoder.shape}) ran {len(inside)} whole steps during {steps} decode steps "
+                           f"of a second process ({peer.shape}), which ran {len(peer_inside)} whole steps inside "
+                           "the decoder's: too few to time (more steps would do)")
+    return DecodeSharePoints(shape=decoder.shape, peer_shape=peer.shape, decode_batch=decoder.decode_batch,
+                             peer_batch=peer.decode_batch, mps=bool(env), alone_s=decode_alone, beside_s=inside,
+                             peer_alone_s=peer_alone, peer_beside_s=peer_inside)
+
+
+def _fresh(conn: Any, timeout_s: float, role: str) -> None:
+    conn.send(("fresh", 0))
+    _expect(conn, "done", timeout_s, role)
+
+
+def _within(intervals: list[tuple[float, float]], begin: float, end: float) -> list[tuple[float, float]]:
+    return [(s, e) for s, e in intervals if s >= begin and e <= end]
 
 
 def _durations(intervals: list[tuple[float, float]]) -> list[float]:
@@ -161,6 +213,13 @@ def _worker(role: str, conn: Any, setup: ShareSetup, env: dict[str, str]) -> Non
             elif command == "run":
                 prompts, tokens = count
                 conn.send(("done", [bench.prefill(tokens) for _ in range(prompts)]))
+            elif command == "fresh":  # a fresh decode batch, and its first step (untimed)
+                bench.fresh_batch()
+                bench.decode_step()
+                conn.send(("done", None))
+            elif command == "release":
+                bench.release_batch()
+                conn.send(("done", None))
             elif command == "spin":
                 conn.send(("spinning", None))
                 steps = []
@@ -195,26 +254,32 @@ class _Bench:
         self.ids: list[str] = []
         self.stepped = 0
         if role == "decode":
-            self._fresh_batch()
+            self.fresh_batch()
             self.decode_step()
         else:
             for tokens in setup.lengths:  # a first prompt of each length: allocator growth, GEMM heuristics
                 self.prefill(tokens)
 
-    def _fresh_batch(self) -> None:
-        engine = self.cal.engine
-        assert engine is not None
-        if self.ids:
-            engine.release(self.ids)
+    def fresh_batch(self) -> None:
+        self.release_batch()
         requests = self.cal._requests(self.setup.shape, self.setup.decode_batch, self.setup.decode_context)
         self.cal._admit(requests)
         self.ids, self.stepped = [r.request_id for r in requests], 0
 
-    def decode_step(self) -> tuple[float, float]:
+    def release_batch(self) -> None:
         engine = self.cal.engine
         assert engine is not None
-        if self.stepped >= SPIN_STEPS:
-            self._fresh_batch()
+        if self.ids:
+            engine.release(self.ids)
+        self.ids, self.stepped = [], 0
+
+    def decode_step(self) -> tuple[float, float]:
+        """One step of the decode batch (a fresh batch first where there is none, as in a prefilling process, or
+        its KV headroom is spent)."""
+        engine = self.cal.engine
+        assert engine is not None
+        if not self.ids or self.stepped >= SPIN_STEPS:
+            self.fresh_batch()
         return self._interval(lambda: engine.decode_step(self.ids), stepped=True)
 
     def prefill(self, tokens: int) -> tuple[float, float]:

@@ -34,7 +34,9 @@ plus overheads. A scheduler.costs.CostModel. Assumptions:
   copies served in the order they start (a DMA engine's queue); else every
   copy runs at the full link rate. Where the placement puts several
   instances on one GPU, `gpu_shares` splits its time among those busy
-  (sims.gpu_share at slowdown SHARED_GPU_SLOWDOWN: k busy each get 1/k).
+  (sims.gpu_share at slowdown SHARED_GPU_SLOWDOWN: k busy each get 1/k),
+  except where the profile measured how two instances' processes slow each
+  other (the share terms, `share_pairs`, `decode_pairs`).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from mypy_extensions import mypyc_attr
 
 from scheduler.costs import CostModel, InstanceSpec, padded_prefill_tokens
 from scheduler.fleet import GPUS, Arch, Fleet, GpuSpec
-from sims.gpu_share import GpuTimeSharing, gpu_peers, share_table
+from sims.gpu_share import GpuTimeSharing, decode_share_table, gpu_peers, share_table
 from sims.links import HostLinks, link_spans
 from sims.profiles import CalibrationProfile, ProfileTerms, load_profile, shape_key
 
@@ -378,7 +380,8 @@ class RooflineCostModel(SimCosts):
         return GpuTimeSharing(peers, SHARED_GPU_SLOWDOWN, decode_slowdown=self.terms.share_decode_slowdown,
                               prefill_slowdown=self.terms.share_prefill_slowdown,
                               table=share_table(self.profile.share_pairs),
-                              model_bytes={name: c.weight_bytes / c.tp for name, c in self._models.items()})
+                              model_bytes={name: c.weight_bytes / c.tp for name, c in self._models.items()},
+                              decode_table=decode_share_table(self.profile.decode_pairs))
 
     # ---- turns: many steps at once ---------------------------------------------------------------
     def decode_turn_s(self, model: str, batch_size: int, context_tokens: int, num_steps: int) -> float:

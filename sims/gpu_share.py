@@ -16,8 +16,11 @@ MPS a prefill's large GEMMs take the SMs from the decode steps beside them far m
 instance), a profile without them leaves them at `slowdown`. Measured at pairs of shapes (a `ShareTable`: a
 decoder of one size beside a prefiller of another, prompts of more than one length), the two slowdowns follow the
 sizes of the work's model and of the peer's (per-GPU weight bytes) and the prefill's prompt tokens (multilinear in
-their logarithms between the values measured, the nearest measured value's figure beyond them). Beside several
-peers the largest applicable slowdown counts. Each booking carries its work: its kind ("prefill": prefills and
+their logarithms between the values measured, the nearest measured value's figure beyond them). A decode step
+beside a peer's decode steps (a prefill instance running a hand-off's first steps beside the decode instance)
+slows by a figure calibrate measures too, by the two models' sizes (a `DecodeShareTable`, bilinear in their
+logarithms the same way); a profile without one, or a model of unknown size, leaves it at `slowdown`, as prefill
+beside prefill always is. Beside several peers the largest applicable slowdown counts. Each booking carries its work: its kind ("prefill": prefills and
 mixed iterations; "decode": turns), its model's size and its prompt tokens.
 
 The executor books each step's device work here (`work_end_at`) when it starts it, and a step's end is
@@ -69,47 +72,73 @@ def gpu_peers(instances: Sequence[InstanceSpec], gpu_of: Mapping[str, int] | Non
     return out
 
 
+class _Grid:
+    """Figures measured at every combination of the values measured on each of its axes (sizes, prompt tokens:
+    all > 0), each figure a slowdown (>= 1). Between the values measured a figure is multilinear in their
+    logarithms; beyond them the nearest measured value's figure holds (nothing extrapolated)."""
+
+    def __init__(self, rows: Sequence[tuple[float, ...]], axes: tuple[str, ...], what: str) -> None:
+        n = len(axes)
+        if not rows:
+            raise ValueError(f"a {what} needs at least one measured pair")
+        for row in rows:
+            if not (min(row[:n]) > 0 and min(row[n:]) >= 1.0):
+                raise ValueError(f"a {what} row needs sizes and tokens > 0 and slowdowns >= 1, got {row}")
+        self._axes = [sorted({row[axis] for row in rows}) for axis in range(n)]
+        self._logs = [[math.log(value) for value in axis] for axis in self._axes]
+        self._grid = {tuple(row[:n]): tuple(row[n:]) for row in rows}
+        missing = [corner for corner in itertools.product(*self._axes) if corner not in self._grid]
+        if missing:
+            raise ValueError(f"a {what} needs every combination of the values measured; missing "
+                             f"({', '.join(axes)}): {missing}")
+
+    def at(self, point: Sequence[float], which: int) -> float:
+        """Figure `which` of the rows at `point` (a value per axis)."""
+        brackets = [_bracket(axis, logs, value) for axis, logs, value in zip(self._axes, self._logs, point)]
+        total = 0.0
+        for corner in itertools.product(*(((low, 1.0 - w), (high, w)) for low, high, w in brackets)):
+            weight = 1.0
+            for _, w in corner:
+                weight *= w
+            if weight:
+                total += weight * self._grid[tuple(value for value, _ in corner)][which]
+        return total
+
+
 class ShareTable:
     """The two cross-kind slowdowns measured at points of a grid: the per-GPU weight bytes of the decoding model,
     those of the prefilling model, and the prefill's prompt tokens. Rows (decode_bytes, prefill_bytes,
     prompt_tokens, decode_slowdown, prefill_slowdown) cover every combination of the values measured on each
-    axis. Between those values a slowdown is multilinear in their logarithms; beyond them the nearest measured
-    value's figure holds (nothing extrapolated)."""
+    axis (every decoder size beside every prefiller size at every prompt length). Between those values a slowdown
+    is multilinear in their logarithms; beyond them the nearest measured value's figure holds (nothing
+    extrapolated)."""
 
     def __init__(self, rows: Sequence[tuple[float, float, float, float, float]]) -> None:
-        if not rows:
-            raise ValueError("a share table needs at least one measured pair")
-        for row in rows:
-            if not (min(row[:3]) > 0 and min(row[3:]) >= 1.0):
-                raise ValueError(f"a share table row needs sizes and tokens > 0 and slowdowns >= 1, got {row}")
-        self._axes = [sorted({row[axis] for row in rows}) for axis in range(3)]
-        self._logs = [[math.log(value) for value in axis] for axis in self._axes]
-        self._grid = {(d, p, n): (dec, pre) for d, p, n, dec, pre in rows}
-        missing = [corner for corner in itertools.product(*self._axes) if corner not in self._grid]
-        if missing:
-            raise ValueError(f"a share table needs every decoder size beside every prefiller size at every prompt "
-                             f"length measured; missing (decode_bytes, prefill_bytes, prompt_tokens): {missing}")
+        self._grid = _Grid(rows, ("decode_bytes", "prefill_bytes", "prompt_tokens"), "share table")
 
     def decode_slowdown(self, decode_bytes: float, prefill_bytes: float, prompt_tokens: float) -> float:
         """How much longer a decode step of a model of `decode_bytes` takes beside a prefill of `prompt_tokens`
         of a model of `prefill_bytes`."""
-        return self._at((decode_bytes, prefill_bytes, prompt_tokens), 0)
+        return self._grid.at((decode_bytes, prefill_bytes, prompt_tokens), 0)
 
     def prefill_slowdown(self, decode_bytes: float, prefill_bytes: float, prompt_tokens: float) -> float:
         """How much longer a prefill of `prompt_tokens` of a model of `prefill_bytes` takes beside decode steps of
         a model of `decode_bytes`."""
-        return self._at((decode_bytes, prefill_bytes, prompt_tokens), 1)
+        return self._grid.at((decode_bytes, prefill_bytes, prompt_tokens), 1)
 
-    def _at(self, point: tuple[float, float, float], which: int) -> float:
-        (d0, d1, wd), (p0, p1, wp), (n0, n1, wn) = (_bracket(axis, logs, value) for axis, logs, value
-                                                    in zip(self._axes, self._logs, point))
-        total = 0.0
-        for d, w_d in ((d0, 1.0 - wd), (d1, wd)):
-            for p, w_p in ((p0, 1.0 - wp), (p1, wp)):
-                for n, w_n in ((n0, 1.0 - wn), (n1, wn)):
-                    if w_d * w_p * w_n:
-                        total += w_d * w_p * w_n * self._grid[d, p, n][which]
-        return total
+
+class DecodeShareTable:
+    """A decode step's slowdown beside a peer's decode steps, measured at every size of the decoding model beside
+    every size of the peer's (per-GPU weight bytes): rows (decode_bytes, peer_bytes, slowdown). Bilinear in the
+    logarithms of the two sizes between the values measured; beyond them the nearest measured value's figure."""
+
+    def __init__(self, rows: Sequence[tuple[float, float, float]]) -> None:
+        self._grid = _Grid(rows, ("decode_bytes", "peer_bytes"), "decode share table")
+
+    def slowdown(self, decode_bytes: float, peer_bytes: float) -> float:
+        """How much longer a decode step of a model of `decode_bytes` takes beside decode steps of a model of
+        `peer_bytes` in another process."""
+        return self._grid.at((decode_bytes, peer_bytes), 0)
 
 
 def share_table(pairs: Sequence[Any]) -> ShareTable | None:
@@ -119,6 +148,14 @@ def share_table(pairs: Sequence[Any]) -> ShareTable | None:
         return None
     return ShareTable([(p.decode_bytes, p.prefill_bytes, p.prompt_tokens, p.decode_slowdown, p.prefill_slowdown)
                        for p in pairs])
+
+
+def decode_share_table(pairs: Sequence[Any]) -> DecodeShareTable | None:
+    """The table of a profile's `decode_pairs` (sims.profiles.DecodePair: the two sizes, the slowdown), None for
+    none; a ValueError where they do not cover every size beside every size."""
+    if not pairs:
+        return None
+    return DecodeShareTable([(p.decode_bytes, p.peer_bytes, p.slowdown) for p in pairs])
 
 
 def _bracket(values: list[float], logs: list[float], value: float) -> tuple[float, float, float]:
@@ -158,10 +195,12 @@ class GpuTimeSharing:
 
     def __init__(self, peers: Mapping[str, tuple[str, ...]], slowdown: float,
                  decode_slowdown: float | None = None, prefill_slowdown: float | None = None,
-                 table: ShareTable | None = None, model_bytes: Mapping[str, float] | None = None) -> None:
+                 table: ShareTable | None = None, model_bytes: Mapping[str, float] | None = None,
+                 decode_table: DecodeShareTable | None = None) -> None:
         """`table`: the cross-kind slowdowns by the sizes of the two models (`model_bytes`: per-GPU weight bytes by
         model), in place of `decode_slowdown` and `prefill_slowdown` (which then only count for work of a model
-        `model_bytes` does not know)."""
+        `model_bytes` does not know); `decode_table`: a decode step's slowdown beside a peer's decode steps by the
+        two sizes, in place of `slowdown` there (prefill beside prefill keeps `slowdown`)."""
         for name, value in (("slowdown", slowdown), ("decode_slowdown", decode_slowdown),
                             ("prefill_slowdown", prefill_slowdown)):
             if value is not None and not value >= 1.0:
@@ -171,6 +210,7 @@ class GpuTimeSharing:
         self.decode_slowdown = decode_slowdown if decode_slowdown is not None else slowdown
         self.prefill_slowdown = prefill_slowdown if prefill_slowdown is not None else slowdown
         self.table = table
+        self.decode_table = decode_table
         self.model_bytes = dict(model_bytes or {})
         self._latest: dict[str, Work] = {iid: ("prefill", 0.0, 0) for iid in self.peers}  # its latest booking's
         self._booked: dict[str, list[_Booking]] = {iid: [] for iid in self.peers}
@@ -184,7 +224,11 @@ class GpuTimeSharing:
     def _pair(self, work: Work, other: Work) -> float:
         """How much longer `work` takes beside one busy peer doing `other`."""
         (kind, size, tokens), (other_kind, other_size, other_tokens) = work, other
-        table = self.table if size > 0 and other_size > 0 else None
+        sized = size > 0 and other_size > 0
+        table = self.table if sized else None
+        if kind == "decode" and other_kind == "decode":
+            return self.decode_table.slowdown(size, other_size) if sized and self.decode_table is not None \
+                else self.slowdown
         if kind == "decode" and other_kind == "prefill":
             if table is not None and other_tokens > 0:
                 return table.decode_slowdown(size, other_size, other_tokens)

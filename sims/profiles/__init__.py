@@ -175,6 +175,19 @@ class ShapeScale(_Frozen):
     points: int = Field(ge=1, description="The prefill points behind it.")
 
 
+class DecodePair(_Frozen):
+    """A decode step's slowdown measured with a decoder of one shape beside a second process of another decoding
+    without pause too (two engine processes on one device, as a prefill instance runs a hand-off's first decode
+    steps beside the decode instance: `modelpool calibrate`)."""
+
+    decode_shape: str
+    peer_shape: str
+    decode_bytes: float = Field(gt=0, description="The decoding shape's weight bytes.")
+    peer_bytes: float = Field(gt=0, description="The other process's shape's weight bytes.")
+    slowdown: float = Field(ge=1.0, description="A decode step's median time beside the other's decode steps, over "
+                                                "alone (the median of the runs that measured it).")
+
+
 class CalibrationProfile(_Frozen):
     """Roofline terms, per-GPU overrides and the provenance of every number."""
 
@@ -195,6 +208,11 @@ class CalibrationProfile(_Frozen):
     shape_scales: list[ShapeScale] = Field(
         default_factory=list, description="Per shape calibrate timed, its prefill points over the formula's "
         "figure (median): a model of that shape on the GPU measured takes its prefill time from its own points.")
+    decode_pairs: list[DecodePair] = Field(
+        default_factory=list, description="A decode step's slowdown beside another process's decode steps, measured "
+        "at every shape beside every shape: where given, the simulator takes a decode step's slowdown beside a "
+        "decoding peer from them by the sizes of the two models (sims.gpu_share.DecodeShareTable), in place of the "
+        "device's budget split (2).")
     device_spec: GpuSpec | None = Field(
         default=None, description="The figures of the device measured that its efficiencies are shares of, where the "
                                   "GPU catalogue has none (a CPU: its peak rates as calibrate measured them).")

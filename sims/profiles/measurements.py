@@ -11,8 +11,10 @@ One versioned JSON format (`SCHEMA`), written only by `modelpool calibrate` and 
 - `shapes`: the model shapes microbenchmarked (random weights), by name, as `scheduler.fleet.Arch` fields;
 - `points`: every timed point - prefill (shape, tokens per prompt, prompts), decode steps (shape, batch,
   context per request, CUDA graphs or not), weight copies (shape, bytes), KV moves (shape, requests, bytes,
-  out and back), and the idle pool's host costs (a zero-time engine on the backend `backend` names - serve's
-  default where calibrate ran: per engine call by batch, admission, delivery, hand-offs);
+  out and back), the idle pool's host costs (a zero-time engine on the backend `backend` names - serve's
+  default where calibrate ran: per engine call by batch, admission, delivery, hand-offs), and two engine
+  processes on the device (`share`: a decoder beside a prefiller; `share_decode`: a decoder beside another
+  decoding process, both sides timed; files before it: none);
 - `terms`: per cost-model term its value, unit, how it was measured, the points behind it and, for the
   engine terms, the leave-one-shape-out error: each shape's points predicted by the terms fitted without
   that shape (the median and the largest |predicted / measured - 1| over those points). A term nothing
@@ -30,8 +32,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from scheduler.fleet import GPUS, Arch, GpuSpec
-from sims.profiles import CalibrationProfile, CalibrationRun, ProfileTerms, Provenance, SharePair, ShapeScale
-from sims.gpu_share import share_table
+from sims.profiles import (CalibrationProfile, CalibrationRun, DecodePair, ProfileTerms, Provenance, SharePair,
+                           ShapeScale)
+from sims.gpu_share import decode_share_table, share_table
 from sims.profiles.fitting import Anchor, fit, predict, sig
 
 SCHEMA = "modelpool.measurements/1"
@@ -138,6 +141,24 @@ class SharePoints(_Frozen):
     decode_beside_s: list[float] = Field(min_length=1)
 
 
+class DecodeSharePoints(_Frozen):
+    """Two engine processes on the device decoding side by side, as a prefill instance runs a hand-off's first
+    decode steps while the decode instance beside it decodes (under a private MPS daemon on a GPU, when `mps`): a
+    decoder of `shape` (batches of `decode_batch`) stepping without pause while a second process of `peer_shape`
+    (batches of `peer_batch`) steps without pause too; each one's steps alone and those that fell wholly inside
+    the other's stepping."""
+
+    shape: str
+    peer_shape: str
+    decode_batch: int = Field(gt=0)
+    peer_batch: int = Field(gt=0)
+    mps: bool = False
+    alone_s: list[float] = Field(min_length=1)
+    beside_s: list[float] = Field(min_length=1)
+    peer_alone_s: list[float] = Field(min_length=1)
+    peer_beside_s: list[float] = Field(min_length=1)
+
+
 class Points(_Frozen):
     prefill: list[PrefillPoint] = Field(default_factory=list)
     decode: list[DecodePoint] = Field(default_factory=list)
@@ -145,6 +166,7 @@ class Points(_Frozen):
     kv_move: list[KvMovePoint] = Field(default_factory=list)
     host: HostPoints = Field(default_factory=HostPoints)
     share: list[SharePoints] = Field(default_factory=list)  # per (decoder, prefiller) pair, same shapes first
+    share_decode: list[DecodeSharePoints] = Field(default_factory=list)  # per (decoder, second decoder) pair
 
     @field_validator("share", mode="before")
     @classmethod
@@ -205,6 +227,7 @@ class Measurements(_Frozen):
                 {term: entry.value for term, entry in self.terms.items()}),
             provenance=provenance, calibration=run, device_spec=None if self.gpu in GPUS else self.spec,
             share_pairs=share_pairs(self.points.share, self.shapes),
+            decode_pairs=decode_pairs(self.points.share_decode, self.shapes),
             description=f"Measured by `{self.command}` on {self.device} ({self.measured_at[:10]}).")
         return profile.model_copy(update={"shape_scales": shape_scales(self.points, self.shapes, self.spec,
                                                                        self.gpu, profile)})
@@ -359,10 +382,17 @@ def share_slowdowns(pair: SharePoints) -> tuple[float, float]:
     """A pair's (decode, prefill) slowdowns: medians beside over medians alone, at least 1 (a ratio under 1 is
     noise: a process is never helped by another's work)."""
 
-    def ratio(beside: list[float], alone: list[float]) -> float:
-        return sig(max(1.0, statistics.median(beside) / statistics.median(alone)))
+    return _slowdown(pair.decode_beside_s, pair.decode_alone_s), _slowdown(pair.prefill_beside_s, pair.prefill_alone_s)
 
-    return ratio(pair.decode_beside_s, pair.decode_alone_s), ratio(pair.prefill_beside_s, pair.prefill_alone_s)
+
+def decode_share_slowdowns(run: DecodeSharePoints) -> tuple[float, float]:
+    """A decode-beside-decode run's slowdowns, (the decoder's, the second process's): medians beside over medians
+    alone, at least 1 (as `share_slowdowns`)."""
+    return _slowdown(run.beside_s, run.alone_s), _slowdown(run.peer_beside_s, run.peer_alone_s)
+
+
+def _slowdown(beside: list[float], alone: list[float]) -> float:
+    return sig(max(1.0, statistics.median(beside) / statistics.median(alone)))
 
 
 def share_terms(share: Sequence[SharePoints]) -> dict[str, tuple[float, int]]:
@@ -394,6 +424,25 @@ def share_pairs(share: Sequence[SharePoints], shapes: Mapping[str, Arch]) -> lis
         return []
     try:
         share_table(pairs)  # the simulator's rule for a whole grid
+    except ValueError:
+        return []
+    return pairs
+
+
+def decode_pairs(share_decode: Sequence[DecodeSharePoints], shapes: Mapping[str, Arch]) -> list[DecodePair]:
+    """The profile's decode share table: per shape beside a shape, the median of the slowdowns its runs measured
+    (a run gives both sides': a decoder of A beside a second of B gives A beside B and B beside A), with the two
+    shapes' weight bytes; none where they do not cover every shape beside every shape."""
+    measured: dict[tuple[str, str], list[float]] = {}
+    for run in share_decode:
+        mine, peers = decode_share_slowdowns(run)
+        measured.setdefault((run.shape, run.peer_shape), []).append(mine)
+        measured.setdefault((run.peer_shape, run.shape), []).append(peers)
+    pairs = [DecodePair(decode_shape=shape, peer_shape=peer, decode_bytes=shapes[shape].weight_bytes,
+                        peer_bytes=shapes[peer].weight_bytes, slowdown=sig(statistics.median(slowdowns)))
+             for (shape, peer), slowdowns in measured.items()]
+    try:
+        decode_share_table(pairs)  # the simulator's rule for a whole grid
     except ValueError:
         return []
     return pairs
