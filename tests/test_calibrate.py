@@ -54,11 +54,44 @@ def test_calibrate_on_a_cpu_measures_every_term_with_no_gpu_entry(tmp_path: Path
     for term in ("share_prefill_slowdown", "share_decode_slowdown"):
         entry = measured.terms[term]
         assert entry.unit == "ratio" and entry.points >= 6 and 1.0 <= float(entry.value) < 20, term
+    # then decode beside decode, the same pairs: every shape's decode steps beside every shape's
+    assert [(run.shape, run.peer_shape) for run in measured.points.share_decode] == pairs
     profile = load_profile(out)
+    assert {(p.decode_shape, p.peer_shape) for p in profile.decode_pairs} == set(pairs)
     assert profile.terms.share_decode_slowdown == measured.terms["share_decode_slowdown"].value
     costs = RooflineCostModel.for_models({"m": (Arch.model_validate(measured.shapes["tiny-qwen2-a"].model_dump()), 1)},
                                          "cpu", profile)
     assert costs.gpu == measured.spec and costs.decode_step_s("m", 1, 32) > 0
+
+
+@pytest.mark.slow
+def test_the_share_benchmark_on_tiny_shapes_times_decode_beside_decode_after_the_prefill_pairs() -> None:
+    """calibrate's share benchmark on a CPU (--quick's tiny shapes: the smallest and the largest): after every
+    decoder beside every prefiller, every decoder beside every prefilling process decoding too, both sides timed
+    alone and beside; the runs make the profile's decode pairs, every shape beside every shape."""
+    from modelpool.calibrate import _measure_share
+    from modelpool.measure import shapes_for
+    from modelpool.measure_share import ShareSetup
+    from sims.profiles.measurements import decode_pairs, decode_share_slowdowns, share_pairs
+
+    shapes = shapes_for(False, True)
+    share, share_decode = _measure_share(shapes, "cpu", False, True, 0)
+    by_size = sorted(shapes, key=lambda name: shapes[name].weight_bytes)
+    small, large = by_size[0], by_size[-1]
+    pairs = [(small, small), (large, large), (small, large), (large, small)]
+    setup = ShareSetup.default(small, shapes[small], "cpu", quick=True)
+    assert [(pair.shape, pair.prefill_shape) for pair in share] == pairs + pairs  # the prefill pairs as before
+    assert len(share_pairs(share, shapes)) == 8
+    assert [(run.shape, run.peer_shape) for run in share_decode] == pairs
+    for run in share_decode:
+        assert not run.mps and run.decode_batch == run.peer_batch == 4
+        assert min(len(run.beside_s), len(run.peer_beside_s)) >= 3  # whole steps inside the other's stepping
+        assert len(run.alone_s) == len(run.peer_alone_s) == setup.steps  # --quick's steps alone, each process
+        assert all(seconds > 0 for seconds in [*run.alone_s, *run.beside_s, *run.peer_alone_s, *run.peer_beside_s])
+        assert all(1.0 <= slowdown < 20 for slowdown in decode_share_slowdowns(run))
+    table = {(p.decode_shape, p.peer_shape): p for p in decode_pairs(share_decode, shapes)}
+    assert set(table) == set(pairs)
+    assert table[small, large].decode_bytes == shapes[small].weight_bytes < table[small, large].peer_bytes
 
 
 def test_calibrate_refuses_cuda_where_there_is_none(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from scheduler import InstanceSpec, Request
 from sims.costmodel import GpuShares
 from scheduler.fleet import ARCHS, Arch
 from sims.costmodel import SHARED_GPU_SLOWDOWN, RooflineCostModel
-from sims.gpu_share import GpuTimeSharing, ShareTable, gpu_peers, share
+from sims.gpu_share import DecodeShareTable, GpuTimeSharing, ShareTable, gpu_peers, share
 from tests.factories import LinearCosts, make_instances, make_models, make_sim
 
 S = 1.774  # the H200 probe's median
@@ -309,3 +309,105 @@ def test_a_profile_with_measured_share_pairs_gives_the_simulator_the_table() -> 
     assert shares.model_bytes == {"tiny": small.weight_bytes, "big": large.weight_bytes / 2}  # per GPU
     assert shares.rate(("decode", small.weight_bytes, 0), [("prefill", large.weight_bytes, 100)]) == \
         pytest.approx(1 / 5.0)
+
+
+# a decode step of a 1 or 8 GB model beside a second process decoding a 1 or 8 GB model: every combination
+DECODE_TABLE = DecodeShareTable([(d * GB, p * GB, slowdown) for (d, p), slowdown in {
+    (1, 1): 1.2, (1, 8): 1.8, (8, 1): 1.1, (8, 8): 1.5}.items()])
+
+
+def test_a_decode_share_table_gives_the_measured_pairs_and_is_bilinear_in_the_logs_of_the_sizes_between() -> None:
+    assert DECODE_TABLE.slowdown(1 * GB, 8 * GB) == 1.8 and DECODE_TABLE.slowdown(8 * GB, 1 * GB) == 1.1
+    assert DECODE_TABLE.slowdown(1 * GB, math.sqrt(8) * GB) == pytest.approx(1.5)  # halfway in log: 1.2 to 1.8
+    # 2 GB beside 2 GB: a third of the way up in log on both axes
+    assert DECODE_TABLE.slowdown(2 * GB, 2 * GB) == pytest.approx(
+        (4 * 1.2 + 2 * 1.8 + 2 * 1.1 + 1 * 1.5) / 9)
+    # beyond the sizes measured the nearest measured size's figure: clamped per axis, nothing extrapolated
+    assert DECODE_TABLE.slowdown(0.1 * GB, 20 * GB) == 1.8
+    assert DECODE_TABLE.slowdown(20 * GB, 4 * GB) == pytest.approx(1.1 + (1.5 - 1.1) * 2 / 3)
+    one = DecodeShareTable([(1 * GB, 1 * GB, 1.3)])
+    assert one.slowdown(9 * GB, 0.2 * GB) == 1.3  # one shape measured beside itself: everywhere
+    with pytest.raises(ValueError, match=r"missing \(decode_bytes, peer_bytes\)"):
+        DecodeShareTable([(1 * GB, 1 * GB, 1.2), (8 * GB, 8 * GB, 1.5)])  # no 1 GB beside 8 GB
+    with pytest.raises(ValueError, match="slowdowns >= 1"):
+        DecodeShareTable([(1 * GB, 1 * GB, 0.9)])
+
+
+def test_a_decode_step_beside_a_decoding_peer_takes_the_decode_tables_slowdown_else_the_budgets() -> None:
+    sizes = {"small": 1 * GB, "large": 8 * GB}
+    gpus = GpuTimeSharing(PAIR, 2.0, decode_slowdown=3.0, prefill_slowdown=1.1, table=TABLE, model_bytes=sizes,
+                          decode_table=DECODE_TABLE)
+    assert gpus.rate(("decode", 1 * GB, 0), [("decode", 8 * GB, 0)]) == pytest.approx(1 / 1.8)
+    assert gpus.rate(("decode", 8 * GB, 0), [("decode", 1 * GB, 0)]) == pytest.approx(1 / 1.1)
+    assert gpus.rate(("decode", 1 * GB, 0), [("decode", 0.0, 0)]) == 0.5  # a model of unknown size: the budget's 2
+    assert gpus.rate(("prefill", 1 * GB, 2048), [("prefill", 8 * GB, 2048)]) == 0.5  # prefill beside prefill: as was
+    assert gpus.rate(("decode", 1 * GB, 0), [("prefill", 8 * GB, 2048)]) == pytest.approx(1 / 4.0)  # cross: TABLE
+    # beside a decoding and a prefilling peer: the larger slowdown, shared three ways
+    assert gpus.rate(("decode", 1 * GB, 0), [("decode", 8 * GB, 0), ("prefill", 8 * GB, 2048)]) == \
+        pytest.approx(share(3, 4.0))
+    assert gpus.work_end_at("d", 0.0, 10.0, 0.0, "decode", ["large"]) == 10.0  # a long decode turn, booked first
+    # a hand-off's decode steps of the small model beside it: 1.8x as long as alone, not the budget's 2x
+    assert gpus.work_end_at("p", 1.0, 0.01, 1.0, "decode", ["small"]) == pytest.approx(1.0 + 0.01 * 1.8)
+    without = GpuTimeSharing(PAIR, 2.0, decode_slowdown=3.0, prefill_slowdown=1.1, table=TABLE, model_bytes=sizes)
+    assert without.decode_table is None
+    assert without.rate(("decode", 1 * GB, 0), [("decode", 8 * GB, 0)]) == 0.5
+    without.work_end_at("d", 0.0, 10.0, 0.0, "decode", ["large"])
+    assert without.work_end_at("p", 1.0, 0.01, 1.0, "decode", ["small"]) == pytest.approx(1.0 + 0.01 * 2.0)
+
+
+def test_a_profile_with_measured_decode_pairs_gives_the_simulator_the_decode_table() -> None:
+    from sims.profiles import DecodePair, load_profile
+
+    base = load_profile("default")
+    small, large = Arch.model_validate(ARCHS["qwen2.5-0.5b"]), Arch.model_validate(ARCHS["qwen2.5-7b"])
+    pairs = [DecodePair(decode_shape=d, peer_shape=p, decode_bytes=a.weight_bytes, peer_bytes=b.weight_bytes,
+                        slowdown=slowdown)
+             for (d, a), (p, b), slowdown in ((("s", small), ("s", small), 1.1), (("l", large), ("l", large), 1.4),
+                                              (("s", small), ("l", large), 1.6), (("l", large), ("s", small), 1.05))]
+    instances = [InstanceSpec("p", 1, 80e9), InstanceSpec("d", 1, 80e9)]
+    models = {"tiny": (small, 1), "big": (large, 2)}
+    costs = RooflineCostModel.for_models(models, "h200", base.model_copy(update={"decode_pairs": pairs}))
+    shares = costs.gpu_shares(instances, {"p": 0, "d": 0})
+    assert isinstance(shares, GpuTimeSharing) and shares.decode_table is not None
+    assert shares.rate(("decode", small.weight_bytes, 0), [("decode", large.weight_bytes, 0)]) == \
+        pytest.approx(1 / 1.6)
+    unmeasured = RooflineCostModel.for_models(models, "h200", base).gpu_shares(instances, {"p": 0, "d": 0})
+    assert isinstance(unmeasured, GpuTimeSharing) and unmeasured.decode_table is None
+    assert unmeasured.rate(("decode", small.weight_bytes, 0), [("decode", large.weight_bytes, 0)]) == 0.5
+
+
+class _DecodeTableCosts(LinearCosts):
+    """LinearCosts whose instances on one GPU take a decode step's slowdown beside a decoding peer from a table of
+    one figure (the model m0 measured beside itself), or the budget's 2 without one."""
+
+    def __init__(self, slowdown: float | None, **kw: float) -> None:
+        super().__init__(**kw)
+        self.table = None if slowdown is None else DecodeShareTable([(14 * GB, 14 * GB, slowdown)])
+
+    def gpu_shares(self, instances: Sequence[InstanceSpec], gpu_of: Mapping[str, int] | None = None) -> GpuShares | None:
+        peers = gpu_peers(instances, gpu_of)
+        return GpuTimeSharing(peers, 2.0, 3.0, 1.1, model_bytes={"m0": 14 * GB}, decode_table=self.table) \
+            if peers else None
+
+
+def test_hand_off_decode_steps_beside_the_decode_instance_take_the_measured_slowdown() -> None:
+    """A prefill and a decode instance on one GPU: the prefill instance's first decode steps of each hand-off run
+    beside the decode instance's turns. A measured 1.2 there ends requests sooner than the assumed 2; a table
+    that says 2 simulates exactly as none (the same Plans)."""
+    def run(slowdown: float | None) -> tuple[float, str]:
+        instances = make_instances(2, roles=["prefill", "decode"])
+        costs = _DecodeTableCosts(slowdown, step_s=0.01, prefill_per_token_s=2e-5, switch_s=0.01)
+        log = io.StringIO()
+        sim, _ = make_sim("token-level", make_models(1), instances,
+                          [Request(f"r{k}", "m0", 0.05 * k, 200, 60) for k in range(30)], costs=costs, plan_log=log)
+        sim.gpus = costs.gpu_shares(instances, {"i0": 0, "i1": 0})
+        sim.run()
+        records = list(sim.records.values())
+        assert all(r.generated == r.output_tokens for r in records)
+        return sum(r.finished_at - r.arrival_at for r in records) / len(records), log.getvalue()
+
+    assumed, assumed_log = run(None)
+    same, same_log = run(2.0)
+    measured, _ = run(1.2)
+    assert same == assumed and same_log == assumed_log
+    assert measured < assumed

@@ -4,16 +4,20 @@ every term says where it comes from."""
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
 import pytest
 
+from scheduler import InstanceSpec, Request
 from scheduler.fleet import ARCHS, GPUS, Arch
 from sims.costmodel import RooflineCostModel
-from sims.profiles import load_profile
-from sims.profiles.measurements import (SCHEMA, CopyPoint, DecodePoint, GatewayPoint, HostPoints, KvMovePoint,
-                                        Points, PrefillPoint, SharePoints, build, held_out_errors, host_terms)
+from sims.profiles import CalibrationProfile, load_profile
+from sims.profiles.measurements import (SCHEMA, CopyPoint, DecodePoint, DecodeSharePoints, GatewayPoint, HostPoints,
+                                        KvMovePoint, Points, PrefillPoint, SharePoints, build, held_out_errors,
+                                        host_terms)
+from tests.factories import make_instances, make_models, make_sim
 
 SHAPES = {key: Arch.model_validate({**ARCHS[key], "total_params": None})
           for key in ("qwen2.5-0.5b", "llama-3.2-1b", "qwen3-1.7b", "qwen2.5-3b", "qwen3-4b")}
@@ -260,3 +264,67 @@ def test_a_shape_whose_prefills_depart_from_the_formula_is_predicted_from_its_ow
     assert here.prefill_s("mine-tp2", 512) == bare.prefill_s("mine-tp2", 512)  # timed at tp 1 only
     assert elsewhere.prefill_s("mine", 512) == RooflineCostModel.for_models(
         fleet, "h100", profile.model_copy(update={"shape_scales": []})).prefill_s("mine", 512)  # timed on an H200
+
+
+def _decode_run(decoder: str, peer: str, beside: float, peer_beside: float) -> DecodeSharePoints:
+    """A decoder's steps of 5 ms alone beside a second process's of 2 ms alone, each that much longer beside."""
+    return DecodeSharePoints(shape=decoder, peer_shape=peer, decode_batch=16, peer_batch=16, mps=True,
+                             alone_s=[0.005, 0.0049, 0.0051], beside_s=[0.005 * beside] * 4,
+                             peer_alone_s=[0.002, 0.0021, 0.0019], peer_beside_s=[0.002 * peer_beside] * 3)
+
+
+def test_decode_beside_decode_runs_make_the_profiles_decode_pairs_from_both_sides() -> None:
+    small, large = "qwen2.5-0.5b", "qwen3-4b"
+    runs = [_decode_run(small, small, 1.1, 1.3), _decode_run(large, large, 1.4, 1.4),
+            _decode_run(small, large, 1.6, 1.02), _decode_run(large, small, 1.06, 1.5)]
+    measured = _build(_points(_truth_costs()).model_copy(update={"share_decode": runs}))
+    pairs = {(p.decode_shape, p.peer_shape): (p.decode_bytes, p.peer_bytes, p.slowdown)
+             for p in measured.profile().decode_pairs}
+    small_bytes, large_bytes = SHAPES[small].weight_bytes, SHAPES[large].weight_bytes
+    # each run gives both sides' (under 1: 1); a shape beside a shape measured twice: the median of the two
+    assert pairs == {(small, small): (small_bytes, small_bytes, 1.2), (large, large): (large_bytes, large_bytes, 1.4),
+                     (small, large): (small_bytes, large_bytes, 1.55),
+                     (large, small): (large_bytes, small_bytes, 1.04)}
+    shares = RooflineCostModel.for_models({"a": (SHAPES[small], 1), "b": (SHAPES[large], 1)}, "h200",
+                                          measured.profile()).gpu_shares(
+        [InstanceSpec("p", 1, 80e9), InstanceSpec("d", 1, 80e9)], {"p": 0, "d": 0})
+    assert shares is not None and shares.rate(("decode", small_bytes, 0), [("decode", large_bytes, 0)]) == \
+        pytest.approx(1 / 1.55)
+    partial = _build(_points(_truth_costs()).model_copy(update={"share_decode": runs[:2]}))  # no cross pairs
+    assert partial.profile().decode_pairs == []  # not every shape beside every shape: the budget's 2 holds
+
+
+def _hand_offs_on_one_gpu(profile: CalibrationProfile) -> tuple[str, float]:
+    """A prefill and a decode instance of qwen3-4b on one H200, on `profile`: the Plan log and the mean finish."""
+    costs = RooflineCostModel.for_models({"m0": (SHAPES["qwen3-4b"], 1)}, "h200", profile)
+    instances = make_instances(2, roles=["prefill", "decode"])
+    log = io.StringIO()
+    sim, _ = make_sim("token-level", make_models(1), instances,
+                      [Request(f"r{k}", "m0", 0.05 * k, 300, 40) for k in range(30)], costs=costs, plan_log=log)
+    sim.gpus = costs.gpu_shares(instances, {"i0": 0, "i1": 0})
+    sim.run()
+    records = list(sim.records.values())
+    assert all(r.generated == r.output_tokens for r in records)
+    return log.getvalue(), sum(r.finished_at - r.arrival_at for r in records) / len(records)
+
+
+def test_a_file_written_before_the_decode_pairs_loads_and_simulates_with_the_budgets_split(tmp_path: Path) -> None:
+    large = "qwen3-4b"
+    points = _points(_truth_costs()).model_copy(update={
+        "share": [_pair(large, large, 3.0, 1.1)], "share_decode": [_decode_run(large, large, 1.2, 1.2)]})
+    new = json.loads(_build(points).model_dump_json(by_alias=True))
+    older = json.loads(json.dumps(new))
+    del older["points"]["share_decode"]  # written before the decode-beside-decode runs
+    path = tmp_path / "older.json"
+    path.write_text(json.dumps(older))
+    profile = load_profile(path)
+    assert profile.decode_pairs == [] and profile.terms.share_decode_slowdown == 3.0
+    path.write_text(json.dumps(new))
+    measured = load_profile(path)
+    assert [(p.decode_shape, p.peer_shape, p.slowdown) for p in measured.decode_pairs] == [(large, large, 1.2)]
+    assert measured.model_copy(update={"decode_pairs": []}) == profile  # the rest as it was
+    plans, finish = _hand_offs_on_one_gpu(profile)
+    # as the simulator ran it before the pairs: decode beside decode at the budget's 2 (a table saying 2 likewise)
+    two = [p.model_copy(update={"slowdown": 2.0}) for p in measured.decode_pairs]
+    assert _hand_offs_on_one_gpu(measured.model_copy(update={"decode_pairs": two})) == (plans, finish)
+    assert _hand_offs_on_one_gpu(measured)[1] < finish  # the measured 1.2: hand-offs' decode steps run sooner
