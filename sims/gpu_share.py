@@ -94,14 +94,14 @@ class _Grid:
 
     def at(self, point: Sequence[float], which: int) -> float:
         """Figure `which` of the rows at `point` (a value per axis)."""
-        brackets = [_bracket(axis, logs, value) for axis, logs, value in zip(self._axes, self._logs, point)]
+        corners: list[tuple[tuple[float, ...], float]] = [((), 1.0)]  # the measured points around it, each weighed
+        for axis, logs, value in zip(self._axes, self._logs, point):
+            low, high, w = _bracket(axis, logs, value)
+            corners = [(key + (v,), weight * part) for key, weight in corners
+                       for v, part in ((low, 1.0 - w), (high, w)) if part]
         total = 0.0
-        for corner in itertools.product(*(((low, 1.0 - w), (high, w)) for low, high, w in brackets)):
-            weight = 1.0
-            for _, w in corner:
-                weight *= w
-            if weight:
-                total += weight * self._grid[tuple(value for value, _ in corner)][which]
+        for key, weight in corners:
+            total += weight * self._grid[key][which]
         return total
 
 
