@@ -94,10 +94,14 @@ def calibrate_command(
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(measurements.model_dump_json(by_alias=True, indent=1) + "\n")
     console.print(_terms_table(measurements))
-    beside = measurements.profile().decode_pairs
-    if beside:
+    profile = measurements.profile()
+    if profile.decode_pairs:
         console.print("a decode step beside another process's decode steps (the profile's decode_pairs): "
-                      + ", ".join(f"{p.decode_shape} beside {p.peer_shape} {p.slowdown:.3g}x" for p in beside))
+                      + ", ".join(f"{p.decode_shape} beside {p.peer_shape} {p.slowdown:.3g}x"
+                                  for p in profile.decode_pairs))
+    if profile.shape_scales:
+        console.print("each shape's prefill points over the formula (median; the profile's shape_scales): "
+                      + ", ".join(f"{s.shape} {s.prefill:.3g}x" for s in profile.shape_scales))
     console.print(f"wrote {out} in {time.perf_counter() - started:.0f} s; use it with "
                   f"`modelpool simulate --profile {out}` or `modelpool capacity --profile {out}`")
 
