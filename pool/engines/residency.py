@@ -24,7 +24,7 @@ import torch
 from pool.engines.base import EngineError, Table, check_resident
 from pool.engines.device import DeviceBuffer, Streams, align_up
 from pool.engines.forward import Decoder, SharedTensors
-from pool.engines.kv import KvShape, SlabPool, slab_bytes_for
+from pool.engines.kv import HostSlabPool, KvShape, slab_bytes_for
 from pool.engines.kvstore import KvStore
 from pool.engines.slots import ModelSlots
 from pool.engines.weights import HostWeightCache, ModelImage
@@ -50,7 +50,7 @@ class Residency:
     """The loaded models, the device buffer (model slots | KV store) and the decoders bound to the slots."""
 
     def __init__(self, config: TorchEngineConfig, device: torch.device, streams: Streams, weights: HostWeightCache,
-                 host_kv: SlabPool, rank: Any = None) -> None:
+                 host_kv: HostSlabPool, rank: Any = None) -> None:
         self.config = config
         self.device = device
         self.dtype = getattr(torch, config.dtype) if config.dtype else None
@@ -127,7 +127,9 @@ class Residency:
                 slot = align_up(cfg.max_model_bytes or max((m.image.nbytes for m in self.models.values()), default=0))
                 self.buffer = DeviceBuffer({"kv": cfg.kv_bytes, "models": 2 * slot}, self.device)
                 self.slots = ModelSlots(self.buffer.region("models"), self.streams, on_copy=self._count_weight_copy)
-            slab = cfg.device_slab_bytes or slab_bytes_for([m.kv_shape.block_bytes for m in self.models.values()], MiB)
+            blocks = [m.kv_shape.block_bytes for m in self.models.values()]
+            slab = cfg.device_slab_bytes or slab_bytes_for(blocks, MiB, cfg.kv_bytes)
+            self._host_kv.size()  # the host slabs too, from the same models (and the reserved ones made now)
             self.kv = KvStore(self.buffer.region("kv"), slab, self._host_kv, self.streams)
         return self.slots
 

@@ -56,9 +56,12 @@ class TorchEngineConfig:
     dtype: str | None = None  # weights/compute dtype ('bfloat16', 'float32'); None: the checkpoint's
     block_size: int = 16  # tokens per KV block
     kv_bytes: int = 64 * MiB  # the device KV region
-    # device KV slab (one block shape each); None: at least 1 MiB, a whole number of every loaded model's blocks
+    # device KV slab (one block shape each); None: at least 1 MiB, the whole number of the largest loaded model's
+    # blocks that fits every loaded model's blocks best (pool.engines.kv.slab_bytes_for)
     device_slab_bytes: int | None = None
-    host_slab_bytes: int = 4 * MiB  # host KV slab (Aegaeon: 1 GiB)
+    # host KV slab (Aegaeon: 1 GiB): this times the power of two that fits the loaded models' blocks best
+    # (pool.engines.kv.slab_bytes_for)
+    host_slab_bytes: int = 4 * MiB
     max_host_kv_bytes: int = 1024 * MiB  # cap on host KV slabs
     host_kv_prealloc_bytes: int = 0  # host KV slabs made up front (pinning mid-swap costs ~0.3 s/GiB)
     max_model_bytes: int | None = None  # each model slot; None: the largest model loaded when first needed
@@ -122,8 +125,11 @@ class TorchEngine:
         self.device = torch.device(cfg.device)
         self.streams = Streams(self.device)
         self.timings = StepTimings(self.streams.cuda)
-        self.host_kv = host_pool(cfg.host_slab_bytes, cfg.max_host_kv_bytes, self.streams.cuda)
-        self.host_kv.reserve(-(-cfg.host_kv_prealloc_bytes // cfg.host_slab_bytes))
+        # sized (and its reserved slabs made) at its first need: when the device buffer is made, once every
+        # model is loaded, or a request is imported before that
+        self.host_kv = host_pool(cfg.host_slab_bytes, cfg.max_host_kv_bytes, self.streams.cuda,
+                                 lambda: [m.kv_shape.block_bytes for m in self.residency.models.values()],
+                                 cfg.host_kv_prealloc_bytes)
         self.residency = Residency(cfg, self.device, self.streams, weight_cache or shared_weight_cache(),
                                    self.host_kv, rank)
         self.pads_prefill = self.streams.cuda if cfg.pad_prefill is None else cfg.pad_prefill

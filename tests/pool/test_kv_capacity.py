@@ -4,6 +4,7 @@ the scheduler's budget built from the reports (`plan_kv`)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -11,14 +12,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pool.engines.base import GenRequest, KvCapacity, OutOfKvMemory, SamplingParams
-from pool.engines.kv import KvShape, SlabPool, slab_bytes_for
+from pool.engines.kv import KvShape, SlabPool, device_pool, host_pool, slab_bytes_for, slab_share
 from pool.engines.sim_engine import SimEngine
 from pool.engines.torch_engine import TorchEngine, TorchEngineConfig
 from pool.served import plan_kv, served_model, slot_instances
+from scheduler.fleet import catalogue_arch
 from scheduler import InstanceSpec, ModelProfile, Request, make_scheduler
 from tests.factories import LinearCosts
 
-MiB = 1 << 20
+MiB, GiB = 1 << 20, 1 << 30
 
 
 def shape(layers: int, heads: int, dim: int, block: int = 16, dtype: torch.dtype = torch.float32) -> KvShape:
@@ -34,15 +36,83 @@ def pool_of(slab_bytes: int, num_slabs: int) -> SlabPool:
 # ---- slab sizing ------------------------------------------------------------------------------------------
 def test_auto_slabs_hold_whole_blocks_of_every_shape_so_the_demo_loses_no_slab_tail() -> None:
     smollm2, tiny, qwen3 = (shape(30, 3, 64).block_bytes, shape(2, 2, 64).block_bytes, shape(2, 2, 48).block_bytes)
-    slab = slab_bytes_for([smollm2, tiny, qwen3], MiB)
+    slab = slab_bytes_for([smollm2, tiny, qwen3], MiB, 8 * MiB)
     assert slab >= MiB and all(slab % b == 0 for b in (smollm2, tiny, qwen3))
     assert slab == math.lcm(smollm2, tiny, qwen3) * -(-MiB // math.lcm(smollm2, tiny, qwen3))
     # the old fixed 1 MiB slab held one 720 KiB SmolLM2 block: 28% of the region lost
     assert MiB // smollm2 * smollm2 / MiB < 0.71
-    # no common multiple within 4x: a whole number of the largest block
-    odd = slab_bytes_for([3 * 1000003, 7 * 999983], MiB)
-    assert odd % (7 * 999983) == 0 and odd >= MiB
-    assert slab_bytes_for([], MiB) == MiB
+    # no common multiple among the candidates: a whole number of the largest block, the best one for the other
+    big, small = 7 * 999983, 3 * 1000003
+    odd = slab_bytes_for([small, big], MiB, GiB)
+    assert odd % big == 0 and odd >= MiB
+    assert slab_share(odd, [small, big], GiB) == max(slab_share(k * big, [small, big], GiB) for k in range(1, 65))
+    assert slab_bytes_for([], MiB, GiB) == MiB
+    # host slabs: the configured size times a power of two (torch's pinned allocator rounds sizes up to one)
+    host = slab_bytes_for([small, big], 4 * MiB, GiB, doubling=True)
+    assert host // (4 * MiB) in (1, 2, 4, 8, 16, 32, 64, 128, 256) and host * (host // (4 * MiB)) != 0
+    assert slab_bytes_for([2 * MiB], 4 * MiB, GiB, doubling=True) == 4 * MiB  # a whole number already
+
+
+def _fleet_shapes(archs: Sequence[str]) -> list[KvShape]:
+    """The block shapes of catalogue archs as the torch engine makes them (16-token blocks)."""
+    out = []
+    for key in archs:
+        arch = catalogue_arch(key)
+        out.append(KvShape(arch.num_layers, arch.num_kv_heads, arch.dim, 16, torch.bfloat16))
+        assert out[-1].block_bytes == 16 * arch.kv_bytes_per_token
+    return out
+
+
+SCENARIO_FLEETS = {  # sims.scenarios' fleets, by arch
+    "mixed": ("qwen3-4b", "llama-3.2-3b", "qwen2.5-3b", "llama-3.2-1b", "qwen3-1.7b"),
+    "eight": ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b"),
+    "large": ("qwen2.5-7b", "yi-1.5-6b"),
+    "small": ("qwen2.5-0.5b", "llama-3.2-1b"),
+}
+DEVICE_KV, HOST_KV = 18_160_000_000, 16_000_000_000  # the mixed-onoff H100 run's decode instance
+
+
+def _shares(device: SlabPool, host: SlabPool, shapes: list[KvShape]) -> list[tuple[float, float]]:
+    return [(device.usable_blocks(s, shapes) * s.block_bytes / DEVICE_KV,
+             host.usable_blocks(s, shapes) * s.block_bytes / HOST_KV) for s in shapes]
+
+
+@pytest.mark.parametrize("fleet", sorted(SCENARIO_FLEETS))
+def test_slabs_sized_to_the_fleets_blocks_promise_every_shape_nearly_all_of_both_tiers(fleet: str) -> None:
+    """3-4B models have 1-2.4 MB blocks: slabs of a few MiB held one or two, and the mixed fleet's pools promised
+    its shapes 78% of the device region and 56% of the host bound; sized by slab_bytes_for, at least 98%."""
+    shapes = _fleet_shapes(SCENARIO_FLEETS[fleet])
+    region = torch.empty(DEVICE_KV, dtype=torch.uint8, device="meta")  # slabs are views: no memory
+    blocks = [s.block_bytes for s in shapes]
+    device = device_pool(region, slab_bytes_for(blocks, MiB, DEVICE_KV))
+    host = host_pool(4 * MiB, HOST_KV, pin=False, block_bytes=lambda: blocks)
+    shares = _shares(device, host, shapes)
+    assert all(d >= 0.98 and h >= 0.98 for d, h in shares), shares
+    assert host.num_slabs == 0  # sized, none made: nothing reserved
+    if fleet == "mixed":
+        assert device.slab_bytes == 14 * max(blocks) and host.slab_bytes == 16 * MiB
+        assert min(d for d, _ in shares) > 0.99
+        # the old sizes: a whole number of the largest block (no common multiple within 4 MiB), 4 MiB host slabs
+        old = _shares(device_pool(region, max(blocks)), host_pool(4 * MiB, HOST_KV, pin=False), shapes)
+        assert round(min(d for d, _ in old), 2) == 0.78 and round(min(h for _, h in old), 2) == 0.56
+
+
+def test_host_slabs_are_sized_to_the_loaded_models_when_the_device_buffer_is_made(demo_models) -> None:
+    """The host pool is made before any model loads: its slab size and its reserved slabs wait for them."""
+    engine = TorchEngine(TorchEngineConfig(dtype="float32", kv_bytes=8 * MiB, host_slab_bytes=64 << 10,
+                                           max_host_kv_bytes=8 * MiB, host_kv_prealloc_bytes=MiB))
+    assert engine.host_kv.num_slabs == 0
+    for name, path in demo_models.items():
+        engine.load(name, path)
+    blocks = [engine.residency.models.require(name).kv_shape.block_bytes for name in demo_models]
+    report = engine.kv_capacity()
+    slab = engine.host_kv.slab_bytes
+    assert slab == slab_bytes_for(blocks, 64 << 10, 8 * MiB, doubling=True) and slab > 64 << 10
+    assert engine.host_kv.num_slabs == -(-MiB // slab)  # the reserved slabs, of the new size
+    # what the host pool promises is what the rule weighed (64 KiB slabs held no 720 KiB SmolLM2 block at all)
+    promised = [report.host_tokens[name] * b // 16 / (8 * MiB) for name, b in zip(demo_models, blocks)]
+    assert min(promised) == pytest.approx(slab_share(slab, blocks, 8 * MiB)) and min(promised) > 0.5
+    engine.close()
 
 
 # ---- the pool's promise -----------------------------------------------------------------------------------
@@ -160,8 +230,8 @@ def test_the_live_pool_plans_with_what_its_engines_report(demo_models, smollm2) 
                                backend="threads"))
     with pool:
         planned = pool.planned_instances[0]
-        block = 16 * 2 * 30 * 3 * 64 * 4  # 720 KiB: a slab (at least 1 MiB) holds two
-        assert planned.kv_bytes == 8 * MiB // (2 * block) * 2 * block
+        block = 16 * 2 * 30 * 3 * 64 * 4  # 720 KiB: one shape, so the slab that wastes least is 11 blocks
+        assert planned.kv_bytes == 8 * MiB // block * block
         status = pool.status()["instances"]["slot0"]
         assert status["kv_capacity_bytes"] == planned.kv_bytes
         (info,) = pool.model_infos()
