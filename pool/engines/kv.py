@@ -311,9 +311,10 @@ def slab_bytes_for(block_bytes: Sequence[int], at_least: int, region_bytes: int,
     A slab that holds a whole number of every block size loses no tail and wins unless it is so large that the
     slabs kept for part-filled ones cost more. Else a block size of b loses less than b of each slab of s bytes:
     with k blocks of the largest size per slab, less than 1/k. The mixed fleet's blocks (2.36, 1.84, 0.59 and
-    0.52 MB) have a common multiple of 14 of the largest (33 MB): on an 18.16 GB device region every size is
-    promised 99.3% of it (a whole 2.36 MB block per 1 MiB slab promised 78%); in 16 GB of host memory 16 MiB
-    slabs lose at most 1.6% of each (4 MiB ones lost 44%)."""
+    0.52 MB) have a common multiple of 14 of the largest (33 MB): on an 18.16 GB device region every shape is
+    promised 99.3% of it (slabs of one 2.36 MB block, the old rule's, promised 78%); in 16 GB of host memory
+    16 MiB slabs lose at most 1.6% of each to a tail and promise 98.1% (4 MiB ones lost 44%, promised 56%).
+    Every scenario fleet's shapes are promised at least 98% of either tier (tests/pool/test_kv_capacity.py)."""
     sizes = sorted({int(b) for b in block_bytes if b > 0})
     if not sizes:
         return at_least
