@@ -10,7 +10,8 @@
 # clipped to this many tokens (512), so each run drains soon after its last arrival; PER_S: a scenario's time limit;
 # EXTRA: more `modelpool validate` options (on CPU: EXTRA='--rate 1 --load light').
 # $OUT/serve-logs.tgz keeps what a later diagnosis needs, per scenario: serve.log, the live Plan log
-# (serve.plans.jsonl; each load's lines are the JSON's live_plans range), the simulated Plan logs
+# (serve.plans.jsonl; each load's lines are the JSON's live_plans range; live_status: /pool/status's instances before and
+# after each load - the KV capacity the scheduler planned with, the engines' stats), the simulated Plan logs
 # (sim-LOAD.plans.jsonl) and the JSON (per-request rows live and simulated, side by side); the models are left out.
 set -u
 if [ -z "${NO_WHEELS:-}" ]; then  # NO_WHEELS=1: a machine that has the packages (a CPU try of the same script)

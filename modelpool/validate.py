@@ -321,7 +321,10 @@ def live_runs(fleet_path: Path, workloads: Mapping[str, Workload], out_dir: Path
                           "weight_copies": int(after["weight_copies"]) - int(before["weight_copies"]) if fresh
                           else None,  # None: an engine's stats came late
                           "plans": [before.get("plans"), after.get("plans")],  # this load's lines of the plan log
-                          "restarts": after.get("restarts")}
+                          "restarts": after.get("restarts"),
+                          # what a diagnosis needs that the Plan log lacks: each instance's KV capacity as the
+                          # scheduler planned with it, and its engine's stats (timings, hand-off paths)
+                          "status": [_instances_of(before), _instances_of(after)]}
             log(f"  {load}: {len(rows)} requests replayed in {wall_s:.0f} s")
             if proc.poll() is not None:
                 raise RuntimeError(f"modelpool serve exited with {proc.returncode} during the {load} run "
@@ -330,6 +333,12 @@ def live_runs(fleet_path: Path, workloads: Mapping[str, Workload], out_dir: Path
         stop_server(proc)
         signal.signal(signal.SIGTERM, previous)
     return runs
+
+
+def _instances_of(status: Mapping[str, Any]) -> dict[str, Any]:
+    """/pool/status's per-instance part (KV capacity and use, its engine's latest stats) and its KV refusals."""
+    return {"instances": status.get("instances", {}), "kv_refusals": status.get("kv_refusals"),
+            "stats_at": status.get("stats_at")}
 
 
 def fresh_status(url: str, timeout_s: float = 15.0) -> dict[str, Any]:
@@ -441,6 +450,7 @@ def validate_scenario(name: str, profile: str | None, duration_s: float | None, 
                          "live_weight_copies": live[load]["weight_copies"], "live_plans": live[load]["plans"],
                          "live_switch_actions": live[load]["switch_actions"],
                          "live_wall_s": round(live[load]["wall_s"], 1), "live_restarts": live[load]["restarts"],
+                         "live_status": live[load]["status"],
                          "live_rows": [{k: v for k, v in row.items() if k != "itl_s"} for row in live[load]["rows"]]}
                   for load in loads}}
     path = out_dir / f"{name}.json"

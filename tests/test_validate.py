@@ -189,6 +189,10 @@ def test_validate_serves_replays_and_simulates_a_scenario_on_cpu(tmp_path: Path)
     assert isinstance(part["live"]["weight_copies"], int) and isinstance(part["sim"]["weight_copies"], int)
     assert (out / "serve.plans.jsonl").is_file() and (out / "sim-light.plans.jsonl").stat().st_size > 0
     assert part["live_plans"][0] < part["live_plans"][1]
+    # /pool/status before and after the load: every instance's planned KV capacity and its engine's stats
+    before, after = part["live_status"]
+    assert set(after["instances"]) == {row[0] for row in report["layout"]["instances"]}
+    assert all(i["kv_capacity_bytes"] > 0 and i["engine"] for i in after["instances"].values())
     sides = part["requests_side_by_side"]
     assert len(sides) == part["requests"] and all(r["live_ttft_s"] > 0 and r["sim_ttft_s"] > 0 for r in sides)
     assert any("--quick" in note for note in part["notes"])
