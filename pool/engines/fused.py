@@ -139,13 +139,17 @@ if AVAILABLE:
             tl.store(dst + d, o1, mask=dm)
             tl.store(dst + HD // 2 + d, o2, mask=dm)
 
-    @triton.jit(do_not_specialize=["layer", "max_blocks", "tiles_per_split", "num_splits"])
+    @triton.jit(do_not_specialize=["layer", "max_blocks", "num_splits"])
     def _paged_attention_kernel(q_ptr, kv_ptr, table_ptr, lengths_ptr, m_ptr, l_ptr, acc_ptr,
-                                layer, max_blocks, tiles_per_split, num_splits, scale,
+                                layer, max_blocks, num_splits, scale,
                                 H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                                 HD: tl.constexpr, HDP: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
                                 IEEE: tl.constexpr):
         """Program (request, kv head, split): the G query heads of one kv head over a run of TILE-token tiles.
+
+        Each request's own tiles are shared evenly over the splits, so a short request beside a long one (whose
+        length sets the table width, hence the number of splits) is spread over every split, not left whole to
+        one program: the step's attention time follows the batch's total context, not its longest request.
 
         A tile's tokens are gathered through the block table (any block size); both products run on the
         matrix units (float32 inputs in full precision), query heads padded to GP >= 16 rows.
@@ -161,8 +165,10 @@ if AVAILABLE:
         heads = kvh * G + g
         q = tl.load(q_ptr + (b * H + heads[:, None]) * HD + d[None, :], mask=gm[:, None] & dm[None, :], other=0.0)
         length = tl.load(lengths_ptr + b).to(tl.int32)
-        start = split * tiles_per_split
-        end = tl.minimum(start + tiles_per_split, (length + TILE - 1) // TILE)
+        tiles = (length + TILE - 1) // TILE
+        per = (tiles + num_splits - 1) // num_splits
+        start = split * per
+        end = tl.minimum(start + per, tiles)
         m_i = tl.full([GP], float("-inf"), tl.float32)
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, HDP], tl.float32)
@@ -256,28 +262,26 @@ def qkv_rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm
 TILE = 64  # tokens per attention step
 
 
-def split_plan(batch: int, num_kv_heads: int, max_blocks: int, block_size: int, device: torch.device
-               ) -> tuple[int, int]:
-    """(tiles per split, splits): enough programs to cover the GPU about twice over."""
+def split_plan(batch: int, num_kv_heads: int, max_blocks: int, block_size: int, device: torch.device) -> int:
+    """Splits per (request, kv head): enough programs to cover the GPU about twice over, at most one per tile
+    of the widest request the table holds (each request shares its own tiles over them)."""
     tiles = -(-max_blocks * block_size // TILE)
     want = max(1, -(-2 * _sm_count(device) // (batch * num_kv_heads)))
-    per = max(1, -(-tiles // want))
-    return per, -(-tiles // per)
+    return min(tiles, want)
 
 
 def paged_attention(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor, layer: int,
-                    num_kv_heads: int, scale: float, plan: tuple[int, int]) -> torch.Tensor:
+                    num_kv_heads: int, scale: float, splits: int) -> torch.Tensor:
     """Decode attention of q `[B, heads, head_dim]` over each request's first `lengths` tokens: `[B, heads * hd]`."""
     batch, heads, hd = q.shape
     max_blocks = table.shape[1]
-    per, splits = plan
     group = heads // num_kv_heads
     m = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty(batch, heads, splits, hd, dtype=torch.float32, device=q.device)
     hdp = max(16, _pow2(hd))
     _paged_attention_kernel[(batch, num_kv_heads, splits)](
-        q, kv, table, lengths, m, l, acc, layer, max_blocks, per, splits, scale,
+        q, kv, table, lengths, m, l, acc, layer, max_blocks, splits, scale,
         H=heads, KVH=num_kv_heads, G=group, GP=max(16, _pow2(group)), HD=hd, HDP=hdp, BS=kv.shape[1], TILE=TILE,
         IEEE=q.dtype == torch.float32 or _INTERPRET, num_warps=4)
     out = torch.empty(batch, heads * hd, dtype=q.dtype, device=q.device)

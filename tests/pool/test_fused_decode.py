@@ -32,13 +32,28 @@ DEVICES.append(pytest.param("cpu", marks=pytest.mark.skipif(
 @pytest.mark.parametrize("block_size", [16, 8])
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
 def test_fused_decode_matches_torch_and_ignores_nan_tails(device, dtype, block_size, model, demo_models):
+    _check_fused_decode(device, dtype, block_size, model, demo_models, [5, 17, 40])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("sms", [8, 12])
+def test_fused_decode_shares_each_requests_tiles_over_the_splits(device, dtype, sms, demo_models, monkeypatch):
+    """A short request beside a long one (which sets the table width and so the splits): each request's own
+    tiles are spread over every split (2 or 3 here), uneven shares and empty splits included."""
+    monkeypatch.setattr(fused, "_sm_count", lambda _device: sms)
+    assert fused.split_plan(4, 2, 24, 16, torch.device(device)) == (2 if sms == 8 else 3)
+    _check_fused_decode(device, dtype, 16, "tiny-qwen3", demo_models, [5, 130, 300])
+
+
+def _check_fused_decode(device, dtype, block_size, model, demo_models, lengths):
     engine = TorchEngine(TorchEngineConfig(device=device, dtype=dtype, block_size=block_size, cuda_graphs=False),
                          weight_cache=HostWeightCache())
     engine.load(model, demo_models[model])
     engine.activate(model)
     gen = torch.Generator().manual_seed(block_size)
     requests = [GenRequest(f"r{i}", model, torch.randint(0, 500, (n,), generator=gen).tolist(),
-                           SamplingParams(max_tokens=8, ignore_eos=True)) for i, n in enumerate([5, 17, 40])]
+                           SamplingParams(max_tokens=8, ignore_eos=True)) for i, n in enumerate(lengths)]
     engine.prefill(requests)
     store, seqs = engine.residency.kv_store(), [engine.seqs[r.request_id] for r in requests]
     kvs = [s.kv for s in seqs]
