@@ -474,6 +474,8 @@ def simulate_report(report: dict[str, Any], layout: SimLayout, workloads: Mappin
                                    sim_switches if part["live_switches"] is not None else None,
                                    sim_copies if part.get("live_weight_copies") is not None else None)
         part["errors"] = compare(part["live"], part["sim"])
+        if part.get("live_status"):
+            part["steps"] = step_check(part["live_status"][-1], layout.costs, workload)
         part["requests_side_by_side"] = [
             {"index": k, "model": a["model"], "live_ttft_s": a.get("ttft_s"), "sim_ttft_s": b.get("ttft_s"),
              "live_tpot_s": a.get("tpot_s"), "sim_tpot_s": b.get("tpot_s"), "error": a.get("error")}
@@ -481,6 +483,52 @@ def simulate_report(report: dict[str, Any], layout: SimLayout, workloads: Mappin
     path.write_text(json.dumps(report, indent=1, default=str))
     report["path"] = str(path)
     return report
+
+
+def decode_context(workload: Workload) -> float:
+    """The context a decode step's request has on average over the workload's steps: a request of prompt p and
+    output o decodes o steps at contexts p .. p + o (mean p + o/2), so it weighs o."""
+    prompt = workload.input_tokens.astype(np.float64)
+    out = workload.output_tokens.astype(np.float64)
+    return float((out * (prompt + out / 2)).sum() / max(1.0, out.sum()))
+
+
+def step_check(status: Mapping[str, Any], costs: Any, workload: Workload) -> dict[str, Any]:
+    """The live engines' own step times (an instance's latest ~4096 decode steps and 256 prefills, as /pool/status
+    gave them after the load) beside the cost model's time for the same step run alone: decode steps by instance and
+    batch bucket at the workload's mean decode context, prefills by instance (the median of live / model). A ratio
+    well off 1 names the term a miss sits in; it includes what the GPU's other instance took from the step
+    (the simulator charges that apart, by the share tables), so read it beside the figures."""
+    context = decode_context(workload)
+    decode, prefill = [], []
+    for iid, inst in sorted((status.get("instances") or {}).items()):
+        timings = ((inst.get("engine_extra") or {}).get("timings") or {})
+        buckets: dict[str, list[float]] = {}
+        for model, by_batch in (timings.get("decode_by_model") or {}).items():
+            for bucket, row in by_batch.items():
+                batch = max(1, round(row["batch_mean"]))
+                try:
+                    alone = costs.decode_step_s(model, batch, int(context * batch))
+                except KeyError:  # a mixed batch ("a+b") or a model the cost model lacks
+                    continue
+                acc = buckets.setdefault(bucket, [0.0, 0.0, 0.0])
+                acc[0] += row["steps"]
+                acc[1] += row["steps"] * row["forward_ms_mean"] / 1e3
+                acc[2] += row["steps"] * alone
+        for bucket, (steps, live, alone) in sorted(buckets.items(), key=lambda kv: int(kv[0].lstrip("<="))):
+            decode.append({"instance": iid, "role": inst.get("role"), "batch": bucket, "steps": int(steps),
+                           "live_ms": round(live / steps * 1e3, 3), "model_ms": round(alone / steps * 1e3, 3),
+                           "ratio": round(live / alone, 3)})
+        ratios = []
+        for model, tokens, requests, seconds in timings.get("prefills") or []:
+            try:
+                ratios.append(seconds / costs.prefill_s(model, int(tokens), int(requests)))
+            except KeyError:
+                continue
+        if ratios:
+            prefill.append({"instance": iid, "role": inst.get("role"), "prefills": len(ratios),
+                            "ratio_p50": round(float(np.median(ratios)), 3)})
+    return {"decode_context": round(context), "decode": decode, "prefill": prefill}
 
 
 def recorded_instance(row: Sequence[Any]) -> Any:
@@ -553,5 +601,13 @@ def format_report(report: Mapping[str, Any]) -> str:
             target = "3 pt" if row["unit"] == "points" else "15%"
             lines.append(f"    {row['figure']:16s} {show(row['live']):>10s} {show(row['sim']):>10s} {error:>9s}  "
                          f"{target} {'ok' if row['ok'] else 'MISS'}")
+        steps = part.get("steps")
+        if steps and (steps["decode"] or steps["prefill"]):
+            lines.append(f"    engine steps, live / the model's step alone (context {steps['decode_context']}; "
+                         "the other instance's share included):")
+            for iid in dict.fromkeys([r["instance"] for r in steps["decode"] + steps["prefill"]]):
+                decode = " ".join(f"{r['batch']} {r['ratio']:.2f}x" for r in steps["decode"] if r["instance"] == iid)
+                prefill = [f"prefills {r['ratio_p50']:.2f}x" for r in steps["prefill"] if r["instance"] == iid]
+                lines.append(f"      {iid}: " + "; ".join(([f"decode {decode}"] if decode else []) + prefill))
     lines.append(f"  written: {report.get('path', '-')}")
     return "\n".join(lines)

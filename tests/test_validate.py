@@ -102,6 +102,32 @@ def test_a_recorded_real_shape_run_is_simulated_with_the_served_shapes_its_weigh
     assert copies(served) == 0 < copies(catalogue)
 
 
+def test_the_step_check_puts_each_engines_own_steps_beside_the_models_step_alone() -> None:
+    from modelpool.validate import decode_context, step_check
+    from scheduler.fleet import ARCHS, Arch
+    from sims.workload import Workload
+
+    costs = RooflineCostModel.for_models({"m": (Arch.model_validate({**ARCHS["qwen2.5-0.5b"], "total_params": None}), 1)},
+                                         "h100")
+    load = Workload.from_columns([0.0, 1.0], [0, 0], [100, 300], [10, 30], ["m"], "test")
+    context = decode_context(load)
+    assert context == (10 * (100 + 5) + 30 * (300 + 15)) / 40  # each request weighs its decode steps
+    at = lambda batch: costs.decode_step_s("m", batch, int(context * batch)) * 1e3  # noqa: E731
+    timings = {"decode_by_model": {
+        "m": {"<=4": {"steps": 30, "batch_mean": 3.0, "forward_ms_mean": 2 * at(3)},
+              "<=16": {"steps": 10, "batch_mean": 12.4, "forward_ms_mean": 3 * at(12)}},
+        "m+other": {"<=16": {"steps": 99, "batch_mean": 10.0, "forward_ms_mean": 1.0}}},  # a mixed batch: left out
+        "prefills": [["m", 512, 1, 1.5 * costs.prefill_s("m", 512, 1)], ["m", 64, 2, 1.4 * costs.prefill_s("m", 64, 2)],
+                     ["m", 2048, 1, 9.0 * costs.prefill_s("m", 2048, 1)], ["gone", 8, 1, 1.0]]}
+    status = {"instances": {"d0": {"role": "decode", "engine_extra": {"timings": timings}},
+                            "p0": {"role": "prefill", "engine_extra": {"timings": {}}}}}
+    check = step_check(status, costs, load)
+    assert check["decode_context"] == round(context)
+    assert [(r["instance"], r["batch"], r["steps"], r["ratio"]) for r in check["decode"]] == [
+        ("d0", "<=4", 30, 2.0), ("d0", "<=16", 10, 3.0)]
+    assert check["prefill"] == [{"instance": "d0", "role": "decode", "prefills": 3, "ratio_p50": 1.5}]
+
+
 def test_a_failed_request_misses_and_the_quantiles_skip_it() -> None:
     rows = [{"model": "m", "served": True, "ttft_s": 0.1, "tpot_s": 0.01},
             {"model": "m", "served": True, "ttft_s": 3.0, "tpot_s": 0.01},
@@ -193,10 +219,14 @@ def test_validate_serves_replays_and_simulates_a_scenario_on_cpu(tmp_path: Path)
     before, after = part["live_status"]
     assert set(after["instances"]) == {row[0] for row in report["layout"]["instances"]}
     assert all(i["kv_capacity_bytes"] > 0 and i["engine"] for i in after["instances"].values())
+    # each engine's own steps beside the model's step alone: the prefill instance's prefills at least
+    assert part["steps"]["decode_context"] > 0
+    assert any(r["prefills"] > 0 and r["ratio_p50"] > 0 for r in part["steps"]["prefill"])
+    assert all(r["steps"] > 0 and r["ratio"] > 0 for r in part["steps"]["decode"])
     sides = part["requests_side_by_side"]
     assert len(sides) == part["requests"] and all(r["live_ttft_s"] > 0 and r["sim_ttft_s"] > 0 for r in sides)
     assert any("--quick" in note for note in part["notes"])
-    assert "slo_attainment" in res.stdout and "mixed-onoff.json" in res.stdout
+    assert "slo_attainment" in res.stdout and "mixed-onoff.json" in res.stdout and "engine steps" in res.stdout
     assert (out / "serve.log").is_file()
     # the recorded live run simulated again (nothing served): the same requests and layout, the same figures
     again = subprocess.run([sys.executable, "-m", "modelpool.cli", "validate", "mixed-onoff", "--from-live",
