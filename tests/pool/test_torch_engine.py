@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -546,3 +547,19 @@ def test_gpu_benchmark_runs_tiny_on_cpu(tmp_path):
     assert result["device"] == "cpu" and result["models"]
     for model in result["models"].values():
         assert model["switch_s"] > 0 and model["decode"]
+
+
+def test_decode_mix_benchmark_runs_tiny_on_cpu():
+    """benchmarks/decode_mix.py's table on tiny shapes: per shape and batch, the mixed lengths' mean and longest, a
+    one-length and a mixed step (synchronised and queued) and the cost model's step."""
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "decode_mix.py"), "--device", "cpu", "--quick",
+                           "--batches", "2,4", "--steps", "2"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith("tiny-")]
+    assert [(r[0], int(r[1])) for r in rows] == [(s, b) for s in ("tiny-qwen2-a", "tiny-llama-a") for b in (2, 4)]
+    for row in rows:
+        mean, longest = int(row[2]), int(row[3])
+        one, mixed, ratio = float(row[4].rstrip("m")), float(row[5].rstrip("m")), float(row[6])
+        assert 4 <= mean <= longest and one > 0 and mixed > 0 and ratio == pytest.approx(mixed / one, abs=0.01)
+        assert all(float(cell.rstrip("m")) > 0 for cell in row[7:10])
