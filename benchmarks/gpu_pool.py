@@ -44,7 +44,8 @@ from benchmarks.gpu_pool_calls import load as load_calls  # noqa: E402
 from benchmarks.gpu_pool_calls import plan_summary, prefill_rounds, write_run  # noqa: E402
 from benchmarks.gpu_pool_calls import call_gaps, load_kv, prefill_overlaps, run_kv_calls, switch_times, ttft_parts  # noqa: E402
 from benchmarks.gpu_pool_sim import quantiles  # noqa: E402
-from modelpool.replay import free_port, per_request, replay, stop_server, wait_ready, word_tokenizer  # noqa: E402,F401
+from modelpool.replay import (fresh_status, free_port, per_request, replay, stop_server, wait_ready,  # noqa: E402,F401
+                             word_tokenizer)
 from modelpool.replay import start_server as serve_process  # noqa: E402
 from scheduler.fleet import catalogue_arch, hf_shape  # noqa: E402
 
@@ -230,7 +231,7 @@ def live_runs(args: argparse.Namespace, fleet: Path, backend: str, layout: str, 
             tag = run_tag(backend, layout, rate) + (f"-{repeats[rate]}" if repeats[rate] > 1 else "")
             trace_path = out_dir / f"trace-{tag}.csv"
             write_trace(rows, trace_path)
-            before = httpx.get(f"{url}/pool/status", timeout=30).json()
+            before = fresh_status(url)
             with GpuSampler() as gpu:
                 cpu_before, client_before = cpu_seconds(proc.pid), time.process_time()
                 started = time.monotonic()
@@ -238,8 +239,7 @@ def live_runs(args: argparse.Namespace, fleet: Path, backend: str, layout: str, 
                 ended = time.monotonic()
                 cpu = cpu_use(cpu_before, cpu_seconds(proc.pid), ended - started)
                 cpu["client (this process)"] = round((time.process_time() - client_before) / (ended - started), 3)
-            time.sleep(2.5)  # the last stats() round (the pool asks every 2 s)
-            status = httpx.get(f"{url}/pool/status", timeout=30).json()
+            status = fresh_status(url)  # once every engine's stats are from after the run (asked every 2 s)
             metrics_text = httpx.get(f"{url}/metrics", timeout=30).text
             result = phase_result(backend, layout, rate, args, before, status, metrics_text, replayed,
                                   ended - started, gpu.mean(started, ended), trace_path.name)

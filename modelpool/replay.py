@@ -216,3 +216,18 @@ def per_request(results: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
                        e2e_s=last - r["arrival_s"])
         out.append(row)
     return out
+
+
+def fresh_status(url: str, timeout_s: float = 15.0) -> dict[str, Any]:
+    """/pool/status once every engine's stats (its weight copies) are from after this call (`fresh`; False when
+    they did not come within `timeout_s`): the pool asks its engines every `stats_interval_s` (2 s), so counts
+    read at once could miss the last copies."""
+    import httpx
+
+    asked = time.time()
+    while True:
+        status = httpx.get(f"{url}/pool/status", timeout=30).json()
+        status["fresh"] = (status.get("stats_at") or 0.0) >= asked
+        if status["fresh"] or time.time() - asked > timeout_s:
+            return status
+        time.sleep(0.25)

@@ -293,7 +293,8 @@ def live_runs(fleet_path: Path, workloads: Mapping[str, Workload], out_dir: Path
     switches (the pool's count before and after) and the replay's wall time."""
     import httpx
 
-    from modelpool.replay import free_port, per_request, replay, start_server, stop_server, wait_ready
+    from modelpool.replay import (fresh_status, free_port, per_request, replay, start_server, stop_server,
+                                  wait_ready)
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -339,21 +340,6 @@ def _instances_of(status: Mapping[str, Any]) -> dict[str, Any]:
     """/pool/status's per-instance part (KV capacity and use, its engine's latest stats) and its KV refusals."""
     return {"instances": status.get("instances", {}), "kv_refusals": status.get("kv_refusals"),
             "stats_at": status.get("stats_at")}
-
-
-def fresh_status(url: str, timeout_s: float = 15.0) -> dict[str, Any]:
-    """/pool/status once every engine's stats (its weight copies) are from after this call (`fresh`; False when
-    they did not come within `timeout_s`): the pool asks its engines every `stats_interval_s` (2 s), so counts
-    read at once could miss the last copies."""
-    import httpx
-
-    asked = time.time()
-    while True:
-        status = httpx.get(f"{url}/pool/status", timeout=30).json()
-        status["fresh"] = (status.get("stats_at") or 0.0) >= asked
-        if status["fresh"] or time.time() - asked > timeout_s:
-            return status
-        time.sleep(0.25)
 
 
 def _exit_on_term(signum: int, frame: Any) -> None:
