@@ -334,13 +334,16 @@ def stop_worker(worker: _Worker, timeout_s: float = 30.0) -> None:
     except (OSError, ValueError):
         pass
     worker.process.join(timeout_s)
-    if worker.process.is_alive():
+    killed = worker.process.is_alive()
+    if killed:
         worker.process.kill()
         worker.process.join(10)
     worker.alive = False
     worker.conn.close()
-    if not worker.process.is_alive() and worker.process.pid is not None:
-        remove_stores(worker.process.pid)  # a TP rank 0 killed before it closed leaves its rendezvous file
+    if (killed or not worker.process.is_alive()) and worker.process.pid is not None:
+        # a TP rank 0 killed before it closed leaves its rendezvous file; once SIGKILL is sent it can use it no
+        # more, though a loaded machine may take longer than the join to reap it
+        remove_stores(worker.process.pid)
 
 
 class ProcessBackend:
