@@ -3,7 +3,7 @@
 `modelpool calibrate` times decode steps of requests that all have one context length. A served batch mixes
 lengths (ShareGPT prompts run from tens to thousands of tokens). This times, per shape and batch, a decode step
 of requests whose contexts are drawn from a scenario's length distribution (prompt + half its output, clipped to
-the graphs' widest table) against the same batch at the mean context, both timed step by step (synchronised, as
+12k tokens on CUDA) against the same batch at the mean context, both timed step by step (synchronised, as
 calibrate times) and back to back (the steps queued, as the serving loop runs them), beside the cost model's step
 at that batch and total context (the calibrated profile given, else the default one).
 
@@ -14,6 +14,7 @@ at that batch and total context (the calibrated profile given, else the default 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -30,8 +31,6 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="tiny shapes, short contexts (CPU)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-
-    import torch
 
     from modelpool.measure import Calibration, hf_config, plan_for, shapes_for
     from pool.engines.base import GenRequest, SamplingParams
@@ -54,16 +53,14 @@ def main() -> None:
     ctx = np.minimum(raw, longest) if cuda else np.maximum(4, raw * longest // max(1, int(raw.max())))
     rng = np.random.default_rng(args.seed)
     drawn = {b: [int(x) for x in rng.choice(ctx, size=b)] for b in batches}
-    base = plan_for(cuda, quick=True)
-    plan = base.__class__(**{**base.__dict__, "decode_batches": batches, "decode_contexts": (max(ctx),),
-                             "prefill_lengths": (min(256, longest),), "kv_batches": (1,), "kv_contexts": (16,)})
+    plan = dataclasses.replace(plan_for(cuda, quick=True), decode_batches=batches, decode_contexts=(int(max(ctx)),),
+                               prefill_lengths=(min(256, longest),), kv_batches=(1,), kv_contexts=(16,))
     cal = Calibration(shapes, args.device, plan, seed=args.seed)
     for name, arch in shapes.items():
         cal.images[name] = cal.cache.add_random(name, hf_config(arch), cal.dtype, seed=args.seed, device=cal.device)
-    tokens = max(sum(lengths) for lengths in drawn.values()) + max(batches) * (2 * args.steps + 40)
-    slab = (64 if cuda else 1) << 20
-    need = int(1.25 * tokens * max(a.kv_bytes_per_token for a in shapes.values()))
-    cal.engine = cal._engine((need // slab + 2 * len(shapes) + 2) * slab)
+    # KV for the longest batch drawn (one batch is held at a time), not plan.decode_contexts' longest for every row
+    cal.engine = cal._engine(cal.kv_bytes_for(max(sum(lengths) for lengths in drawn.values())
+                                              + max(batches) * (2 * args.steps + 40)))
     if cuda:
         cal.engine.warm_up(int(max(ctx)) + 64)  # every (batch, width) graph the steps below replay
     engine = cal.engine
@@ -77,30 +74,21 @@ def main() -> None:
         out = []
         for length in sorted(lengths):
             ids += 1
-            tokens = rng.integers(0, shapes[name].vocab_size, int(length)).tolist()
-            req = GenRequest(f"mix{ids}", name, tokens, SamplingParams(max_tokens=1 << 20, ignore_eos=True))
+            prompt = rng.integers(0, shapes[name].vocab_size, int(length)).tolist()
+            req = GenRequest(f"mix{ids}", name, prompt, SamplingParams(max_tokens=1 << 20, ignore_eos=True))
             engine.prefill([req])
             out.append(req.request_id)
         return out
 
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize()
-
     def timed(request_ids: list[str]) -> tuple[float, float]:
+        """(median step synchronised, as calibrate times it; mean step of `steps` queued back to back)."""
         engine.decode_step(request_ids)
-        each = []
-        for _ in range(args.steps):
-            sync()
-            started = time.perf_counter()
-            engine.decode_step(request_ids)
-            sync()
-            each.append(time.perf_counter() - started)
-        sync()
+        each = [cal._timed(lambda: engine.decode_step(request_ids)) for _ in range(args.steps)]
+        cal._sync()
         started = time.perf_counter()
         for _ in range(args.steps):
             engine.decode_step(request_ids)
-        sync()
+        cal._sync()
         return statistics.median(each), (time.perf_counter() - started) / args.steps
 
     extra = engine.stats().extra

@@ -222,9 +222,13 @@ class Calibration:
 
     def _kv_bytes(self) -> int:
         plan = self.plan
-        tokens = max(max(plan.decode_batches) * (max(plan.decode_contexts) + 64),
-                     max(plan.prefill_batches) * (max(plan.prefill_lengths) + 16),
-                     max(plan.kv_batches) * (max(plan.kv_contexts) + 16))
+        return self.kv_bytes_for(max(max(plan.decode_batches) * (max(plan.decode_contexts) + 64),
+                                     max(plan.prefill_batches) * (max(plan.prefill_lengths) + 16),
+                                     max(plan.kv_batches) * (max(plan.kv_contexts) + 16)))
+
+    def kv_bytes_for(self, tokens: int) -> int:
+        """The engine's KV region for `tokens` tokens of the largest shape at once: a quarter to spare, in whole
+        slabs, two more per shape and two more."""
         need = int(1.25 * tokens * max(a.kv_bytes_per_token for a in self.archs.values()))
         slab = (64 if self.cuda else 1) * MiB
         return (need // slab + 2 * len(self.archs) + 2) * slab
