@@ -25,6 +25,7 @@ from modelpool.gpus import check_gpu_memory, gpu_key
 from pool.actor import EngineSpec
 from pool.served import ServedModel, served_model, slot_instances
 from scheduler import InstanceSpec, ModelProfile, staging_instances
+from scheduler.costs import Role
 
 CPU_SLOT_KV_BYTES = 128 * MiB
 DEMO_TTFT_S, DEMO_TPOT_S = 10.0, 0.5  # SLOs at CPU pace: SmolLM2 decodes ~8 tokens/s on one core
@@ -79,7 +80,7 @@ def demo_deployment(engine: str, num_gpus: int, num_instances: int | None, kv_mi
 
 
 def fleet_deployment(fleet_path: Path, engine: str, num_gpus: int, num_instances: int | None, policy: str,
-                     kv_mib: int | None, profile: Path | None = None, layout: list[str] | None = None) -> Deployment:
+                     kv_mib: int | None, profile: Path | None = None, layout: list[Role] | None = None) -> Deployment:
     """A fleet file's models on its GPUs (each GPU's memory split by plan_gpu_memory, costed by the roofline and
     `profile`), on CPU slots where there are none, or simulated (--engine sim); `layout`: the instances' roles."""
     from modelpool.config import load_fleet

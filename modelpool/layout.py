@@ -16,18 +16,20 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from scheduler.costs import Role
+
 if TYPE_CHECKING:
     from sims.capacity_eval import Layout
 
 _PART = re.compile(r"^(\d+)([PDM])$")
-_ROLE = {"P": "prefill", "D": "decode", "M": "mixed"}
+_ROLE: dict[str, Role] = {"P": "prefill", "D": "decode", "M": "mixed"}
 
 
 class LayoutError(ValueError):
     """A --layout that cannot be read; the message names what was wrong and where."""
 
 
-def layout_roles(value: str, policy: str = "token-level", tp: int = 1) -> list[str]:
+def layout_roles(value: str, policy: str = "token-level", tp: int = 1) -> list[Role]:
     """Instance roles, prefill first, then decode, then mixed: from a report JSON path or a `1P+2D` spec."""
     path = Path(value)
     if path.suffix == ".json" or path.is_file():
@@ -35,7 +37,7 @@ def layout_roles(value: str, policy: str = "token-level", tp: int = 1) -> list[s
     return _from_spec(value)
 
 
-def _from_spec(spec: str) -> list[str]:
+def _from_spec(spec: str) -> list[Role]:
     counts = {"P": 0, "D": 0, "M": 0}
     text = re.sub(r"^TP\d+:", "", spec.replace(" ", "").upper())  # the report's label: "TP1: 4P+5D"
     for part in text.split("+"):
@@ -65,7 +67,7 @@ def _report_entry(path: Path, policy: str) -> dict:
     return entry
 
 
-def _from_report(path: Path, policy: str, tp: int) -> list[str]:
+def _from_report(path: Path, policy: str, tp: int) -> list[Role]:
     entry = _report_entry(path, policy)
     for cls in entry["layout"]:
         if cls.get("tp") == tp:

@@ -71,7 +71,7 @@ def shapes_for(cuda: bool, quick: bool) -> dict[str, Arch]:
     from scheduler.fleet import ARCHS
 
     if cuda:
-        keys = ("qwen2.5-0.5b", "llama-3.2-1b", "qwen3-1.7b", "qwen2.5-3b", "qwen3-4b", "qwen2.5-7b")
+        keys: tuple[str, ...] = ("qwen2.5-0.5b", "llama-3.2-1b", "qwen3-1.7b", "qwen2.5-3b", "qwen3-4b", "qwen2.5-7b")
         keys = keys[:5] if quick else keys
         return {key: Arch.model_validate({**ARCHS[key], "total_params": None}) for key in keys}
     scale = 1 if quick else 2

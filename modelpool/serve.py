@@ -137,11 +137,11 @@ def serve_command(
                          max_restarts=max_restarts, call_timeout_s=call_timeout_s,
                          placement_timeout_s=placement_timeout_s)
     log_file = plan_log.open("w") if plan_log else None
-    pool = LivePool(dep.models, dep.instances, policy, dep.costs, config, plan_log=log_file)
+    live = LivePool(dep.models, dep.instances, policy, dep.costs, config, plan_log=log_file)
     try:
-        run_pool(pool, dep, settings, host, port, policy, warmup)
+        run_pool(live, dep, settings, host, port, policy, warmup)
     finally:
-        pool.stop()
+        live.stop()
         if daemon is not None:
             daemon.stop()
         if log_file:
