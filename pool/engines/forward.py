@@ -264,10 +264,10 @@ class Decoder:
         """`decode` in 10 kernels a layer (see `pool.engines.fused`); same roundings, no K/V gather copies."""
         s = self.spec
         lengths, table = inp.row("lengths"), inp.table
-        plan = fused_ops.AttentionPlan(lengths, s.num_kv_heads)  # once a step: the layers share it
+        splits = fused_ops.split_plan(inp.batch, s.num_kv_heads, inp.max_blocks, self.spec_block_size, self.kv.device)
 
         def attend(n: int, q: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
-            return fused_ops.paged_attention(q, self.kv, table, lengths, n, s.num_kv_heads, self.scale, plan)
+            return fused_ops.paged_attention(q, self.kv, table, lengths, n, s.num_kv_heads, self.scale, splits)
 
         return self._head(self._fused_layers(inp.row("token_ids"), inp.row("positions"), inp.row("write_row"),
                                              inp.row("write_offset"), attend, keys_out=False))

@@ -139,45 +139,24 @@ if AVAILABLE:
             tl.store(dst + d, o1, mask=dm)
             tl.store(dst + HD // 2 + d, o2, mask=dm)
 
-    @triton.jit(do_not_specialize=["batch", "target"])
-    def _attention_plan_kernel(lengths_ptr, plan_ptr, batch, target, TILE: tl.constexpr, BP: tl.constexpr):
-        """One program: the step's attention work plan (`attention_plan`), on the device, so a CUDA graph keeps
-        one grid whatever the lengths: `plan[b]` the end of request b's programs (an inclusive prefix sum of
-        each request's share), `plan[batch]` the tiles a program takes."""
-        i = tl.arange(0, BP)
-        valid = i < batch
-        tiles = (tl.load(lengths_ptr + i, mask=valid, other=0).to(tl.int32) + TILE - 1) // TILE
-        chunk = tl.maximum((tl.sum(tiles, axis=0) + target - 1) // target, 1)
-        share = tl.where(valid, tl.maximum((tiles + chunk - 1) // chunk, 1), 0)
-        tl.store(plan_ptr + i, tl.cumsum(share, axis=0), mask=valid)
-        tl.store(plan_ptr + batch, chunk)
-
-    @triton.jit(do_not_specialize=["layer", "max_blocks", "batch"])
-    def _paged_attention_kernel(q_ptr, kv_ptr, table_ptr, lengths_ptr, plan_ptr, m_ptr, l_ptr, acc_ptr,
-                                layer, max_blocks, batch, scale,
+    @triton.jit(do_not_specialize=["layer", "max_blocks", "num_splits"])
+    def _paged_attention_kernel(q_ptr, kv_ptr, table_ptr, lengths_ptr, m_ptr, l_ptr, acc_ptr,
+                                layer, max_blocks, num_splits, scale,
                                 H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                                 HD: tl.constexpr, HDP: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
-                                BP: tl.constexpr, IEEE: tl.constexpr):
-        """Program (slot, kv head): the G query heads of one kv head over one chunk of one request's tiles.
+                                IEEE: tl.constexpr):
+        """Program (request, kv head, split): the G query heads of one kv head over a run of TILE-token tiles.
 
-        Every program takes the same number of TILE-token tiles (the plan's chunk), whatever request they
-        belong to, so the step's attention time follows the batch's total context, not its longest request:
-        a long request beside short ones gets more programs, not longer ones. Slots past the plan's last do
-        nothing (the grid is sized for the worst case).
+        Each request's own tiles are shared evenly over the splits, so a short request beside a long one (whose
+        length sets the table width, hence the number of splits) is spread over every split, not left whole to
+        one program: the step's attention time follows the batch's total context, not its longest request.
 
         A tile's tokens are gathered through the block table (any block size); both products run on the
         matrix units (float32 inputs in full precision), query heads padded to GP >= 16 rows.
         """
-        slot = tl.program_id(0)
+        b = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1)
-        r = tl.arange(0, BP)
-        ends = tl.load(plan_ptr + r, mask=r < batch, other=2147483647)
-        b = tl.sum((ends <= slot).to(tl.int32), axis=0)  # the request whose programs hold this slot
-        if b >= batch:
-            return
-        first = tl.sum(tl.where(r == b - 1, ends, 0), axis=0)
-        chunk = tl.load(plan_ptr + batch)
-        b = b.to(tl.int64)
+        split = tl.program_id(2)
         g = tl.arange(0, GP)
         d = tl.arange(0, HDP)
         t = tl.arange(0, TILE)
@@ -186,16 +165,18 @@ if AVAILABLE:
         heads = kvh * G + g
         q = tl.load(q_ptr + (b * H + heads[:, None]) * HD + d[None, :], mask=gm[:, None] & dm[None, :], other=0.0)
         length = tl.load(lengths_ptr + b).to(tl.int32)
-        start = (slot - first) * chunk
-        end = tl.minimum(start + chunk, (length + TILE - 1) // TILE)
+        tiles = (length + TILE - 1) // TILE
+        per = (tiles + num_splits - 1) // num_splits
+        start = split * per
+        end = tl.minimum(start + per, tiles)
         m_i = tl.full([GP], float("-inf"), tl.float32)
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, HDP], tl.float32)
         for i in range(start, end):
             tok = i * TILE + t
             valid = tok < length
-            first_row = tl.load(table_ptr + b * max_blocks + tok // BS, mask=valid, other=0)
-            k_row = first_row + (2 * layer) * KVH + kvh
+            first = tl.load(table_ptr + b * max_blocks + tok // BS, mask=valid, other=0)
+            k_row = first + (2 * layer) * KVH + kvh
             k_at = (k_row * BS + tok % BS) * HD
             v_at = k_at + KVH * BS * HD
             tmask = valid[:, None] & dm[None, :]
@@ -216,35 +197,28 @@ if AVAILABLE:
                 pv = tl.dot(p.to(v.dtype), v)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
-        part = slot * H + heads
+        part = (b * H + heads) * num_splits + split
         tl.store(m_ptr + part, m_i, mask=gm)
         tl.store(l_ptr + part, l_i, mask=gm)
         tl.store(acc_ptr + part[:, None] * HD + d[None, :], acc, mask=gm[:, None] & dm[None, :])
 
-    @triton.jit
-    def _merge_splits_kernel(plan_ptr, m_ptr, l_ptr, acc_ptr, out_ptr,
-                             H: tl.constexpr, HD: tl.constexpr, HDP: tl.constexpr):
-        """Program (request, head): its programs' partial softmax sums merged (a request with no tokens, a
-        padded row, comes out NaN, as its unused logits may)."""
-        b = tl.program_id(0)
+    @triton.jit(do_not_specialize=["num_splits"])
+    def _merge_splits_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, num_splits,
+                             H: tl.constexpr, HD: tl.constexpr, HDP: tl.constexpr, SP: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
+        sp = tl.arange(0, SP)
         d = tl.arange(0, HDP)
+        sm = sp < num_splits
         dm = d < HD
-        first = tl.load(plan_ptr + b - 1, mask=b > 0, other=0)
-        last = tl.load(plan_ptr + b)
-        big = tl.full([], float("-inf"), tl.float32)
-        for slot in range(first, last):
-            big = tl.maximum(big, tl.load(m_ptr + slot * H + h))
-        l_sum = tl.zeros([], tl.float32)
-        acc = tl.zeros([HDP], tl.float32)
-        for slot in range(first, last):
-            part = slot * H + h
-            m = tl.load(m_ptr + part)
-            w = tl.where(m > float("-inf"), tl.exp(m - big), 0.0)
-            l_sum += w * tl.load(l_ptr + part)
-            acc += w * tl.load(acc_ptr + part * HD + d, mask=dm, other=0.0)
-        out = acc / l_sum
-        tl.store(out_ptr + (b.to(tl.int64) * H + h) * HD + d, out.to(out_ptr.dtype.element_ty), mask=dm)
+        base = (b * H + h) * num_splits
+        m = tl.load(m_ptr + base + sp, mask=sm, other=float("-inf"))
+        l = tl.load(l_ptr + base + sp, mask=sm, other=0.0)
+        acc = tl.load(acc_ptr + (base + sp[:, None]) * HD + d[None, :], mask=sm[:, None] & dm[None, :], other=0.0)
+        big = tl.max(m, axis=0)
+        w = tl.where(m > float("-inf"), tl.exp(m - big), 0.0)
+        out = tl.sum(w[:, None] * acc, axis=0) / tl.sum(w * l, axis=0)
+        tl.store(out_ptr + (b * H + h) * HD + d, out.to(out_ptr.dtype.element_ty), mask=dm)
 
 
 def add_rms_norm(x: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -288,34 +262,29 @@ def qkv_rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm
 TILE = 64  # tokens per attention step
 
 
-class AttentionPlan:
-    """One decode step's attention work plan, shared by its layers: every program takes `chunk` tiles of one
-    request, the batch's total tiles spread over about twice the GPU's SMs (per kv head); `plan` (on the
-    device: each request's end slot, then the chunk) is written by a kernel from the lengths, so the grid,
-    `slots` programs per kv head, depends only on the batch size (CUDA graphs replay it)."""
-
-    def __init__(self, lengths: torch.Tensor, num_kv_heads: int) -> None:
-        self.batch = batch = lengths.shape[0]
-        target = max(1, -(-2 * _sm_count(lengths.device) // num_kv_heads))
-        # sum over requests of ceil(tiles / chunk) <= total / chunk + batch <= target + batch
-        self.slots = target + batch
-        self.plan = torch.empty(batch + 1, dtype=torch.int32, device=lengths.device)
-        _attention_plan_kernel[(1,)](lengths, self.plan, batch, target, TILE=TILE, BP=_pow2(batch), num_warps=4)
+def split_plan(batch: int, num_kv_heads: int, max_blocks: int, block_size: int, device: torch.device) -> int:
+    """Splits per (request, kv head): enough programs to cover the GPU about twice over, at most one per tile
+    of the widest request the table holds (each request shares its own tiles over them)."""
+    tiles = -(-max_blocks * block_size // TILE)
+    want = max(1, -(-2 * _sm_count(device) // (batch * num_kv_heads)))
+    return min(tiles, want)
 
 
 def paged_attention(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor, layer: int,
-                    num_kv_heads: int, scale: float, plan: AttentionPlan) -> torch.Tensor:
+                    num_kv_heads: int, scale: float, splits: int) -> torch.Tensor:
     """Decode attention of q `[B, heads, head_dim]` over each request's first `lengths` tokens: `[B, heads * hd]`."""
     batch, heads, hd = q.shape
+    max_blocks = table.shape[1]
     group = heads // num_kv_heads
-    m = torch.empty(plan.slots, heads, dtype=torch.float32, device=q.device)
+    m = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
-    acc = torch.empty(plan.slots, heads, hd, dtype=torch.float32, device=q.device)
+    acc = torch.empty(batch, heads, splits, hd, dtype=torch.float32, device=q.device)
     hdp = max(16, _pow2(hd))
-    _paged_attention_kernel[(plan.slots, num_kv_heads)](
-        q, kv, table, lengths, plan.plan, m, l, acc, layer, table.shape[1], batch, scale,
+    _paged_attention_kernel[(batch, num_kv_heads, splits)](
+        q, kv, table, lengths, m, l, acc, layer, max_blocks, splits, scale,
         H=heads, KVH=num_kv_heads, G=group, GP=max(16, _pow2(group)), HD=hd, HDP=hdp, BS=kv.shape[1], TILE=TILE,
-        BP=_pow2(batch), IEEE=q.dtype == torch.float32 or _INTERPRET, num_warps=4)
+        IEEE=q.dtype == torch.float32 or _INTERPRET, num_warps=4)
     out = torch.empty(batch, heads * hd, dtype=q.dtype, device=q.device)
-    _merge_splits_kernel[(batch, heads)](plan.plan, m, l, acc, out, H=heads, HD=hd, HDP=hdp, num_warps=2)
+    _merge_splits_kernel[(batch, heads)](m, l, acc, out, splits, H=heads, HD=hd, HDP=hdp, SP=_pow2(splits),
+                                         num_warps=2)
     return out

@@ -36,32 +36,13 @@ def test_fused_decode_matches_torch_and_ignores_nan_tails(device, dtype, block_s
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("sms", [8, 12, 132])
-def test_attention_plan_gives_every_program_an_equal_chunk(device, sms, monkeypatch):
-    """The work plan covers each request's tiles exactly, in chunks of one size for all requests (a long
-    request gets more programs, not longer ones), about 2 * SMs programs per kv head, within the grid."""
-    monkeypatch.setattr(fused, "_sm_count", lambda _device: sms)
-    lengths = [5, 130, 300, 0, 6000, 64, 65, 1]
-    plan = fused.AttentionPlan(torch.tensor(lengths, dtype=torch.int32, device=device), num_kv_heads=2)
-    got = plan.plan.cpu().tolist()
-    ends, chunk = got[:-1], got[-1]
-    tiles = [-(-n // fused.TILE) for n in lengths]
-    target = -(-2 * sms // 2)
-    assert chunk == max(1, -(-sum(tiles) // target))
-    shares = [e - s for s, e in zip([0, *ends], ends)]
-    for n, share in zip(tiles, shares):
-        assert share >= 1 and (share - 1) * chunk < max(n, 1) <= share * chunk
-    assert ends[-1] <= plan.slots == target + len(lengths)
-    assert shares[4] > shares[2] >= shares[0]
-
-
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("sms", [8, 12])
-def test_fused_decode_spreads_a_long_request_over_more_programs(device, dtype, sms, demo_models, monkeypatch):
-    """A short request beside a long one: equal chunks, so the long one spans several programs and the short
-    ones one each (uneven last chunks and a padded row included)."""
+def test_fused_decode_shares_each_requests_tiles_over_the_splits(device, dtype, sms, demo_models, monkeypatch):
+    """A short request beside a long one (which sets the table width and so the splits): each request's own
+    tiles are spread over every split (2 or 3 here), uneven shares and empty splits included."""
     monkeypatch.setattr(fused, "_sm_count", lambda _device: sms)
+    assert fused.split_plan(4, 2, 24, 16, torch.device(device)) == (2 if sms == 8 else 3)
     _check_fused_decode(device, dtype, 16, "tiny-qwen3", demo_models, [5, 130, 300])
 
 
