@@ -14,8 +14,9 @@ more than a small one's), time-sliced they are near 2, on a CPU with a core each
 decode, as a prefill instance runs a hand-off's first decode steps while the decode instance beside it decodes:
 each prefilling process decodes a batch of its own (its steps timed alone first), and every decoder steps beside
 every such second decoder, both without pause - each one's steps over its steps alone is its slowdown beside the
-other's decode steps (the profile's `decode_pairs`, sims.gpu_share.DecodeShareTable). Step and prefill intervals
-come from time.monotonic (one clock for every process of the machine).
+other's decode steps (the profile's `decode_pairs`, sims.gpu_share.DecodeShareTable). Decode steps, alone and
+beside, run as a served decode instance runs them: back to back with no sync between them (`_Bench.steps`).
+Step and prefill intervals come from time.monotonic (one clock for every process of the machine).
 """
 
 from __future__ import annotations
@@ -209,7 +210,7 @@ def _worker(role: str, conn: Any, setup: ShareSetup, env: dict[str, str]) -> Non
             if command == "exit":
                 return
             if command == "alone":
-                conn.send(("done", [bench.decode_step() for _ in range(count)]))
+                conn.send(("done", bench.steps(count=count)))
             elif command == "run":
                 prompts, tokens = count
                 conn.send(("done", [bench.prefill(tokens) for _ in range(prompts)]))
@@ -222,9 +223,7 @@ def _worker(role: str, conn: Any, setup: ShareSetup, env: dict[str, str]) -> Non
                 conn.send(("done", None))
             elif command == "spin":
                 conn.send(("spinning", None))
-                steps = []
-                while not conn.poll():
-                    steps.append(bench.decode_step())
+                steps = bench.steps(until=conn.poll)
                 conn.recv()  # the stop
                 conn.send(("done", steps))
     except Exception as exc:  # noqa: BLE001 - said to the parent, which raises it with the role
@@ -281,6 +280,32 @@ class _Bench:
         if not self.ids or self.stepped >= SPIN_STEPS:
             self.fresh_batch()
         return self._interval(lambda: engine.decode_step(self.ids), stepped=True)
+
+    def steps(self, count: int | None = None, until: Any = None) -> list[tuple[float, float]]:
+        """Decode steps back to back, as a pool's decode instance runs them: no sync between steps (on CUDA the
+        engine's async decode queues each next step before the host reads this one's tokens, so the device never
+        waits for the host), each step's interval from the previous step's return to its own; `count` steps, or
+        until `until()`. A step right after a sync (the first, or the first of a fresh batch) starts at that
+        sync. (Synchronising around every step left the device idle between steps: a lighter neighbour than a
+        served decode instance.)"""
+        engine = self.cal.engine
+        assert engine is not None
+        out: list[tuple[float, float]] = []
+        last: float | None = None
+        while (count is None or len(out) < count) and not (until is not None and until()):
+            if not self.ids or self.stepped >= SPIN_STEPS:
+                self.fresh_batch()
+                last = None
+            if last is None:
+                self.cal._sync()
+                last = time.monotonic()
+            engine.decode_step(self.ids)
+            now = time.monotonic()
+            out.append((last, now))
+            last = now
+            self.stepped += 1
+        self.cal._sync()
+        return out
 
     def prefill(self, tokens: int) -> tuple[float, float]:
         engine = self.cal.engine

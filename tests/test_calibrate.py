@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -129,3 +130,25 @@ def test_calibrate_without_the_serve_extra_says_what_to_install(tmp_path: Path) 
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 1 and "needs torch" in done.stderr and "modelpool[serve]" in done.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+def test_share_decoder_steps_back_to_back_as_a_served_decode_instance(monkeypatch):
+    """The share benchmark's decode steps run without a sync between them, each timed from the previous step's
+    return (the device never idles for the host, as under a pool's async decode); a fresh batch restarts the
+    clock after its own sync, so no step's interval holds the batch's admission."""
+    from modelpool import measure_share
+    from modelpool.measure import shapes_for
+
+    shape, arch = next(iter(shapes_for(cuda=False, quick=True).items()))
+    bench = measure_share._Bench("decode", measure_share.ShareSetup.default(shape, arch, "cpu", quick=True))
+    syncs = []
+    monkeypatch.setattr(bench.cal, "_sync", lambda: syncs.append(time.monotonic()))
+    monkeypatch.setattr(measure_share, "SPIN_STEPS", bench.stepped + 3)  # a fresh batch after 3 more steps
+    steps = bench.steps(count=7)
+    assert len(steps) == 7 and all(start < end for start, end in steps)
+    contiguous = [steps[i][0] == steps[i - 1][1] for i in range(1, 7)]
+    assert contiguous == [True, True, False, True, True, True]  # the fresh batch's first step starts at its sync
+    assert len(syncs) == 3  # the first step, the fresh batch, the end: none between steps
+    assert syncs[0] <= steps[0][0] and steps[2][1] <= syncs[1] <= steps[3][0] and syncs[2] >= steps[-1][1]
+    polls = iter([False, False, True])  # `spin`: until the parent's stop is waiting
+    assert len(bench.steps(until=lambda: next(polls))) == 2
