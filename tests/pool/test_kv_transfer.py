@@ -454,3 +454,27 @@ def test_write_blocks_lays_out_what_write_tokens_does(tokens):
     assert all(torch.isnan(pool.block(shape, ref)).all() for ref in others)  # nothing written beside them
     with pytest.raises(ValueError, match="fill"):
         write_blocks(kv, row_view(region, shape), shape, [pool.first_row(shape, r) for r in picked + picked[:1]])
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 15, 16, 17, 48, 50, 90])
+def test_read_blocks_gathers_what_read_tokens_does(tokens):
+    """The staged export's gather (every whole block in one indexed read through the region's row view, then the
+    partial last block) against the block-by-block one, from blocks out of order across two slabs, into a new
+    tensor and into a given one (an arena region); more blocks than the tokens fill are fine, fewer are refused."""
+    from pool.engines.kv import KvShape, device_pool, row_view
+    from pool.engines.kvstore import read_blocks, read_tokens
+
+    shape = KvShape(num_layers=2, num_kv_heads=3, head_dim=8, block_size=16, dtype=torch.float32)
+    region = torch.empty(16 * shape.block_bytes, dtype=torch.uint8)
+    pool = device_pool(region, 8 * shape.block_bytes)
+    taken = pool.allocate(shape, 14)
+    for ref in taken:
+        pool.block(shape, ref).copy_(torch.randn(shape.dims))
+    picked = [taken[k] for k in (5, 2, 3, 4, 0, 9, 13)]
+    rows, firsts = row_view(region, shape), [pool.first_row(shape, ref) for ref in picked]
+    want = read_tokens(pool, shape, picked, tokens)
+    assert torch.equal(read_blocks(rows, shape, firsts, tokens), want)
+    out = torch.full((2, 2, 3, tokens, 8), float("nan"))
+    assert read_blocks(rows, shape, firsts, tokens, out=out) is out and torch.equal(out, want)
+    with pytest.raises(ValueError, match="do not fit"):
+        read_blocks(rows, shape, firsts[:1], 17)
