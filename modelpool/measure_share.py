@@ -24,7 +24,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -216,7 +216,7 @@ def _worker(role: str, conn: Any, setup: ShareSetup, env: dict[str, str]) -> Non
                 conn.send(("done", [bench.prefill(tokens) for _ in range(prompts)]))
             elif command == "fresh":  # a fresh decode batch, and its first step (untimed)
                 bench.fresh_batch()
-                bench.decode_step()
+                bench.steps(count=1)
                 conn.send(("done", None))
             elif command == "release":
                 bench.release_batch()
@@ -254,7 +254,7 @@ class _Bench:
         self.stepped = 0
         if role == "decode":
             self.fresh_batch()
-            self.decode_step()
+            self.steps(count=1)
         else:
             for tokens in setup.lengths:  # a first prompt of each length: allocator growth, GEMM heuristics
                 self.prefill(tokens)
@@ -272,20 +272,12 @@ class _Bench:
             engine.release(self.ids)
         self.ids, self.stepped = [], 0
 
-    def decode_step(self) -> tuple[float, float]:
-        """One step of the decode batch (a fresh batch first where there is none, as in a prefilling process, or
-        its KV headroom is spent)."""
-        engine = self.cal.engine
-        assert engine is not None
-        if not self.ids or self.stepped >= SPIN_STEPS:
-            self.fresh_batch()
-        return self._interval(lambda: engine.decode_step(self.ids), stepped=True)
-
-    def steps(self, count: int | None = None, until: Any = None) -> list[tuple[float, float]]:
+    def steps(self, count: int | None = None, until: Callable[[], bool] | None = None) -> list[tuple[float, float]]:
         """Decode steps back to back, as a pool's decode instance runs them: no sync between steps (on CUDA the
         engine's async decode queues each next step before the host reads this one's tokens, so the device never
         waits for the host), each step's interval from the previous step's return to its own; `count` steps, or
-        until `until()`. A step right after a sync (the first, or the first of a fresh batch) starts at that
+        until `until()`; a fresh batch first where there is none (as in a prefilling process) or its KV headroom
+        is spent. A step right after a sync (the first, or the first of a fresh batch) starts at that
         sync. (Synchronising around every step left the device idle between steps: a lighter neighbour than a
         served decode instance.)"""
         engine = self.cal.engine
@@ -315,13 +307,11 @@ class _Bench:
         engine.release([r.request_id for r in requests])
         return interval
 
-    def _interval(self, fn: Any, stepped: bool = False) -> tuple[float, float]:
+    def _interval(self, fn: Any) -> tuple[float, float]:
         self.cal._sync()
         start = time.monotonic()
         fn()
         self.cal._sync()
         end = time.monotonic()
-        if stepped:
-            self.stepped += 1
         return start, end
 

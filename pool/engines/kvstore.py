@@ -224,9 +224,8 @@ def read_blocks(rows: torch.Tensor, shape: KvShape, first_rows: Sequence[int], n
         out = torch.empty(*dims, num_tokens, dim, dtype=rows.dtype, device=rows.device)
     whole = num_tokens // size
     if whole:
-        firsts = to_device(np.asarray(first_rows[:whole], dtype=np.int64), rows.device)
-        index = firsts[None, :] + torch.arange(per_block, device=rows.device)[:, None]  # [rows a block, blocks]
-        out[:, :, :, : whole * size].copy_(rows[index].view(*dims, whole * size, dim))
+        out[:, :, :, : whole * size].copy_(rows[_block_rows(first_rows[:whole], per_block, rows.device)]
+                                           .view(*dims, whole * size, dim))
     if whole < used:
         rest = num_tokens - whole * size
         last = rows[first_rows[whole] : first_rows[whole] + per_block, :rest]  # a block's rows follow each other
@@ -245,14 +244,20 @@ def write_blocks(kv: torch.Tensor, rows: torch.Tensor, shape: KvShape, first_row
         raise ValueError(f"{tokens} tokens fill {shape.blocks_for(tokens)} blocks of {size}, not {len(first_rows)}")
     per_block, whole = shape.rows_per_block, tokens // size
     if whole:
-        firsts = to_device(np.asarray(first_rows[:whole], dtype=np.int64), rows.device)
-        index = firsts[None, :] + torch.arange(per_block, device=rows.device)[:, None]  # [rows a block, blocks]
+        index = _block_rows(first_rows[:whole], per_block, rows.device)
         rows.index_put_((index,), kv[:, :, :, : whole * size].reshape(per_block, whole, size, dim))
     if whole < len(first_rows):
         rest = tokens - whole * size
         last = rows[first_rows[whole] : first_rows[whole] + per_block]  # a block's rows follow each other
         last[:, :rest].copy_(kv[:, :, :, whole * size :].reshape(per_block, rest, dim))
         last[:, rest:].zero_()
+
+
+def _block_rows(first_rows: Sequence[int], per_block: int, device: torch.device) -> torch.Tensor:
+    """Every row of the blocks starting at `first_rows`, `[rows a block, blocks]`: a block's rows follow each
+    other (read_blocks and write_blocks index the row view with it)."""
+    firsts = to_device(np.asarray(first_rows, dtype=np.int64), device)
+    return firsts[None, :] + torch.arange(per_block, device=device)[:, None]
 
 
 def allocate_all(pool: SlabPool, kvs: Sequence[SeqKv], counts: Sequence[int]) -> list[list[BlockRef]]:
