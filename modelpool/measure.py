@@ -44,6 +44,13 @@ class MeasurePlan:
     switch_repeats: int
     kv_batches: tuple[int, ...]
     kv_contexts: tuple[int, ...]
+    # the engine idles this long before each timed prefill, as a served prefill instance's engine does (it waits on
+    # its pipe, or runs the previous request's first decode steps, between prefills): the eager prefill is
+    # host-bound for small shapes, and the host's time for it grows with the time since its last run - on the
+    # H100 machine a 0.5B prefill of 256 tokens took 9.5 ms back to back in an engine process, 15 ms after 100 ms
+    # idle; served, 16-19 ms at light load and at the knee (benchmarks/gpu_prefill_served.py,
+    # benchmarks/prefill_host_cpu.py). Back-to-back points fell short of every served prefill of small models.
+    prefill_gap_s: float = 0.05
 
 
 def plan_for(cuda: bool, quick: bool) -> MeasurePlan:
@@ -269,13 +276,13 @@ class Calibration:
                 self._time_prefill(name, length, batch)  # a fresh shape: allocator growth, GEMM heuristics
                 times = [self._time_prefill(name, length, batch) for _ in range(self.plan.repeats)]
                 self.result["prefill"].append({"shape": name, "tokens": length, "batch": batch,
-                                               "seconds": _median(times)})
+                                               "seconds": _median(times), "gap_s": self.plan.prefill_gap_s})
 
     def _time_prefill(self, name: str, length: int, batch: int) -> float:
         engine = self.engine
         assert engine is not None
         requests = self._requests(name, batch, length)
-        seconds = self._timed(lambda: engine.prefill(requests))
+        seconds = self._timed(lambda: engine.prefill(requests), idle_s=self.plan.prefill_gap_s)
         engine.release([r.request_id for r in requests])
         return seconds
 
@@ -344,8 +351,11 @@ class Calibration:
         if self.cuda:
             torch.cuda.synchronize(self.device)
 
-    def _timed(self, fn: Callable[[], object]) -> float:
+    def _timed(self, fn: Callable[[], object], idle_s: float = 0.0) -> float:
+        """Seconds `fn` takes, the device synchronised around it, after `idle_s` with nothing to do."""
         self._sync()
+        if idle_s > 0:
+            time.sleep(idle_s)
         started = time.perf_counter()
         fn()
         self._sync()

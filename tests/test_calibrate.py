@@ -152,3 +152,31 @@ def test_share_decoder_steps_back_to_back_as_a_served_decode_instance(monkeypatc
     assert syncs[0] <= steps[0][0] and steps[2][1] <= syncs[1] <= steps[3][0] and syncs[2] >= steps[-1][1]
     polls = iter([False, False, True])  # `spin`: until the parent's stop is waiting
     assert len(bench.steps(until=lambda: next(polls))) == 2
+
+
+def test_calibrate_times_each_prefill_after_the_idle_gap_a_served_prefill_follows(monkeypatch):
+    """Each timed prefill comes after the engine idled the plan's gap (a served prefill instance's engine waits on
+    its pipe, or runs first decode steps, between prefills: the host-bound prefill of a small model runs slower
+    then), the gap itself not counted, and the point says which gap it was timed after."""
+    from dataclasses import replace
+
+    from modelpool import measure
+    from sims.profiles.measurements import PrefillPoint
+
+    shape, arch = next(iter(measure.shapes_for(cuda=False, quick=True).items()))
+    plan = replace(measure.plan_for(cuda=False, quick=True), prefill_lengths=(16,), prefill_batches=(1, 2),
+                   repeats=2, prefill_gap_s=0.25)
+    cal = measure.Calibration({shape: arch}, "cpu", plan, seed=0)
+    cal.images[shape] = cal.cache.add_random(shape, measure.hf_config(arch), cal.dtype, seed=0, device=cal.device)
+    cal.engine = cal._engine(cal._kv_bytes())
+    cal.engine.activate(shape)
+    slept, clock = [], [0.0]
+    monkeypatch.setattr(measure.time, "sleep", lambda s: (slept.append(s), clock.__setitem__(0, clock[0] + s)))
+    real = measure.time.perf_counter
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: real() + clock[0])  # sleeping moves the clock
+    cal._prefill(shape)
+    points = [PrefillPoint.model_validate(p) for p in cal.result["prefill"]]
+    assert [(p.tokens, p.batch, p.gap_s) for p in points] == [(16, 1, 0.25), (16, 2, 0.25)]
+    assert slept == [0.25] * (2 * (1 + 2))  # before every prefill: the untimed first of each point and its repeats
+    assert all(0 < p.seconds < 0.25 for p in points)  # the prefill's own time, not the gap before it
+    assert PrefillPoint(shape="s", tokens=1, batch=1, seconds=0.1).gap_s == 0.0  # files from before the gap

@@ -53,12 +53,15 @@ class _Frozen(BaseModel):
 
 
 class PrefillPoint(_Frozen):
-    """One prefill: `batch` prompts of `tokens` tokens each, median of its repeats."""
+    """One prefill: `batch` prompts of `tokens` tokens each, median of its repeats, each timed after the engine
+    idled `gap_s` (as a served prefill instance's engine does between prefills; 0: back to back, as files before
+    the gap was measured)."""
 
     shape: str
     tokens: int = Field(gt=0)
     batch: int = Field(gt=0)
     seconds: float = Field(gt=0)
+    gap_s: float = Field(default=0.0, ge=0)
 
 
 class DecodePoint(_Frozen):
@@ -254,7 +257,8 @@ def anchors_of(points: Points, shapes: Sequence[str] | None = None) -> list[Anch
 
 
 _HOW = {
-    "eff_compute": "prefill of every shape at several lengths and prompt counts: the FLOPs line's slope",
+    "eff_compute": "prefill of every shape at several lengths and prompt counts, each after an idle gap as served: "
+                   "the FLOPs line's slope",
     "prefill_fixed_s": "prefill: the FLOPs line's intercept",
     "prefill_layer_s": "prefill: per layer, across shapes of different depths",
     "prefill_request_s": "prefill: per prompt, at 1 and several prompts",
