@@ -34,8 +34,17 @@ def test_tiny_harness_serves_every_request_with_no_capture_on_the_request_path(t
     assert all(r["ttft_s"] > 0 and r["tokens"] >= 1 for r in served)
     assert sum(run["graph_captures_after_warmup"].values()) == 0
     assert run["cpu_cores"]["process"] > 0 and sum(k.startswith("child ") for k in run["cpu_cores"]) >= 2  # engines
-    assert set(run["decode_timings"]) == {"slot0", "slot1"}  # a prefill and a decode instance
-    assert run["decode_steps_ahead"]["slot1"] > 0  # the decoder queued steps ahead of the host
+    assert set(run["decode_timings"]) == {"slot0", "slot1"}  # two instances (on CPU both mixed: see below)
+    # On CPU the default layout is two *mixed* instances (a prefill and a decode instance is the GPU's), and
+    # dispatch puts each prompt where its prefill is predicted to end first (ties to slot0, then to where its
+    # model is held): on a loaded box slot0 can take every request, warm-up's included, and slot1 decode none.
+    # So no instance is "the decoder" by name: the ones that decoded are those with decode steps in this run.
+    decoders = sorted(iid for iid, by_method in run["call_s_by_engine"].items() if "decode_step" in by_method)
+    assert decoders, "some instance decoded the run's requests"
+    # every request got >= 8 tokens (greedy, ignore_eos: --tiny's outputs are 8-32): its first decode step left
+    # >= 2 to go, so with async decode on, every instance that decoded in this run queued steps ahead of the host
+    assert all(r["tokens"] >= 3 for r in served)
+    assert all(run["decode_steps_ahead"][iid] > 0 for iid in decoders), (run["decode_steps_ahead"], decoders)
     assert run["prefill_vs_standalone"]["samples"] > 0
     assert run["fidelity"]["ttft_s"]["pairs"] == len(served)  # the simulator ran the same trace
     assert all(r["sim_ttft_s"] > 0 for r in served)  # side by side, per request
@@ -47,11 +56,12 @@ def test_tiny_harness_serves_every_request_with_no_capture_on_the_request_path(t
     calls = {p.stem: json.loads(p.read_text()) for p in (out / "serve-processes-pd.calls").glob("calls-*.json")}
     assert set(calls) == {"calls-slot0", "calls-slot1"}
     assert "prefill" in {m for m, _, _ in calls["calls-slot0"]}
-    decodes = [(t, d) for m, t, d in calls["calls-slot1"] if m == "decode_step"]
-    assert len(decodes) >= run["call_timings"]["slot1"]["decode_step"]["calls"] > 0
-    assert all(d > 0 for _, d in decodes) and all(b[0] >= a[0] + a[1] for a, b in zip(decodes, decodes[1:]))
-    # the requests' times on the calls' clock: each first token after a prefill call (of either instance: the
-    # decode instance prefills too when the policy finds it better) that began after it was sent
+    for iid in decoders:
+        decodes = [(t, d) for m, t, d in calls[f"calls-{iid}"] if m == "decode_step"]
+        assert len(decodes) >= run["call_timings"][iid]["decode_step"]["calls"] > 0
+        assert all(d > 0 for _, d in decodes) and all(b[0] >= a[0] + a[1] for a, b in zip(decodes, decodes[1:]))
+    # the requests' times on the calls' clock: each first token after a prefill call (of either instance) that
+    # began after it was sent
     t0 = run["replay_t0_monotonic"]
     prefills = [(t, t + d) for log in calls.values() for m, t, d in log if m == "prefill"]
     for r in served:
@@ -65,10 +75,12 @@ def test_tiny_harness_serves_every_request_with_no_capture_on_the_request_path(t
                for name in ("to_prefill", "prefill", "delivery"))
     assert run["ttft_parts"] == parts  # the harness saved it in the run JSON (calibrate --request-path reads it)
     plans = run["plan_summary"]  # this run's Plans (its lines of the plan log), action by action
-    assert plans["slot0"]["Prefill"]["actions"] >= 1 and plans["slot1"]["Decode"]["max_steps_mean"] >= 1
+    assert sum(p.get("Prefill", {}).get("actions", 0) for p in plans.values()) >= 1
+    assert all(plans[iid]["Decode"]["max_steps_mean"] >= 1 for iid in decoders)
     assert sum(p.get("Switch", {}).get("actions", 0) for p in plans.values()) == run["switches_planned"]
-    mine = run["call_s_by_engine"]["slot1"]["decode_step"]  # this run's share of the engine's calls
-    assert 0 < mine["calls"] <= run["call_timings"]["slot1"]["decode_step"]["calls"] and mine["s"] > 0
+    for iid in decoders:  # this run's share of the engine's calls
+        mine = run["call_s_by_engine"][iid]["decode_step"]
+        assert 0 < mine["calls"] <= run["call_timings"][iid]["decode_step"]["calls"] and mine["s"] > 0
     # a rate given twice replays its trace again, on the same server, saved as its own run
     again = json.loads((out / "run-processes-pd-r3-2.json").read_text())
     assert (out / again["trace"]).read_text() == (out / run["trace"]).read_text()
