@@ -267,8 +267,8 @@ class RooflineCostModel(SimCosts):
         self.terms = self.profile.terms_for(self.gpu_name)
         self._models = {name: model_constants(arch, tp, spec, self.terms) for name, (arch, tp) in models.items()}
         scales = self.profile.prefill_scales(self.gpu_name)  # a shape calibrate timed here: its own points
-        self._prefill_scale = {name: scales.get(shape_key(arch), 1.0) if tp == 1 else 1.0
-                               for name, (arch, tp) in models.items()}
+        self._prefill_scale = {name: scales[shape_key(arch)] for name, (arch, tp) in models.items()
+                               if tp == 1 and shape_key(arch) in scales}
         self.gpus_per_host_link = gpus_per_host_link or 0
         self._shapes: dict[str, list[_DecodeShape | None]] = {}  # model -> shape by batch size, built on demand
 
@@ -285,7 +285,8 @@ class RooflineCostModel(SimCosts):
     # ---- CostModel -------------------------------------------------------------------------------
     def prefill_s(self, model: str, num_tokens: int, num_requests: int = 1) -> float:
         """max(compute, memory) + all-reduces + overheads, at least the launch floor without graphs; times the
-        shape's own scale where calibrate timed it on this GPU (CalibrationProfile.shape_scales)."""
+        shape's own scale at this many prompt tokens where calibrate timed it on this GPU
+        (CalibrationProfile.shape_scales, ShapeScale.at)."""
         if num_tokens <= 0:
             return 0.0
         c = self._models[model]
@@ -297,7 +298,9 @@ class RooflineCostModel(SimCosts):
         memory = c.stream_static_s + experts * c.stream_expert_s + run * c.kv_write_s_per_token
         gpu = (max(compute, memory) + c.allreduce_fixed_s + run * c.allreduce_s_per_token + c.prefill_overhead_s
                + requests * c.prefill_request_s)
-        return (max(gpu, c.prefill_floor_s) + c.host_call_s + requests * c.host_token_s) * self._prefill_scale[model]
+        seconds = max(gpu, c.prefill_floor_s) + c.host_call_s + requests * c.host_token_s
+        scale = self._prefill_scale.get(model)
+        return seconds if scale is None else seconds * scale.at(num_tokens)
 
     def decode_step_s(self, model: str, batch_size: int, context_tokens: int) -> float:
         if batch_size <= 0:

@@ -10,6 +10,8 @@ how: an efficiency carried by the GPU's datasheet ratios, or a time carried over
 
 from __future__ import annotations
 
+import math
+
 import functools
 import json
 from importlib import resources
@@ -173,6 +175,26 @@ class ShapeScale(_Frozen):
     arch: Arch
     prefill: float = Field(gt=0, description="Median of the shape's prefill points' measured / predicted time.")
     points: int = Field(ge=1, description="The prefill points behind it.")
+    by_tokens: list[tuple[int, float]] = Field(
+        default_factory=list, description="Measured / predicted per prompt-token total of a call (its prompts' "
+        "tokens together; the median where points share one), by total: a call of that many tokens takes this "
+        "scale, one between two totals the scale linear in log tokens between theirs, one beyond them the "
+        "nearest's. Where given it replaces `prefill`: a host-bound shape's eager prefill hardly grows with its "
+        "prompt (the H100's 0.5B: 10.9 ms at 256 tokens, 11.2 ms at 2048), so one median ratio over-charges its "
+        "long prompts and under-charges its short ones (files before 2026-12-07: none).")
+
+    def at(self, tokens: int) -> float:
+        """The scale for a call of `tokens` prompt tokens in all."""
+        table = self.by_tokens
+        if not table:
+            return self.prefill
+        if tokens <= table[0][0]:
+            return table[0][1]
+        for (t0, s0), (t1, s1) in zip(table, table[1:]):
+            if tokens <= t1:
+                w = math.log(tokens / t0) / math.log(t1 / t0)
+                return s0 + w * (s1 - s0)
+        return table[-1][1]
 
 
 class DecodePair(_Frozen):
@@ -250,12 +272,12 @@ class CalibrationProfile(_Frozen):
             raise ValueError(f"provenance: missing {missing}, unexpected {extra}")
         return self
 
-    def prefill_scales(self, gpu: str) -> dict[tuple[object, ...], float]:
+    def prefill_scales(self, gpu: str) -> dict[tuple[object, ...], ShapeScale]:
         """By `shape_key`, the prefill scale of every shape measured on GPU type `gpu` (none on another GPU: a
         shape's own points count where they were timed)."""
         if self.calibration is None or self.calibration.gpu.lower() != gpu.lower():
             return {}
-        return {shape_key(scale.arch): scale.prefill for scale in self.shape_scales}
+        return {shape_key(scale.arch): scale for scale in self.shape_scales}
 
     def terms_for(self, gpu: str) -> ProfileTerms:
         """The terms on GPU type `gpu` (its override applied)."""

@@ -325,13 +325,18 @@ def leave_one_shape_out(points: Points, shapes: Mapping[str, Arch], spec: GpuSpe
 
 def shape_scales(points: Points, shapes: Mapping[str, Arch], spec: GpuSpec, gpu: str,
                  profile: CalibrationProfile) -> list[ShapeScale]:
-    """Per shape with prefill points, the median of measured / predicted by `profile` (its formula, no scales)."""
+    """Per shape with prefill points, measured / predicted by `profile` (its formula, no scales): the median, and
+    by the call's prompt tokens in all (the median of the points of one total)."""
     anchors = [a for a in anchors_of(points) if a.kind == "prefill"]
     ratios: dict[str, list[float]] = {}
+    by_total: dict[str, dict[int, list[float]]] = {}
     for anchor, check in zip(anchors, predict(profile, anchors, spec, gpu, shapes.__getitem__)):
         if check.predicted_s > 0:
-            ratios.setdefault(anchor.arch, []).append(anchor.measured_s / check.predicted_s)
-    return [ShapeScale(shape=shape, arch=shapes[shape], prefill=sig(statistics.median(values)), points=len(values))
+            ratio = anchor.measured_s / check.predicted_s
+            ratios.setdefault(anchor.arch, []).append(ratio)
+            by_total.setdefault(anchor.arch, {}).setdefault(anchor.tokens * anchor.batch, []).append(ratio)
+    return [ShapeScale(shape=shape, arch=shapes[shape], prefill=sig(statistics.median(values)), points=len(values),
+                       by_tokens=[(total, sig(statistics.median(r))) for total, r in sorted(by_total[shape].items())])
             for shape, values in ratios.items()]
 
 
