@@ -172,7 +172,7 @@ class ThreadBackend:
     def __init__(self, engines: Mapping[str, Engine]) -> None:
         self.engines = dict(engines)
         self._ids = itertools.count(1)
-        self._done: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[Any] = queue.SimpleQueue()  # (handle, result), or WAKE
         # a call, None (stop), or an Event: `retire` - close the engine, set the event, stop
         self._work: dict[str, queue.SimpleQueue[tuple[int, EngineCall] | threading.Event | None]] = {}
         self.in_flight = 0  # touched by the loop thread only
@@ -232,6 +232,10 @@ class ThreadBackend:
         self.in_flight -= len(out)
         return out
 
+    def wake(self) -> None:
+        """End a `poll` waiting now (or the next one) at once, answering nothing: the pool's loop has a message."""
+        self._done.put(WAKE)
+
     def replace(self, instance_id: str, engine: Engine) -> None:
         """A fresh engine (and worker) for a lost instance; the old worker ends after its current call."""
         self._work[instance_id].put(None)
@@ -275,13 +279,19 @@ def _close_quietly(instance_id: str, engine: Engine) -> None:
         log.warning("closing %s's engine failed", instance_id, exc_info=True)
 
 
-def take_done(done: queue.SimpleQueue[tuple[int, Any]], timeout_s: float) -> list[tuple[int, Any]]:
-    """Every (handle, result) waiting in `done`, oldest call first; waits up to `timeout_s` (> 0) for the first."""
+WAKE: Any = ("wake",)  # put on a backend's answers queue by `wake`: ends a poll's wait, answers nothing
+
+
+def take_done(done: queue.SimpleQueue[Any], timeout_s: float) -> list[tuple[int, Any]]:
+    """Every (handle, result) waiting in `done`, oldest call first; waits up to `timeout_s` (> 0) for the first,
+    or for a `WAKE` (which it drops)."""
     out = []
     try:
-        out.append(done.get(timeout=timeout_s) if timeout_s > 0 else done.get_nowait())
+        item = done.get(timeout=timeout_s) if timeout_s > 0 else done.get_nowait()
         while True:
-            out.append(done.get_nowait())
+            if item is not WAKE:
+                out.append(item)
+            item = done.get_nowait()
     except queue.Empty:
         pass
     return sorted(out, key=lambda pair: pair[0])

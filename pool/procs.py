@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from pool.actor import EngineSpec
-from pool.backends import take_done
+from pool.backends import WAKE, take_done
 from pool.calls import EngineCall
 from pool.engines.tp_files import remove_stores
 from pool.engines.base import EngineError
@@ -352,7 +352,7 @@ class ProcessBackend:
     def __init__(self, workers: Mapping[str, _Worker]) -> None:
         self.workers: dict[str, _Worker] = {}
         self._ids = itertools.count(1)
-        self._done: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.in_flight = 0  # touched by the loop thread only
         self._hung: set[str] = set()  # found silent by `unresponsive`: `retire` kills them without a grace
         for worker in workers.values():
@@ -405,6 +405,10 @@ class ProcessBackend:
         out = take_done(self._done, timeout_s if self.in_flight else 0.0)
         self.in_flight -= len(out)
         return out
+
+    def wake(self) -> None:
+        """End a `poll` waiting now (or the next one) at once, answering nothing: the pool's loop has a message."""
+        self._done.put(WAKE)
 
     def replace(self, instance_id: str, worker: _Worker) -> None:
         """A fresh process for a lost instance (the old one was stopped by `retire` first)."""

@@ -324,6 +324,7 @@ class LivePool:
         live = LiveRequest(request_id, model, list(prompt_token_ids), sampling, self.clock.now(),
                            sink=lambda item: self._on_output(request_id, item))
         self._inbox.put(Submit(live))
+        self._wake()
 
     def cancel(self, request_id: str) -> bool:
         """Abort a request: no more tokens reach its sink; its KV is freed at the next step boundary."""
@@ -332,7 +333,16 @@ class LivePool:
             if tracked is not None:
                 self._forget(tracked)
         self._inbox.put(Cancel(request_id))
+        self._wake()
         return tracked is not None
+
+    def _wake(self) -> None:
+        """End the loop's wait for engine answers, where its backend can (threads, processes): a request that
+        arrives while an engine call runs is planned now, not once that call answers or the poll times out (up to
+        `poll_s`: on a busy pool every arrival waited for the next engine answer)."""
+        wake = getattr(getattr(self, "_backend", None), "wake", None)
+        if wake is not None:
+            wake()
 
     def holds(self, request_id: str) -> bool:
         """True while the request is in the pool (submitted, not yet ended)."""
