@@ -285,7 +285,7 @@ class RooflineCostModel(SimCosts):
     # ---- CostModel -------------------------------------------------------------------------------
     def prefill_s(self, model: str, num_tokens: int, num_requests: int = 1) -> float:
         """max(compute, memory) + all-reduces + overheads, at least the launch floor without graphs; times the
-        shape's own scale at this many prompt tokens where calibrate timed it on this GPU
+        shape's own scale at this many prompts and tokens where calibrate timed it on this GPU
         (CalibrationProfile.shape_scales, ShapeScale.at)."""
         if num_tokens <= 0:
             return 0.0
@@ -300,7 +300,7 @@ class RooflineCostModel(SimCosts):
                + requests * c.prefill_request_s)
         seconds = max(gpu, c.prefill_floor_s) + c.host_call_s + requests * c.host_token_s
         scale = self._prefill_scale.get(model)
-        return seconds if scale is None else seconds * scale.at(num_tokens)
+        return seconds if scale is None else seconds * scale.at(num_tokens, requests)
 
     def decode_step_s(self, model: str, batch_size: int, context_tokens: int) -> float:
         if batch_size <= 0:

@@ -14,6 +14,7 @@ import math
 
 import functools
 import json
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -175,26 +176,38 @@ class ShapeScale(_Frozen):
     arch: Arch
     prefill: float = Field(gt=0, description="Median of the shape's prefill points' measured / predicted time.")
     points: int = Field(ge=1, description="The prefill points behind it.")
-    by_tokens: list[tuple[int, float]] = Field(
-        default_factory=list, description="Measured / predicted per prompt-token total of a call (its prompts' "
-        "tokens together; the median where points share one), by total: a call of that many tokens takes this "
-        "scale, one between two totals the scale linear in log tokens between theirs, one beyond them the "
-        "nearest's. Where given it replaces `prefill`: a host-bound shape's eager prefill hardly grows with its "
-        "prompt (the H100's 0.5B: 10.9 ms at 256 tokens, 11.2 ms at 2048), so one median ratio over-charges its "
-        "long prompts and under-charges its short ones (files before 2026-12-07: none).")
+    by_prompts: list[tuple[int, list[tuple[int, float]]]] = Field(
+        default_factory=list, description="Measured / predicted of the shape's points by prompt count, then by "
+        "tokens per prompt (the median where points share both): a call takes, at each prompt count measured, the "
+        "scale at its tokens per prompt (linear in log tokens between the lengths measured, the nearest's beyond), "
+        "and between two prompt counts the figure linear in log prompts between theirs (the nearest's beyond). "
+        "Where given it replaces `prefill`: a host-bound shape's eager prefill hardly grows with its prompt (the "
+        "H100's 0.5B: 10.9 ms at 256 tokens, 11.2 ms at 2048), which one median ratio over the formula cannot "
+        "follow (files before 2026-12-07: none).")
 
-    def at(self, tokens: int) -> float:
-        """The scale for a call of `tokens` prompt tokens in all."""
-        table = self.by_tokens
-        if not table:
+    def at(self, tokens: int, prompts: int = 1) -> float:
+        """The scale for a call of `prompts` prompts of `tokens` tokens in all."""
+        rows = self.by_prompts
+        if not rows:
             return self.prefill
-        if tokens <= table[0][0]:
-            return table[0][1]
-        for (t0, s0), (t1, s1) in zip(table, table[1:]):
-            if tokens <= t1:
-                w = math.log(tokens / t0) / math.log(t1 / t0)
-                return s0 + w * (s1 - s0)
-        return table[-1][1]
+        per_prompt = tokens / max(1, prompts)
+        if prompts <= rows[0][0]:
+            return _log_interpolated(rows[0][1], per_prompt)
+        for (p0, row0), (p1, row1) in zip(rows, rows[1:]):
+            if prompts <= p1:
+                low, high = _log_interpolated(row0, per_prompt), _log_interpolated(row1, per_prompt)
+                return low + math.log(prompts / p0) / math.log(p1 / p0) * (high - low)
+        return _log_interpolated(rows[-1][1], per_prompt)
+
+
+def _log_interpolated(table: Sequence[tuple[int, float]], x: float) -> float:
+    """The figure at `x` of a table of (x, figure) by x: linear in log x between two of them, the nearest's beyond."""
+    if x <= table[0][0]:
+        return table[0][1]
+    for (x0, y0), (x1, y1) in zip(table, table[1:]):
+        if x <= x1:
+            return y0 + math.log(x / x0) / math.log(x1 / x0) * (y1 - y0)
+    return table[-1][1]
 
 
 class DecodePair(_Frozen):

@@ -325,18 +325,20 @@ def leave_one_shape_out(points: Points, shapes: Mapping[str, Arch], spec: GpuSpe
 
 def shape_scales(points: Points, shapes: Mapping[str, Arch], spec: GpuSpec, gpu: str,
                  profile: CalibrationProfile) -> list[ShapeScale]:
-    """Per shape with prefill points, measured / predicted by `profile` (its formula, no scales): the median, and
-    by the call's prompt tokens in all (the median of the points of one total)."""
+    """Per shape with prefill points, measured / predicted by `profile` (its formula, no scales): the median over
+    them all, and by prompt count and tokens per prompt (the median of the points of one pair): how the shape's
+    cost departs from the formula as its prompts grow."""
     anchors = [a for a in anchors_of(points) if a.kind == "prefill"]
     ratios: dict[str, list[float]] = {}
-    by_total: dict[str, dict[int, list[float]]] = {}
+    grid: dict[str, dict[int, dict[int, list[float]]]] = {}
     for anchor, check in zip(anchors, predict(profile, anchors, spec, gpu, shapes.__getitem__)):
         if check.predicted_s > 0:
             ratio = anchor.measured_s / check.predicted_s
             ratios.setdefault(anchor.arch, []).append(ratio)
-            by_total.setdefault(anchor.arch, {}).setdefault(anchor.tokens * anchor.batch, []).append(ratio)
+            grid.setdefault(anchor.arch, {}).setdefault(anchor.batch, {}).setdefault(anchor.tokens, []).append(ratio)
     return [ShapeScale(shape=shape, arch=shapes[shape], prefill=sig(statistics.median(values)), points=len(values),
-                       by_tokens=[(total, sig(statistics.median(r))) for total, r in sorted(by_total[shape].items())])
+                       by_prompts=[(prompts, [(tokens, sig(statistics.median(r))) for tokens, r in sorted(row.items())])
+                                   for prompts, row in sorted(grid[shape].items())])
             for shape, values in ratios.items()]
 
 

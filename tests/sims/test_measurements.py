@@ -268,34 +268,39 @@ def test_a_shape_whose_prefills_depart_from_the_formula_is_predicted_from_its_ow
         fleet, "h100", profile.model_copy(update={"shape_scales": []})).prefill_s("mine", 512)  # timed on an H200
 
 
-def test_a_host_bound_shape_takes_its_scale_by_prompt_tokens_so_each_measured_length_holds() -> None:
-    """A shape whose eager prefill hardly grows with its prompt (host-bound: 11 ms at 128 tokens, 12 ms at 2048)
-    is charged its own point at each length measured, in between a scale linear in log tokens, beyond them the
-    nearest's; a profile written before the scales by length keeps the one median."""
+def test_a_host_bound_shape_takes_its_scale_by_prompts_and_length_so_each_measured_point_holds() -> None:
+    """A shape whose eager prefill hardly grows with its prompt (host-bound: 11 ms at 128 tokens, 12 ms at 2048;
+    four prompts 16-30 ms) is charged its own point at each prompt count and length measured; between lengths
+    a scale linear in log tokens per prompt, between prompt counts linear in log prompts, beyond them the
+    nearest's; a profile written before the grid keeps the one median."""
     points = _points(_truth_costs())
     flat = "qwen2.5-0.5b"
-    seconds = {128: 0.011, 512: 0.0112, 2048: 0.012}
-    points = points.model_copy(update={"prefill": [p.model_copy(update={"seconds": seconds[p.tokens]})
-                                                   if p.shape == flat else p for p in points.prefill]})
+    seconds = {(128, 1): 0.011, (512, 1): 0.0112, (2048, 1): 0.012, (128, 4): 0.016, (2048, 4): 0.030}
+    points = points.model_copy(update={"prefill": [
+        *(p for p in points.prefill if p.shape != flat),
+        *(PrefillPoint(shape=flat, tokens=t, batch=b, seconds=s) for (t, b), s in seconds.items())]})
     profile = _build(points).profile()
     scale = next(s for s in profile.shape_scales if s.shape == flat)
-    assert [t for t, _ in scale.by_tokens] == [128, 512, 2048]
+    assert [(p, [t for t, _ in row]) for p, row in scale.by_prompts] == [(1, [128, 512, 2048]), (4, [128, 2048])]
     fleet = {"mine": (Arch.model_validate({**ARCHS[flat], "max_context": 4096}), 1)}
     here = RooflineCostModel.for_models(fleet, "h200", profile)
     bare = RooflineCostModel.for_models(fleet, "h200", profile.model_copy(update={"shape_scales": []}))
-    for tokens, measured in seconds.items():  # every length measured, as timed
-        assert here.prefill_s("mine", tokens) == pytest.approx(measured, rel=1e-3)
-    ratio = {t: r for t, r in scale.by_tokens}
-    between = math.exp((math.log(128) + math.log(512)) / 2)  # halfway in log tokens
-    assert here.prefill_s("mine", round(between)) == pytest.approx(
-        bare.prefill_s("mine", round(between)) * (ratio[128] + ratio[512]) / 2, rel=2e-3)
-    assert here.prefill_s("mine", 16) == pytest.approx(bare.prefill_s("mine", 16) * ratio[128])  # below: nearest
-    assert here.prefill_s("mine", 4096) == pytest.approx(bare.prefill_s("mine", 4096) * ratio[2048])  # above
-    one_median = profile.model_copy(update={"shape_scales": [scale.model_copy(update={"by_tokens": []})]})
-    assert RooflineCostModel.for_models(fleet, "h200", one_median).prefill_s("mine", 128) == pytest.approx(
-        bare.prefill_s("mine", 128) * scale.prefill)  # a file without them: the median, as before
+    for (tokens, prompts), measured in seconds.items():  # every point measured, as timed
+        assert here.prefill_s("mine", tokens * prompts, prompts) == pytest.approx(measured, rel=1e-3)
+    one = dict(scale.by_prompts[0][1])
+    four = dict(scale.by_prompts[1][1])
+    between = round(math.exp((math.log(128) + math.log(512)) / 2))  # halfway in log tokens
+    assert here.prefill_s("mine", between) == pytest.approx(
+        bare.prefill_s("mine", between) * (one[128] + one[512]) / 2, rel=2e-3)
+    assert here.prefill_s("mine", 16) == pytest.approx(bare.prefill_s("mine", 16) * one[128])  # shorter: nearest
+    assert here.prefill_s("mine", 4096) == pytest.approx(bare.prefill_s("mine", 4096) * one[2048])  # longer
+    assert here.prefill_s("mine", 2 * 128, 2) == pytest.approx(  # two prompts: halfway in log prompts
+        bare.prefill_s("mine", 2 * 128, 2) * (one[128] + four[128]) / 2, rel=1e-3)
+    assert here.prefill_s("mine", 8 * 2048, 8) == pytest.approx(bare.prefill_s("mine", 8 * 2048, 8) * four[2048])
+    one_median = profile.model_copy(update={"shape_scales": [scale.model_copy(update={"by_prompts": []})]})
     median_only = RooflineCostModel.for_models(fleet, "h200", one_median)
-    assert max(abs(median_only.prefill_s("mine", t) / s - 1) for t, s in seconds.items()) > 0.1  # what it fixes
+    assert median_only.prefill_s("mine", 128) == pytest.approx(bare.prefill_s("mine", 128) * scale.prefill)
+    assert max(abs(median_only.prefill_s("mine", t * b, b) / s - 1) for (t, b), s in seconds.items()) > 0.1
 
 
 def _decode_run(decoder: str, peer: str, beside: float, peer_beside: float) -> DecodeSharePoints:
