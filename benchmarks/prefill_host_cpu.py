@@ -130,7 +130,6 @@ def main() -> None:
                   f"p90 {run['ms_p90']:7.2f} ms  cores {run['cores'][:8]}", flush=True)
         os.sched_setaffinity(0, set(cpus))
         engine.close()
-    out["machine"]["after"] = {"governor": out["machine"]["governor"]}
     args.out.write_text(json.dumps(out, indent=1))
     print(json.dumps(out["machine"]))
 
