@@ -10,10 +10,9 @@ how: an efficiency carried by the GPU's datasheet ratios, or a time carried over
 
 from __future__ import annotations
 
-import math
-
 import functools
 import json
+import math
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
@@ -187,17 +186,11 @@ class ShapeScale(_Frozen):
 
     def at(self, tokens: int, prompts: int = 1) -> float:
         """The scale for a call of `prompts` prompts of `tokens` tokens in all."""
-        rows = self.by_prompts
-        if not rows:
+        if not self.by_prompts:
             return self.prefill
         per_prompt = tokens / max(1, prompts)
-        if prompts <= rows[0][0]:
-            return _log_interpolated(rows[0][1], per_prompt)
-        for (p0, row0), (p1, row1) in zip(rows, rows[1:]):
-            if prompts <= p1:
-                low, high = _log_interpolated(row0, per_prompt), _log_interpolated(row1, per_prompt)
-                return low + math.log(prompts / p0) / math.log(p1 / p0) * (high - low)
-        return _log_interpolated(rows[-1][1], per_prompt)
+        return _log_interpolated([(count, _log_interpolated(row, per_prompt)) for count, row in self.by_prompts],
+                                 prompts)
 
 
 def _log_interpolated(table: Sequence[tuple[int, float]], x: float) -> float:
