@@ -81,12 +81,14 @@ def profile_one(engine, model, tokens, device) -> dict:
     events = prof.key_averages()
     key = "self_cpu_time_total"
     top_cpu = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:12]
-    out = {"ms": round(took * 1e3, 3), "top_cpu": [(e.key, e.count, round(getattr(e, key) / 1e3, 3)) for e in top_cpu]}
+    out = {"ms": round(took * 1e3, 3), "ops": sum(e.count for e in events),  # host ops the call ran
+           "top_cpu": [(e.key, e.count, round(getattr(e, key) / 1e3, 3)) for e in top_cpu]}
     if device != "cpu":
         attr = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
         top_gpu = sorted(events, key=lambda e: getattr(e, attr), reverse=True)[:12]
         out["top_gpu"] = [(e.key, e.count, round(getattr(e, attr) / 1e3, 3)) for e in top_gpu]
         out["gpu_total_ms"] = round(sum(getattr(e, attr) for e in events) / 1e3, 3)
+        out["kernels"] = sum(e.count for e in events if e.device_type.name == "CUDA" and getattr(e, attr) > 0)
     return out
 
 

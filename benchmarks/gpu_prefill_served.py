@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from modelpool.validate import PROMPT_VOCAB, build_fleet, machine  # noqa: E402
+from benchmarks.gpu_prefill_probe import profile_one  # noqa: E402
 from pool.actor import EngineSpec, make_engine  # noqa: E402
 from pool.calls import Activate, GetStats, Prefill, Release  # noqa: E402
 from pool.engines.base import GenRequest, SamplingParams  # noqa: E402
@@ -108,36 +109,13 @@ def in_process(name: str, spec: EngineSpec, paths: dict[str, str], shapes: dict[
                 out["points"].append({"shape": shape, "tokens": tokens, "gap_s": gap,
                                       "wall_ms": round(statistics.median(walls) * 1e3, 3),
                                       "engine_ms": round(statistics.median(inside) * 1e3, 3)})
-        if profile_len:
-            out.setdefault("profile", {})[shape] = _profiled(engine, model, profile_len, rng)
+        if profile_len:  # one more prefill under torch.profiler: host ops, kernels, device time
+            out.setdefault("profile", {})[shape] = profile_one(engine, model, profile_len,
+                                                               str(spec.options.get("device", "cpu")))
     engine.close()
     del engine
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return out
-
-
-def _profiled(engine: Any, model: str, tokens: int, rng: random.Random) -> dict[str, Any]:
-    """One prefill under torch.profiler: its host and device time and the host's busiest ops."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    request = _request(model, tokens, rng)
-    with profile(activities=activities) as prof:
-        t0 = time.perf_counter()
-        engine.prefill([request])
-        _sync()
-        wall = time.perf_counter() - t0
-    engine.release([request.request_id])
-    events = prof.key_averages()
-    top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
-    out: dict[str, Any] = {"tokens": tokens, "wall_ms": round(wall * 1e3, 3),
-                           "cpu_ops": sum(e.count for e in events),
-                           "top_cpu": [[e.key, e.count, round(e.self_cpu_time_total / 1e3, 3)] for e in top]}
-    if torch.cuda.is_available():
-        attr = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
-        out["device_ms"] = round(sum(getattr(e, attr) for e in events) / 1e3, 3)
-        out["kernels"] = sum(e.count for e in events if getattr(e, attr) > 0 and e.device_type.name == "CUDA")
     return out
 
 
@@ -211,8 +189,8 @@ def table(results: list[dict[str, Any]]) -> str:
             rows.append(f"{res['variant']:<16} {p['shape']:<16} {p['tokens']:>6} {p['gap_s'] * 1e3:>6.0f} "
                         f"{p['engine_ms']:>9.2f} {p['wall_ms']:>8.2f}")
         for shape, prof in res.get("profile", {}).items():
-            rows.append(f"  {res['variant']} {shape} profiled at {prof['tokens']}: wall {prof['wall_ms']} ms, "
-                        f"device {prof.get('device_ms')} ms, {prof.get('kernels')} kernels, {prof['cpu_ops']} ops; "
+            rows.append(f"  {res['variant']} {shape} profiled: wall {prof['ms']} ms, "
+                        f"device {prof.get('gpu_total_ms')} ms, {prof.get('kernels')} kernels, {prof['ops']} ops; "
                         f"top host: " + "; ".join(f"{k} x{n} {ms} ms" for k, n, ms in prof["top_cpu"][:5]))
     return "\n".join(rows)
 
