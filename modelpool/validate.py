@@ -482,9 +482,10 @@ def decode_context(workload: Workload) -> float:
 def step_check(status: Mapping[str, Any], costs: Any, workload: Workload) -> dict[str, Any]:
     """The live engines' own step times (an instance's latest ~4096 decode steps and 256 prefills, as /pool/status
     gave them after the load) beside the cost model's time for the same step run alone: decode steps by instance and
-    batch bucket at the workload's mean decode context, prefills by instance (the median of live / model). A ratio
-    well off 1 names the term a miss sits in; it includes what the GPU's other instance took from the step
-    (the simulator charges that apart, by the share tables), so read it beside the figures."""
+    batch bucket at the workload's mean decode context, prefills by instance and by model (the median of live /
+    model: a calibrated shape's against a carried one's). A ratio well off 1 names the term a miss sits in; it
+    includes what the GPU's other instance took from the step (the simulator charges that apart, by the share
+    tables), so read it beside the figures."""
     context = decode_context(workload)
     decode, prefill = [], []
     for iid, inst in sorted((status.get("instances") or {}).items()):
@@ -505,15 +506,19 @@ def step_check(status: Mapping[str, Any], costs: Any, workload: Workload) -> dic
             decode.append({"instance": iid, "role": inst.get("role"), "batch": bucket, "steps": int(steps),
                            "live_ms": round(live / steps * 1e3, 3), "model_ms": round(alone / steps * 1e3, 3),
                            "ratio": round(live / alone, 3)})
-        ratios = []
+        ratios: dict[str, list[float]] = {}
         for model, tokens, requests, seconds in timings.get("prefills") or []:
             try:
-                ratios.append(seconds / costs.prefill_s(model, int(tokens), int(requests)))
+                alone = costs.prefill_s(model, int(tokens), int(requests))
             except KeyError:
                 continue
+            ratios.setdefault(model, []).append(seconds / alone)
         if ratios:
-            prefill.append({"instance": iid, "role": inst.get("role"), "prefills": len(ratios),
-                            "ratio_p50": round(float(np.median(ratios)), 3)})
+            every = [r for of_model in ratios.values() for r in of_model]
+            prefill.append({"instance": iid, "role": inst.get("role"), "prefills": len(every),
+                            "ratio_p50": round(float(np.median(every)), 3),
+                            "by_model": {model: {"prefills": len(of_model), "ratio_p50": round(float(np.median(of_model)), 3)}
+                                         for model, of_model in sorted(ratios.items())}})
     return {"decode_context": round(context), "decode": decode, "prefill": prefill}
 
 
@@ -593,7 +598,9 @@ def format_report(report: Mapping[str, Any]) -> str:
                          "the other instance's share included):")
             for iid in dict.fromkeys([r["instance"] for r in steps["decode"] + steps["prefill"]]):
                 decode = " ".join(f"{r['batch']} {r['ratio']:.2f}x" for r in steps["decode"] if r["instance"] == iid)
-                prefill = [f"prefills {r['ratio_p50']:.2f}x" for r in steps["prefill"] if r["instance"] == iid]
+                prefill = [f"prefills {r['ratio_p50']:.2f}x ("
+                           + ", ".join(f"{m} {b['ratio_p50']:.2f}x" for m, b in (r.get("by_model") or {}).items()) + ")"
+                           for r in steps["prefill"] if r["instance"] == iid]
                 lines.append(f"      {iid}: " + "; ".join(([f"decode {decode}"] if decode else []) + prefill))
     lines.append(f"  written: {report.get('path', '-')}")
     return "\n".join(lines)

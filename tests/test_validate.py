@@ -125,7 +125,8 @@ def test_the_step_check_puts_each_engines_own_steps_beside_the_models_step_alone
     assert check["decode_context"] == round(context)
     assert [(r["instance"], r["batch"], r["steps"], r["ratio"]) for r in check["decode"]] == [
         ("d0", "<=4", 30, 2.0), ("d0", "<=16", 10, 3.0)]
-    assert check["prefill"] == [{"instance": "d0", "role": "decode", "prefills": 3, "ratio_p50": 1.5}]
+    assert check["prefill"] == [{"instance": "d0", "role": "decode", "prefills": 3, "ratio_p50": 1.5,
+                                 "by_model": {"m": {"prefills": 3, "ratio_p50": 1.5}}}]
 
 
 def test_a_failed_request_misses_and_the_quantiles_skip_it() -> None:
