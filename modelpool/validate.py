@@ -517,7 +517,8 @@ def step_check(status: Mapping[str, Any], costs: Any, workload: Workload) -> dic
             every = [r for of_model in ratios.values() for r in of_model]
             prefill.append({"instance": iid, "role": inst.get("role"), "prefills": len(every),
                             "ratio_p50": round(float(np.median(every)), 3),
-                            "by_model": {model: {"prefills": len(of_model), "ratio_p50": round(float(np.median(of_model)), 3)}
+                            "by_model": {model: {"prefills": len(of_model),
+                                                 "ratio_p50": round(float(np.median(of_model)), 3)}
                                          for model, of_model in sorted(ratios.items())}})
     return {"decode_context": round(context), "decode": decode, "prefill": prefill}
 
