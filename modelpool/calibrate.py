@@ -88,7 +88,7 @@ def calibrate_command(
     measurements = build(
         points, shapes, spec, device=name, gpu=gpu, command=command, quick=quick,
         measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        settings={"prefill_padded": bool(figures.pop("prefill_padded", 0.0))},
+        settings={name: bool(figures.pop(name, 0.0)) for name in ("prefill_padded", "decode_ahead")},
         software={**measured["software"], "modelpool": _version()}, figures=figures,
         wall_s=time.perf_counter() - started)
     out.parent.mkdir(parents=True, exist_ok=True)

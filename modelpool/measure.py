@@ -255,6 +255,7 @@ class Calibration:
             if captured:
                 self.result["figures"]["graph_capture_s"] = round((seconds - prefills) / captured, 5)
         self.result["figures"]["prefill_padded"] = float(bool(getattr(engine, "pads_prefill", False)))
+        self.result["figures"]["decode_ahead"] = float(bool(getattr(engine, "async_decode", False)))
         progress("graph capture")
 
     # ---- one shape ---------------------------------------------------------------------------------

@@ -206,6 +206,12 @@ class SimCosts(CostModel):
         """Host time a live pool adds to each KV move (SwapOut, SwapIn) after the move itself. None here."""
         return 0.0
 
+    def decode_ahead(self) -> bool:
+        """Whether the engine queues each decode step's successor before the host has its tokens (a live torch
+        engine on CUDA): a turn not continued by a Decode of the same requests leaves one more step on the
+        device, which the instance's next work waits for. No here."""
+        return False
+
     def host_links(self, instances: Sequence[InstanceSpec], gpu_of: Mapping[str, int] | None = None) -> CopyLinks | None:
         """Fresh state of the host links `instances` copy over, for one simulation (`gpu_of`: instances placed
         by hand, by first GPU index). None (here): every copy has a link of its own."""
@@ -374,6 +380,9 @@ class RooflineCostModel(SimCosts):
 
     def kv_call_host_s(self) -> float:
         return self.terms.kv_call_host_s
+
+    def decode_ahead(self) -> bool:
+        return self.terms.decode_ahead
 
     def gpu_shares(self, instances: Sequence[InstanceSpec], gpu_of: Mapping[str, int] | None = None) -> GpuShares | None:
         """The instances' time-slicing (sims.gpu_share) where some share a GPU, else None."""

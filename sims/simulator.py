@@ -143,6 +143,10 @@ class _Device:
     batch: _Batch | None = None  # the last decode batch; dropped by any other action on the device
     lost: bool = False  # its pending events are dropped
     prefill_move_s: float = 0.0  # the KV move that ends the prefill in flight (kv_to_host)
+    # the decode step its last turn left queued on the device (costs.decode_ahead): for these requests, running
+    # until ahead_end; a Decode of exactly them next takes it, anything else waits for it
+    ahead_ids: tuple[str, ...] | None = None
+    ahead_end: float = 0.0
 
 
 class _Entry:
@@ -190,6 +194,7 @@ class Simulator:
         self.admit_s, self.deliver_s = costs.request_admit_s(), costs.token_deliver_s()
         self.prompt_token_s = costs.request_prompt_token_s()
         self.kv_call_host_s = costs.kv_call_host_s()
+        self.decode_ahead = costs.decode_ahead()
         self._staged: set[str] = set()  # requests whose KV waits staged on a staging instance, until their SwapIn
         self._arrivals = iter(requests)
         self._next_arrival: Request | None = next(self._arrivals, None)
@@ -377,6 +382,11 @@ class Simulator:
             self._stop(instance_id, dev, now)
             return
         t = start = max(now, dev.free_at)
+        if dev.ahead_ids is not None:
+            first = actions[0]
+            if not (type(first) is Decode and not first.prefill_chunks and first.request_ids == dev.ahead_ids):
+                t = max(t, dev.ahead_end)  # the step queued ahead is discarded, but the device runs it first
+            dev.ahead_ids = None
         before = frozenset(dev.slots.resident)
         dev.num_model_switches += resident_after(before, actions) != before
         for action in actions:
@@ -513,7 +523,26 @@ class Simulator:
         if self.gpus is not None:
             took = self.gpus.work_end_at(iid, t, took, self.now, "decode", [g.model for g in batch.groups]) - t
         dev.turn = _Turn(t, took / steps, steps, batch.ids, -1, batch.records, batch)
-        return self._finish_turn(iid, dev, steps, steps == batch.left)
+        end = self._finish_turn(iid, dev, steps, steps == batch.left)
+        if self.decode_ahead:
+            self._queue_ahead(dev, batch.groups, steps)
+        return end
+
+    def _queue_ahead(self, dev: _Device, groups: list[_Group], steps: int) -> None:
+        """The step an engine that decodes ahead (costs.decode_ahead) queues after the turn's last one, for the
+        requests that go on past it: it runs on the device from the last step's device work's end (the host's part
+        of that step after it) for a step's device time; the turn's step time less its host part."""
+        turn = dev.turn
+        assert turn is not None
+        going = tuple(r.request_id for r in turn.records if r.generated + steps < r.output_tokens)
+        if not going:
+            dev.ahead_ids = None
+            return
+        host = 0.0
+        for group in groups:
+            host += self.costs.prefill_host_s(group.model, group.size)  # a call's host part: per call and per row
+        end = turn.start_at + steps * turn.step_s
+        dev.ahead_ids, dev.ahead_end = going, end - host + max(0.0, turn.step_s - host)
 
     def _batch(self, iid: str, dev: _Device, ids: tuple[str, ...]) -> _Batch:
         """The device's batch for `ids`: its cached one when `ids` is that batch (or that batch plus
@@ -621,6 +650,8 @@ class Simulator:
                 dev.kv[record.request_id] = self._kv_bytes(record)
         dev.busy_s -= (turn.max_steps - done) * turn.step_s
         dev.free_at = self._finish_turn(iid, dev, done, False)
+        if self.decode_ahead and turn.batch is not None:
+            self._queue_ahead(dev, turn.batch.groups, done)
         if self.gpus is not None:
             self.gpus.cut(iid, dev.free_at)
 

@@ -54,6 +54,10 @@ class ProfileTerms(_Frozen):
     # without them charges nothing more (their provenance: DEFAULTED).
     prefill_request_s: Seconds = Field(default=0.0, description="Per prompt overhead of a prefill step (the engine "
                                                                 "runs attention and sampling prompt by prompt).")
+    decode_ahead: bool = Field(default=False, description="The engine queues each decode step's successor on the "
+                               "device before the host has the step's tokens (the torch engine on CUDA): a turn the "
+                               "next call does not continue with the same requests leaves that step to run, and "
+                               "the instance's next work waits for it (the simulator charges one more step).")
     prefill_padded: bool = Field(default=False, description="The engine pads each prefill's tokens to "
                                  "scheduler.costs.padded_prefill_tokens (the torch engine on CUDA): its matrix work "
                                  "and K/V writes are charged for the padded count, attention for the prompts' own.")
@@ -106,6 +110,7 @@ class ProfileTerms(_Frozen):
 TERM_NAMES: tuple[str, ...] = tuple(ProfileTerms.model_fields)
 _DEFAULT_WHY = {
     "prefill_padded": "charges each prefill for its own tokens (an engine that does not pad them)",
+    "decode_ahead": "charges no step beyond a turn's own (an engine that queues no decode step ahead)",
     "share_prefill_slowdown": "the device's budget split between busy instances (2: each gets half)",
     "share_decode_slowdown": "the device's budget split between busy instances (2: each gets half)",
 }

@@ -225,9 +225,12 @@ class Measurements(_Frozen):
                              software=self.software, quick=self.quick, shapes=tuple(self.shapes), wall_s=self.wall_s,
                              figures=self.figures,
                              backend=self.points.host.backend if self.points.host.step_s_by_batch else None)
+        values = {term: entry.value for term, entry in self.terms.items()}
+        if "decode_ahead" not in values and self.device != "cpu":  # a file before the term: the engine's CUDA default
+            values["decode_ahead"] = True                          # then (async decode, 4212c7f) was on
+            provenance["decode_ahead"] = Provenance(status="measured", gpus=(self.gpu,), source=_HOW["decode_ahead"])
         profile = CalibrationProfile(
-            name=name or f"{self.gpu}-measured", terms=ProfileTerms.model_validate(
-                {term: entry.value for term, entry in self.terms.items()}),
+            name=name or f"{self.gpu}-measured", terms=ProfileTerms.model_validate(values),
             provenance=provenance, calibration=run, device_spec=None if self.gpu in GPUS else self.spec,
             share_pairs=share_pairs(self.points.share, self.shapes),
             decode_pairs=decode_pairs(self.points.share_decode, self.shapes),
@@ -271,6 +274,7 @@ _HOW = {
     "decode_cuda_graphs": "the engine's setting on this device (CUDA graphs on CUDA)",
     "prefill_cuda_graphs": "the engine's setting (prefill runs eagerly)",
     "prefill_padded": "the engine's setting on this device (it pads prefill tokens on CUDA)",
+    "decode_ahead": "the engine's setting on this device (async decode: on CUDA it queues the next step ahead)",
     "eff_pcie": "whole-model weight copies from pinned host memory of every shape: bytes over time",
     "switch_fixed_s": "weight copies: the intercept",
     "eff_kv_move": "KV moves to host memory and back, by requests and context: bytes over time",
@@ -463,7 +467,7 @@ def build(points: Points, shapes: Mapping[str, Arch], spec: GpuSpec, *, device: 
           command: str, settings: Mapping[str, bool], software: Mapping[str, str] | None = None, quick: bool = False,
           wall_s: float = 0.0, figures: Mapping[str, float] | None = None) -> Measurements:
     """The measurements file of `points`: every term fitted, with its held-out error. `settings`: the engine's
-    settings on this device (decode_cuda_graphs, prefill_padded)."""
+    settings on this device (decode_cuda_graphs, prefill_padded, decode_ahead)."""
     fitted = fit_engine(points, shapes, spec)
     base: dict[str, float | bool] = {term: value for term, (value, _) in ASSUMED.items()}
     base |= {"prefill_cuda_graphs": False, **settings}
