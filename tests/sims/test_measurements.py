@@ -365,3 +365,16 @@ def test_a_file_written_before_the_decode_pairs_loads_and_simulates_with_the_bud
     two = [p.model_copy(update={"slowdown": 2.0}) for p in measured.decode_pairs]
     assert _hand_offs_on_one_gpu(measured.model_copy(update={"decode_pairs": two})) == (plans, finish)
     assert _hand_offs_on_one_gpu(measured)[1] < finish  # the measured 1.2: hand-offs' decode steps run sooner
+
+
+def test_decode_ahead_is_the_engines_setting_and_a_gpu_file_before_the_term_reads_it_as_on() -> None:
+    points = _points(_truth_costs())
+    on = build(points, SHAPES, GPUS["h200"], device="NVIDIA H200", gpu="h200", measured_at="2026-12-07",
+               command="modelpool calibrate --device cuda", settings={"prefill_padded": True, "decode_ahead": True})
+    assert on.terms["decode_ahead"].value is True and on.terms["decode_ahead"].unit == "setting"
+    assert RooflineCostModel.for_models({"m": (SHAPES["qwen2.5-0.5b"], 1)}, "h200", on.profile()).decode_ahead()
+    older = on.model_copy(update={"terms": {k: v for k, v in on.terms.items() if k != "decode_ahead"}})
+    profile = older.profile()
+    assert profile.terms.decode_ahead and profile.basis("decode_ahead", "h200") == "measured"
+    cpu = older.model_copy(update={"device": "cpu"})
+    assert cpu.profile().terms.decode_ahead is False  # the engine queues nothing ahead on a CPU

@@ -1,0 +1,74 @@
+"""The decode step an engine queues ahead (costs.decode_ahead: the torch engine on CUDA) and the next call
+discards: the simulator charges it to the instance's next work, and nothing where the next turn takes it."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from scheduler import Request
+from tests.factories import LinearCosts, make_instances, make_models, make_sim
+
+STEP = 0.01  # LinearCosts' decode step (plus 1e-7 s per context token)
+
+
+class _AheadCosts(LinearCosts):
+    def decode_ahead(self) -> bool:
+        return True
+
+
+class _AheadHostCosts(_AheadCosts):
+    def prefill_host_s(self, model: str, num_requests: int = 1) -> float:
+        return 0.004  # of each call (a step's host part, after its device work)
+
+
+def _run(costs: LinearCosts, requests: list[tuple], roles: list[str] | None = None) -> tuple[dict, str]:
+    """Simulated records and plan log of fresh Requests (id, model, arrival, prompt, output) on token-level."""
+    models = make_models(2)
+    requests = [Request(*row) for row in requests]
+    instances = make_instances(len(roles) if roles else 1, roles=roles)
+    log = io.StringIO()
+    sim, _ = make_sim("token-level", models, instances, requests, costs=costs, plan_log=log)
+    sim.run()
+    return sim.records, log.getvalue()
+
+
+def test_turns_that_go_on_with_the_same_requests_take_the_step_queued_ahead_at_no_cost() -> None:
+    pair = [("r0", "m0", 0.0, 300, 50), ("r1", "m0", 0.0, 300, 200)]  # r0 ends with the first turn, r1 goes on
+    plain, plain_log = _run(LinearCosts(), pair)
+    ahead, ahead_log = _run(_AheadCosts(), pair)
+    assert plain_log.count('"Decode"') == 2  # a turn of both, then one of r1: it takes the step queued for it
+    for rid in ("r0", "r1"):
+        assert ahead[rid].finished_at == pytest.approx(plain[rid].finished_at, abs=1e-12)
+    assert ahead_log == plain_log
+
+
+def test_a_call_that_breaks_the_turn_waits_for_the_step_queued_ahead() -> None:
+    """r1 arrives while r0 decodes on the one instance: the Stop cuts r0's turn and the iteration that prefills
+    r1 discards r0's step queued ahead, so it starts one decode step later; with a host part per call (inside
+    each step's time, after its device work), the step queued ahead began on the device while the host finished
+    the last one and takes the step's time less its host part: the iteration starts the step less twice that late."""
+    requests = [("r0", "m0", 0.0, 300, 400), ("r1", "m0", 1.0, 300, 10)]
+    plain, plain_log = _run(LinearCosts(), requests)
+    ahead, _ = _run(_AheadCosts(), requests)
+    assert '"Stop"' in plain_log and '"prefill_chunks"' in plain_log
+    late = ahead["r1"].first_token_at - plain["r1"].first_token_at
+    assert late == pytest.approx(STEP, rel=0.01)
+    hosted, _ = _run(_AheadHostCosts(), requests)
+    plain_host, _ = _run(type("HostCosts", (LinearCosts,), {"prefill_host_s": _AheadHostCosts.prefill_host_s})(),
+                         requests)
+    assert hosted["r1"].first_token_at - plain_host["r1"].first_token_at == pytest.approx(STEP - 2 * 0.004, abs=1e-4)
+
+
+def test_a_hand_off_waits_for_the_prefill_instances_step_queued_ahead() -> None:
+    """The prefill instance decodes a hand-off's first tokens, then moves its KV out (a SwapOut): the move waits
+    for the step queued ahead; the request's first token does not move, its end does, by about one step."""
+    requests = [(f"r{k}", f"m{k % 2}", 2.0 * k, 300, 60) for k in range(4)]  # one at a time
+    plain, log = _run(LinearCosts(), requests, ["prefill", "decode"])
+    ahead, _ = _run(_AheadCosts(), requests, ["prefill", "decode"])
+    assert '"SwapOut"' in log and '"SwapIn"' in log
+    for rid, before in plain.items():
+        after = ahead[rid]
+        assert after.first_token_at == pytest.approx(before.first_token_at)
+        assert STEP * 0.99 <= after.finished_at - before.finished_at <= 2 * STEP * 1.01
