@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -171,9 +172,18 @@ def test_calibrate_times_each_prefill_after_the_idle_gap_a_served_prefill_follow
     cal.engine = cal._engine(cal._kv_bytes())
     cal.engine.activate(shape)
     slept, clock = [], [0.0]
-    monkeypatch.setattr(measure.time, "sleep", lambda s: (slept.append(s), clock.__setitem__(0, clock[0] + s)))
+    real_sleep, me = measure.time.sleep, threading.get_ident()
+
+    def sleep(seconds: float) -> None:  # (the time module is shared: another test's leftover thread sleeps for real)
+        if threading.get_ident() != me:
+            return real_sleep(seconds)
+        slept.append(seconds)
+        clock[0] += seconds
+
+    monkeypatch.setattr(measure.time, "sleep", sleep)
     real = measure.time.perf_counter
-    monkeypatch.setattr(measure.time, "perf_counter", lambda: real() + clock[0])  # sleeping moves the clock
+    monkeypatch.setattr(measure.time, "perf_counter",  # sleeping moves this thread's clock
+                        lambda: real() + (clock[0] if threading.get_ident() == me else 0.0))
     cal._prefill(shape)
     points = [PrefillPoint.model_validate(p) for p in cal.result["prefill"]]
     assert [(p.tokens, p.batch, p.gap_s) for p in points] == [(16, 1, 0.25), (16, 2, 0.25)]
