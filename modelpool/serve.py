@@ -286,9 +286,11 @@ def run_pool(pool: LivePool, dep: Deployment, settings: Any, host: str, port: in
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     text = banner(dep, pool, url, policy, bool(settings.api_keys))
 
+    served = threading.Event()  # set when server.run returns, however: a server that never started ends it too
+
     def announce() -> None:
-        while not server.started and not server.should_exit:
-            time.sleep(0.05)
+        while not server.started and not server.should_exit and not served.wait(0.05):
+            pass
         if server.started:
             typer.echo(text)
 
@@ -299,6 +301,8 @@ def run_pool(pool: LivePool, dep: Deployment, settings: Any, host: str, port: in
         server.run()
     except KeyboardInterrupt:
         pass
+    finally:
+        served.set()
 
 
 def warm_up(pool: LivePool, timeout_s: float = 600.0) -> float:
