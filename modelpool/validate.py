@@ -507,20 +507,29 @@ def step_check(status: Mapping[str, Any], costs: Any, workload: Workload) -> dic
                            "live_ms": round(live / steps * 1e3, 3), "model_ms": round(alone / steps * 1e3, 3),
                            "ratio": round(live / alone, 3)})
         ratios: dict[str, list[float]] = {}
-        for model, tokens, requests, seconds in timings.get("prefills") or []:
+        after_discard: dict[bool, list[float]] = {True: [], False: []}
+        for model, tokens, requests, seconds, *flag in timings.get("prefills") or []:
             try:
                 alone = costs.prefill_s(model, int(tokens), int(requests))
             except KeyError:
                 continue
             ratios.setdefault(model, []).append(seconds / alone)
+            if flag:  # files before it: (model, tokens, requests, seconds)
+                after_discard[bool(flag[0])].append(seconds / alone)
         if ratios:
             every = [r for of_model in ratios.values() for r in of_model]
             prefill.append({"instance": iid, "role": inst.get("role"), "prefills": len(every),
                             "ratio_p50": round(float(np.median(every)), 3),
-                            "by_model": {model: {"prefills": len(of_model),
-                                                 "ratio_p50": round(float(np.median(of_model)), 3)}
-                                         for model, of_model in sorted(ratios.items())}})
+                            "by_model": {model: _ratios(of_model) for model, of_model in sorted(ratios.items())},
+                            # the calls that began by discarding a decode step launched ahead (its device time
+                            # inside theirs: the simulator charges it apart) and the others
+                            "after_discard": _ratios(after_discard[True]),
+                            "fresh": _ratios(after_discard[False])})
     return {"decode_context": round(context), "decode": decode, "prefill": prefill}
+
+
+def _ratios(ratios: Sequence[float]) -> dict[str, Any]:
+    return {"prefills": len(ratios), "ratio_p50": round(float(np.median(ratios)), 3) if ratios else None}
 
 
 def recorded_instance(row: Sequence[Any]) -> Any:
@@ -600,7 +609,11 @@ def format_report(report: Mapping[str, Any]) -> str:
             for iid in dict.fromkeys([r["instance"] for r in steps["decode"] + steps["prefill"]]):
                 decode = " ".join(f"{r['batch']} {r['ratio']:.2f}x" for r in steps["decode"] if r["instance"] == iid)
                 prefill = [f"prefills {r['ratio_p50']:.2f}x ("
-                           + ", ".join(f"{m} {b['ratio_p50']:.2f}x" for m, b in (r.get("by_model") or {}).items()) + ")"
+                           + ", ".join(f"{m} {b['ratio_p50']:.2f}x" for m, b in (r.get("by_model") or {}).items())
+                           + "".join(f"; {label} {r[key]['ratio_p50']:.2f}x of {r[key]['prefills']}"
+                                     for key, label in (("after_discard", "after a discarded step"),
+                                                        ("fresh", "else"))
+                                     if (r.get(key) or {}).get("prefills")) + ")"
                            for r in steps["prefill"] if r["instance"] == iid]
                 lines.append(f"      {iid}: " + "; ".join(([f"decode {decode}"] if decode else []) + prefill))
     lines.append(f"  written: {report.get('path', '-')}")

@@ -117,8 +117,9 @@ def test_the_step_check_puts_each_engines_own_steps_beside_the_models_step_alone
         "m": {"<=4": {"steps": 30, "batch_mean": 3.0, "forward_ms_mean": 2 * at(3)},
               "<=16": {"steps": 10, "batch_mean": 12.4, "forward_ms_mean": 3 * at(12)}},
         "m+other": {"<=16": {"steps": 99, "batch_mean": 10.0, "forward_ms_mean": 1.0}}},  # a mixed batch: left out
-        "prefills": [["m", 512, 1, 1.5 * costs.prefill_s("m", 512, 1)], ["m", 64, 2, 1.4 * costs.prefill_s("m", 64, 2)],
-                     ["m", 2048, 1, 9.0 * costs.prefill_s("m", 2048, 1)], ["gone", 8, 1, 1.0]]}
+        "prefills": [["m", 512, 1, 1.5 * costs.prefill_s("m", 512, 1), 0],
+                     ["m", 64, 2, 1.4 * costs.prefill_s("m", 64, 2), 0],
+                     ["m", 2048, 1, 9.0 * costs.prefill_s("m", 2048, 1), 1], ["gone", 8, 1, 1.0, 0]]}
     status = {"instances": {"d0": {"role": "decode", "engine_extra": {"timings": timings}},
                             "p0": {"role": "prefill", "engine_extra": {"timings": {}}}}}
     check = step_check(status, costs, load)
@@ -126,7 +127,11 @@ def test_the_step_check_puts_each_engines_own_steps_beside_the_models_step_alone
     assert [(r["instance"], r["batch"], r["steps"], r["ratio"]) for r in check["decode"]] == [
         ("d0", "<=4", 30, 2.0), ("d0", "<=16", 10, 3.0)]
     assert check["prefill"] == [{"instance": "d0", "role": "decode", "prefills": 3, "ratio_p50": 1.5,
-                                 "by_model": {"m": {"prefills": 3, "ratio_p50": 1.5}}}]
+                                 "by_model": {"m": {"prefills": 3, "ratio_p50": 1.5}},
+                                 "after_discard": {"prefills": 1, "ratio_p50": 9.0},
+                                 "fresh": {"prefills": 2, "ratio_p50": 1.45}}]
+    timings["prefills"] = [row[:4] for row in timings["prefills"]]  # a file before the flag
+    assert step_check(status, costs, load)["prefill"][0]["fresh"] == {"prefills": 0, "ratio_p50": None}
 
 
 def test_a_failed_request_misses_and_the_quantiles_skip_it() -> None:

@@ -90,6 +90,9 @@ class Stepper:
         self.pads_prefill = pads_prefill
         self._ahead: Ahead | None = None
         self.num_steps_ahead = self.num_steps_discarded = 0
+        # a step launched ahead was discarded since the last prefill or decode call (both wait for the device):
+        # the device runs it before the next call's work, inside that call's time if the call is a prefill
+        self.discarded = False
 
     # ---- admission --------------------------------------------------------------------------------------
     def admit(self, request: GenRequest) -> Seq:
@@ -130,7 +133,8 @@ class Stepper:
             logits = self.residency.decoder(group[0].model).prefill(inputs)
             outs.update((o.request_id, o) for o in self.emit(group, self.sample(group, logits)))
             self.timings.prefill(group[0].model.name, sum(len(s.tokens) for s in group) - len(group), len(group),
-                                 time.perf_counter() - started)
+                                 time.perf_counter() - started, self.discarded)
+            self.discarded = False  # (a second model's prefill in the call comes after the first's)
             started = time.perf_counter()
         return [outs[s.request.request_id] for s in seqs]
 
@@ -172,6 +176,7 @@ class Stepper:
             outs.update((o.request_id, o) for o in self.emit(step.seqs, ids))
         self.timings.decode(tuple(request_ids), entered_at, forward, ahead is not None,
                             "+".join(sorted({s.model.name for s in seqs})))
+        self.discarded = False
         return [outs[rid] for rid in request_ids]
 
     def _batch_key(self, request_ids: Sequence[str]) -> tuple:
@@ -218,6 +223,7 @@ class Stepper:
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             return
+        self.discarded = True
         self.num_steps_discarded += 1
         kv = self.residency.kv
         for seq_kv, num_blocks in ahead.blocks_before:

@@ -33,7 +33,9 @@ BATCH_BUCKETS = (1, 4, 8, 16, 32, 64, 256)  # decode figures per batch up to eac
 class StepTimings:
     def __init__(self, cuda: bool, keep: int = 4096) -> None:
         self.cuda = cuda
-        self.prefills: deque[tuple[str, int, int, float]] = deque(maxlen=keep)  # (model, tokens, requests, s)
+        # (model, tokens, requests, s, 1 when the call began by discarding a decode step launched ahead: the
+        # device ran that step first, inside the call's time)
+        self.prefills: deque[tuple[str, int, int, float, int]] = deque(maxlen=keep)
         # (batch, period s, forward s, call s, ahead): call = the step's time inside the engine (inputs, forward,
         # sampling, tokens out); period - call = the time outside it (backend hop, controller, runner); ahead:
         # 1 when the step was launched ahead of the host (async decode), else 0
@@ -76,8 +78,9 @@ class StepTimings:
         return timer[0].elapsed_time(timer[1]) / 1e3  # both recorded before the step's sampling synced
 
     # ---- records ----
-    def prefill(self, model: str, num_tokens: int, num_requests: int, seconds: float) -> None:
-        self.prefills.append((model, num_tokens, num_requests, seconds))
+    def prefill(self, model: str, num_tokens: int, num_requests: int, seconds: float,
+                after_discard: bool = False) -> None:
+        self.prefills.append((model, num_tokens, num_requests, seconds, int(after_discard)))
         self._last = None
 
     def decode(self, request_ids: tuple[str, ...], entered_at: float, forward: Any, ahead: bool = False,
@@ -178,7 +181,8 @@ class StepTimings:
                 outside = (picked[:, 1] - picked[:, 3]) * 1e3
                 added = np.where(picked[:, 4] > 0, overhead, outside)
                 decode[f"<={high}"] = {
-                    "steps": int(len(picked)), "batch_mean": round(float(picked[:, 0].mean()), 3), "period_ms_p50": round(float(np.median(picked[:, 1])) * 1e3, 4),
+                    "steps": int(len(picked)), "batch_mean": round(float(picked[:, 0].mean()), 3),
+                    "period_ms_p50": round(float(np.median(picked[:, 1])) * 1e3, 4),
                     "forward_ms_p50": round(float(np.median(picked[:, 2])) * 1e3, 4),
                     "overhead_ms_p50": round(float(np.median(overhead)), 4),
                     "overhead_ms_p90": round(float(np.percentile(overhead, 90)), 4),
@@ -190,7 +194,7 @@ class StepTimings:
                     # what the steps add on average, stalls included (a stats() call, a KV call between two steps):
                     # over a turn of many steps the mean adds up, not the median (the simulator's decode_host terms)
                     "added_ms_mean": round(float(added.mean()), 4)}
-        prefills = [[m, t, n, round(s, 6)] for m, t, n, s in list(self.prefills)[-max_prefills:]]
+        prefills = [[m, t, n, round(s, 6), d] for m, t, n, s, d in list(self.prefills)[-max_prefills:]]
         # per model and batch bucket, the mean forward and period: what a model's decode step costs in the live
         # pool, beside the cost model's decode terms at that batch (a mixed batch counts as its own "a+b")
         by_model: dict[str, dict[str, Any]] = {}

@@ -285,3 +285,31 @@ def test_a_step_launched_ahead_adds_its_period_less_its_forward_to_the_engines_s
     stalled.decodes.extend([(2, 0.0031, 0.0030, 0.0029, 1)] * 9 + [(2, 0.0131, 0.0030, 0.0029, 1)])
     bucket = stalled.summary()["decode"]["<=4"]
     assert bucket["added_ms_p50"] == pytest.approx(0.1) and bucket["added_ms_mean"] == pytest.approx(1.1)
+
+
+def test_a_prefill_says_whether_it_came_after_a_discarded_step(demo_models):
+    """Its timing row's last field: 1 when a step launched ahead was discarded since the last prefill or decode
+    call (the device ran that step inside the prefill's time), whichever call discarded it."""
+    engine = make_engine(demo_models, True)
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+    flags = lambda: [row[4] for row in engine.stats().extra["timings"]["prefills"]]  # noqa: E731
+    engine.prefill([GenRequest("a", MODELS[0], [5, 6, 7], params)])
+    engine.prefill([GenRequest("b", MODELS[0], [1, 2], params)])  # nothing launched ahead yet
+    engine.decode_step(["a"])
+    engine.prefill([GenRequest("c", MODELS[0], [3], params)])  # discards a's step
+    engine.decode_step(["a"])
+    engine.activate(MODELS[0], False)  # this call discards it; the prefill after still waits for it
+    engine.prefill([GenRequest("d", MODELS[0], [4], params)])
+    engine.decode_step(["a"])
+    engine.decode_step(["b"])  # another batch: a's step discarded, then synchronised with this step
+    engine.prefill([GenRequest("e", MODELS[0], [9], params)])  # discards b's
+    engine.decode_step(["b"])
+    engine.decode_step(["b"])  # takes it and launches the next
+    engine.release(["b"])
+    engine.prefill([GenRequest("f", MODELS[0], [8], params)])
+    assert flags() == [0, 0, 1, 1, 1, 1]
+    sync = make_engine(demo_models, False)
+    sync.prefill([GenRequest("a", MODELS[0], [5, 6, 7], params)])
+    sync.decode_step(["a"])
+    sync.prefill([GenRequest("b", MODELS[0], [1], params)])
+    assert [row[4] for row in sync.stats().extra["timings"]["prefills"]] == [0, 0]

@@ -122,7 +122,7 @@ def test_step_timings_split_a_decode_period_into_forward_and_host() -> None:
     summary = timings.summary()
     assert summary["decode"]["<=4"]["steps"] == 2 and summary["decode"]["<=1"]["steps"] == 1
     assert summary["decode"]["<=4"]["overhead_ms_p50"] == pytest.approx(1.25)
-    assert summary["prefills"] == [["m", 512, 1, 0.012]]
+    assert summary["prefills"] == [["m", 512, 1, 0.012, 0]]
     # each model's steps apart, the period's and forward's means (what a model's step costs live, by batch)
     by_model = summary["decode_by_model"]
     assert by_model["m7"] == {"<=4": {"steps": 2, "batch_mean": 2.0, "forward_ms_mean": 3.0, "period_ms_mean": 4.25}}
