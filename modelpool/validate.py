@@ -157,6 +157,7 @@ class SimLayout:
     gpu_of: dict[str, int]
     costs: Any
     profile: str
+    shared_weights: bool = False  # the GPU's instances map one weights region (serve's torch engines, all fitting)
 
 
 def sim_layout(fleet_path: Path, num_gpus: int, profile: str | None) -> SimLayout:
@@ -174,7 +175,8 @@ def sim_layout(fleet_path: Path, num_gpus: int, profile: str | None) -> SimLayou
     gpu_of = {spec.instance_id: int(dep.devices.get(spec.instance_id, "cuda:0").partition(":")[2] or 0)
               for spec in dep.instances}
     costs = RooflineCostModel(fleet, profile=load_profile(profile) if profile else None, gpus_per_host_link=1)
-    return SimLayout(fleet, engine_regions(dep), gpu_of, costs, profile or "default")
+    return SimLayout(fleet, engine_regions(dep), gpu_of, costs, profile or "default",
+                     bool(dep.engine.options.get("shared_weights")))
 
 
 WARM_UP_S = 60.0  # simulated seconds the warm-up gets before the first request (it takes a few)
@@ -220,7 +222,7 @@ def _simulated(layout: SimLayout, workload: Workload, plan_log: Path | None,
     log = plan_log.open("w") if plan_log is not None else None
     try:
         result = simulate(layout.fleet, workload, "token-level", instances=layout.instances, gpu_of=layout.gpu_of,
-                          costs=layout.costs, plan_log=log)
+                          costs=layout.costs, plan_log=log, shared_weights=layout.shared_weights)
     finally:
         if log is not None:
             log.close()
@@ -430,7 +432,7 @@ def validate_scenario(name: str, profile: str | None, duration_s: float | None, 
         "layout": {"instances": [[i.instance_id, i.tp, i.memory_bytes, i.role, i.kv_bytes, i.weight_bytes,
                                     i.host_kv_bytes]
                                  for i in layout.instances],
-                   "gpu_of": layout.gpu_of},
+                   "gpu_of": layout.gpu_of, "shared_weights": layout.shared_weights},
         "loads": {load: {"rate_rps": rates[load], "requests": len(workloads[load]),
                          "notes": list(workloads[load].notes), "live_switches": live[load]["switches"],
                          "live_weight_copies": live[load]["weight_copies"], "live_plans": live[load]["plans"],
@@ -528,6 +530,18 @@ def step_check(status: Mapping[str, Any], costs: Any, workload: Workload) -> dic
     return {"decode_context": round(context), "decode": decode, "prefill": prefill}
 
 
+def recorded_shared_weights(report: Mapping[str, Any]) -> bool:
+    """Whether a recorded run's engines mapped one weights region per GPU: as its layout says, or (files before
+    it) as its engines' status shows - a device buffer that is the KV region alone, the weights outside it."""
+    if "shared_weights" in report["layout"]:
+        return bool(report["layout"]["shared_weights"])
+    engines = [inst.get("engine") or {} for part in report["loads"].values()
+               for status in part.get("live_status") or [] for inst in (status.get("instances") or {}).values()]
+    engines = [e for e in engines if str(e.get("device", "")).startswith("cuda") and e.get("device_buffer_bytes")]
+    return bool(engines) and all(
+        e["device_buffer_bytes"] - e.get("kv_device_bytes", 0) < 0.01 * e["device_buffer_bytes"] for e in engines)
+
+
 def _ratios(ratios: Sequence[float]) -> dict[str, Any]:
     return {"prefills": len(ratios), "ratio_p50": round(float(np.median(ratios)), 3) if ratios else None}
 
@@ -564,7 +578,7 @@ def resimulate(recorded: Path, profile: str | None, out_dir: Path, traces_dir: P
     layout = SimLayout(fleet, [recorded_instance(row) for row in report["layout"]["instances"]],
                        {k: int(v) for k, v in report["layout"]["gpu_of"].items()},
                        RooflineCostModel(fleet, profile=load_profile(profile) if profile else None,
-                                         gpus_per_host_link=1), profile or "default")
+                                         gpus_per_host_link=1), profile or "default", recorded_shared_weights(report))
     workloads = {}
     for load, part in report["loads"].items():
         workload = spec.workload(part["rate_rps"], report["duration_s"], report["seed"], traces_dir)

@@ -141,11 +141,13 @@ def simulate(fleet: Fleet, workload: Workload, policy: str, *, num_gpus: int | N
              costs: RooflineCostModel | None = None, plan_log: IO[str] | None = None,
              progress: Callable[[float], None] | None = None, instances: list[InstanceSpec] | None = None,
              gpu_of: Mapping[str, int] | None = None, plan_costs: RooflineCostModel | None = None,
-             **options: Any) -> SimResult:
+             shared_weights: bool = False, **options: Any) -> SimResult:
     """`instances` replaces the cut of the fleet's GPUs (a live pool's layout), and `gpu_of` places
     instances on GPUs by index (instances on one GPU share its host link, sims.links, and its compute,
     sims.gpu_share). `plan_costs`: what the scheduler plans with where it is not what the steps cost (`costs`) -
-    a live pool that served with one profile, replayed with one fitted to it since (default: `costs`)."""
+    a live pool that served with one profile, replayed with one fitted to it since (default: `costs`).
+    `shared_weights`: the instances of a GPU map one weights region (`modelpool serve`'s torch engines where every
+    model fits once: modelpool.gpu_memory): a model copied in by one is on the device for the others."""
     costs = costs or RooflineCostModel(fleet)
     profiles = with_load_hints(model_profiles(fleet), workload)
     instances = instances or build_instances(fleet, policy, num_gpus, prefill_fraction, gpus_by_tp)
@@ -160,7 +162,9 @@ def simulate(fleet: Fleet, workload: Workload, policy: str, *, num_gpus: int | N
                     weight_bytes=sizes,
                     kv_bytes_per_token={name: p.kv_bytes_per_token for name, p in profiles.items()}, plan_log=plan_log,
                     links=costs.host_links(instances, gpu_of), gpus=costs.gpu_shares(instances, gpu_of),
-                    staging=staging_instances({s.instance_id: s.role for s in instances}, gpus_of(instances, gpu_of)))
+                    staging=staging_instances({s.instance_id: s.role for s in instances}, gpus_of(instances, gpu_of)),
+                    weight_regions=({iid: used[0] for iid, used in gpus_of(instances, gpu_of).items() if len(used) == 1}
+                                    if shared_weights else None))  # (a tensor-parallel rank keeps its own)
     started, cpu_started = time.perf_counter(), time.process_time()
     records = sim.run(progress=progress)
     sim_wall_s, sim_cpu_s = time.perf_counter() - started, time.process_time() - cpu_started

@@ -174,7 +174,8 @@ class Simulator:
                  plan_log: IO[str] | None = None, faults: Iterable[tuple[float, str]] = (),
                  links: CopyLinks | None = None, gpus: GpuShares | None = None,
                  staging: Collection[str] = (), weight_capacity: Mapping[str, float] | None = None,
-                 weight_bytes: Mapping[str, float] | None = None) -> None:
+                 weight_bytes: Mapping[str, float] | None = None,
+                 weight_regions: Mapping[str, int] | None = None) -> None:
         self.scheduler = scheduler
         # per instance, the bytes its model weights may take (a policy's planned budget, PolicyBase.weight_budget),
         # and each model's: a Switch or Prefetch whose models do not fit is an invariant violation
@@ -186,6 +187,11 @@ class Simulator:
         self.links = links  # shared host links (costs.host_links), or None: every copy at its time alone
         self.gpus = gpus  # shared GPUs (costs.gpu_shares), or None: every instance's steps at their time alone
         self.staging = frozenset(staging)  # instances that hand off through device memory (staging_instances)
+        # instances whose engines map one weights region per GPU (pool.engines.shared_weights: every model once
+        # per device) -> its key: a model one of them copied in is on the device for all of them (no copy of their
+        # own; what is left of that copy, if it is still under way); per region, each model's copy's end
+        self.weight_regions = dict(weight_regions or {})
+        self._region_ready: dict[int, dict[str, float]] = {}
         # a live pool's way in and out (cost model terms; 0 unless a profile measured them): each request reaches
         # the scheduler admit_s after its arrival, each token its client deliver_s after its step, and a request's
         # first and last tokens prompt_token_s per prompt token later still (the gateway parsing the prompt before
@@ -415,11 +421,16 @@ class Simulator:
             copy, took = dev.slots.switch(action.model, t, action.evict, action.keep)
         except RefusedAction as err:
             raise InvariantViolation(f"{iid}: {err}") from None
+        region = self._region(iid)
+        if copy and region is not None and action.model in region:
+            copy, took = False, max(0.0, region[action.model] - t)  # on the device already: another engine's copy
         if copy:
             self._count_copy(dev, action.model)
             took = self.costs.switch_s(action.model)
             if self.links is not None:
                 took = self.links.copy_end_at(iid, True, t, took, self.now) - t
+            if region is not None:
+                region[action.model] = t + took
         dev.num_switches += 1
         dev.switch_s += took
         dev.switch_s_by_model.setdefault(action.model, []).append(took)
@@ -436,10 +447,23 @@ class Simulator:
             copying = dev.slots.prefetch(action.model, t, action.keep)  # else resident or cached already
         except RefusedAction as err:
             raise InvariantViolation(f"{iid}: {err}") from None
-        if copying:
-            self._count_copy(dev, action.model)
-            dev.slots.set_ready(action.model, self._copy_end(iid, True, t, self.costs.switch_s(action.model)))
+        if not copying:
+            return t
+        region = self._region(iid)
+        if region is not None and action.model in region:
+            dev.slots.set_ready(action.model, max(t, region[action.model]))
+            return t
+        self._count_copy(dev, action.model)
+        ready = self._copy_end(iid, True, t, self.costs.switch_s(action.model))
+        dev.slots.set_ready(action.model, ready)
+        if region is not None:
+            region[action.model] = ready
         return t
+
+    def _region(self, iid: str) -> dict[str, float] | None:
+        """The models in `iid`'s shared weights region and when each one's copy ends (None: it has none)."""
+        key = self.weight_regions.get(iid)
+        return None if key is None else self._region_ready.setdefault(key, {})
 
     def _swap(self, iid: str, dev: _Device, action: SwapOut | SwapIn, t: float) -> float:
         out, started = type(action) is SwapOut, t

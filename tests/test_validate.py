@@ -356,3 +356,17 @@ def test_a_model_switch_is_a_plan_that_changes_the_models_an_instance_computes_w
     for actions in (joint, joint, joint, (Switch("c", "head group"),)):
         pool._tally(Plan(0.0, {"slot0": actions}))
     assert pool.num_model_switches == 2 and sum(pool.num_switches.values()) == 7
+
+
+def test_a_recorded_runs_shared_weights_come_from_its_layout_or_its_engines_status() -> None:
+    from modelpool.validate import recorded_shared_weights
+
+    def report(buffer: float, kv: float, device: str = "cuda:0", **layout) -> dict:
+        engine = {"device": device, "device_buffer_bytes": buffer, "kv_device_bytes": kv}
+        return {"layout": {"instances": [], "gpu_of": {}, **layout},
+                "loads": {"light": {"live_status": [{"instances": {"p": {"engine": engine}, "d": {"engine": engine}}}]}}}
+
+    assert recorded_shared_weights(report(24e9, 24e9 - 1e6))  # the buffer is the KV region alone
+    assert not recorded_shared_weights(report(42e9, 24e9))  # two model slots beside the KV
+    assert not recorded_shared_weights(report(1e9, 1e9, device="cpu"))
+    assert recorded_shared_weights(report(42e9, 24e9, shared_weights=True))  # as the layout says, when it does
