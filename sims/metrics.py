@@ -259,6 +259,8 @@ def _device_figures(devices: Mapping[str, Any], span_s: float, num_gpus: int | N
         "switch_seconds": float(sum(dev.switch_s for dev in devices.values())),
         "kv_bytes_moved": float(sum(dev.kv_moved_bytes for dev in devices.values())),
         "switches_per_gpu_per_minute": switches / pool / (span_s / 60) if pool else 0.0,
+        # per instance, the decode steps queued ahead that its next work waited for (costs.decode_ahead)
+        "decode_steps_discarded": {iid: int(getattr(dev, "ahead_discarded", 0)) for iid, dev in devices.items()},
     }
 
 

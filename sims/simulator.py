@@ -147,6 +147,7 @@ class _Device:
     # until ahead_end; a Decode of exactly them next takes it, anything else waits for it
     ahead_ids: tuple[str, ...] | None = None
     ahead_end: float = 0.0
+    ahead_discarded: int = 0  # such steps its next work waited for (a live engine's decode_steps_discarded)
 
 
 class _Entry:
@@ -392,6 +393,7 @@ class Simulator:
             first = actions[0]
             if not (type(first) is Decode and not first.prefill_chunks and first.request_ids == dev.ahead_ids):
                 t = max(t, dev.ahead_end)  # the step queued ahead is discarded, but the device runs it first
+                dev.ahead_discarded += 1
             dev.ahead_ids = None
         before = frozenset(dev.slots.resident)
         dev.num_model_switches += resident_after(before, actions) != before

@@ -34,6 +34,14 @@ def _run(costs: LinearCosts, requests: list[tuple], roles: list[str] | None = No
     return sim.records, log.getvalue()
 
 
+def _discarded(costs: LinearCosts, requests: list[tuple]) -> dict[str, int]:
+    from sims.metrics import _device_figures
+
+    sim, _ = make_sim("token-level", make_models(2), make_instances(1), [Request(*row) for row in requests], costs=costs)
+    sim.run()
+    return _device_figures(sim.devices, 1.0, None, {})["decode_steps_discarded"]
+
+
 def test_turns_that_go_on_with_the_same_requests_take_the_step_queued_ahead_at_no_cost() -> None:
     pair = [("r0", "m0", 0.0, 300, 50), ("r1", "m0", 0.0, 300, 200)]  # r0 ends with the first turn, r1 goes on
     plain, plain_log = _run(LinearCosts(), pair)
@@ -53,6 +61,7 @@ def test_a_call_that_breaks_the_turn_waits_for_the_step_queued_ahead() -> None:
     plain, plain_log = _run(LinearCosts(), requests)
     ahead, _ = _run(_AheadCosts(), requests)
     assert '"Stop"' in plain_log and '"prefill_chunks"' in plain_log
+    assert _discarded(_AheadCosts(), requests) == {"i0": 1} and _discarded(LinearCosts(), requests) == {"i0": 0}
     late = ahead["r1"].first_token_at - plain["r1"].first_token_at
     assert late == pytest.approx(STEP, rel=0.01)
     hosted, _ = _run(_AheadHostCosts(), requests)
