@@ -389,15 +389,14 @@ class Simulator:
             self._stop(instance_id, dev, now)
             return
         t = start = max(now, dev.free_at)
-        if dev.ahead_ids is not None:
-            first = actions[0]
-            if not (type(first) is Decode and not first.prefill_chunks and first.request_ids == dev.ahead_ids):
-                t = max(t, dev.ahead_end)  # the step queued ahead is discarded, but the device runs it first
-                dev.ahead_discarded += 1
-            dev.ahead_ids = None
         before = frozenset(dev.slots.resident)
         dev.num_model_switches += resident_after(before, actions) != before
         for action in actions:
+            if dev.ahead_ids is not None:  # every engine call but a decode of exactly those requests discards it
+                if not (type(action) is Decode and not action.prefill_chunks and action.request_ids == dev.ahead_ids):
+                    t = max(t, dev.ahead_end)  # discarded, but the device runs it first
+                    dev.ahead_discarded += 1
+                dev.ahead_ids = None
             if isinstance(action, Decode):
                 t = self._decode(instance_id, dev, action, t)
                 continue

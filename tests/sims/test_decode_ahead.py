@@ -81,3 +81,17 @@ def test_a_hand_off_waits_for_the_prefill_instances_step_queued_ahead() -> None:
         after = ahead[rid]
         assert after.first_token_at == pytest.approx(before.first_token_at)
         assert STEP * 0.99 <= after.finished_at - before.finished_at <= 2 * STEP * 1.01
+
+
+def test_any_call_in_a_plan_discards_it_a_prefetch_too() -> None:
+    """The live runner makes a plan's actions engine calls in order, and every call but a decode_step of the same
+    requests discards the step queued ahead - a Prefetch's too (the engine's prefetch call)."""
+    from scheduler.plan import Prefetch
+
+    sim, _ = make_sim("token-level", make_models(2), make_instances(1), [], costs=_AheadCosts())
+    dev = sim.device("i0")
+    dev.ahead_ids, dev.ahead_end = ("r0",), 5.0
+    sim._execute("i0", (Prefetch("m1", "next"),), 1.0)
+    assert dev.free_at == 5.0 and dev.ahead_discarded == 1 and dev.ahead_ids is None
+    sim._execute("i0", (Prefetch("m0", "next"),), 6.0)  # nothing queued ahead any more: no wait
+    assert dev.free_at == 6.0 and dev.ahead_discarded == 1
