@@ -46,7 +46,10 @@ def test_processes_backend_serves_prefill_decode_split_with_identical_tokens(tin
         wait_until(lambda: allocated(pool) == NOTHING, 10, f"nothing allocated: {allocated(pool)}")
         wait_until(lambda: len(pool.engine_stats) == 2, 10, "engine stats from both processes")
         assert all(s["device"] == "cpu" for s in pool.engine_stats.values())
-    assert all(not w.process.is_alive() for w in pool._backend.workers.values())  # stop() ended them
+    # stop() ended them (a process killed after its 10 s to close may take a moment more to be reaped on a loaded
+    # machine: pool.procs.stop_worker; seen once in CI, session 29)
+    wait_until(lambda: all(not w.process.is_alive() for w in pool._backend.workers.values()), 15,
+               f"worker processes gone: {[w.process.exitcode for w in pool._backend.workers.values()]}")
 
 
 def test_killed_worker_process_is_a_lost_instance_and_comes_back(tiny, long_reference) -> None:  # noqa: F811
