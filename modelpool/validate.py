@@ -596,6 +596,15 @@ def resimulate(recorded: Path, profile: str | None, out_dir: Path, traces_dir: P
     return simulate_report(report, layout, workloads, out_dir / recorded.name)
 
 
+def _prefill_line(row: Mapping[str, Any]) -> str:
+    """An instance's prefill ratios (step_check): all, by model, after a discarded step and not."""
+    by_model = ", ".join(f"{m} {b['ratio_p50']:.2f}x" for m, b in (row.get("by_model") or {}).items())
+    split = "".join(f"; {label} {row[key]['ratio_p50']:.2f}x of {row[key]['prefills']}"
+                    for key, label in (("after_discard", "after a discarded step"), ("fresh", "else"))
+                    if (row.get(key) or {}).get("prefills"))
+    return f"prefills {row['ratio_p50']:.2f}x ({by_model}{split})"
+
+
 def format_report(report: Mapping[str, Any]) -> str:
     """Live and simulated side by side, per load, with each error against its target."""
     lines = [f"{report['scenario']} on {report['device']} (commit {report['commit']}, profile {report['profile']})"]
@@ -622,13 +631,7 @@ def format_report(report: Mapping[str, Any]) -> str:
                          "the other instance's share included):")
             for iid in dict.fromkeys([r["instance"] for r in steps["decode"] + steps["prefill"]]):
                 decode = " ".join(f"{r['batch']} {r['ratio']:.2f}x" for r in steps["decode"] if r["instance"] == iid)
-                prefill = [f"prefills {r['ratio_p50']:.2f}x ("
-                           + ", ".join(f"{m} {b['ratio_p50']:.2f}x" for m, b in (r.get("by_model") or {}).items())
-                           + "".join(f"; {label} {r[key]['ratio_p50']:.2f}x of {r[key]['prefills']}"
-                                     for key, label in (("after_discard", "after a discarded step"),
-                                                        ("fresh", "else"))
-                                     if (r.get(key) or {}).get("prefills")) + ")"
-                           for r in steps["prefill"] if r["instance"] == iid]
+                prefill = [_prefill_line(r) for r in steps["prefill"] if r["instance"] == iid]
                 lines.append(f"      {iid}: " + "; ".join(([f"decode {decode}"] if decode else []) + prefill))
     lines.append(f"  written: {report.get('path', '-')}")
     return "\n".join(lines)

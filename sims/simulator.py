@@ -550,23 +550,23 @@ class Simulator:
         dev.turn = _Turn(t, took / steps, steps, batch.ids, -1, batch.records, batch)
         end = self._finish_turn(iid, dev, steps, steps == batch.left)
         if self.decode_ahead:
-            self._queue_ahead(dev, batch.groups, steps)
+            self._queue_ahead(dev, steps, end)
         return end
 
-    def _queue_ahead(self, dev: _Device, groups: list[_Group], steps: int) -> None:
-        """The step an engine that decodes ahead (costs.decode_ahead) queues after the turn's last one, for the
-        requests that go on past it: it runs on the device from the last step's device work's end (the host's part
-        of that step after it) for a step's device time; the turn's step time less its host part."""
+    def _queue_ahead(self, dev: _Device, steps: int, end: float) -> None:
+        """The step an engine that decodes ahead (costs.decode_ahead) queues after the turn's last one (of `steps`,
+        ending at `end`), for the requests that go on past it: it runs on the device from the last step's device
+        work's end (the host's part of that step after it) for a step's device time; the turn's step time less its
+        host part."""
         turn = dev.turn
-        assert turn is not None
+        assert turn is not None and turn.batch is not None
         going = tuple(r.request_id for r in turn.records if r.generated + steps < r.output_tokens)
         if not going:
             dev.ahead_ids = None
             return
         host = 0.0
-        for group in groups:
+        for group in turn.batch.groups:
             host += self.costs.prefill_host_s(group.model, group.size)  # a call's host part: per call and per row
-        end = turn.start_at + steps * turn.step_s
         dev.ahead_ids, dev.ahead_end = going, end - host + max(0.0, turn.step_s - host)
 
     def _batch(self, iid: str, dev: _Device, ids: tuple[str, ...]) -> _Batch:
@@ -676,7 +676,7 @@ class Simulator:
         dev.busy_s -= (turn.max_steps - done) * turn.step_s
         dev.free_at = self._finish_turn(iid, dev, done, False)
         if self.decode_ahead and turn.batch is not None:
-            self._queue_ahead(dev, turn.batch.groups, done)
+            self._queue_ahead(dev, done, dev.free_at)
         if self.gpus is not None:
             self.gpus.cut(iid, dev.free_at)
 

@@ -228,7 +228,8 @@ class Measurements(_Frozen):
         values = {term: entry.value for term, entry in self.terms.items()}
         if "decode_ahead" not in values and self.device != "cpu":  # a file before the term: the engine's CUDA default
             values["decode_ahead"] = True                          # then (async decode, 4212c7f) was on
-            provenance["decode_ahead"] = Provenance(status="measured", gpus=(self.gpu,), source=_HOW["decode_ahead"])
+            provenance["decode_ahead"] = Provenance(status="measured", gpus=(self.gpu,), source=(
+                f"{_HOW['decode_ahead']}; not in this file (written before the term): on, the engine's CUDA default"))
         profile = CalibrationProfile(
             name=name or f"{self.gpu}-measured", terms=ProfileTerms.model_validate(values),
             provenance=provenance, calibration=run, device_spec=None if self.gpu in GPUS else self.spec,
