@@ -185,9 +185,10 @@ class SimCosts(CostModel):
         what a host move takes: a cost model that knows the device's memory bandwidth overrides it."""
         return self.kv_move_s(model, num_tokens)
 
-    def prefill_host_s(self, model: str, num_requests: int = 1) -> float:
-        """The part of a prefill_s of `model` over `num_requests` prompts that is host time after the GPU's (the
-        live pool's), not device work: it does not share a GPU with other instances. None here."""
+    def call_host_s(self, model: str, num_rows: int = 1) -> float:
+        """The host part of one engine call of `model` over `num_rows` rows (a prefill's prompts, a decode step's
+        requests): time after the GPU's work in the live pool, not device work, so it shares no GPU with other
+        instances. None here."""
         return 0.0
 
     def request_admit_s(self) -> float:
@@ -365,9 +366,9 @@ class RooflineCostModel(SimCosts):
             return None
         return HostLinks(link_spans(instances, self.gpus_per_host_link, gpu_of))
 
-    def prefill_host_s(self, model: str, num_requests: int = 1) -> float:
+    def call_host_s(self, model: str, num_rows: int = 1) -> float:
         c = self._models[model]
-        return c.host_call_s + num_requests * c.host_token_s
+        return c.host_call_s + num_rows * c.host_token_s
 
     def request_admit_s(self) -> float:
         return self.terms.request_admit_s

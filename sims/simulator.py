@@ -523,7 +523,7 @@ class Simulator:
         move_s = kv_move_s(self.costs, moves)
         self._check_kv(iid, dev)
         if self.gpus is not None:  # the host's part after the GPU's does not share it
-            host_s = sum(self.costs.prefill_host_s(model, len(group)) for model, group in _by_model(records).items())
+            host_s = sum(self.costs.call_host_s(model, len(group)) for model, group in _by_model(records).items())
             took = (self.gpus.work_end_at(iid, t, took - host_s, self.now, "prefill", [m for m, _ in prompts],
                                           sum(n for _, n in prompts)) - t + host_s)
         if move_s and self.links is not None:
@@ -566,7 +566,7 @@ class Simulator:
             return
         host = 0.0
         for group in turn.batch.groups:
-            host += self.costs.prefill_host_s(group.model, group.size)  # a call's host part: per call and per row
+            host += self.costs.call_host_s(group.model, group.size)
         dev.ahead_ids, dev.ahead_end = going, end - host + max(0.0, turn.step_s - host)
 
     def _batch(self, iid: str, dev: _Device, ids: tuple[str, ...]) -> _Batch:

@@ -19,7 +19,7 @@ class _AheadCosts(LinearCosts):
 
 
 class _AheadHostCosts(_AheadCosts):
-    def prefill_host_s(self, model: str, num_requests: int = 1) -> float:
+    def call_host_s(self, model: str, num_rows: int = 1) -> float:
         return 0.004  # of each call (a step's host part, after its device work)
 
 
@@ -65,7 +65,7 @@ def test_a_call_that_breaks_the_turn_waits_for_the_step_queued_ahead() -> None:
     late = ahead["r1"].first_token_at - plain["r1"].first_token_at
     assert late == pytest.approx(STEP, rel=0.01)
     hosted, _ = _run(_AheadHostCosts(), requests)
-    plain_host, _ = _run(type("HostCosts", (LinearCosts,), {"prefill_host_s": _AheadHostCosts.prefill_host_s})(),
+    plain_host, _ = _run(type("HostCosts", (LinearCosts,), {"call_host_s": _AheadHostCosts.call_host_s})(),
                          requests)
     assert hosted["r1"].first_token_at - plain_host["r1"].first_token_at == pytest.approx(STEP - 2 * 0.004, abs=1e-4)
 
