@@ -148,6 +148,7 @@ class _Device:
     ahead_ids: tuple[str, ...] | None = None
     ahead_end: float = 0.0
     ahead_discarded: int = 0  # such steps its next work waited for (a live engine's decode_steps_discarded)
+    ready_at: float = 0.0  # its next work starts no sooner: the decode steps other instances' calls discarded
 
 
 class _Entry:
@@ -202,7 +203,9 @@ class Simulator:
         self.prompt_token_s = costs.request_prompt_token_s()
         self.kv_call_host_s = costs.kv_call_host_s()
         self.decode_ahead = costs.decode_ahead()
-        self._staged: set[str] = set()  # requests whose KV waits staged on a staging instance, until their SwapIn
+        # requests whose KV another instance's SwapIn takes from where a SwapOut left it: that instance, and whether
+        # it staged the KV in its device memory (else its host memory), until the SwapIn
+        self._kv_home: dict[str, tuple[str, bool]] = {}
         self._arrivals = iter(requests)
         self._next_arrival: Request | None = next(self._arrivals, None)
         self.kv_bytes_per_token = kv_bytes_per_token
@@ -388,7 +391,7 @@ class Simulator:
         if len(actions) == 1 and type(actions[0]) is Stop:
             self._stop(instance_id, dev, now)
             return
-        t = start = max(now, dev.free_at)
+        t = start = max(now, dev.free_at, dev.ready_at)
         before = frozenset(dev.slots.resident)
         dev.num_model_switches += resident_after(before, actions) != before
         for action in actions:
@@ -474,24 +477,31 @@ class Simulator:
         # the engine imports those first, then copies the rest in (two moves)
         staged: list[tuple[str, int]] = []
         stages = out and iid in self.staging
+        homes: dict[str, bool] = {}  # the other instances this SwapIn takes KV from, and whether any was staged there
         for rid in action.request_ids:
             record = self.records[rid]
             ahead = turn.max_steps if turn is not None and rid in turn.ids else 0
             move = (record.model, record.prompt_tokens + record.generated + ahead)
-            on_device = stages or (not out and rid in self._staged)
             if out:
                 dev.kv_moved_bytes += dev.kv.pop(rid, 0.0)
-                if stages:
-                    self._staged.add(rid)
+                self._kv_home[rid] = (iid, stages)
+                on_device = stages
             else:
                 dev.kv[rid] = self._kv_bytes(record)
                 dev.kv_moved_bytes += dev.kv[rid]
-                self._staged.discard(rid)
+                home, on_device = self._kv_home.pop(rid, (iid, False))
+                if home != iid:
+                    homes[home] = homes.get(home, False) or on_device
             (staged if on_device else moves).append(move)
         self._check_kv(iid, dev)
         t += kv_device_move_s(self.costs, staged)
         end = self._copy_end(iid, not out, t, kv_move_s(self.costs, moves)) if moves else t  # one move each
         end += self.kv_call_host_s  # the live pool's calls and ticks around the move (host time, no link)
+        if self.decode_ahead:
+            for home, was_staged in homes.items():  # pool/runner.py: export_kv there first; a release after the
+                self._call_between(home, started)  # import where the KV was staged in its device memory
+                if was_staged:
+                    self._call_between(home, end)
         self._push(end, COMPLETION, KvMoved(iid, action.request_ids, "host" if out else "device"), dev)
         dev.kv_s += end - started
         return end
@@ -568,6 +578,28 @@ class Simulator:
         for group in turn.batch.groups:
             host += self.costs.call_host_s(group.model, group.size)
         dev.ahead_ids, dev.ahead_end = going, end - host + max(0.0, turn.step_s - host)
+
+    def _call_between(self, iid: str, at: float) -> None:
+        """An engine call that another instance's SwapIn makes on `iid` at `at`, between `iid`'s own calls (the
+        export of KV that `iid` holds, its release): it discards the decode step `iid`'s engine queued ahead, if
+        any, and the device runs that step first. Mid-turn (every step queues the next) the rest of the turn, and
+        so `iid`'s next work, comes one step's device time later; after a turn, its queued step is lost even to
+        a Decode that continues it."""
+        dev = self.devices.get(iid)
+        if dev is None:
+            return
+        turn = dev.turn
+        if turn is not None and turn.batch is not None and at < turn.start_at + turn.max_steps * turn.step_s:
+            host = sum(self.costs.call_host_s(group.model, group.size) for group in turn.batch.groups)
+            step_device_s = max(0.0, turn.step_s - host)
+            dev.ready_at = max(dev.ready_at, turn.start_at + turn.max_steps * turn.step_s) + step_device_s
+            if dev.ahead_ids is not None:
+                dev.ahead_end += step_device_s
+            dev.ahead_discarded += 1
+        elif dev.ahead_ids is not None:
+            dev.ready_at = max(dev.ready_at, dev.ahead_end)
+            dev.ahead_ids = None
+            dev.ahead_discarded += 1
 
     def _batch(self, iid: str, dev: _Device, ids: tuple[str, ...]) -> _Batch:
         """The device's batch for `ids`: its cached one when `ids` is that batch (or that batch plus

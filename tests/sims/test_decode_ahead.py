@@ -8,6 +8,7 @@ import io
 import pytest
 
 from scheduler import Request
+from scheduler.plan import Prefetch
 from tests.factories import LinearCosts, make_instances, make_models, make_sim
 
 STEP = 0.01  # LinearCosts' decode step (plus 1e-7 s per context token)
@@ -95,3 +96,82 @@ def test_any_call_in_a_plan_discards_it_a_prefetch_too() -> None:
     assert dev.free_at == 5.0 and dev.ahead_discarded == 1 and dev.ahead_ids is None
     sim._execute("i0", (Prefetch("m0", "next"),), 6.0)  # nothing queued ahead any more: no wait
     assert dev.free_at == 6.0 and dev.ahead_discarded == 1
+
+
+def _mid_turn(sim, iid: str, start: float, steps: int) -> None:
+    """Give `iid` a decode turn in flight: `steps` steps of STEP from `start`, over one group of one request."""
+    from types import SimpleNamespace
+
+    from sims.simulator import _Turn
+
+    batch = SimpleNamespace(groups=[SimpleNamespace(model="m0", size=1)])
+    sim.device(iid).turn = _Turn(start, STEP, steps, ("r0",), -1, [], batch)
+
+
+def test_another_instances_call_mid_turn_discards_a_step_and_the_turn_ends_one_step_later() -> None:
+    """A hand-off's export_kv (and release) on the instance that holds the KV runs between that instance's own
+    calls (pool/runner.py): mid-turn it discards the step queued ahead, so its next work starts a step later per
+    call; a call after the turn, with nothing queued, costs nothing."""
+    sim, _ = make_sim("token-level", make_models(2), make_instances(2, roles=["prefill", "decode"]), [],
+                      costs=_AheadCosts())
+    _mid_turn(sim, "i0", 1.0, 10)  # ends at 1.1
+    dev = sim.device("i0")
+    sim._call_between("i0", 1.05)
+    assert dev.ready_at == pytest.approx(1.1 + STEP) and dev.ahead_discarded == 1
+    sim._call_between("i0", 1.06)
+    assert dev.ready_at == pytest.approx(1.1 + 2 * STEP) and dev.ahead_discarded == 2
+    sim._call_between("i0", 1.1)  # at the turn's end: nothing in flight, nothing queued
+    assert dev.ahead_discarded == 2
+    sim.device("i0").turn = None
+    sim._execute("i0", (Prefetch("m1", "next"),), 1.1)
+    assert dev.free_at == pytest.approx(1.1 + 2 * STEP)
+
+
+def test_another_instances_call_after_a_turn_loses_its_queued_step_even_to_a_turn_that_continues_it() -> None:
+    sim, _ = make_sim("token-level", make_models(2), make_instances(2, roles=["prefill", "decode"]), [],
+                      costs=_AheadCosts())
+    dev = sim.device("i0")
+    dev.ahead_ids, dev.ahead_end = ("r0",), 2.0
+    sim._call_between("i0", 1.5)
+    assert dev.ahead_ids is None and dev.ready_at == 2.0 and dev.ahead_discarded == 1
+    sim._execute("i0", (Prefetch("m1", "next"),), 1.6)  # counted once: it waits, and counts nothing more
+    assert dev.free_at == 2.0 and dev.ahead_discarded == 1
+
+
+@pytest.mark.parametrize("staged", [False, True])
+def test_a_hand_off_calls_the_instance_that_holds_its_kv_once_from_host_memory_twice_when_staged(staged) -> None:
+    """Each SwapIn of KV another instance's SwapOut left calls that instance: export_kv as the move starts, and,
+    where the KV was staged in its device memory, a release when the move ends; a SwapIn of an instance's own KV
+    calls nobody."""
+    import random
+
+    from scheduler.plan import SwapIn, SwapOut
+
+    rng = random.Random(1)
+    requests = [Request(f"r{k}", f"m{k % 2}", k * 0.15 + rng.random() * 0.1, 300, rng.randint(20, 200))
+                for k in range(40)]
+    log = io.StringIO()
+    sim, _ = make_sim("token-level", make_models(2), make_instances(2, roles=["prefill", "decode"]), requests,
+                      costs=_AheadCosts(), plan_log=log)
+    if staged:
+        sim.staging = frozenset({"i0"})
+    calls: list[tuple[str, float]] = []
+    between = sim._call_between
+    sim._call_between = lambda iid, at: (calls.append((iid, at)), between(iid, at))  # type: ignore[method-assign]
+    moved_out: dict[str, str] = {}
+    expected: list[str] = []
+    execute = sim._execute
+
+    def watch(iid, actions, now):
+        for action in actions:
+            if isinstance(action, SwapOut):
+                moved_out.update((rid, iid) for rid in action.request_ids)
+            elif isinstance(action, SwapIn):
+                homes = {moved_out.pop(rid) for rid in action.request_ids if rid in moved_out} - {iid}
+                expected.extend(sorted(homes) * (2 if staged else 1))
+        execute(iid, actions, now)
+
+    sim._execute = watch  # type: ignore[method-assign]
+    sim.run()
+    assert len(expected) >= 20 and sorted(iid for iid, _ in calls) == sorted(expected)
+    assert all(r.finished_at is not None for r in sim.records.values())
