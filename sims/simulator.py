@@ -574,10 +574,12 @@ class Simulator:
         if not going:
             dev.ahead_ids = None
             return
-        host = 0.0
-        for group in turn.batch.groups:
-            host += self.costs.call_host_s(group.model, group.size)
+        host = self._step_host_s(turn.batch)
         dev.ahead_ids, dev.ahead_end = going, end - host + max(0.0, turn.step_s - host)
+
+    def _step_host_s(self, batch: _Batch) -> float:
+        """The host part of one decode step of `batch`: an engine call per model group, over its rows."""
+        return sum(self.costs.call_host_s(group.model, group.size) for group in batch.groups)
 
     def _call_between(self, iid: str, at: float) -> None:
         """An engine call that another instance's SwapIn makes on `iid` at `at`, between `iid`'s own calls (the
@@ -589,10 +591,10 @@ class Simulator:
         if dev is None:
             return
         turn = dev.turn
-        if turn is not None and turn.batch is not None and at < turn.start_at + turn.max_steps * turn.step_s:
-            host = sum(self.costs.call_host_s(group.model, group.size) for group in turn.batch.groups)
-            step_device_s = max(0.0, turn.step_s - host)
-            dev.ready_at = max(dev.ready_at, turn.start_at + turn.max_steps * turn.step_s) + step_device_s
+        turn_end = turn.start_at + turn.max_steps * turn.step_s if turn is not None else at
+        if turn is not None and turn.batch is not None and at < turn_end:
+            step_device_s = max(0.0, turn.step_s - self._step_host_s(turn.batch))
+            dev.ready_at = max(dev.ready_at, turn_end) + step_device_s
             if dev.ahead_ids is not None:
                 dev.ahead_end += step_device_s
             dev.ahead_discarded += 1
