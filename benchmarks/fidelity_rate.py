@@ -21,25 +21,15 @@ from typing import Any, Callable
 FIGURES = ("ttft_p50_s", "ttft_p90_s", "slo_attainment")
 
 
-def figures_at(report: dict[str, Any], load: str, profile: str | None,
+def figures_at(report: dict[str, Any], recorded: Path, load: str, profile: str | None,
                traces_dir: Path | None = None) -> Callable[[float], dict[str, float]]:
-    """The simulated figures of the run's `load` with its arrival times divided by a factor."""
+    """The simulated figures of the run's `load` with its arrival times divided by a factor: its requests and
+    layout as `modelpool validate --from-live` simulates them (recorded_workload, recorded_layout)."""
     from modelpool import validate as v
-    from sims.costmodel import RooflineCostModel
-    from sims.profiles import load_profile
-    from sims.scenarios import scenario as find
 
-    spec = replace(find(report["scenario"]), max_output_tokens=report["max_output_tokens"])
-    fleet = v.served_fleet(spec.fleet_spec(), report["gpu"])
-    profile = profile or (None if report["profile"] == "default" else report["profile"])
-    layout = v.SimLayout(fleet, [v.recorded_instance(row) for row in report["layout"]["instances"]],
-                         {k: int(g) for k, g in report["layout"]["gpu_of"].items()},
-                         RooflineCostModel(fleet, profile=load_profile(profile) if profile else None,
-                                           gpus_per_host_link=1), profile or "default",
-                         v.recorded_shared_weights(report))
-    part = report["loads"][load]
-    workload = spec.workload(part["rate_rps"], report["duration_s"], report["seed"], traces_dir)
-    slo = v.slo_of(fleet)
+    layout = v.recorded_layout(report, recorded, profile)
+    workload = v.recorded_workload(report, recorded, load, traces_dir)
+    slo = v.slo_of(layout.fleet)
 
     def at(factor: float) -> dict[str, float]:
         scaled = replace(workload, arrival_s=workload.arrival_s / factor)
@@ -84,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'load':6s} {'req/s':>6s} " + " ".join(f"{name:>22s}" for name in FIGURES))
     for load in args.load or ["knee"]:
         live = report["loads"][load]["live"]
-        at = figures_at(report, load, args.profile, args.traces)
+        at = figures_at(report, args.run, load, args.profile, args.traces)
         cells = []
         for name in FIGURES:
             target = live.get(name)

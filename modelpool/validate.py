@@ -557,41 +557,58 @@ def recorded_instance(row: Sequence[Any]) -> Any:
     return InstanceSpec(iid, tp, memory, role, kv_bytes=kv, weight_bytes=weights, host_kv_bytes=host)
 
 
-def resimulate(recorded: Path, profile: str | None, out_dir: Path, traces_dir: Path | None = None) -> dict[str, Any]:
-    """The simulated side again, with `profile` (default: the one recorded), for a recorded live run: the same
-    requests (the scenario's workload regenerated from its rate, duration and seed), the same instance layout.
-    On a real-shape run the fleet's shapes are the served configs' (`served_fleet`)."""
-    from dataclasses import replace
-
+def recorded_layout(report: Mapping[str, Any], recorded: Path, profile: str | None) -> SimLayout:
+    """The simulated layout of a recorded run (`recorded`: its JSON file): the same instances on the same GPUs,
+    costed by `profile` (default: the one recorded). On a real-shape run the fleet's shapes are the served
+    configs' (`served_fleet`)."""
     from modelpool.config import load_fleet
     from sims.costmodel import RooflineCostModel
     from sims.profiles import load_profile
     from sims.scenarios import scenario as find
 
-    report = json.loads(recorded.read_text())
-    spec = replace(find(report["scenario"]), max_output_tokens=report["max_output_tokens"])
+    spec = find(report["scenario"])
     if report.get("tiny"):
         fleet = load_fleet(recorded.parent / f"models-{spec.fleet}" / "fleet.yaml")
     else:
         fleet = served_fleet(spec.fleet_spec(), report["gpu"])
     profile = profile or (None if report["profile"] == "default" else report["profile"])
-    layout = SimLayout(fleet, [recorded_instance(row) for row in report["layout"]["instances"]],
-                       {k: int(v) for k, v in report["layout"]["gpu_of"].items()},
-                       RooflineCostModel(fleet, profile=load_profile(profile) if profile else None,
-                                         gpus_per_host_link=1), profile or "default", recorded_shared_weights(report))
+    return SimLayout(fleet, [recorded_instance(row) for row in report["layout"]["instances"]],
+                     {k: int(v) for k, v in report["layout"]["gpu_of"].items()},
+                     RooflineCostModel(fleet, profile=load_profile(profile) if profile else None, gpus_per_host_link=1),
+                     profile or "default", recorded_shared_weights(report))
+
+
+def recorded_workload(report: Mapping[str, Any], recorded: Path, load: str,
+                      traces_dir: Path | None = None) -> Workload:
+    """The requests of a recorded run's `load` (the scenario's workload regenerated from its rate, duration and
+    seed, clipped as a quick run clips them); a TraceError where that is not the run's number of requests."""
+    from dataclasses import replace
+
+    from sims.scenarios import scenario as find
+
+    spec = replace(find(report["scenario"]), max_output_tokens=report["max_output_tokens"])
+    part = report["loads"][load]
+    workload = spec.workload(part["rate_rps"], report["duration_s"], report["seed"], traces_dir)
+    if report.get("quick"):
+        workload = clip_lengths(workload, QUICK_MAX_INPUT, QUICK_MAX_OUTPUT)
+    if len(workload) != part["requests"]:
+        raise TraceError(f"{recorded}: the {load} load regenerates {len(workload)} requests, the run had "
+                         f"{part['requests']} (another version of the scenario?)")
+    return workload
+
+
+def resimulate(recorded: Path, profile: str | None, out_dir: Path, traces_dir: Path | None = None) -> dict[str, Any]:
+    """The simulated side again, with `profile` (default: the one recorded), for a recorded live run: the same
+    requests (recorded_workload), the same instance layout (recorded_layout)."""
+    report = json.loads(recorded.read_text())
+    layout = recorded_layout(report, recorded, profile)
     workloads = {}
     for load, part in report["loads"].items():
-        workload = spec.workload(part["rate_rps"], report["duration_s"], report["seed"], traces_dir)
-        if report.get("quick"):
-            workload = clip_lengths(workload, QUICK_MAX_INPUT, QUICK_MAX_OUTPUT)
-        if len(workload) != part["requests"]:
-            raise TraceError(f"{recorded}: the {load} load regenerates {len(workload)} requests, the run had "
-                             f"{part['requests']} (another version of the scenario?)")
+        workloads[load] = recorded_workload(report, recorded, load, traces_dir)
         part.setdefault("live_switches", part.get("live", {}).get("switches", 0))
         if "live_switch_actions" not in part:  # recorded before session 22: its switches were Switch actions
             part["live_switch_actions"] = part.pop("live_switches")
             part["live_switches"] = None
-        workloads[load] = workload
     out_dir.mkdir(parents=True, exist_ok=True)
     return simulate_report(report, layout, workloads, out_dir / recorded.name)
 
